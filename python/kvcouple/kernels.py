@@ -1,0 +1,157 @@
+"""Divergence and coupling kernels over ``(rows, vocab)`` arrays, run in Rust.
+
+Both functions read numpy memory without copying (C-contiguous arrays; others are made
+contiguous first), release the GIL and use every core (see :func:`set_num_threads`).
+
+**Element formats.** ``float16``, ``float32`` and ``float64`` arrays are passed as they are.
+numpy has no bfloat16: pass bfloat16 data as a ``uint16`` array of the raw bits with
+``dtype="bfloat16"`` (for torch: ``t.view(torch.int16).numpy().view(np.uint16)``), or an
+``ml_dtypes.bfloat16`` array, which is recognised and viewed as bits. Sums are accumulated in
+float64.
+
+**Conventions.** Natural logarithms (nats), ``0 log 0 = 0``; ``kl_pq`` is ``+inf`` where some
+``p > 0`` meets ``q = 0``. Rows must sum to 1 within ``atol`` (default: 1e-2 for half formats,
+whose tiny probabilities underflow, 1e-4 for float32, 1e-6 for float64); ``renormalize=True``
+divides each row by its own sum instead.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+import numpy as np
+
+from kvcouple import _core
+from kvcouple._core import InvalidInputError
+
+_HALF = {"float16", "bfloat16"}
+
+
+def _as_rows(a: object, name: str, dtype: str | None) -> tuple[np.ndarray, str]:
+    """Return a C-contiguous 2-D array and its logical dtype name (halves as uint16 bits)."""
+    arr = np.asarray(a)
+    kind = dtype
+    if arr.dtype.name == "bfloat16":  # ml_dtypes
+        arr, kind = arr.view(np.uint16), "bfloat16"
+    elif kind is None:
+        if arr.dtype == np.uint16:
+            raise InvalidInputError(
+                f"{name} is uint16: pass dtype='bfloat16' or dtype='float16' to say what the bits are"
+            )
+        kind = arr.dtype.name
+    if kind in _HALF:
+        if arr.dtype == np.float16:
+            arr = arr.view(np.uint16)
+        if arr.dtype != np.uint16:
+            raise InvalidInputError(f"{name}: dtype={kind!r} expects float16 or uint16 bits, got {arr.dtype}")
+    elif kind not in ("float32", "float64"):
+        raise InvalidInputError(
+            f"{name} has dtype {arr.dtype}; use float16, bfloat16, float32 or float64"
+        )
+    if arr.ndim != 2:
+        raise _core.ShapeError(f"{name} must be 2-D (rows, vocab), got shape {arr.shape}")
+    return np.ascontiguousarray(arr), kind
+
+
+def _pair(p: object, q: object, dtype: str | None) -> tuple[np.ndarray, np.ndarray, str]:
+    pa, kp = _as_rows(p, "p", dtype)
+    qa, kq = _as_rows(q, "q", dtype)
+    if kp != kq:
+        raise InvalidInputError(f"p is {kp} but q is {kq}; pass both in one dtype")
+    return pa, qa, kp
+
+
+@dataclass(frozen=True)
+class Divergences:
+    """Per-row divergences between p and q (each field a 1-D array over rows)."""
+
+    tv: np.ndarray
+    kl_pq: np.ndarray
+    kl_qp: np.ndarray
+    js: np.ndarray
+    hellinger: np.ndarray
+    entropy_p: np.ndarray
+    entropy_q: np.ndarray
+    overlap: np.ndarray
+    top1_agree: np.ndarray
+
+    def as_dict(self) -> dict[str, np.ndarray]:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+def divergences(
+    p: object,
+    q: object,
+    *,
+    logits: bool = False,
+    temperature: float = 1.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    renormalize: bool = False,
+    atol: float | None = None,
+    dtype: str | None = None,
+) -> Divergences:
+    """TV, KL both ways, Jensen-Shannon, Hellinger, entropies, overlap and top-1 agreement.
+
+    ``p`` and ``q`` are ``(rows, vocab)`` probabilities, or logits with ``logits=True``, in
+    which case the decoding transform (temperature, then top-k, then top-p, then softmax; see
+    :mod:`kvcouple.decoding`) is applied to both identically. Raises
+    :class:`~kvcouple.errors.InvalidInputError` (a ``ValueError``) naming the first bad row.
+    """
+    pa, qa, kind = _pair(p, q, dtype)
+    out = _core.divergences(
+        pa,
+        qa,
+        kind,
+        logits=logits,
+        temperature=float(temperature),
+        top_k=None if top_k is None else int(top_k),
+        top_p=None if top_p is None else float(top_p),
+        renormalize=renormalize,
+        atol=atol,
+    )
+    return Divergences(**out)
+
+
+def couple(
+    p: object,
+    q: object,
+    u: object,
+    *,
+    renormalize: bool = False,
+    atol: float | None = None,
+    dtype: str | None = None,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Stepwise maximal coupling of each row pair (SPEC section 2).
+
+    ``u`` holds uniforms in [0, 1) of shape ``(rows, 3)``: ``u0`` chooses overlap vs residual
+    (residual iff ``u0 < tv``), ``u1`` the overlap or P-residual token, ``u2`` the Q-residual
+    token, each by inverse CDF in vocabulary order. Returns ``(x, y, diverged)`` with ``x``,
+    ``y`` int64 token ids and ``diverged = x != y``. Deterministic in its inputs; the torch
+    sampler :func:`kvcouple.torch_coupling.couple_torch` returns the same tokens.
+    """
+    pa, qa, kind = _pair(p, q, dtype)
+    ua = np.asarray(u)
+    if ua.dtype != np.float64:
+        ua = ua.astype(np.float64)
+    return _core.couple(pa, qa, np.ascontiguousarray(ua), kind, renormalize=renormalize, atol=atol)
+
+
+def plain_pass(p: object, q: object, *, dtype: str | None = None) -> np.ndarray:
+    """Convert and sum both rows: the streaming speed of light, for benchmarks."""
+    pa, qa, kind = _pair(p, q, dtype)
+    return _core.plain_pass(pa, qa, kind)
+
+
+def set_num_threads(n: int) -> None:
+    """Use ``n`` threads in every Rust kernel (0 restores the default of all cores).
+
+    Under Dask, set this (or ``KVCOUPLE_NUM_THREADS``) to the worker's thread budget so that
+    worker processes do not oversubscribe the machine.
+    """
+    _core.set_num_threads(int(n))
+
+
+def get_num_threads() -> int:
+    """The number of threads the Rust kernels use."""
+    return _core.get_num_threads()

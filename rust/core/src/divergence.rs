@@ -1,0 +1,563 @@
+//! Per-row divergences between two next-token distributions, in one pass over the vocabulary.
+//!
+//! Conventions (also in the Python docstring):
+//! - logarithms are natural (nats); `0 ln 0 = 0`;
+//! - `kl_pq = +inf` when some `p > 0` has `q = 0` (and `kl_qp` symmetrically);
+//! - rows must sum to 1 within `atol` (default by dtype) unless `renormalize`, which divides
+//!   each row by its own sum;
+//! - `hellinger = sqrt(1/2 sum (sqrt p - sqrt q)^2)`, `js` uses `m = (p + q) / 2`;
+//! - `top1_agree` compares first-index argmaxes.
+//! Sums are two-level (8 lanes within 1024-element blocks, then blocks), all in f64.
+
+use rayon::prelude::*;
+
+use crate::error::{KvError, KvResult};
+use crate::fastmath::{ln, TINY};
+use crate::parallel;
+use crate::rows::{check_pair, Dtype, Rows};
+use crate::transform::Transform;
+
+pub(crate) const BLOCK: usize = 1024;
+const LANES: usize = 8;
+
+/// Options of [`divergences`].
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Options {
+    /// Inputs are logits: apply this decoding transform to both before comparing.
+    pub logits: Option<Transform>,
+    /// Divide each row by its sum instead of rejecting rows that do not sum to 1.
+    pub renormalize: bool,
+    /// Tolerance on `|sum - 1|`; `None` picks [`default_atol`] for the input dtype.
+    pub atol: Option<f64>,
+}
+
+/// The default tolerance on row sums: half formats lose tiny probabilities to underflow.
+pub fn default_atol(dtype: Dtype) -> f64 {
+    match dtype {
+        Dtype::F16 | Dtype::BF16 => 1e-2,
+        Dtype::F32 => 1e-4,
+        Dtype::F64 => 1e-6,
+    }
+}
+
+/// Divergences of one row pair.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct RowDivergence {
+    pub tv: f64,
+    pub kl_pq: f64,
+    pub kl_qp: f64,
+    pub js: f64,
+    pub hellinger: f64,
+    pub entropy_p: f64,
+    pub entropy_q: f64,
+    pub overlap: f64,
+    pub top1_agree: bool,
+}
+
+/// Raw sums over one row (after optional scaling).
+#[derive(Debug, Default, Clone, Copy)]
+struct RowSums {
+    pp: f64,
+    pq: f64,
+    qq: f64,
+    qp: f64,
+    mm: f64,
+    abs_diff: f64,
+    hel: f64,
+    sp: f64,
+    sq: f64,
+    inf_pq: f64,
+    inf_qp: f64,
+    min: f64,
+    argmax_p: usize,
+    argmax_q: usize,
+}
+
+#[derive(Clone, Copy)]
+struct Lanes {
+    pp: [f64; LANES],
+    pq: [f64; LANES],
+    qq: [f64; LANES],
+    qp: [f64; LANES],
+    mm: [f64; LANES],
+    abs_diff: [f64; LANES],
+    hel: [f64; LANES],
+    sp: [f64; LANES],
+    sq: [f64; LANES],
+    inf_pq: [f64; LANES],
+    inf_qp: [f64; LANES],
+    min: [f64; LANES],
+}
+
+impl Lanes {
+    fn zero() -> Self {
+        let z = [0.0; LANES];
+        Lanes {
+            pp: z,
+            pq: z,
+            qq: z,
+            qp: z,
+            mm: z,
+            abs_diff: z,
+            hel: z,
+            sp: z,
+            sq: z,
+            inf_pq: z,
+            inf_qp: z,
+            min: [f64::INFINITY; LANES],
+        }
+    }
+}
+
+/// The vectorisable inner loop over one block; `a.len()` is a multiple of `LANES`.
+#[inline(always)]
+fn block_terms(a: &[f64], b: &[f64], l: &mut Lanes) {
+    for (ca, cb) in a.chunks_exact(LANES).zip(b.chunks_exact(LANES)) {
+        for j in 0..LANES {
+            let p = ca[j];
+            let q = cb[j];
+            let lp = ln(p.max(TINY));
+            let lq = ln(q.max(TINY));
+            let m = 0.5 * (p + q);
+            let lm = ln(m.max(TINY));
+            l.pp[j] += p * lp;
+            l.pq[j] += p * lq;
+            l.qq[j] += q * lq;
+            l.qp[j] += q * lp;
+            l.mm[j] += m * lm;
+            l.abs_diff[j] += (p - q).abs();
+            let d = p.max(0.0).sqrt() - q.max(0.0).sqrt();
+            l.hel[j] += d * d;
+            l.sp[j] += p;
+            l.sq[j] += q;
+            l.inf_pq[j] += if p > 0.0 && q == 0.0 { 1.0 } else { 0.0 };
+            l.inf_qp[j] += if q > 0.0 && p == 0.0 { 1.0 } else { 0.0 };
+            l.min[j] = l.min[j].min(p.min(q));
+        }
+    }
+}
+
+fn fold(x: &[f64; LANES]) -> f64 {
+    ((x[0] + x[1]) + (x[2] + x[3])) + ((x[4] + x[5]) + (x[6] + x[7]))
+}
+
+#[inline(always)]
+fn argmax_into(buf: &[f64], base: usize, best: &mut f64, idx: &mut usize) {
+    for (i, &v) in buf.iter().enumerate() {
+        if v > *best {
+            *best = v;
+            *idx = base + i;
+        }
+    }
+}
+
+/// Source of one row's values, block by block.
+enum RowSource<'a> {
+    Stored { rows: Rows<'a>, offset: usize },
+    Dense(&'a [f64]),
+}
+
+impl RowSource<'_> {
+    #[inline(always)]
+    fn load(&self, start: usize, out: &mut [f64]) -> bool {
+        match self {
+            RowSource::Stored { rows, offset } => rows.load(offset + start, out),
+            RowSource::Dense(v) => {
+                out.copy_from_slice(&v[start..start + out.len()]);
+                false
+            }
+        }
+    }
+}
+
+#[inline(always)]
+fn row_sums_generic(
+    p: &RowSource,
+    q: &RowSource,
+    vocab: usize,
+    scale_p: f64,
+    scale_q: f64,
+) -> (RowSums, bool) {
+    let mut a = [0.0f64; BLOCK];
+    let mut b = [0.0f64; BLOCK];
+    let mut s = RowSums {
+        min: f64::INFINITY,
+        ..Default::default()
+    };
+    let (mut best_p, mut best_q) = (f64::NEG_INFINITY, f64::NEG_INFINITY);
+    let mut nonfinite = false;
+    let mut start = 0;
+    while start < vocab {
+        let n = BLOCK.min(vocab - start);
+        nonfinite |= p.load(start, &mut a[..n]);
+        nonfinite |= q.load(start, &mut b[..n]);
+        let padded = n.div_ceil(LANES) * LANES;
+        a[n..padded].iter_mut().for_each(|x| *x = 0.0);
+        b[n..padded].iter_mut().for_each(|x| *x = 0.0);
+        if scale_p != 1.0 || scale_q != 1.0 {
+            a[..n].iter_mut().for_each(|x| *x *= scale_p);
+            b[..n].iter_mut().for_each(|x| *x *= scale_q);
+        }
+        let mut l = Lanes::zero();
+        block_terms(&a[..padded], &b[..padded], &mut l);
+        s.pp += fold(&l.pp);
+        s.pq += fold(&l.pq);
+        s.qq += fold(&l.qq);
+        s.qp += fold(&l.qp);
+        s.mm += fold(&l.mm);
+        s.abs_diff += fold(&l.abs_diff);
+        s.hel += fold(&l.hel);
+        s.sp += fold(&l.sp);
+        s.sq += fold(&l.sq);
+        s.inf_pq += fold(&l.inf_pq);
+        s.inf_qp += fold(&l.inf_qp);
+        s.min = l.min.iter().copied().fold(s.min, f64::min);
+        argmax_into(&a[..n], start, &mut best_p, &mut s.argmax_p);
+        argmax_into(&b[..n], start, &mut best_q, &mut s.argmax_q);
+        start += n;
+    }
+    (s, nonfinite)
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn row_sums_avx2(
+    p: &RowSource,
+    q: &RowSource,
+    vocab: usize,
+    sp: f64,
+    sq: f64,
+) -> (RowSums, bool) {
+    row_sums_generic(p, q, vocab, sp, sq)
+}
+
+fn row_sums(
+    p: &RowSource,
+    q: &RowSource,
+    vocab: usize,
+    scale_p: f64,
+    scale_q: f64,
+) -> (RowSums, bool) {
+    #[cfg(target_arch = "x86_64")]
+    {
+        if std::is_x86_feature_detected!("avx2") && std::is_x86_feature_detected!("fma") {
+            // SAFETY: the CPU supports the features the function was compiled for.
+            return unsafe { row_sums_avx2(p, q, vocab, scale_p, scale_q) };
+        }
+    }
+    row_sums_generic(p, q, vocab, scale_p, scale_q)
+}
+
+fn finish(s: &RowSums) -> RowDivergence {
+    let tv = (0.5 * s.abs_diff).clamp(0.0, 1.0);
+    let kl_pq = if s.inf_pq > 0.0 {
+        f64::INFINITY
+    } else {
+        (s.pp - s.pq).max(0.0)
+    };
+    let kl_qp = if s.inf_qp > 0.0 {
+        f64::INFINITY
+    } else {
+        (s.qq - s.qp).max(0.0)
+    };
+    RowDivergence {
+        tv,
+        kl_pq,
+        kl_qp,
+        js: (0.5 * (s.pp + s.qq) - s.mm).max(0.0),
+        hellinger: (0.5 * s.hel).max(0.0).sqrt().min(1.0),
+        entropy_p: (-s.pp).max(0.0),
+        entropy_q: (-s.qq).max(0.0),
+        overlap: 1.0 - tv,
+        top1_agree: s.argmax_p == s.argmax_q,
+    }
+}
+
+/// Validate sums and signs of one row; `what` names the side for messages.
+fn check_row(row: usize, s: &RowSums, nonfinite: bool, atol: f64) -> KvResult<()> {
+    if nonfinite {
+        return Err(KvError::row(row, "contains NaN or infinity"));
+    }
+    if s.min < 0.0 {
+        return Err(KvError::row(row, "contains a negative probability"));
+    }
+    for (side, sum) in [("p", s.sp), ("q", s.sq)] {
+        if (sum - 1.0).abs() > atol {
+            return Err(KvError::row(
+                row,
+                format!(
+                    "{side} sums to {sum:.6}, not 1 within atol={atol} (pass renormalize=True to normalise rows)"
+                ),
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// Sum of one row, with validity checks, for renormalisation.
+pub(crate) fn row_total(rows: &Rows, row: usize, vocab: usize) -> KvResult<f64> {
+    let mut buf = [0.0f64; BLOCK];
+    let mut total = 0.0;
+    let mut start = 0;
+    while start < vocab {
+        let n = BLOCK.min(vocab - start);
+        if rows.load(row * vocab + start, &mut buf[..n]) {
+            return Err(KvError::row(row, "contains NaN or infinity"));
+        }
+        for &x in &buf[..n] {
+            if x < 0.0 {
+                return Err(KvError::row(row, "contains a negative probability"));
+            }
+            total += x;
+        }
+        start += n;
+    }
+    if total <= 0.0 {
+        return Err(KvError::row(
+            row,
+            "sums to 0: no probability mass to renormalise",
+        ));
+    }
+    Ok(total)
+}
+
+fn one_row(p: &Rows, q: &Rows, row: usize, vocab: usize, opts: &Options) -> KvResult<RowDivergence> {
+    let atol = opts.atol.unwrap_or_else(|| default_atol(p.dtype()));
+    if let Some(t) = opts.logits {
+        let mut a = vec![0.0; vocab];
+        let mut b = vec![0.0; vocab];
+        let mut scratch = Vec::new();
+        for (side, rows, buf) in [("p", p, &mut a), ("q", q, &mut b)] {
+            for (i, x) in buf.iter_mut().enumerate() {
+                *x = rows.get(row * vocab + i);
+            }
+            if !t.apply(buf, &mut scratch) {
+                return Err(KvError::row(row, format!("{side} logits contain NaN or +inf")));
+            }
+            if buf.iter().all(|&x| x == 0.0) {
+                return Err(KvError::row(row, format!("{side} logits are all -inf")));
+            }
+        }
+        let (s, _) = row_sums(&RowSource::Dense(&a), &RowSource::Dense(&b), vocab, 1.0, 1.0);
+        return Ok(finish(&s));
+    }
+    let src_p = RowSource::Stored {
+        rows: *p,
+        offset: row * vocab,
+    };
+    let src_q = RowSource::Stored {
+        rows: *q,
+        offset: row * vocab,
+    };
+    let (scale_p, scale_q) = if opts.renormalize {
+        (
+            1.0 / row_total(p, row, vocab)?,
+            1.0 / row_total(q, row, vocab)?,
+        )
+    } else {
+        (1.0, 1.0)
+    };
+    let (s, nonfinite) = row_sums(&src_p, &src_q, vocab, scale_p, scale_q);
+    check_row(row, &s, nonfinite, atol)?;
+    Ok(finish(&s))
+}
+
+/// Divergences of every row pair of two `rows x vocab` matrices, in parallel over rows.
+/// Errors name the first offending row.
+pub fn divergences(
+    p: Rows,
+    q: Rows,
+    rows: usize,
+    vocab: usize,
+    opts: &Options,
+) -> KvResult<Vec<RowDivergence>> {
+    check_pair(&p, &q, rows, vocab)?;
+    if p.dtype() != q.dtype() {
+        return Err(KvError::InvalidArgument(format!(
+            "p is {:?} but q is {:?}; pass both in one dtype",
+            p.dtype(),
+            q.dtype()
+        )));
+    }
+    if let Some(t) = opts.logits {
+        t.validate()?;
+    }
+    if let Some(a) = opts.atol {
+        if !(a >= 0.0) {
+            return Err(KvError::InvalidArgument(format!("atol must be >= 0, got {a}")));
+        }
+    }
+    let out: Vec<KvResult<RowDivergence>> = parallel::install(|| {
+        (0..rows)
+            .into_par_iter()
+            .map(|r| one_row(&p, &q, r, vocab, opts))
+            .collect()
+    });
+    out.into_iter().collect()
+}
+
+/// A plain streaming pass over the same bytes (convert and sum both rows): the speed of light
+/// that benchmarks compare `divergences` against.
+pub fn plain_pass(p: Rows, q: Rows, rows: usize, vocab: usize) -> KvResult<Vec<f64>> {
+    check_pair(&p, &q, rows, vocab)?;
+    Ok(parallel::install(|| {
+        (0..rows)
+            .into_par_iter()
+            .map(|r| {
+                let mut a = [0.0f64; BLOCK];
+                let mut total = [0.0f64; LANES];
+                let mut start = 0;
+                while start < vocab {
+                    let n = BLOCK.min(vocab - start);
+                    for rows in [&p, &q] {
+                        rows.load(r * vocab + start, &mut a[..n]);
+                        for c in a[..n].chunks(LANES) {
+                            for (t, x) in total.iter_mut().zip(c) {
+                                *t += x;
+                            }
+                        }
+                    }
+                    start += n;
+                }
+                fold(&total)
+            })
+            .collect()
+    }))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn naive(p: &[f64], q: &[f64]) -> RowDivergence {
+        let xlogy = |x: f64, y: f64| if x == 0.0 { 0.0 } else { x * y.ln() };
+        let mut r = RowDivergence {
+            tv: 0.0,
+            kl_pq: 0.0,
+            kl_qp: 0.0,
+            js: 0.0,
+            hellinger: 0.0,
+            entropy_p: 0.0,
+            entropy_q: 0.0,
+            overlap: 0.0,
+            top1_agree: false,
+        };
+        let mut h = 0.0;
+        for (&a, &b) in p.iter().zip(q) {
+            let m = 0.5 * (a + b);
+            r.tv += 0.5 * (a - b).abs();
+            r.kl_pq += if a > 0.0 && b == 0.0 {
+                f64::INFINITY
+            } else {
+                xlogy(a, a) - xlogy(a, b)
+            };
+            r.kl_qp += if b > 0.0 && a == 0.0 {
+                f64::INFINITY
+            } else {
+                xlogy(b, b) - xlogy(b, a)
+            };
+            r.js += 0.5 * (xlogy(a, a) + xlogy(b, b)) - xlogy(m, m);
+            r.entropy_p -= xlogy(a, a);
+            r.entropy_q -= xlogy(b, b);
+            h += (a.sqrt() - b.sqrt()).powi(2);
+        }
+        r.hellinger = (0.5 * h).sqrt();
+        r.overlap = 1.0 - r.tv;
+        r
+    }
+
+    fn close(a: f64, b: f64) -> bool {
+        (a.is_infinite() && a == b) || (a - b).abs() <= 1e-12 * (1.0 + b.abs())
+    }
+
+    fn assert_matches(p: &[f64], q: &[f64]) {
+        let v = p.len();
+        let got = divergences(Rows::F64(p), Rows::F64(q), 1, v, &Options::default()).unwrap()[0];
+        let want = naive(p, q);
+        for (name, g, w) in [
+            ("tv", got.tv, want.tv),
+            ("kl_pq", got.kl_pq, want.kl_pq),
+            ("kl_qp", got.kl_qp, want.kl_qp),
+            ("js", got.js, want.js),
+            ("hellinger", got.hellinger, want.hellinger),
+            ("entropy_p", got.entropy_p, want.entropy_p),
+            ("entropy_q", got.entropy_q, want.entropy_q),
+        ] {
+            assert!(close(g, w.max(0.0)), "{name}: got {g}, want {w}");
+        }
+    }
+
+    #[test]
+    fn random_rows_match_naive_formulas() {
+        let mut state = 12345u64;
+        let mut next = || {
+            state = state.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+            ((state >> 11) as f64) / ((1u64 << 53) as f64)
+        };
+        for &v in &[1usize, 2, 3, 7, 8, 9, 1023, 1024, 1025, 5000] {
+            let mut p: Vec<f64> = (0..v).map(|_| next()).collect();
+            let mut q: Vec<f64> = (0..v).map(|_| next()).collect();
+            let (sp, sq): (f64, f64) = (p.iter().sum(), q.iter().sum());
+            p.iter_mut().for_each(|x| *x /= sp);
+            q.iter_mut().for_each(|x| *x /= sq);
+            assert_matches(&p, &q);
+        }
+    }
+
+    #[test]
+    fn edge_rows() {
+        assert_matches(&[1.0, 0.0], &[0.0, 1.0]); // disjoint: TV 1, KL inf
+        assert_matches(&[0.5, 0.5], &[0.5, 0.5]); // identical
+        assert_matches(&[1.0], &[1.0]); // vocab 1
+        let d = divergences(
+            Rows::F64(&[1.0, 0.0]),
+            Rows::F64(&[0.0, 1.0]),
+            1,
+            2,
+            &Options::default(),
+        )
+        .unwrap()[0];
+        assert_eq!(d.tv, 1.0);
+        assert_eq!(d.kl_pq, f64::INFINITY);
+        assert!(!d.top1_agree);
+        assert!((d.js - std::f64::consts::LN_2).abs() < 1e-15);
+    }
+
+    #[test]
+    fn errors_name_first_bad_row() {
+        let p = [0.5, 0.5, 0.5, 0.5, 0.5, 0.5];
+        let q = [0.5, 0.5, 0.7, 0.3, -0.1, 1.1];
+        let e = divergences(Rows::F64(&p), Rows::F64(&q), 3, 2, &Options::default()).unwrap_err();
+        assert_eq!(
+            e,
+            KvError::row(2, "contains a negative probability")
+        );
+        let q = [0.5, 0.5, f64::NAN, 0.5, 0.5, 0.5];
+        let e = divergences(Rows::F64(&p), Rows::F64(&q), 3, 2, &Options::default()).unwrap_err();
+        assert!(matches!(e, KvError::InvalidRow { row: 1, .. }));
+        let q = [0.5, 0.5, 0.5, 0.6, 0.5, 0.5];
+        let e = divergences(Rows::F64(&p), Rows::F64(&q), 3, 2, &Options::default()).unwrap_err();
+        assert!(matches!(e, KvError::InvalidRow { row: 1, .. }));
+        let opts = Options {
+            renormalize: true,
+            ..Default::default()
+        };
+        assert!(divergences(Rows::F64(&p), Rows::F64(&q), 3, 2, &opts).is_ok());
+        assert!(matches!(
+            divergences(Rows::F64(&[]), Rows::F64(&[]), 0, 2, &opts),
+            Err(KvError::Shape(_))
+        ));
+    }
+
+    #[test]
+    fn half_inputs_match_f64() {
+        // 0x3800 = 0.5 in f16; 0x3f00 = 0.5 in bf16.
+        let h = [0x3800u16, 0x3800];
+        let d = divergences(Rows::F16(&h), Rows::F16(&h), 1, 2, &Options::default()).unwrap()[0];
+        assert_eq!(d.tv, 0.0);
+        assert!((d.entropy_p - std::f64::consts::LN_2).abs() < 1e-15);
+        let b = [0x3f00u16, 0x3f00];
+        let d = divergences(Rows::BF16(&b), Rows::BF16(&b), 1, 2, &Options::default()).unwrap()[0];
+        assert!((d.entropy_q - std::f64::consts::LN_2).abs() < 1e-15);
+    }
+}

@@ -1,0 +1,169 @@
+//! Borrowed views of `(rows, vocab)` matrices in the floating formats a model emits.
+//!
+//! Half formats are passed as raw `u16` bits: numpy has no bfloat16, so Python hands over a
+//! `uint16` view plus a dtype flag. Conversion is branchless so the hot loops vectorise.
+
+use crate::error::{KvError, KvResult};
+
+/// The element format of a row matrix.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Dtype {
+    F16,
+    BF16,
+    F32,
+    F64,
+}
+
+/// A row-major matrix borrowed from the caller (numpy memory, no copy).
+#[derive(Debug, Clone, Copy)]
+pub enum Rows<'a> {
+    F16(&'a [u16]),
+    BF16(&'a [u16]),
+    F32(&'a [f32]),
+    F64(&'a [f64]),
+}
+
+/// IEEE half -> f64, exact for every finite half (subnormals included).
+/// Multiplying the shifted bits by 2^112 rebiases the exponent and normalises subnormals.
+#[inline(always)]
+pub fn f16_to_f64(h: u16) -> f64 {
+    let mag = f32::from_bits(((h & 0x7fff) as u32) << 13) * f32::from_bits(0x7780_0000); // 2^112
+    let sign = if h & 0x8000 != 0 { -1.0f32 } else { 1.0f32 };
+    (mag * sign) as f64
+}
+
+/// bfloat16 -> f64: bfloat16 is the top half of an f32.
+#[inline(always)]
+pub fn bf16_to_f64(h: u16) -> f64 {
+    f32::from_bits((h as u32) << 16) as f64
+}
+
+/// Is this half (IEEE f16) infinite or NaN?
+#[inline(always)]
+pub fn f16_nonfinite(h: u16) -> bool {
+    h & 0x7c00 == 0x7c00
+}
+
+#[inline(always)]
+pub fn bf16_nonfinite(h: u16) -> bool {
+    h & 0x7f80 == 0x7f80
+}
+
+impl<'a> Rows<'a> {
+    pub fn len(&self) -> usize {
+        match self {
+            Rows::F16(s) | Rows::BF16(s) => s.len(),
+            Rows::F32(s) => s.len(),
+            Rows::F64(s) => s.len(),
+        }
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    pub fn dtype(&self) -> Dtype {
+        match self {
+            Rows::F16(_) => Dtype::F16,
+            Rows::BF16(_) => Dtype::BF16,
+            Rows::F32(_) => Dtype::F32,
+            Rows::F64(_) => Dtype::F64,
+        }
+    }
+
+    /// Convert `[start, start + out.len())` into f64; returns true if any value is NaN or inf.
+    #[inline(always)]
+    pub fn load(&self, start: usize, out: &mut [f64]) -> bool {
+        let n = out.len();
+        match self {
+            Rows::F16(s) => {
+                let src = &s[start..start + n];
+                let mut bad = false;
+                for (o, &h) in out.iter_mut().zip(src) {
+                    *o = f16_to_f64(h);
+                    bad |= f16_nonfinite(h);
+                }
+                bad
+            }
+            Rows::BF16(s) => {
+                let src = &s[start..start + n];
+                let mut bad = false;
+                for (o, &h) in out.iter_mut().zip(src) {
+                    *o = bf16_to_f64(h);
+                    bad |= bf16_nonfinite(h);
+                }
+                bad
+            }
+            Rows::F32(s) => {
+                let src = &s[start..start + n];
+                let mut bad = false;
+                for (o, &x) in out.iter_mut().zip(src) {
+                    *o = x as f64;
+                    bad |= !x.is_finite();
+                }
+                bad
+            }
+            Rows::F64(s) => {
+                let src = &s[start..start + n];
+                out.copy_from_slice(src);
+                src.iter().any(|x| !x.is_finite())
+            }
+        }
+    }
+
+    /// Element `i` as f64 (slow path for scalar walks such as inverse-CDF search).
+    #[inline(always)]
+    pub fn get(&self, i: usize) -> f64 {
+        match self {
+            Rows::F16(s) => f16_to_f64(s[i]),
+            Rows::BF16(s) => bf16_to_f64(s[i]),
+            Rows::F32(s) => s[i] as f64,
+            Rows::F64(s) => s[i],
+        }
+    }
+}
+
+/// Check that `p` and `q` are matrices of `rows x vocab` and return `(rows, vocab)`.
+pub fn check_pair(p: &Rows, q: &Rows, rows: usize, vocab: usize) -> KvResult<()> {
+    if rows == 0 || vocab == 0 {
+        return Err(KvError::Shape(format!(
+            "empty input: {rows} rows x {vocab} vocab (need at least one of each)"
+        )));
+    }
+    if vocab > i32::MAX as usize {
+        return Err(KvError::Shape(format!(
+            "vocab {vocab} exceeds the int32 range of token ids"
+        )));
+    }
+    if p.len() != rows * vocab || q.len() != rows * vocab {
+        return Err(KvError::Shape(format!(
+            "p has {} elements and q has {}, expected {rows} x {vocab}",
+            p.len(),
+            q.len()
+        )));
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn f16_conversion_matches_reference_values() {
+        assert_eq!(f16_to_f64(0x3c00), 1.0);
+        assert_eq!(f16_to_f64(0xc000), -2.0);
+        assert_eq!(f16_to_f64(0x0001), 2f64.powi(-24)); // smallest subnormal
+        assert_eq!(f16_to_f64(0x03ff), 1023.0 * 2f64.powi(-24)); // largest subnormal
+        assert_eq!(f16_to_f64(0x7bff), 65504.0);
+        assert_eq!(f16_to_f64(0x0000), 0.0);
+        assert!(f16_nonfinite(0x7c00) && f16_nonfinite(0x7e00) && !f16_nonfinite(0x7bff));
+    }
+
+    #[test]
+    fn bf16_conversion() {
+        assert_eq!(bf16_to_f64(0x3f80), 1.0);
+        assert_eq!(bf16_to_f64(0x3f00), 0.5);
+        assert!(bf16_nonfinite(0x7f80) && !bf16_nonfinite(0x7f7f));
+    }
+}

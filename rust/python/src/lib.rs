@@ -1,0 +1,16 @@
+//! `kvcouple._core`: the private compiled module behind the `kvcouple` Python package.
+//! Each submodule wraps one area of kvcouple-core; all error mapping lives in `errors`.
+
+use pyo3::prelude::*;
+
+mod arrays;
+mod errors;
+mod kernels;
+
+#[pymodule]
+fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add("__version__", env!("CARGO_PKG_VERSION"))?;
+    errors::register(m)?;
+    kernels::register(m)?;
+    Ok(())
+}
