@@ -1,0 +1,250 @@
+"""Create, resume and fill a trace store, one document region at a time.
+
+Several processes (``--shard i/N``) may fill one store: creation is atomic (built in a
+temporary folder, then renamed into place), every document is its own chunk along ``doc``,
+and a document counts as done only once its ``completed`` flag is written, last.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import zarr
+
+from kvcouple.errors import StoreError
+from kvcouple.store.schema import SCHEMA_VERSION, Record, variables
+
+# Aim for chunks of a few MB to tens of MB (SPEC section 8).
+_TARGET_CHUNK_BYTES = 16 * 2**20
+
+# Attributes that define a run: resuming with any of them changed would mix two runs.
+RUN_KEYS = (
+    "model_id",
+    "model_revision",
+    "dtype",
+    "decoding",
+    "policies",
+    "horizon",
+    "window",
+    "branches",
+    "replicates",
+    "record",
+    "vocab_size",
+    "seed",
+    "doc_ids",
+    "source",
+)
+
+
+@dataclass(frozen=True)
+class StoreLayout:
+    """The sizes of every dimension of a store."""
+
+    doc_ids: list[str]
+    policies: list[str]
+    horizon: int
+    window: int
+    branches: int
+    replicates: int
+    vocab_size: int
+    record: Record = field(default_factory=Record)
+
+    def sizes(self) -> dict[str, int]:
+        return {
+            "doc": len(self.doc_ids),
+            "policy": len(self.policies),
+            "rep": self.replicates,
+            "step": self.horizon,
+            "branch": self.branches,
+            "lag": self.window + 1,
+            "k": max(self.record.k, 1),
+            "vocab": self.vocab_size,
+        }
+
+    def validate(self) -> None:
+        if not self.doc_ids:
+            raise ValueError("a store needs at least one document")
+        if len(set(self.doc_ids)) != len(self.doc_ids):
+            raise ValueError("document ids must be unique")
+        if not self.policies:
+            raise ValueError("a store needs at least one policy")
+        for name, v in [
+            ("horizon", self.horizon),
+            ("replicates", self.replicates),
+            ("branches", self.branches),
+            ("vocab_size", self.vocab_size),
+        ]:
+            if v < 1:
+                raise ValueError(f"{name} must be >= 1, got {v}")
+        if self.window < 0:
+            raise ValueError(f"window must be >= 0, got {self.window}")
+
+
+def _chunks(dims: tuple[str, ...], sizes: dict[str, int], itemsize: int) -> tuple[int, ...]:
+    """One doc and one policy per chunk; vocab whole; grow the rest up to the target size."""
+    chunk = {d: sizes[d] for d in dims}
+    for d in ("doc", "policy"):
+        if d in chunk:
+            chunk[d] = 1
+    for d in ("rep", "branch", "step", "lag"):
+        total = itemsize * int(np.prod([chunk[x] for x in dims]))
+        if d in chunk and total > _TARGET_CHUNK_BYTES:
+            rest = total // chunk[d]
+            chunk[d] = max(1, _TARGET_CHUNK_BYTES // max(rest, 1))
+    return tuple(chunk[d] for d in dims)
+
+
+def _compressor() -> Any:
+    import numcodecs
+
+    return numcodecs.Zstd(level=3)
+
+
+def _create_array(group: Any, name: str, data_or_shape: Any, chunks: tuple[int, ...],
+                  dtype: str, dims: tuple[str, ...], compress: bool = True) -> Any:
+    """Create one array in Zarr format 2 with xarray's dimension names (zarr 2 and 3)."""
+    shape = data_or_shape.shape if isinstance(data_or_shape, np.ndarray) else data_or_shape
+    attrs = {"_ARRAY_DIMENSIONS": list(dims)}
+    if hasattr(group, "create_array"):  # zarr >= 3
+        arr = group.create_array(
+            name, shape=shape, chunks=chunks, dtype=dtype, fill_value=None,
+            compressors=_compressor() if compress else None, attributes=attrs,
+        )
+    else:  # zarr 2
+        arr = group.create_dataset(
+            name, shape=shape, chunks=chunks, dtype=dtype, fill_value=None,
+            compressor=_compressor() if compress else None,
+        )
+        arr.attrs.update(attrs)
+    if isinstance(data_or_shape, np.ndarray):
+        arr[...] = data_or_shape
+    return arr
+
+
+def _open_group(path: Path, mode: str) -> Any:
+    try:
+        return zarr.open_group(str(path), mode=mode, zarr_format=2)
+    except TypeError:  # zarr 2 has no zarr_format keyword
+        return zarr.open_group(str(path), mode=mode)
+
+
+def _jsonable(v: Any) -> Any:
+    return json.loads(json.dumps(v, default=str))
+
+
+class TraceStoreWriter:
+    """Writes one run's store. Use :meth:`open` to create it or resume it."""
+
+    def __init__(self, path: Path, layout: StoreLayout, group: Any):
+        self.path = path
+        self.layout = layout
+        self._group = group
+        self._vars = variables(layout.record)
+
+    @classmethod
+    def open(cls, path: str | os.PathLike[str], layout: StoreLayout,
+             attrs: dict[str, Any]) -> TraceStoreWriter:
+        """Create the store, or resume it if it exists and was made by the same run.
+
+        ``attrs`` must hold the run-defining keys of :data:`RUN_KEYS` that apply; a store that
+        exists with different values raises :class:`StoreError` naming the first difference.
+        """
+        layout.validate()
+        path = Path(path)
+        full_attrs = _jsonable({
+            **attrs,
+            "schema_version": SCHEMA_VERSION,
+            "record": str(layout.record),
+            "horizon": layout.horizon,
+            "window": layout.window,
+            "branches": layout.branches,
+            "replicates": layout.replicates,
+            "vocab_size": layout.vocab_size,
+            "doc_ids": list(layout.doc_ids),
+            "policy_specs": list(layout.policies),
+        })
+        if not path.exists():
+            cls._create(path, layout, full_attrs)
+        group = _open_group(path, "r+")
+        existing = dict(group.attrs)
+        if "schema_version" not in existing:
+            raise StoreError(f"{path} exists and is not a kvcouple trace store")
+        if existing["schema_version"] != SCHEMA_VERSION:
+            from kvcouple.errors import SchemaVersionError
+
+            raise SchemaVersionError(
+                f"{path} has schema version {existing['schema_version']}; this kvcouple writes "
+                f"version {SCHEMA_VERSION}. Write to a new store."
+            )
+        for key in (*RUN_KEYS, "policy_specs"):
+            if key in full_attrs or key in existing:
+                if existing.get(key) != full_attrs.get(key):
+                    raise StoreError(
+                        f"cannot resume {path}: its {key} is {existing.get(key)!r} but this run "
+                        f"has {full_attrs.get(key)!r}. Use the same settings or a new --out."
+                    )
+        return cls(path, layout, group)
+
+    @classmethod
+    def _create(cls, path: Path, layout: StoreLayout, attrs: dict[str, Any]) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent))
+        try:
+            group = _open_group(tmp, "w")
+            sizes = layout.sizes()
+            for name, (dims, dtype) in variables(layout.record).items():
+                shape = tuple(sizes[d] for d in dims)
+                itemsize = np.dtype(dtype).itemsize
+                _create_array(group, name, shape, _chunks(dims, sizes, itemsize), dtype, dims)
+            coords = {
+                "doc": np.arange(sizes["doc"], dtype=np.int32),
+                "policy": np.array(layout.policies, dtype=f"<U{max(map(len, layout.policies))}"),
+                "rep": np.arange(sizes["rep"], dtype=np.int32),
+                "step": np.arange(1, sizes["step"] + 1, dtype=np.int32),
+                "branch": np.arange(1, sizes["branch"] + 1, dtype=np.int32),
+                "lag": np.arange(sizes["lag"], dtype=np.int32),
+            }
+            for name, values in coords.items():
+                _create_array(group, name, values, values.shape, values.dtype.str, (name,), False)
+            ids = np.array(layout.doc_ids, dtype=f"<U{max(1, max(map(len, layout.doc_ids)))}")
+            _create_array(group, "doc_id", ids, ids.shape, ids.dtype.str, ("doc",), False)
+            group.attrs.update(attrs)
+            zarr.consolidate_metadata(str(tmp))
+            try:
+                os.rename(tmp, path)  # atomic: another shard may have won the race
+            except OSError:
+                if not path.exists():
+                    raise
+        finally:
+            if tmp.exists():
+                shutil.rmtree(tmp, ignore_errors=True)
+
+    def completed(self) -> np.ndarray:
+        """Boolean array over docs: which documents are fully written."""
+        return np.asarray(self._group["completed"][...], dtype=bool)
+
+    def write_doc(self, doc: int, arrays: dict[str, np.ndarray]) -> None:
+        """Write every variable of one document (arrays without the leading ``doc`` axis),
+        then mark it completed. Missing variables are an error: nothing is half-written."""
+        missing = [n for n in self._vars if n not in arrays and n not in ("completed",)]
+        if missing:
+            raise StoreError(f"write_doc({doc}) is missing variables: {', '.join(missing)}")
+        sizes = self.layout.sizes()
+        for name, (dims, dtype) in self._vars.items():
+            if name == "completed":
+                continue
+            want = tuple(sizes[d] for d in dims[1:])
+            value = np.asarray(arrays[name])
+            if value.shape != want:
+                raise StoreError(
+                    f"write_doc({doc}): {name} has shape {value.shape}, expected {want} {dims[1:]}"
+                )
+            self._group[name][doc] = value.astype(dtype, copy=False)
+        self._group["completed"][doc] = True
