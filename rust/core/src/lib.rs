@@ -10,6 +10,7 @@ pub mod error;
 pub mod fastmath;
 pub mod parallel;
 pub mod rows;
+pub mod synth;
 pub mod transform;
 
 pub use error::{KvError, KvResult};

@@ -1,0 +1,302 @@
+//! Monte Carlo estimators on synthetic pairs (SPEC section 4): naive SMC and RB-CMC.
+//!
+//! Replicates run in parallel; replicate `r` draws only from its own stream `Rng::stream(seed,
+//! r)`, so every output is identical for any thread count. Each estimator returns per-replicate
+//! values; means, standard errors and variances are taken by the caller.
+//!
+//! Uniforms are consumed in a fixed order (the numba reference follows it bit for bit):
+//! - naive: three per step (`u0, u1, u2`, see [`step::draw`]);
+//! - rb: one per overlap step (the token; none at the last step or when `delta = 1`), then per
+//!   branch one for the branch time, two for the residual pair, and three per traced lag.
+
+use rayon::prelude::*;
+
+use crate::error::{KvError, KvResult};
+use crate::parallel;
+use crate::synth::exact::check_horizon;
+use crate::synth::kernel::KernelPair;
+use crate::synth::rng::Rng;
+use crate::synth::step;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Method {
+    /// Simulate the SMC and count mismatches.
+    Naive,
+    /// RB-CMC; returns both the indicator variant (`rb`) and the branch-TV variant (`rb-tv`).
+    Rb,
+}
+
+#[derive(Debug, Clone)]
+pub struct McOptions {
+    pub method: Method,
+    pub horizon: usize,
+    pub window: usize,
+    pub replicates: usize,
+    /// Branches per replicate (rb only).
+    pub branches: usize,
+    pub seed: u64,
+    /// Trace branches to the horizon (else only the window: tail and total are NaN).
+    pub trace_to_horizon: bool,
+}
+
+/// Per-replicate values, one entry per replicate (`*_by_lag`: replicate-major, `lags` per row).
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct McOutput {
+    pub lags: usize,
+    pub occurrence: Vec<f64>,
+    pub occupation: Vec<f64>,
+    pub tail_exposure: Vec<f64>,
+    pub window_contribution: Vec<f64>,
+    pub tail_contribution: Vec<f64>,
+    pub total_loss: Vec<f64>,
+    /// The branch-TV variants (rb only; empty for naive).
+    pub window_contribution_tv: Vec<f64>,
+    pub tail_contribution_tv: Vec<f64>,
+    pub total_loss_tv: Vec<f64>,
+    /// Numerator and denominator of `branch_tv_by_lag`: estimates of
+    /// `E[delta_{tau+l} 1{tau+l <= T}]` and `P(tau + l <= T)`.
+    pub branch_tv_sum: Vec<f64>,
+    pub branch_lag_weight: Vec<f64>,
+    /// Kernel evaluations (each step evaluates P and Q: 2 per step).
+    pub evaluations: Vec<f64>,
+}
+
+#[derive(Default)]
+struct Replicate {
+    occurrence: f64,
+    occupation: f64,
+    tail_exposure: f64,
+    window: f64,
+    tail: f64,
+    total: f64,
+    window_tv: f64,
+    tail_tv: f64,
+    total_tv: f64,
+    tv_sum: Vec<f64>,
+    lag_weight: Vec<f64>,
+    evaluations: f64,
+}
+
+fn uniforms3(rng: &mut Rng) -> [f64; 3] {
+    let u0 = rng.uniform();
+    let u1 = rng.uniform();
+    let u2 = rng.uniform();
+    [u0, u1, u2]
+}
+
+fn naive_replicate(pair: &KernelPair, o: &McOptions, lags: usize, rng: &mut Rng) -> Replicate {
+    let (p, q, t_max, win) = (&pair.p, &pair.q, o.horizon, o.window);
+    let mut r = Replicate {
+        tv_sum: vec![0.0; lags],
+        lag_weight: vec![0.0; lags],
+        ..Default::default()
+    };
+    let (mut sp, mut sq) = (p.start, q.start);
+    let mut tau: Option<usize> = None;
+    let (mut window_n, mut tail_n) = (0usize, 0usize);
+    for t in 1..=t_max {
+        let (a, b) = (p.row(sp), q.row(sq));
+        let st = step::stats(a, b);
+        r.evaluations += 2.0;
+        let (x, y) = step::draw(a, b, &st, uniforms3(rng));
+        let mismatch = x != y;
+        match tau {
+            None if mismatch => tau = Some(t),
+            None => {}
+            Some(t0) => {
+                let lag = t - t0;
+                if lag <= lags {
+                    r.tv_sum[lag - 1] += st.delta;
+                    r.lag_weight[lag - 1] += 1.0;
+                }
+                if lag <= win {
+                    window_n += mismatch as usize;
+                } else {
+                    tail_n += mismatch as usize;
+                }
+            }
+        }
+        if let Some(t0) = tau {
+            if !o.trace_to_horizon && t - t0 >= win {
+                break;
+            }
+        }
+        sp = p.next_state(sp, x);
+        sq = q.next_state(sq, y);
+    }
+    if let Some(t0) = tau {
+        r.occurrence = 1.0;
+        r.occupation = (t_max - t0) as f64;
+        r.tail_exposure = (t_max - t0).saturating_sub(win) as f64;
+    }
+    r.window = window_n as f64;
+    if o.trace_to_horizon {
+        r.tail = tail_n as f64;
+        r.total = r.occurrence + r.window + r.tail;
+    } else {
+        r.tail = f64::NAN;
+        r.total = f64::NAN;
+    }
+    r
+}
+
+/// First index whose running weight exceeds `target`; else the last positive index.
+fn pick(weights: &[f64], target: f64) -> usize {
+    let mut cum = 0.0;
+    let mut last_positive = 0;
+    for (i, &w) in weights.iter().enumerate() {
+        if w > 0.0 {
+            last_positive = i;
+            cum += w;
+            if cum > target {
+                return i;
+            }
+        }
+    }
+    last_positive
+}
+
+fn rb_replicate(pair: &KernelPair, o: &McOptions, lags: usize, rng: &mut Rng) -> Replicate {
+    let (p, q, t_max, win) = (&pair.p, &pair.q, o.horizon, o.window);
+    let mut r = Replicate {
+        tv_sum: vec![0.0; lags],
+        lag_weight: vec![0.0; lags],
+        ..Default::default()
+    };
+    // 1. The overlap path: states at each step and weights W_{t-1} h_t.
+    let mut path: Vec<(usize, usize)> = Vec::with_capacity(t_max);
+    let mut weights: Vec<f64> = Vec::with_capacity(t_max);
+    let (mut sp, mut sq) = (p.start, q.start);
+    let mut survival = 1.0;
+    for t in 1..=t_max {
+        let (a, b) = (p.row(sp), q.row(sq));
+        let st = step::stats(a, b);
+        r.evaluations += 2.0;
+        path.push((sp, sq));
+        weights.push(survival * st.delta);
+        if st.delta >= 1.0 {
+            break; // the overlap is empty: every path diverges here
+        }
+        survival *= 1.0 - st.delta;
+        if t == t_max {
+            break;
+        }
+        let z = step::overlap_token(a, b, &st, rng.uniform());
+        sp = p.next_state(sp, z);
+        sq = q.next_state(sq, z);
+    }
+    // 2. Occurrence, occupation, tail exposure and lag weights, with no coin flipped.
+    for (i, &w) in weights.iter().enumerate() {
+        let after = t_max - (i + 1); // steps after a divergence at t = i + 1
+        r.occurrence += w;
+        r.occupation += w * after as f64;
+        r.tail_exposure += w * after.saturating_sub(win) as f64;
+        for l in 0..lags.min(after) {
+            r.lag_weight[l] += w;
+        }
+    }
+    let occ = r.occurrence;
+    // 3. Branches from t* ~ W_{t-1} h_t / O.
+    let (mut win_n, mut tail_n, mut win_tv, mut tail_tv) = (0.0, 0.0, 0.0, 0.0);
+    let k = o.branches;
+    if occ > 0.0 && k > 0 {
+        for _ in 0..k {
+            let i = pick(&weights, rng.uniform() * occ);
+            let (sp0, sq0) = path[i];
+            let (a, b) = (p.row(sp0), q.row(sq0));
+            let st = step::stats(a, b); // the path already evaluated these rows
+            let u1 = rng.uniform();
+            let u2 = rng.uniform();
+            let (x, y) = step::residual_tokens(a, b, &st, u1, u2);
+            let (mut sp, mut sq) = (p.next_state(sp0, x), q.next_state(sq0, y));
+            let mut max_lag = t_max - (i + 1);
+            if !o.trace_to_horizon {
+                max_lag = max_lag.min(win);
+            }
+            for lag in 1..=max_lag {
+                let (a, b) = (p.row(sp), q.row(sq));
+                let st = step::stats(a, b);
+                r.evaluations += 2.0;
+                let (x, y) = step::draw(a, b, &st, uniforms3(rng));
+                let mismatch = (x != y) as u8 as f64;
+                if lag <= lags {
+                    r.tv_sum[lag - 1] += st.delta;
+                }
+                if lag <= win {
+                    win_n += mismatch;
+                    win_tv += st.delta;
+                } else {
+                    tail_n += mismatch;
+                    tail_tv += st.delta;
+                }
+                sp = p.next_state(sp, x);
+                sq = q.next_state(sq, y);
+            }
+        }
+    }
+    // 4. Estimates: O times the mean over branches.
+    let scale = if k > 0 { occ / k as f64 } else { 0.0 };
+    r.tv_sum.iter_mut().for_each(|v| *v *= scale);
+    r.window = scale * win_n;
+    r.window_tv = scale * win_tv;
+    if o.trace_to_horizon {
+        r.tail = scale * tail_n;
+        r.tail_tv = scale * tail_tv;
+        r.total = occ + r.window + r.tail;
+        r.total_tv = occ + r.window_tv + r.tail_tv;
+    } else {
+        r.tail = f64::NAN;
+        r.tail_tv = f64::NAN;
+        r.total = f64::NAN;
+        r.total_tv = f64::NAN;
+    }
+    r
+}
+
+/// Run `o.replicates` replicates of the chosen estimator.
+pub fn simulate(pair: &KernelPair, o: &McOptions) -> KvResult<McOutput> {
+    check_horizon(o.horizon)?;
+    if o.replicates == 0 {
+        return Err(KvError::InvalidArgument(
+            "replicates must be at least 1".into(),
+        ));
+    }
+    if o.method == Method::Rb && o.branches == 0 {
+        return Err(KvError::InvalidArgument(
+            "rb needs at least 1 branch per replicate".into(),
+        ));
+    }
+    let lags = o.window.min(o.horizon - 1);
+    let reps: Vec<Replicate> = parallel::install(|| {
+        (0..o.replicates)
+            .into_par_iter()
+            .map(|i| {
+                let mut rng = Rng::stream(o.seed, i as u64);
+                match o.method {
+                    Method::Naive => naive_replicate(pair, o, lags, &mut rng),
+                    Method::Rb => rb_replicate(pair, o, lags, &mut rng),
+                }
+            })
+            .collect()
+    });
+    let col = |f: fn(&Replicate) -> f64| reps.iter().map(f).collect::<Vec<f64>>();
+    let rb = o.method == Method::Rb;
+    Ok(McOutput {
+        lags,
+        occurrence: col(|r| r.occurrence),
+        occupation: col(|r| r.occupation),
+        tail_exposure: col(|r| r.tail_exposure),
+        window_contribution: col(|r| r.window),
+        tail_contribution: col(|r| r.tail),
+        total_loss: col(|r| r.total),
+        window_contribution_tv: if rb { col(|r| r.window_tv) } else { vec![] },
+        tail_contribution_tv: if rb { col(|r| r.tail_tv) } else { vec![] },
+        total_loss_tv: if rb { col(|r| r.total_tv) } else { vec![] },
+        branch_tv_sum: reps.iter().flat_map(|r| r.tv_sum.iter().copied()).collect(),
+        branch_lag_weight: reps
+            .iter()
+            .flat_map(|r| r.lag_weight.iter().copied())
+            .collect(),
+        evaluations: col(|r| r.evaluations),
+    })
+}
