@@ -6,11 +6,13 @@ use pyo3::prelude::*;
 mod arrays;
 mod errors;
 mod kernels;
+mod synth;
 
 #[pymodule]
 fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     errors::register(m)?;
     kernels::register(m)?;
+    synth::register(m)?;
     Ok(())
 }

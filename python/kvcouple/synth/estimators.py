@@ -1,0 +1,351 @@
+"""Exact solver, Monte Carlo estimators and the sharp interval on synthetic pairs.
+
+Conventions (SPEC sections 3 to 5): steps ``t = 1..T``; the window ``L`` counts lags
+``1..L`` after the first divergence ``tau`` (``L >= T``: to the horizon). Quantities are counts
+per sequence, not fractions: ``expected_mismatches = occurrence + window_contribution +
+tail_contribution``; ``mismatch_fraction = expected_mismatches / T``,
+``first_mismatch_contribution = occurrence / T``, ``exposure = occupation / T``. The interval is
+``[occurrence + window_contribution, that + tail_exposure]`` (``*_fraction``: divided by T).
+``branch_tv_by_lag[l - 1] = E[delta_{tau+l} | tau + l <= T]``, ``l = 1..min(L, T - 1)``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import numpy as np
+import numpy.typing as npt
+
+from kvcouple import _core
+from kvcouple.errors import InvalidInputError
+from kvcouple.synth.pairs import KernelPair, check_seed
+
+Method = Literal["naive", "rb", "rb-tv"]
+METHODS: tuple[str, ...] = ("naive", "rb", "rb-tv")
+METHOD_NOTES = {
+    "naive": "naive SMC: realised mismatch counts",
+    "rb": "RB-CMC with branch mismatch indicators (Var <= naive per replicate)",
+    "rb-tv": "RB-CMC with branch-aligned TVs (unbiased; usually lower variance, no dominance guarantee)",
+}
+# Per-replicate quantities every method returns.
+QUANTITIES = (
+    "occurrence",
+    "occupation",
+    "window_contribution",
+    "tail_contribution",
+    "expected_mismatches",
+    "tail_exposure",
+    "interval_lower",
+    "interval_upper",
+)
+
+
+def _window(horizon: int, window: int | None) -> int:
+    return horizon if window is None else window
+
+
+def _json(x: Any) -> Any:
+    """Numbers and arrays as JSON values (NaN as null)."""
+    if isinstance(x, np.ndarray):
+        return [_json(v) for v in x.tolist()]
+    if isinstance(x, list | tuple):
+        return [_json(v) for v in x]
+    if isinstance(x, dict):
+        return {k: _json(v) for k, v in x.items()}
+    if isinstance(x, float | np.floating):
+        return None if math.isnan(x) else float(x)
+    if isinstance(x, np.integer):
+        return int(x)
+    return x
+
+
+@dataclass(frozen=True)
+class ExactResult:
+    """The exact law of the SMC on a pair (see the module docstring for the conventions)."""
+
+    horizon: int
+    window: int
+    expected_mismatches: float
+    mismatch_fraction: float
+    occurrence: float
+    first_mismatch_contribution: float
+    occupation: float
+    exposure: float
+    mismatch_rate: float
+    window_contribution: float
+    tail_contribution: float
+    tail_exposure: float
+    interval_lower: float
+    interval_upper: float
+    survival: npt.NDArray[np.float64]
+    divergence_time_pmf: npt.NDArray[np.float64]
+    hazard: npt.NDArray[np.float64]
+    mismatch_by_step: npt.NDArray[np.float64]
+    branch_tv_by_lag: npt.NDArray[np.float64]
+    branch_lag_weight: npt.NDArray[np.float64]
+
+    @property
+    def interval_lower_fraction(self) -> float:
+        return self.interval_lower / self.horizon
+
+    @property
+    def interval_upper_fraction(self) -> float:
+        return self.interval_upper / self.horizon
+
+    def to_dict(self) -> dict[str, Any]:
+        d = {k: getattr(self, k) for k in self.__dataclass_fields__}
+        d["interval_lower_fraction"] = self.interval_lower_fraction
+        d["interval_upper_fraction"] = self.interval_upper_fraction
+        return _json(d)
+
+
+def exact(pair: KernelPair, horizon: int, window: int | None = None) -> ExactResult:
+    """Exact quantities by dynamic programming over the joint SMC chain.
+
+    Complexity: time ``O(T * A * (V + R^2) * (min(L, T) + 2))`` with ``A <= S_P * S_Q``
+    reachable state pairs and ``R <= min(V, S)`` residual successor states; memory
+    ``O(S_P * S_Q * (min(L, T) + 2))``. S = V = 16, T = L = 64 takes well under a second.
+    ``window=None`` traces to the horizon (no tail).
+    """
+    d = _core.synth_exact(*pair.arrays(), horizon, _window(horizon, window))
+    return ExactResult(**d)
+
+
+def simulate(
+    pair: KernelPair,
+    horizon: int,
+    window: int | None = None,
+    *,
+    method: Method = "rb",
+    replicates: int = 1000,
+    branches: int = 1,
+    seed: int = 0,
+    trace: Literal["horizon", "window"] = "horizon",
+) -> dict[str, npt.NDArray[np.float64]]:
+    """Per-replicate values of one estimator (arrays of length ``replicates``).
+
+    Keys: ``occurrence, occupation, window_contribution, tail_contribution, total_loss,
+    tail_exposure, evaluations`` (kernel evaluations, 2 per step), and ``branch_tv_sum``,
+    ``branch_lag_weight`` (replicates x lags: unbiased estimates of
+    ``E[delta_{tau+l} 1{tau+l <= T}]`` and ``P(tau + l <= T)``). ``trace="window"`` stops
+    branches at lag L: the tail and the total are then NaN. Results do not depend on the
+    thread count.
+    """
+    if method not in METHODS:
+        raise InvalidInputError(f"unknown method {method!r}: use one of {', '.join(METHODS)}")
+    if trace not in ("horizon", "window"):
+        raise InvalidInputError(f"trace must be 'horizon' or 'window', got {trace!r}")
+    out = _core.synth_simulate(
+        *pair.arrays(),
+        horizon,
+        _window(horizon, window),
+        method="naive" if method == "naive" else "rb",
+        replicates=replicates,
+        branches=branches,
+        seed=check_seed(seed),
+        trace_to_horizon=trace == "horizon",
+    )
+    if method == "rb-tv":
+        for k in ("window_contribution", "tail_contribution", "total_loss"):
+            out[k] = out.pop(k + "_tv")
+    for k in ("window_contribution_tv", "tail_contribution_tv", "total_loss_tv"):
+        out.pop(k, None)
+    return out
+
+
+def _mean_se(x: npt.NDArray[np.float64]) -> tuple[float, float]:
+    n = len(x)
+    m = float(np.mean(x))
+    se = float(np.std(x, ddof=1) / math.sqrt(n)) if n > 1 else math.nan
+    return m, se
+
+
+def _ratio(a: npt.NDArray[np.float64], b: npt.NDArray[np.float64]) -> tuple[float, float]:
+    """``mean(a) / mean(b)`` with its delta-method standard error."""
+    mb = float(np.mean(b))
+    if mb <= 0:
+        return math.nan, math.nan
+    r = float(np.mean(a)) / mb
+    n = len(a)
+    se = float(np.std(a - r * b, ddof=1) / math.sqrt(n) / mb) if n > 1 else math.nan
+    return r, se
+
+
+@dataclass(frozen=True)
+class Estimate:
+    """Means and standard errors of an estimator's replicates.
+
+    ``values[name]`` holds the per-replicate values of each name in ``QUANTITIES``;
+    ``mean``/``se`` also hold the fractions and ratios (``mismatch_fraction``, ``exposure``,
+    ``first_mismatch_contribution``, ``mismatch_rate``; ratios with delta-method SEs).
+    """
+
+    method: str
+    horizon: int
+    window: int
+    replicates: int
+    branches: int
+    seed: int
+    values: dict[str, npt.NDArray[np.float64]]
+    mean: dict[str, float]
+    se: dict[str, float]
+    branch_tv_by_lag: npt.NDArray[np.float64]
+    branch_tv_by_lag_se: npt.NDArray[np.float64]
+    evaluations: float
+    raw: dict[str, npt.NDArray[np.float64]] = field(repr=False)
+
+    def variance(self, name: str) -> float:
+        """The per-replicate variance of a quantity."""
+        return float(np.var(self.values[name], ddof=1))
+
+    def to_dict(self) -> dict[str, Any]:
+        d: dict[str, Any] = {
+            "method": self.method,
+            "estimator": METHOD_NOTES[self.method],
+            "horizon": self.horizon,
+            "window": self.window,
+            "replicates": self.replicates,
+            "branches": self.branches,
+            "seed": self.seed,
+            "kernel_evaluations_per_replicate": self.evaluations,
+        }
+        for k in self.mean:
+            d[k] = {"mean": self.mean[k], "se": self.se[k]}
+        d["branch_tv_by_lag"] = {"mean": self.branch_tv_by_lag, "se": self.branch_tv_by_lag_se}
+        return _json(d)
+
+
+def estimate(
+    pair: KernelPair,
+    horizon: int,
+    window: int | None = None,
+    *,
+    method: Method = "rb",
+    replicates: int = 1000,
+    branches: int = 1,
+    seed: int = 0,
+    trace: Literal["horizon", "window"] = "horizon",
+) -> Estimate:
+    """Estimate every quantity of :func:`exact` by Monte Carlo (``method``: naive, rb, rb-tv)."""
+    raw = simulate(
+        pair,
+        horizon,
+        window,
+        method=method,
+        replicates=replicates,
+        branches=branches,
+        seed=seed,
+        trace=trace,
+    )
+    values = {
+        "occurrence": raw["occurrence"],
+        "occupation": raw["occupation"],
+        "window_contribution": raw["window_contribution"],
+        "tail_contribution": raw["tail_contribution"],
+        "expected_mismatches": raw["total_loss"],
+        "tail_exposure": raw["tail_exposure"],
+        "interval_lower": raw["occurrence"] + raw["window_contribution"],
+    }
+    values["interval_upper"] = values["interval_lower"] + raw["tail_exposure"]
+    mean, se = {}, {}
+    for k, x in values.items():
+        mean[k], se[k] = _mean_se(x)
+    t = float(horizon)
+    for k, src in (
+        ("mismatch_fraction", "expected_mismatches"),
+        ("first_mismatch_contribution", "occurrence"),
+        ("exposure", "occupation"),
+        ("interval_lower_fraction", "interval_lower"),
+        ("interval_upper_fraction", "interval_upper"),
+    ):
+        mean[k], se[k] = mean[src] / t, se[src] / t
+    post = raw["window_contribution"] + raw["tail_contribution"]
+    mean["mismatch_rate"], se["mismatch_rate"] = _ratio(post, raw["occupation"])
+    lags = raw["branch_tv_sum"].shape[1]
+    tv = [_ratio(raw["branch_tv_sum"][:, i], raw["branch_lag_weight"][:, i]) for i in range(lags)]
+    return Estimate(
+        method=method,
+        horizon=horizon,
+        window=_window(horizon, window),
+        replicates=replicates,
+        branches=branches,
+        seed=seed,
+        values=values,
+        mean=mean,
+        se=se,
+        branch_tv_by_lag=np.array([m for m, _ in tv], dtype=np.float64),
+        branch_tv_by_lag_se=np.array([s for _, s in tv], dtype=np.float64),
+        evaluations=float(np.mean(raw["evaluations"])),
+        raw=raw,
+    )
+
+
+@dataclass(frozen=True)
+class Interval:
+    """The sharp interval for E[M] from a finite window (SPEC section 5), in counts.
+
+    ``ci_low``/``ci_high`` widen the ends by ``z`` standard errors (0 for exact values).
+    """
+
+    horizon: int
+    window: int
+    lower: float
+    upper: float
+    lower_se: float
+    upper_se: float
+    ci_low: float
+    ci_high: float
+    level: float
+
+    def fractions(self) -> tuple[float, float]:
+        return self.lower / self.horizon, self.upper / self.horizon
+
+    def to_dict(self) -> dict[str, Any]:
+        d = dict(self.__dict__)
+        d["lower_fraction"], d["upper_fraction"] = self.fractions()
+        return _json(d)
+
+
+def interval(result: ExactResult | Estimate, level: float = 0.95) -> Interval:
+    """The sharp interval ``[occurrence + window, that + tail_exposure]`` of a result.
+
+    For an :class:`Estimate` each end's standard error comes from its per-replicate values;
+    the confidence bounds are ``lower - z se`` and ``upper + z se`` with ``z`` the two-sided
+    normal quantile of ``level``.
+    """
+    if not 0 < level < 1:
+        raise InvalidInputError(f"level = {level} must lie in (0, 1)")
+    from statistics import NormalDist
+
+    z = NormalDist().inv_cdf(0.5 + level / 2)
+    if isinstance(result, ExactResult):
+        lo, hi, slo, shi = result.interval_lower, result.interval_upper, 0.0, 0.0
+    else:
+        lo, hi = result.mean["interval_lower"], result.mean["interval_upper"]
+        slo, shi = result.se["interval_lower"], result.se["interval_upper"]
+    return Interval(
+        horizon=result.horizon,
+        window=result.window,
+        lower=lo,
+        upper=hi,
+        lower_se=slo,
+        upper_se=shi,
+        ci_low=lo - z * slo,
+        ci_high=hi + z * shi,
+        level=level,
+    )
+
+
+def interval_constructions(
+    pair: KernelPair, horizon: int, window: int
+) -> tuple[KernelPair, KernelPair]:
+    """Two pairs that agree with ``pair`` up to ``window`` lags after the first divergence and
+    then re-synchronise (``lower``: TV 0) or separate forever (``upper``: TV 1), so that
+    ``exact(lower).expected_mismatches == exact(pair).interval_lower`` and likewise for the
+    upper end (SPEC section 5). Vocabulary ``3V + 2``: overlap tokens, P- and Q-marked residual
+    tokens, two end tokens; states ``S_P S_Q + S L + 1``.
+    """
+    lo, hi = _core.synth_interval_constructions(*pair.arrays(), horizon, window)
+    return KernelPair.from_arrays(lo), KernelPair.from_arrays(hi)

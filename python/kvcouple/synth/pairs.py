@@ -1,0 +1,225 @@
+"""Synthetic kernels and pairs (SPEC section 6): emitters, Markov tables, pair files."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from kvcouple import _core
+from kvcouple.errors import InvalidInputError, InvalidKernelError
+
+EMITTER_KEYS = ("P_emit", "P_next", "P_start", "Q_emit", "Q_next", "Q_start")
+MARKOV_KEYS = ("P", "Q", "start")
+
+PairArrays = tuple[
+    npt.NDArray[np.float64], npt.NDArray[np.int64], int, npt.NDArray[np.float64], npt.NDArray[np.int64], int
+]
+
+
+def _matrix(x: Any, name: str, dtype: type) -> np.ndarray:
+    a = np.asarray(x)
+    if a.ndim != 2:
+        raise InvalidKernelError(f"{name} must be 2-D (states x vocab), got shape {a.shape}")
+    if dtype is np.int64:
+        if not (np.issubdtype(a.dtype, np.integer) or np.all(np.mod(a, 1) == 0)):
+            raise InvalidKernelError(f"{name} must hold integer state indices, got {a.dtype}")
+    elif not np.issubdtype(a.dtype, np.number) or np.issubdtype(a.dtype, np.complexfloating):
+        raise InvalidKernelError(f"{name} must hold real probabilities, got {a.dtype}")
+    return np.ascontiguousarray(a, dtype=dtype)
+
+
+def check_seed(seed: int) -> int:
+    """Seeds are 64-bit unsigned integers."""
+    if not 0 <= int(seed) < 2**64:
+        raise InvalidInputError(f"seed = {seed} must be an integer in [0, 2**64)")
+    return int(seed)
+
+
+def _index(x: Any, name: str) -> int:
+    a = np.asarray(x)
+    if a.ndim != 0 or not (np.issubdtype(a.dtype, np.integer) or float(a) == int(a)):
+        raise InvalidKernelError(f"{name} must be one integer, got {x!r}")
+    return int(a)
+
+
+@dataclass(frozen=True, eq=False)
+class Kernel:
+    """A probabilistic finite-state emitter: in state ``s`` it emits token ``v`` with
+    probability ``emit[s, v]`` and moves to state ``next[s, v]``; it starts in ``start``."""
+
+    emit: npt.NDArray[np.float64]
+    next: npt.NDArray[np.int64]
+    start: int
+
+    @classmethod
+    def markov(cls, table: npt.ArrayLike, start: int) -> Kernel:
+        """A first-order Markov table ``table[prev, token]`` started after token ``start``."""
+        t = _matrix(table, "Markov table", np.float64)
+        if t.shape[0] != t.shape[1]:
+            raise InvalidKernelError(f"a Markov table must be square (V x V), got shape {t.shape}")
+        nxt = np.tile(np.arange(t.shape[1], dtype=np.int64), (t.shape[0], 1))
+        return cls(t, nxt, _index(start, "start"))
+
+    @property
+    def states(self) -> int:
+        return int(self.emit.shape[0])
+
+    @property
+    def vocab(self) -> int:
+        return int(self.emit.shape[1])
+
+    def is_markov(self) -> bool:
+        s, v = self.emit.shape
+        return s == v and bool(np.all(self.next == np.arange(v)))
+
+
+@dataclass(frozen=True, eq=False)
+class KernelPair:
+    """Two kernels over one vocabulary: ``p`` the reference, ``q`` the perturbed one.
+
+    Construction validates both (shapes, stochastic rows within 1e-6, state indices in range)
+    and renormalises rows exactly; errors are :class:`kvcouple.InvalidKernelError` naming the
+    offending array, row or entry.
+    """
+
+    p: Kernel
+    q: Kernel
+
+    def __post_init__(self) -> None:
+        arrays = (
+            _matrix(self.p.emit, "P_emit", np.float64),
+            _matrix(self.p.next, "P_next", np.int64),
+            _index(self.p.start, "P_start"),
+            _matrix(self.q.emit, "Q_emit", np.float64),
+            _matrix(self.q.next, "Q_next", np.int64),
+            _index(self.q.start, "Q_start"),
+        )
+        pe, pn, ps, qe, qn, qs = _core.synth_validate(*arrays)
+        object.__setattr__(self, "p", Kernel(pe, pn, ps))
+        object.__setattr__(self, "q", Kernel(qe, qn, qs))
+
+    @classmethod
+    def markov(cls, p: npt.ArrayLike, q: npt.ArrayLike, start: int) -> KernelPair:
+        """Two first-order Markov tables (V x V) started after the same token."""
+        return cls(Kernel.markov(p, start), Kernel.markov(q, start))
+
+    @classmethod
+    def from_arrays(cls, arrays: PairArrays) -> KernelPair:
+        pe, pn, ps, qe, qn, qs = arrays
+        return cls(Kernel(pe, pn, ps), Kernel(qe, qn, qs))
+
+    @property
+    def vocab(self) -> int:
+        return self.p.vocab
+
+    # Flat names, so tools that take "an object with the pair-file keys" accept a KernelPair.
+    @property
+    def p_emit(self) -> npt.NDArray[np.float64]:
+        return self.p.emit
+
+    @property
+    def p_next(self) -> npt.NDArray[np.int64]:
+        return self.p.next
+
+    @property
+    def p_start(self) -> int:
+        return self.p.start
+
+    @property
+    def q_emit(self) -> npt.NDArray[np.float64]:
+        return self.q.emit
+
+    @property
+    def q_next(self) -> npt.NDArray[np.int64]:
+        return self.q.next
+
+    @property
+    def q_start(self) -> int:
+        return self.q.start
+
+    def arrays(self) -> PairArrays:
+        """``(P_emit, P_next, P_start, Q_emit, Q_next, Q_start)``."""
+        return (self.p.emit, self.p.next, self.p.start, self.q.emit, self.q.next, self.q.start)
+
+    def save(self, path: str | os.PathLike[str]) -> None:
+        save_pair(self, path)
+
+    @classmethod
+    def load(cls, path: str | os.PathLike[str]) -> KernelPair:
+        return load_pair(path)
+
+
+def save_pair(pair: KernelPair, path: str | os.PathLike[str]) -> None:
+    """Write a pair file (``.npz``) with the emitter keys ``P_emit, ..., Q_start``."""
+    np.savez(path, **dict(zip(EMITTER_KEYS, pair.arrays(), strict=True)))
+
+
+def pair_from_mapping(f: Any, where: str = "pair") -> KernelPair:
+    """A pair from a mapping with the emitter keys or the Markov shorthand ``P, Q, start``."""
+    keys = set(f.keys())
+    if set(EMITTER_KEYS) <= keys:
+        return KernelPair(
+            Kernel(f["P_emit"], f["P_next"], _index(f["P_start"], "P_start")),
+            Kernel(f["Q_emit"], f["Q_next"], _index(f["Q_start"], "Q_start")),
+        )
+    if set(MARKOV_KEYS) <= keys:
+        p, q = (_matrix(f[k], k, np.float64) for k in ("P", "Q"))
+        if p.shape != q.shape:
+            raise InvalidKernelError(f"{where}: P has shape {p.shape} but Q has shape {q.shape}")
+        return KernelPair.markov(p, q, _index(f["start"], "start"))
+    missing = sorted(set(EMITTER_KEYS) - keys) if keys & set(EMITTER_KEYS) else None
+    hint = f"; missing {', '.join(missing)}" if missing else ""
+    raise InvalidKernelError(
+        f"{where}: a pair file needs the keys {', '.join(EMITTER_KEYS)} or the Markov "
+        f"shorthand {', '.join(MARKOV_KEYS)}; found {sorted(keys)}{hint}"
+    )
+
+
+def load_pair(path: str | os.PathLike[str]) -> KernelPair:
+    """Read and validate a pair file (``.npz``) in either form."""
+    try:
+        f = np.load(path, allow_pickle=False)
+    except (OSError, ValueError) as e:
+        if isinstance(e, FileNotFoundError):
+            raise
+        raise InvalidKernelError(f"{os.fspath(path)}: not a readable .npz pair file ({e})") from e
+    with f:
+        return pair_from_mapping(f, os.fspath(path))
+
+
+def random_pair(
+    vocab: int,
+    states: int | None = None,
+    *,
+    seed: int = 0,
+    closeness: float = 0.5,
+    sparsity: float = 0.0,
+    absorbing: bool = False,
+    deterministic: float = 0.0,
+    markov: bool = False,
+) -> KernelPair:
+    """A seeded random pair for tests and tutorials.
+
+    ``closeness`` in [0, 1] mixes Q's rows and transitions towards P's (1: Q = P);
+    ``sparsity`` zeroes each emission entry with that probability (rows keep one token);
+    ``absorbing`` makes token ``V - 1`` an EOS after which each kernel emits it forever;
+    ``deterministic`` is the probability that a row is a point mass (and that Q's row is
+    drawn independently of P's, so TV-1 steps occur); ``markov`` gives V x V Markov tables
+    (``states`` is then ignored). Without ``markov``, ``states`` defaults to ``vocab``.
+    """
+    s = vocab if states is None else states
+    arrays = _core.synth_random_pair(
+        vocab,
+        s,
+        check_seed(seed),
+        closeness=closeness,
+        sparsity=sparsity,
+        absorbing=absorbing,
+        deterministic=deterministic,
+        markov=markov,
+    )
+    return KernelPair.from_arrays(arrays)
