@@ -38,3 +38,69 @@ def couple(
 def plain_pass(p: npt.NDArray[Any], q: npt.NDArray[Any], dtype: str) -> npt.NDArray[np.float64]: ...
 def set_num_threads(n: int) -> None: ...
 def get_num_threads() -> int: ...
+
+# --- synth.rs ---
+_PairArrays = tuple[
+    npt.NDArray[np.float64],
+    npt.NDArray[np.int64],
+    int,
+    npt.NDArray[np.float64],
+    npt.NDArray[np.int64],
+    int,
+]
+
+def synth_validate(
+    p_emit: npt.NDArray[np.float64],
+    p_next: npt.NDArray[np.int64],
+    p_start: int,
+    q_emit: npt.NDArray[np.float64],
+    q_next: npt.NDArray[np.int64],
+    q_start: int,
+) -> _PairArrays: ...
+def synth_random_pair(
+    vocab: int,
+    states: int,
+    seed: int,
+    *,
+    closeness: float = 0.5,
+    sparsity: float = 0.0,
+    absorbing: bool = False,
+    deterministic: float = 0.0,
+    markov: bool = False,
+) -> _PairArrays: ...
+def synth_exact(
+    p_emit: npt.NDArray[np.float64],
+    p_next: npt.NDArray[np.int64],
+    p_start: int,
+    q_emit: npt.NDArray[np.float64],
+    q_next: npt.NDArray[np.int64],
+    q_start: int,
+    horizon: int,
+    window: int,
+) -> dict[str, Any]: ...
+def synth_simulate(
+    p_emit: npt.NDArray[np.float64],
+    p_next: npt.NDArray[np.int64],
+    p_start: int,
+    q_emit: npt.NDArray[np.float64],
+    q_next: npt.NDArray[np.int64],
+    q_start: int,
+    horizon: int,
+    window: int,
+    *,
+    method: str,
+    replicates: int,
+    branches: int = 1,
+    seed: int = 0,
+    trace_to_horizon: bool = True,
+) -> dict[str, npt.NDArray[np.float64]]: ...
+def synth_interval_constructions(
+    p_emit: npt.NDArray[np.float64],
+    p_next: npt.NDArray[np.int64],
+    p_start: int,
+    q_emit: npt.NDArray[np.float64],
+    q_next: npt.NDArray[np.int64],
+    q_start: int,
+    horizon: int,
+    window: int,
+) -> tuple[_PairArrays, _PairArrays]: ...
