@@ -10,6 +10,7 @@ pub mod error;
 pub mod fastmath;
 pub mod parallel;
 pub mod rows;
+pub mod stats;
 pub mod synth;
 pub mod transform;
 

@@ -6,6 +6,7 @@ use pyo3::prelude::*;
 mod arrays;
 mod errors;
 mod kernels;
+mod stats;
 mod synth;
 
 #[pymodule]
@@ -14,5 +15,6 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     errors::register(m)?;
     kernels::register(m)?;
     synth::register(m)?;
+    stats::register(m)?;
     Ok(())
 }

@@ -1,0 +1,11 @@
+"""Analysis of trace stores (SPEC section 9): per (document, policy) RB-CMC estimates,
+document-level bootstrap statistics, prespecified plans, and reports.
+
+``kvcouple analyze STORE... --out DIR`` and ``kvcouple info STORE`` are the command line;
+:func:`analyze` and :func:`write_report` are the Python API.
+"""
+
+from kvcouple.analysis.engine import AnalysisResult, Options, analyze
+from kvcouple.analysis.plan import Plan, PlanError, load_plan
+
+__all__ = ["AnalysisResult", "Options", "Plan", "PlanError", "analyze", "load_plan"]

@@ -1,0 +1,222 @@
+"""``kvcouple analyze`` and ``kvcouple info``."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from kvcouple.errors import StoreError
+
+
+def _analyze(args: argparse.Namespace) -> int:
+    from kvcouple.analysis.engine import analyze
+    from kvcouple.analysis.plan import PlanError
+    from kvcouple.analysis.report import write_report
+
+    try:
+        result = analyze(
+            args.stores,
+            window=args.window,
+            estimator=args.estimator,
+            allow_incomplete=args.allow_incomplete,
+            scheduler=args.scheduler,
+            worker_threads=args.worker_threads,
+            recompute=not args.no_recompute,
+            tolerance=args.tolerance,
+            n_boot=args.n_boot,
+            seed=args.seed,
+            ci=args.ci,
+            plan=args.plan,
+            doc_set=args.docs,
+            registry=args.registry,
+            io_threads=args.io_threads,
+        )
+    except (StoreError, PlanError) as e:
+        print(f"kvcouple analyze: error: {e}", file=sys.stderr)
+        return 2
+    out = write_report(
+        result, args.out, figures=not args.no_figures, html_report=not args.no_figures
+    )
+    for s in result.skipped:
+        print(f"skipped {s['doc_id']} ({s['store']}): {s['reason']}", file=sys.stderr)
+    n_bad = len(result.checks())
+    if n_bad:
+        print(
+            f"warning: {n_bad} recorded TVs disagree with the stored distributions beyond "
+            f"the tolerance; see {out / 'recompute_check.csv'}",
+            file=sys.stderr,
+        )
+    for m in result.models:
+        for row in m.tables["summary"]:
+            if row["quantity"] == "mismatch_fraction":
+                print(
+                    f"{m.model} {row['policy']}: E[M]/T = {row['estimate']:.4g} "
+                    f"[{row['ci_low']:.4g}, {row['ci_high']:.4g}] over {row['n_docs']} docs"
+                )
+    print(f"plan hash {result.plan_hash}; wrote {out}")
+    return 0
+
+
+def store_summary(path: str, check: bool = False) -> dict[str, Any]:
+    """What ``kvcouple info`` prints: schema, model, policies, documents done, size."""
+    import numpy as np
+    import zarr
+
+    from kvcouple.store.reader import open_trace_store
+
+    ds = open_trace_store(path, allow_incomplete=True)
+    group = zarr.open_group(str(path), mode="r")
+    done = np.asarray(group["completed"][...], bool)
+    ids = [str(x) for x in np.asarray(group["doc_id"][...])]
+    size = sum(f.stat().st_size for f in Path(path).rglob("*") if f.is_file())
+    a = ds.attrs
+    out: dict[str, Any] = {
+        "store": str(path),
+        "schema_version": a.get("schema_version"),
+        "kvcouple_version": a.get("kvcouple_version"),
+        "model_id": a.get("model_id"),
+        "model_revision": a.get("model_revision"),
+        "source": a.get("source"),
+        "record": a.get("record"),
+        "dtype": a.get("dtype"),
+        "policies": [
+            p.get("spec", p.get("name")) if isinstance(p, dict) else p
+            for p in a.get("policies", [])
+        ]
+        or list(a.get("policy_specs", [])),
+        "horizon": a.get("horizon"),
+        "window": a.get("window"),
+        "branches": a.get("branches"),
+        "replicates": a.get("replicates"),
+        "vocab_size": a.get("vocab_size"),
+        "documents": len(ids),
+        "documents_done": int(done.sum()),
+        "unfinished": [i for i, d in zip(ids, done, strict=True) if not d][:20],
+        "size_bytes": size,
+    }
+    if check:
+        from kvcouple.analysis.reading import _chunk_keys
+
+        missing = []
+        for name in group.array_keys():
+            arr = group[name]
+            dims = arr.attrs.get("_ARRAY_DIMENSIONS", [])
+            if not dims or dims[0] != "doc":
+                continue
+            for d in np.flatnonzero(done):
+                for key, _ in _chunk_keys(arr, name, int(d)):
+                    if not (Path(path) / key).exists():
+                        missing.append(f"{key} (document {ids[d]!r})")
+        out["missing_chunks"] = missing
+    return out
+
+
+def _info(args: argparse.Namespace) -> int:
+    try:
+        info = store_summary(args.store, check=args.check)
+    except StoreError as e:
+        print(f"kvcouple info: error: {e}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps(info, indent=1, default=str))
+        return 0
+    gb = info["size_bytes"] / 1e9
+    print(
+        f"{info['store']}: kvcouple trace store, schema v{info['schema_version']} "
+        f"(written by kvcouple {info['kvcouple_version']}), {gb:.3g} GB on disk"
+    )
+    print(
+        f"  model     {info['model_id']} {info['model_revision'] or ''} ({info['source']}, "
+        f"{info['dtype']})"
+    )
+    print(
+        f"  record    {info['record']}; T={info['horizon']} L={info['window']} "
+        f"K={info['branches']} R={info['replicates']} vocab={info['vocab_size']}"
+    )
+    print(f"  policies  {', '.join(map(str, info['policies']))}")
+    print(
+        f"  documents {info['documents_done']} of {info['documents']} done"
+        + (f"; unfinished: {', '.join(info['unfinished'])}" if info["unfinished"] else "")
+    )
+    if args.check:
+        missing = info["missing_chunks"]
+        print(f"  chunks    {'all present' if not missing else f'{len(missing)} missing'}")
+        for m in missing[:20]:
+            print(f"    missing {m}")
+        return 1 if missing else 0
+    return 0
+
+
+def register(subparsers: Any) -> None:
+    p = subparsers.add_parser(
+        "analyze",
+        help="analyse trace stores: estimates, bootstrap CIs, tests, report",
+        description="Per document x policy (x model) RB-CMC estimates, document-level "
+        "bootstrap CIs, paired policy differences, gap attribution, early-vs-late window TV, "
+        "a prespecified plan's tests, tables, figures and an HTML report.",
+    )
+    p.add_argument("stores", nargs="+", help="trace stores (one per model)")
+    p.add_argument("--out", required=True, help="folder for tables, figures and report.html")
+    p.add_argument(
+        "--window",
+        type=int,
+        default=None,
+        help="observation window L_w for the window/tail split (default: stored L)",
+    )
+    p.add_argument(
+        "--estimator",
+        choices=["indicator", "tv"],
+        default=None,
+        help="branch mismatches from indicators (default, Rao-Blackwellised) or TVs",
+    )
+    p.add_argument("--plan", default=None, help="prespecified analysis plan (TOML)")
+    p.add_argument(
+        "--docs",
+        choices=["all", "exploratory", "confirmatory"],
+        default="all",
+        help="document set (exploratory/confirmatory need --plan)",
+    )
+    p.add_argument(
+        "--registry", default=None, help="plan registry file (default: inside the first store)"
+    )
+    p.add_argument(
+        "--allow-incomplete",
+        action="store_true",
+        help="analyse the finished, undamaged documents and list the others",
+    )
+    p.add_argument("--scheduler", default=None, help="Dask scheduler address (tcp://host:port)")
+    p.add_argument(
+        "--worker-threads",
+        type=int,
+        default=None,
+        help="Rust threads per Dask worker (default: the worker's nthreads)",
+    )
+    p.add_argument("--n-boot", type=int, default=None, help="bootstrap resamples (2000)")
+    p.add_argument("--seed", type=int, default=None, help="bootstrap seed (0)")
+    p.add_argument("--ci", type=float, default=0.95, help="confidence level")
+    p.add_argument(
+        "--tolerance",
+        type=float,
+        default=None,
+        help="recorded vs recomputed TV tolerance (default by stored dtype: "
+        "float16 2e-3, bfloat16 1e-2, float32 1e-5)",
+    )
+    p.add_argument(
+        "--no-recompute", action="store_true", help="skip recomputing TVs from full/top-k records"
+    )
+    p.add_argument("--io-threads", type=int, default=2, help="chunks decoded ahead")
+    p.add_argument("--no-figures", action="store_true", help="tables only")
+    p.set_defaults(func=_analyze)
+
+    i = subparsers.add_parser(
+        "info",
+        help="summarise a trace store",
+        description="Schema version, model, policies, documents done, size.",
+    )
+    i.add_argument("store")
+    i.add_argument("--check", action="store_true", help="also look for missing chunk files")
+    i.add_argument("--json", action="store_true")
+    i.set_defaults(func=_info)

@@ -1,0 +1,149 @@
+"""The report's figures (matplotlib, Agg): survival curves with bootstrap bands, hazard by
+step, decomposition bars, the sharp interval, branch-aligned TV by lag, early vs late."""
+
+from __future__ import annotations
+
+import io
+from pathlib import Path
+from typing import Any
+
+Rows = list[dict[str, Any]]
+
+
+def _get(rows: Rows, **match: Any) -> Rows:
+    return [r for r in rows if all(r.get(k) == v for k, v in match.items())]
+
+
+def _series(tables: dict[str, Rows]) -> list[tuple[str, str]]:
+    seen: list[tuple[str, str]] = []
+    for r in tables["summary"]:
+        key = (r["model"], r["policy"])
+        if key not in seen:
+            seen.append(key)
+    return seen
+
+
+def _curve_plot(ax: Any, tables: dict[str, Rows], curve: str) -> None:
+    for model, pol in _series(tables):
+        rows = sorted(
+            _get(tables["curves"], model=model, policy=pol, curve=curve), key=lambda r: r["x"]
+        )
+        x = [r["x"] for r in rows]
+        line = ax.plot(x, [r["estimate"] for r in rows], marker=".", label=f"{model} {pol}")
+        ax.fill_between(
+            x,
+            [r["ci_low"] for r in rows],
+            [r["ci_high"] for r in rows],
+            alpha=0.2,
+            color=line[0].get_color(),
+        )
+    ax.legend(fontsize=7)
+
+
+def make_figures(tables: dict[str, Rows], folder: Path) -> dict[str, bytes]:
+    """Draw every figure, save it as PNG in ``folder`` and return the PNG bytes by name."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    folder.mkdir(parents=True, exist_ok=True)
+    out: dict[str, bytes] = {}
+
+    def save(fig: Any, name: str) -> None:
+        buf = io.BytesIO()
+        fig.tight_layout()
+        fig.savefig(buf, format="png", dpi=110)
+        plt.close(fig)
+        out[name] = buf.getvalue()
+        (folder / f"{name}.png").write_bytes(out[name])
+
+    series = _series(tables)
+    labels = [f"{m}\n{p}" for m, p in series]
+
+    def q(model: str, pol: str, name: str) -> dict[str, Any]:
+        rows = _get(tables["summary"], model=model, policy=pol, quantity=name)
+        return (
+            rows[0]
+            if rows
+            else {"estimate": float("nan"), "ci_low": float("nan"), "ci_high": float("nan")}
+        )
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    _curve_plot(ax, tables, "survival")
+    ax.set(
+        xlabel="step t",
+        ylabel="S_t = P(tau > t)",
+        title="Survival (no divergence yet)",
+        ylim=(0, 1.02),
+    )
+    save(fig, "survival")
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    _curve_plot(ax, tables, "hazard")
+    ax.set(xlabel="step t", ylabel="P(tau = t | tau >= t)", title="Hazard by step")
+    save(fig, "hazard")
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    _curve_plot(ax, tables, "branch_tv")
+    ax.set(
+        xlabel="lag after divergence",
+        ylabel="branch-aligned TV (O-weighted)",
+        title="Branch-aligned TV by lag",
+    )
+    save(fig, "branch_tv_by_lag")
+
+    fig, ax = plt.subplots(figsize=(max(4, 1.3 * len(series) + 2), 4))
+    first = [q(m, p, "first_mismatch")["estimate"] for m, p in series]
+    m_tot = [q(m, p, "mismatch_fraction") for m, p in series]
+    post = [t["estimate"] - f for t, f in zip(m_tot, first, strict=True)]
+    xs = range(len(series))
+    ax.bar(xs, first, label="first mismatch P(tau<=T)/T")
+    ax.bar(xs, post, bottom=first, label="exposure x rho")
+    ax.errorbar(
+        xs,
+        [t["estimate"] for t in m_tot],
+        yerr=[
+            [t["estimate"] - t["ci_low"] for t in m_tot],
+            [t["ci_high"] - t["estimate"] for t in m_tot],
+        ],
+        fmt="none",
+        color="k",
+        capsize=4,
+    )
+    ax.set_xticks(list(xs), labels, fontsize=7)
+    ax.set(ylabel="E[M]/T", title="Decomposition of the mismatch fraction")
+    ax.legend(fontsize=7)
+    save(fig, "decomposition")
+
+    fig, ax = plt.subplots(figsize=(max(4, 1.3 * len(series) + 2), 4))
+    for i, (m, p) in enumerate(series):
+        lo, hi = q(m, p, "interval_lower"), q(m, p, "interval_upper")
+        ax.vlines(i, lo["estimate"], hi["estimate"], lw=8, alpha=0.5)
+        ax.vlines(i, lo["ci_low"], hi["ci_high"], lw=1, color="k")
+        point = q(m, p, "mismatch_fraction")["estimate"]
+        ax.plot(i, point, "ko")
+    ax.set_xticks(list(range(len(series))), labels, fontsize=7)
+    ax.set(ylabel="E[M]/T", title="Sharp interval (bar), CI (line), point (dot)")
+    save(fig, "sharp_interval")
+
+    fig, ax = plt.subplots(figsize=(max(4, 1.3 * len(series) + 2), 4))
+    width = 0.38
+    for j, name in enumerate(("early_tv", "late_tv")):
+        rows = [q(m, p, name) for m, p in series]
+        ax.bar(
+            [i + (j - 0.5) * width for i in xs],
+            [r["estimate"] for r in rows],
+            width,
+            yerr=[
+                [r["estimate"] - r["ci_low"] for r in rows],
+                [r["ci_high"] - r["estimate"] for r in rows],
+            ],
+            capsize=3,
+            label=name.replace("_tv", " half of the window"),
+        )
+    ax.set_xticks(list(xs), labels, fontsize=7)
+    ax.set(ylabel="branch-aligned TV", title="Early vs late window")
+    ax.legend(fontsize=7)
+    save(fig, "early_vs_late")
+    return out

@@ -1,0 +1,372 @@
+"""Simulate synthetic kernel pairs into a trace store (``kvcouple synth trace-store``).
+
+The store is what the tracer would write for a model, with the kernels replaced by finite-state
+emitters (SPEC section 6), so the whole analysis path can be checked end to end against the
+exact solver without a model. Each replicate follows RB-CMC (SPEC section 4):
+
+1. the overlap path ``z_t ~ min(p_t, q_t) / (1 - h_t)`` (both kernels on the same prefix; a step
+   with ``h_t = 1`` ends the path), drawn with :func:`kvcouple.couple` forced onto its overlap;
+2. ``K`` branch times ``t* ~ pi_t = W_{t-1} h_t / O``;
+3. at ``t*`` the residual draw ``X ~ r^P, Y ~ r^Q`` (``couple`` forced onto its residual), then
+   both kernels continue from their own prefixes with the stepwise maximal coupling for lags
+   ``1..L`` (or up to the horizon).
+
+Documents are start states (prompts); policies are Q kernels (each given as a pair with the
+same P or not). ``record="full"`` stores the actual distributions (float16), ``topk:K`` their
+top K, so the analysis's recomputation of hazards and branch TVs can be tested.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from kvcouple._core import __version__ as kvcouple_version
+from kvcouple.kernels import couple, divergences
+from kvcouple.store.schema import Record
+from kvcouple.store.writer import StoreLayout, TraceStoreWriter
+
+_BELOW_ONE = 1.0 - 2.0**-53
+
+
+@dataclass(frozen=True)
+class EmitterPair:
+    """Two finite-state emitters over one vocabulary (SPEC section 6)."""
+
+    p_emit: np.ndarray
+    p_next: np.ndarray
+    p_start: int
+    q_emit: np.ndarray
+    q_next: np.ndarray
+    q_start: int
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.p_emit.shape[1])
+
+
+def as_emitter_pair(pair: Any) -> EmitterPair:
+    """Accept an :class:`EmitterPair`, a pair-file path (``.npz``), a mapping with the pair-file
+    keys (``P_emit, P_next, P_start, Q_emit, Q_next, Q_start``, or ``P, Q, start`` Markov tables)
+    or an object with those attributes (lower-case names accepted too)."""
+    if isinstance(pair, EmitterPair):
+        return pair
+    if isinstance(pair, str | os.PathLike):
+        with np.load(pair) as f:
+            pair = {k: f[k] for k in f.files}
+    if not isinstance(pair, Mapping):
+        names = ("P_emit", "P_next", "P_start", "Q_emit", "Q_next", "Q_start", "P", "Q", "start")
+        pair = {
+            n: getattr(pair, n, getattr(pair, n.lower(), None))
+            for n in names
+            if getattr(pair, n, getattr(pair, n.lower(), None)) is not None
+        }
+    if "P_emit" in pair:
+        out = EmitterPair(
+            np.asarray(pair["P_emit"], np.float64),
+            np.asarray(pair["P_next"], np.int64),
+            int(pair["P_start"]),
+            np.asarray(pair["Q_emit"], np.float64),
+            np.asarray(pair["Q_next"], np.int64),
+            int(pair["Q_start"]),
+        )
+    elif "P" in pair and "Q" in pair:
+        p, q = np.asarray(pair["P"], np.float64), np.asarray(pair["Q"], np.float64)
+        nxt = np.broadcast_to(np.arange(p.shape[-1]), p.shape).astype(np.int64)
+        start = int(pair.get("start", 0))
+        out = EmitterPair(p, nxt, start, q, nxt.copy(), start)
+    else:
+        raise ValueError(
+            "a pair needs P_emit, P_next, P_start, Q_emit, Q_next, Q_start (or P, Q, start); "
+            f"got keys {sorted(pair)}"
+        )
+    _check_pair(out)
+    return out
+
+
+def _check_pair(pair: EmitterPair) -> None:
+    for side, emit, nxt, start in [
+        ("P", pair.p_emit, pair.p_next, pair.p_start),
+        ("Q", pair.q_emit, pair.q_next, pair.q_start),
+    ]:
+        if emit.ndim != 2 or nxt.shape != emit.shape:
+            raise ValueError(
+                f"{side}: emit and next must both be (states, vocab), got "
+                f"{emit.shape} and {nxt.shape}"
+            )
+        if not np.allclose(emit.sum(1), 1.0, atol=1e-9) or (emit < 0).any():
+            raise ValueError(f"{side}_emit rows must be probability vectors")
+        if nxt.min() < 0 or nxt.max() >= emit.shape[0]:
+            raise ValueError(f"{side}_next holds a state outside 0..{emit.shape[0] - 1}")
+        if not 0 <= start < emit.shape[0]:
+            raise ValueError(f"{side}_start {start} is not a state")
+    if pair.p_emit.shape[1] != pair.q_emit.shape[1]:
+        raise ValueError("P and Q must share one vocabulary")
+
+
+def with_starts(pair: EmitterPair, p_start: int, q_start: int) -> EmitterPair:
+    """The same pair started from other states (a synthetic document's "prompt")."""
+    out = EmitterPair(
+        pair.p_emit, pair.p_next, int(p_start), pair.q_emit, pair.q_next, int(q_start)
+    )
+    _check_pair(out)
+    return out
+
+
+def _record_rows(
+    out: dict[str, np.ndarray],
+    prefix: str,
+    index: Any,
+    p: np.ndarray,
+    q: np.ndarray,
+    record: Record,
+) -> None:
+    """Store the distributions themselves (full) or their top K (topk) at ``index``."""
+    if record.kind == "full":
+        out[f"{prefix}p"][index] = p
+        out[f"{prefix}q"][index] = q
+    elif record.kind == "topk":
+        k = record.k
+        for side, m in (("p", p), ("q", q)):
+            ids = np.argsort(-m, axis=1, kind="stable")[:, :k]
+            probs = np.take_along_axis(m, ids, axis=1)
+            if ids.shape[1] < k:  # vocab smaller than K: pad
+                pad = k - ids.shape[1]
+                ids = np.pad(ids, ((0, 0), (0, pad)), constant_values=-1)
+                probs = np.pad(probs, ((0, 0), (0, pad)), constant_values=0.0)
+            out[f"{prefix}topk_ids_{side}"][index] = ids
+            out[f"{prefix}topk_probs_{side}"][index] = probs
+            out[f"{prefix}tail_mass_{side}"][index] = np.clip(1.0 - probs.sum(1), 0.0, 1.0)
+
+
+def _empty_arrays(layout: StoreLayout) -> dict[str, np.ndarray]:
+    from kvcouple.store.schema import empty_value, variables
+
+    sizes = layout.sizes()
+    out = {}
+    for name, (dims, dtype) in variables(layout.record).items():
+        if name in ("completed", "prompt_length", "kept_length"):
+            continue
+        shape = tuple(sizes[d] for d in dims[1:])
+        np_dtype = np.float64 if dtype.startswith("float") else dtype
+        out[name] = np.full(shape, empty_value(dtype), dtype=np_dtype)
+    return out
+
+
+def simulate_doc_policy(
+    pair: EmitterPair,
+    layout: StoreLayout,
+    rng: np.random.Generator,
+    out: dict[str, np.ndarray],
+    pol: int,
+) -> None:
+    """Fill ``out[...][pol]`` with one (document, policy)'s RB-CMC replicates."""
+    R, T, K, L = layout.replicates, layout.horizon, layout.branches, layout.window
+    record = layout.record
+    sp = np.full(R, pair.p_start, np.int64)
+    sq = np.full(R, pair.q_start, np.int64)
+    hist_p = np.zeros((R, T), np.int64)  # state before step t (for branching at t)
+    hist_q = np.zeros((R, T), np.int64)
+    alive = np.ones(R, bool)
+    hazard = np.zeros((R, T))
+    for t in range(T):
+        rows = np.flatnonzero(alive)
+        if rows.size == 0:
+            break
+        hist_p[rows, t], hist_q[rows, t] = sp[rows], sq[rows]
+        p, q = pair.p_emit[sp[rows]], pair.q_emit[sq[rows]]
+        d = divergences(p, q)
+        idx = (pol, rows, t)
+        hazard[rows, t] = d.tv
+        out["hazard"][idx] = d.tv
+        for name in ("kl_pq", "kl_qp", "entropy_p", "entropy_q", "top1_agree"):
+            out[name][idx] = getattr(d, name)
+        _record_rows(out, "", idx, p, q, record)
+        go = d.tv < 1.0  # a step with h = 1 has no overlap: the path ends there
+        alive[rows[~go]] = False
+        g = rows[go]
+        if g.size:
+            tv = d.tv[go]
+            u = rng.random((g.size, 3))
+            u[:, 0] = np.minimum(tv + (1.0 - tv) * u[:, 0], _BELOW_ONE)  # force the overlap
+            x, _, _ = couple(p[go], q[go], u)
+            out["tokens"][pol, g, t] = x
+            sp[g], sq[g] = pair.p_next[sp[g], x], pair.q_next[sq[g], x]
+    # Survival weights W_t and the branch law pi_t = W_{t-1} h_t / O.
+    w_prev = np.concatenate([np.ones((R, 1)), np.cumprod(1.0 - hazard, axis=1)[:, :-1]], axis=1)
+    mass = w_prev * hazard
+    occurrence = mass.sum(1)
+    rep_k = np.repeat(np.arange(R), K)
+    has = occurrence[rep_k] > 0
+    cdf = np.cumsum(mass, axis=1) / np.where(occurrence > 0, occurrence, 1.0)[:, None]
+    u = rng.random(R * K)
+    tstar = np.zeros(R * K, np.int64)  # 1-based, 0: no branch
+    for i in np.flatnonzero(has):
+        r = rep_k[i]
+        tstar[i] = min(int(np.searchsorted(cdf[r], u[i], side="right")), T - 1) + 1
+        while hazard[r, tstar[i] - 1] <= 0.0:  # rounding at the top of the cdf
+            tstar[i] -= 1
+    out["branch_step"][pol] = tstar.reshape(R, K)
+    rows = np.flatnonzero(has)
+    if rows.size == 0:
+        return
+    r_of, k_of = rep_k[rows], rows % K
+    bp, bq = hist_p[r_of, tstar[rows] - 1], hist_q[r_of, tstar[rows] - 1]
+    for lag in range(L + 1):
+        act = tstar[rows] + lag <= T
+        if not act.any():
+            break
+        sel = rows[act]
+        p, q = pair.p_emit[bp[act]], pair.q_emit[bq[act]]
+        tv = divergences(p, q).tv
+        u = rng.random((sel.size, 3))
+        if lag == 0:
+            u[:, 0] = 0.0  # force the residual: h_{t*} > 0 since pi puts no mass elsewhere
+        x, y, diverged = couple(p, q, u)
+        idx = (pol, r_of[act], k_of[act], lag)
+        out["branch_tv"][idx] = tv
+        out["branch_mismatch"][idx] = diverged
+        out["branch_tokens_p"][idx] = x
+        out["branch_tokens_q"][idx] = y
+        _record_rows(out, "branch_", idx, p, q, record)
+        bp[act], bq[act] = pair.p_next[bp[act], x], pair.q_next[bq[act], y]
+
+
+def write_synthetic_trace_store(
+    path: str | os.PathLike[str],
+    pairs: Mapping[str, Any],
+    *,
+    horizon: int,
+    window: int | None = None,
+    branches: int = 1,
+    replicates: int = 64,
+    docs: int | Sequence[tuple[int, int] | int] = 1,
+    record: str = "summary",
+    seed: int = 0,
+    stop_after: int | None = None,
+) -> Path:
+    """Simulate every (document, policy) into a new or resumed store at ``path``.
+
+    ``pairs`` maps policy names to pairs (anything :func:`as_emitter_pair` accepts). ``docs``
+    is a count (every document starts from the pairs' own start states) or a list of start
+    states, one per document: an int for Markov pairs (the start token) or ``(p_state,
+    q_state)``. ``window`` defaults to ``horizon - 1`` (branches traced to the horizon).
+    ``stop_after`` writes only that many documents (to make an interrupted run for tests).
+    Each (document, policy) has its own random stream from ``(seed, doc, policy)``, so a
+    resumed run writes exactly what an uninterrupted one would.
+    """
+    emitters = {name: as_emitter_pair(p) for name, p in pairs.items()}
+    if not emitters:
+        raise ValueError("give at least one policy pair")
+    vocab = {e.vocab_size for e in emitters.values()}
+    if len(vocab) != 1:
+        raise ValueError(f"every pair must share one vocabulary size, got {sorted(vocab)}")
+    starts: list[tuple[int, int] | None]
+    if isinstance(docs, int):
+        starts = [None] * docs
+    else:
+        starts = [
+            (s, s) if isinstance(s, int | np.integer) else (int(s[0]), int(s[1])) for s in docs
+        ]
+    window = horizon - 1 if window is None else window
+    layout = StoreLayout(
+        doc_ids=[f"doc{d:04d}" for d in range(len(starts))],
+        policies=list(emitters),
+        horizon=horizon,
+        window=window,
+        branches=branches,
+        replicates=replicates,
+        vocab_size=vocab.pop(),
+        record=Record.parse(record),
+    )
+    attrs = {
+        "model_id": "synthetic",
+        "model_revision": "",
+        "dtype": "float64",
+        "kvcouple_version": kvcouple_version,
+        "decoding": {"temperature": 1.0, "top_k": None, "top_p": None},
+        "policies": [{"spec": n, "name": n, "params": {}} for n in emitters],
+        "seed": int(seed),
+        "estimator": "rb",
+        "source": "synthetic",
+        "eos_token_id": None,
+        "synthetic_starts": [list(s) if s else None for s in starts],
+    }
+    writer = TraceStoreWriter.open(path, layout, attrs)
+    done = writer.completed()
+    todo = [d for d in range(len(starts)) if not done[d]]
+    if stop_after is not None:
+        todo = todo[:stop_after]
+    for d in todo:
+        out = _empty_arrays(layout)
+        for pol, (_name, base) in enumerate(emitters.items()):
+            pair = base if starts[d] is None else with_starts(base, *starts[d])
+            rng = np.random.default_rng([int(seed), d, pol])
+            simulate_doc_policy(pair, layout, rng, out, pol)
+        out["prompt_length"] = np.int32(1)
+        out["kept_length"] = np.ones(len(emitters), np.int32)
+        writer.write_doc(d, out)
+    return Path(path)
+
+
+def _parse_policy(text: str) -> tuple[str, str]:
+    name, sep, file = text.partition("=")
+    if not sep:
+        return Path(text).stem, text
+    return name, file
+
+
+def _run(args: argparse.Namespace) -> int:
+    pairs = dict(_parse_policy(t) for t in args.pair)
+    docs: int | list[tuple[int, int] | int] = args.docs
+    if args.starts:
+        docs = [
+            int(s) if ":" not in s else tuple(map(int, s.split(":")))  # type: ignore[misc]
+            for s in args.starts.split(",")
+        ]
+    path = write_synthetic_trace_store(
+        args.out,
+        pairs,
+        horizon=args.horizon,
+        window=args.window,
+        branches=args.branches,
+        replicates=args.replicates,
+        docs=docs,
+        record=args.record,
+        seed=args.seed,
+    )
+    print(f"wrote {path}")
+    return 0
+
+
+def register_trace_store(subparsers: Any) -> None:
+    """Add ``trace-store`` to the ``kvcouple synth`` command group."""
+    p = subparsers.add_parser(
+        "trace-store",
+        help="simulate synthetic kernel pairs into a trace store (no model needed)",
+        description="Simulate RB-CMC replicates of synthetic kernel pairs into a trace store "
+        "in the schema the tracer writes, for testing the analysis end to end.",
+    )
+    p.add_argument(
+        "pair", nargs="+", help="pair files (.npz), optionally NAME=FILE; one per policy"
+    )
+    p.add_argument("--out", required=True, help="the store to write (created or resumed)")
+    p.add_argument("-T", "--horizon", type=int, required=True)
+    p.add_argument("-L", "--window", type=int, default=None, help="default: T-1 (to the horizon)")
+    p.add_argument("-K", "--branches", type=int, default=1)
+    p.add_argument("-R", "--replicates", type=int, default=64)
+    p.add_argument("--docs", type=int, default=1, help="documents from the pairs' start states")
+    p.add_argument(
+        "--starts",
+        default=None,
+        help="one start per document: 'a,b,c' (Markov) or 'sp:sq,...' (emitters)",
+    )
+    p.add_argument("--record", default="summary", help="summary, topk:K or full")
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(func=_run)

@@ -1,0 +1,139 @@
+//! Document-level bootstrap of column means.
+//!
+//! Every statistic the analysis reports across documents is a function of column means of a
+//! `(docs, cols)` table (ratios such as the aggregate post-divergence rate are ratios of means),
+//! so one resample of documents gives every statistic's replicate at once, and all columns of
+//! a replicate see the same documents (paired differences stay paired).
+//!
+//! Replicate `b` draws its documents from its own SplitMix64 stream seeded by `(seed, b)`, so
+//! the output is identical whatever the thread count. NaN entries (a quantity undefined for a
+//! document, e.g. the median divergence time of a document that never diverges) are left out
+//! of that column's mean; a replicate whose column has no finite entry gets NaN.
+
+use rayon::prelude::*;
+
+use crate::error::{KvError, KvResult};
+use crate::parallel;
+
+/// SplitMix64: tiny, fast, and plenty for drawing document indices.
+#[derive(Debug, Clone)]
+pub struct SplitMix64(u64);
+
+impl SplitMix64 {
+    /// The stream of replicate `index` under `seed`.
+    pub fn stream(seed: u64, index: u64) -> Self {
+        let mut s = SplitMix64(seed ^ 0x5851_F42D_4C95_7F2D);
+        let mixed = s.next_u64() ^ index.wrapping_mul(0x9E37_79B9_7F4A_7C15);
+        SplitMix64(mixed)
+    }
+
+    #[inline]
+    pub fn next_u64(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^ (z >> 31)
+    }
+
+    /// A uniform index in `0..n` (n > 0) by Lemire's multiply-shift (bias < n / 2^64).
+    #[inline]
+    pub fn below(&mut self, n: usize) -> usize {
+        ((self.next_u64() as u128 * n as u128) >> 64) as usize
+    }
+}
+
+/// Column means of `n_boot` bootstrap resamples of the rows of `values` (`docs x cols`,
+/// row-major). Returns `n_boot x cols`, row-major.
+pub fn bootstrap_means(
+    values: &[f64],
+    docs: usize,
+    cols: usize,
+    n_boot: usize,
+    seed: u64,
+) -> KvResult<Vec<f64>> {
+    if docs == 0 || cols == 0 {
+        return Err(KvError::Shape(format!(
+            "bootstrap needs at least one document and one column, got {docs} x {cols}"
+        )));
+    }
+    if values.len() != docs * cols {
+        return Err(KvError::Shape(format!(
+            "values has {} elements, expected {docs} x {cols}",
+            values.len()
+        )));
+    }
+    if n_boot == 0 {
+        return Err(KvError::InvalidArgument("n_boot must be at least 1".into()));
+    }
+    let mut out = vec![0.0; n_boot * cols];
+    parallel::install(|| {
+        out.par_chunks_mut(cols).enumerate().for_each(|(b, row)| {
+            let mut rng = SplitMix64::stream(seed, b as u64);
+            let mut counts = vec![0.0f64; cols];
+            for _ in 0..docs {
+                let d = rng.below(docs);
+                let src = &values[d * cols..(d + 1) * cols];
+                for ((acc, n), &v) in row.iter_mut().zip(counts.iter_mut()).zip(src) {
+                    if v.is_finite() {
+                        *acc += v;
+                        *n += 1.0;
+                    }
+                }
+            }
+            for (acc, n) in row.iter_mut().zip(&counts) {
+                *acc = if *n > 0.0 { *acc / n } else { f64::NAN };
+            }
+        })
+    });
+    Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn replicates_do_not_depend_on_threads() {
+        let values: Vec<f64> = (0..200).map(|i| (i as f64).sin()).collect();
+        let a = bootstrap_means(&values, 50, 4, 64, 7).unwrap();
+        crate::parallel::set_num_threads(1).unwrap();
+        let b = bootstrap_means(&values, 50, 4, 64, 7).unwrap();
+        crate::parallel::set_num_threads(0).unwrap();
+        assert_eq!(a, b);
+        let c = bootstrap_means(&values, 50, 4, 64, 8).unwrap();
+        assert_ne!(a, c);
+    }
+
+    #[test]
+    fn bootstrap_mean_is_near_sample_mean_and_nan_is_skipped() {
+        let docs = 400;
+        let values: Vec<f64> = (0..docs)
+            .flat_map(|i| {
+                let x = (i % 10) as f64;
+                [x, if i % 2 == 0 { f64::NAN } else { 1.0 }]
+            })
+            .collect();
+        let out = bootstrap_means(&values, docs, 2, 500, 1).unwrap();
+        let mean0: f64 = out.chunks(2).map(|r| r[0]).sum::<f64>() / 500.0;
+        assert!((mean0 - 4.5).abs() < 0.05, "{mean0}");
+        assert!(out.chunks(2).all(|r| r[1] == 1.0));
+    }
+
+    #[test]
+    fn bad_shapes_are_errors() {
+        assert!(bootstrap_means(&[1.0, 2.0], 3, 1, 10, 0).is_err());
+        assert!(bootstrap_means(&[], 0, 1, 10, 0).is_err());
+        assert!(bootstrap_means(&[1.0], 1, 1, 0, 0).is_err());
+    }
+
+    #[test]
+    fn indices_are_uniform() {
+        let mut r = SplitMix64::stream(3, 0);
+        let mut counts = [0usize; 5];
+        for _ in 0..50_000 {
+            counts[r.below(5)] += 1;
+        }
+        assert!(counts.iter().all(|&c| (c as f64 - 10_000.0).abs() < 500.0));
+    }
+}

@@ -1,0 +1,9 @@
+//! The heavy parts of trace-store analysis.
+//!
+//! - [`bootstrap`]: document-level bootstrap of column means, seeded per replicate so that
+//!   results do not depend on the number of threads;
+//! - [`recompute`]: per-row total variation recomputed from stored distributions (rows that
+//!   were never recorded hold NaN and give NaN).
+
+pub mod bootstrap;
+pub mod recompute;
