@@ -79,8 +79,12 @@ def _inverse_cdf(weight: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
 
 def couple_rows(
     p: torch.Tensor, q: torch.Tensor, u: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The sampler without input checks: ``(x, y, tv)`` per row (int64, int64, float64).
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The sampler without input checks: ``(x, y, tv, overlap)`` per row (int64, int64,
+    float64, float64); ``overlap`` is ``sum min(a, b)``, 0 when the rows share no support.
+
+    With ``u0 = 1`` every row with ``overlap > 0`` draws from the overlap (the RB-CMC path);
+    with ``u0 = 0`` every row with ``tv > 0`` draws from the residuals (a branch start).
 
     ``p``, ``q``: ``(rows, vocab)`` nonnegative with positive row sums; ``u``: ``(rows, 3)``.
     """
@@ -110,7 +114,7 @@ def couple_rows(
     y_t = torch.where(res_q > 0, u[:, 2] * res_q, u[:, 2])
     x = torch.where(use_overlap, z, _inverse_cdf(x_w, x_t))
     y = torch.where(use_overlap, z, _inverse_cdf(y_w, y_t))
-    return x, y, delta
+    return x, y, delta, overlap
 
 
 def couple_torch(
@@ -161,5 +165,5 @@ def couple_torch(
                 f"row {r}: {side} sums to {float(total[r]):.6f}, not 1 within atol={atol} "
                 "(pass renormalize=True to normalise rows)"
             )
-    x, y, _ = couple_rows(p, q, u)
+    x, y, _, _ = couple_rows(p, q, u)
     return x, y, x != y

@@ -1,0 +1,91 @@
+"""KV-cache eviction policies (SPEC section 7), a registry, and spec-string parsing.
+
+``parse_policy("snapkv:retain=0.5")`` builds a policy from its CLI form
+``name[:param=value[,param=value...]]``. See :mod:`kvcouple.policies.base` for the interface,
+the rounding of kept counts, and how to plug in a scorer of your own.
+"""
+
+from __future__ import annotations
+
+from kvcouple.policies.base import (
+    Policy,
+    PolicyContext,
+    PolicyError,
+    PolicyParameterError,
+    ScorePolicy,
+    UnknownPolicyError,
+    kept_count,
+    top_indices,
+)
+from kvcouple.policies.full import Full
+from kvcouple.policies.h2o import H2O
+from kvcouple.policies.knorm import KNorm
+from kvcouple.policies.random import Random
+from kvcouple.policies.recent import Recent
+from kvcouple.policies.snapkv import SnapKV
+from kvcouple.policies.streaming import Streaming
+from kvcouple.policies.tova import TOVA
+from kvcouple.policies.valuediff import ValueDiff
+
+POLICIES: dict[str, type[Policy]] = {}
+
+
+def register_policy(cls: type[Policy]) -> type[Policy]:
+    """Class decorator: make a :class:`Policy` subclass available by its ``name``."""
+    if not cls.name or ":" in cls.name or "," in cls.name:
+        raise ValueError(f"a policy needs a name without ':' or ',', got {cls.name!r}")
+    POLICIES[cls.name] = cls
+    return cls
+
+
+for _cls in (Full, SnapKV, Recent, Streaming, H2O, Random, KNorm, TOVA, ValueDiff):
+    register_policy(_cls)
+
+
+def parse_policy(spec: str) -> Policy:
+    """Build a policy from ``name[:k=v,...]``, e.g. ``"snapkv:budget=512,window=32"``.
+
+    Raises :class:`UnknownPolicyError` or :class:`PolicyParameterError` (both ``ValueError``)
+    naming what is wrong and what is allowed.
+    """
+    text = spec.strip()
+    name, _, rest = text.partition(":")
+    name = name.strip().lower()
+    if name not in POLICIES:
+        raise UnknownPolicyError(
+            f"unknown policy {name!r} in {spec!r}; known policies: {', '.join(sorted(POLICIES))}"
+        )
+    params: dict[str, str] = {}
+    for item in filter(None, (s.strip() for s in rest.split(","))):
+        key, eq, value = item.partition("=")
+        key = key.strip()
+        if not eq or not key or not value.strip():
+            raise PolicyParameterError(f"policy {spec!r}: expected param=value, got {item!r}")
+        if key in params:
+            raise PolicyParameterError(f"policy {spec!r}: parameter {key!r} given twice")
+        params[key] = value.strip()
+    return POLICIES[name](**params)
+
+
+__all__ = [
+    "H2O",
+    "KNorm",
+    "POLICIES",
+    "TOVA",
+    "Full",
+    "Policy",
+    "PolicyContext",
+    "PolicyError",
+    "PolicyParameterError",
+    "Random",
+    "Recent",
+    "ScorePolicy",
+    "SnapKV",
+    "Streaming",
+    "UnknownPolicyError",
+    "ValueDiff",
+    "kept_count",
+    "parse_policy",
+    "register_policy",
+    "top_indices",
+]

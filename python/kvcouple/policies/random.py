@@ -1,0 +1,30 @@
+"""``random``: a uniformly random subset per layer and KV head (a null baseline).
+
+Seeded: the subset depends on ``seed`` and on the tracer's per-document generator, so the same
+command gives the same subsets.
+"""
+
+from __future__ import annotations
+
+from kvcouple.policies.base import Policy, PolicyContext
+
+
+class Random(Policy):
+    """Keeps a uniformly random subset of ``kept - 1`` prefix entries per layer and head."""
+
+    name = "random"
+    PARAMS = {"seed": (int, 0)}
+
+    def select(self, ctx: PolicyContext, keep: int):
+        import torch
+
+        gen = torch.Generator().manual_seed(self.params["seed"])
+        if ctx.generator is not None:
+            # Mix in the per-document stream so documents get different subsets.
+            gen.manual_seed(
+                self.params["seed"] * 1_000_003
+                + int(torch.randint(2**31, (1,), generator=ctx.generator))
+            )
+        scores = torch.rand(ctx.num_layers, ctx.num_kv_heads, ctx.length, generator=gen)
+        idx = torch.sort(torch.topk(scores, keep, dim=-1).indices, dim=-1).values
+        return idx.to(ctx.keys[0].device)

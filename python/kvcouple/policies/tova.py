@@ -1,0 +1,19 @@
+"""``tova``: token omission via attention (Oren et al., 2024), one-shot at prefill.
+
+Score: the attention the last prefix query pays to each entry, averaged over the query heads of
+each GQA group (TOVA averages over all heads of a layer; per KV head is the GQA-aware form).
+"""
+
+from __future__ import annotations
+
+from kvcouple.policies.base import PolicyContext, ScorePolicy
+
+
+class TOVA(ScorePolicy):
+    """Keeps the entries the last prompt query attends to most."""
+
+    name = "tova"
+    NEEDS_QUERIES = True
+
+    def score(self, ctx: PolicyContext, layer: int):
+        return ctx.group_mean(ctx.window_attention(layer, 1)[:, -1])

@@ -1,0 +1,16 @@
+"""``valuediff``: keep the tokens whose value vectors deviate most, in L2, from the mean value of
+the cache (per layer and KV head)."""
+
+from __future__ import annotations
+
+from kvcouple.policies.base import PolicyContext, ScorePolicy
+
+
+class ValueDiff(ScorePolicy):
+    """Score: ``||v_j - mean_j v_j||`` per head."""
+
+    name = "valuediff"
+
+    def score(self, ctx: PolicyContext, layer: int):
+        v = ctx.values[layer].float()
+        return (v - v.mean(dim=1, keepdim=True)).norm(dim=-1)

@@ -1,0 +1,183 @@
+"""``kvcouple trace``: trace documents x policies with a Hugging Face model into a store.
+
+Example::
+
+    kvcouple trace --model meta-llama/Llama-3.1-8B-Instruct --prompts docs.jsonl \\
+        --policy snapkv:retain=0.5 --policy recent:retain=0.5 --horizon 256 \\
+        --replicates 8 --branches 4 --window 32 --record summary --seed 0 --out run.zarr
+
+Rerun the same command after an interruption to finish the store; ``--shard i/N`` lets N
+processes (one per GPU) fill one store. torch is imported only when the command runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+
+def register(subparsers: Any) -> None:
+    """Add the ``trace`` command."""
+    p = subparsers.add_parser(
+        "trace",
+        help="coupled full-cache vs evicted generation of a model into a trace store",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument(
+        "--model", default=None, help="model name or local path (default: the small embedded model)"
+    )
+    p.add_argument("--revision", default=None, help="model revision (Hub models)")
+    p.add_argument(
+        "--prompts",
+        default=None,
+        help='JSON lines of {"id", "text"} or {"id", "input_ids"} '
+        "(default with the embedded model: its shipped prompts)",
+    )
+    p.add_argument(
+        "--chat-template",
+        action="store_true",
+        help="wrap each text prompt in the tokenizer's chat template",
+    )
+    p.add_argument(
+        "--policy",
+        action="append",
+        required=True,
+        metavar="SPEC",
+        help="eviction policy, e.g. snapkv:retain=0.5 (repeatable)",
+    )
+    p.add_argument("--horizon", type=int, default=64, help="T: new tokens per trajectory")
+    p.add_argument("--replicates", type=int, default=8, help="R: overlap paths per document")
+    p.add_argument("--branches", type=int, default=1, help="K: residual branches per path")
+    p.add_argument(
+        "--window",
+        type=int,
+        default=16,
+        help="L: lags traced after a branch (>= horizon: to the horizon)",
+    )
+    p.add_argument("--record", default="summary", help="summary | topk:K | full")
+    p.add_argument("--temperature", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=None)
+    p.add_argument("--top-p", type=float, default=None)
+    p.add_argument(
+        "--eos",
+        type=int,
+        action="append",
+        default=None,
+        help="EOS token id (repeatable; default: the model's)",
+    )
+    p.add_argument("--no-eos", action="store_true", help="no absorbing EOS")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", required=True, help="trace store (.zarr) to create or resume")
+    p.add_argument("--shard", default="0/1", help="i/N: trace documents with index i mod N")
+    p.add_argument(
+        "--max-docs", type=int, default=None, help="stop after this many newly traced documents"
+    )
+    p.add_argument("--device", default=None, help="cuda, cuda:1, cpu (default: cuda if any)")
+    p.add_argument(
+        "--dtype",
+        default=None,
+        help="bfloat16, float16, float32 (default: bfloat16 on CUDA, float32 on CPU)",
+    )
+    p.add_argument("--attn", default="sdpa", help="attention implementation: sdpa or eager")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.set_defaults(func=run)
+
+
+def _eos_ids(model: Any) -> tuple[int, ...]:
+    for source in (getattr(model, "generation_config", None), model.config):
+        eos = getattr(source, "eos_token_id", None)
+        if eos is not None:
+            return tuple(int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos]))
+    return ()
+
+
+def _load(load_model: Any, args: argparse.Namespace, extra: dict[str, Any]) -> tuple[Any, Any]:
+    """The model and its tokenizer; a local model directory without tokenizer files loads with
+    no tokenizer (its prompts must then be given as input_ids)."""
+    from pathlib import Path
+
+    local = Path(args.model) if args.model is not None else None
+    has_tokenizer = (
+        local is None
+        or not local.is_dir()
+        or any(
+            (local / f).exists()
+            for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+        )
+    )
+    if has_tokenizer:
+        return load_model(args.model, device=args.device, dtype=args.dtype, **extra)
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from kvcouple.models import _dtype_keyword, _resolve_dtype
+
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    extra = {**extra, _dtype_keyword(): _resolve_dtype(args.dtype, device)}
+    model = AutoModelForCausalLM.from_pretrained(local, local_files_only=True, **extra)
+    return model.to(device).eval(), None
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run ``kvcouple trace``; returns the exit code."""
+    # Validate everything cheap before loading a model.
+    from kvcouple.policies import parse_policy
+    from kvcouple.store import Record
+    from kvcouple.tracer.run import parse_shard
+
+    policies = [parse_policy(s) for s in args.policy]
+    record = Record.parse(args.record)
+    shard = parse_shard(args.shard)
+    for name in ("horizon", "replicates", "branches"):
+        if getattr(args, name) < 1:
+            raise ValueError(f"--{name} must be >= 1, got {getattr(args, name)}")
+    if args.window < 0:
+        raise ValueError(f"--window must be >= 0, got {args.window}")
+    if args.attn not in ("sdpa", "eager"):
+        raise ValueError(f"--attn must be sdpa or eager, got {args.attn!r}")
+
+    from kvcouple.models import default_prompts_path, load_model
+    from kvcouple.tracer.engine import Decoding, TraceSettings
+    from kvcouple.tracer.prefill import vocab_size
+    from kvcouple.tracer.prompts import load_prompts
+    from kvcouple.tracer.run import trace
+
+    decoding = Decoding(args.temperature, args.top_k, args.top_p)
+    prompts_path = args.prompts
+    if prompts_path is None:
+        if args.model is not None:
+            raise ValueError("--prompts is required with --model")
+        prompts_path = default_prompts_path()
+    extra = {"attn_implementation": args.attn}
+    if args.revision:
+        extra["revision"] = args.revision
+    model, tokenizer = _load(load_model, args, extra)
+    prompts = load_prompts(
+        prompts_path, tokenizer, chat_template=args.chat_template, vocab_size=vocab_size(model)
+    )
+    eos = () if args.no_eos else tuple(args.eos) if args.eos else _eos_ids(model)
+    settings = TraceSettings(
+        horizon=args.horizon,
+        replicates=args.replicates,
+        branches=args.branches,
+        window=args.window,
+        decoding=decoding,
+        record=record,
+        eos_token_ids=eos,
+    )
+    summary = trace(
+        model,
+        prompts,
+        policies,
+        settings,
+        args.out,
+        seed=args.seed,
+        model_id=args.model or "kvcouple-default",
+        model_revision=args.revision or "",
+        shard=shard,
+        max_docs=args.max_docs,
+        progress=not args.quiet,
+    )
+    print(summary.format())
+    return 0

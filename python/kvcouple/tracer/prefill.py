@@ -1,0 +1,119 @@
+"""Prefill a prompt once and build the evicted cache of each policy from it.
+
+The prompt ``c`` of ``n`` tokens is prefilled without its last token (positions ``0..n-2``);
+that prefix cache is what policies evict from. The last prompt token is then fed at position
+``n-1`` on top of the full cache (giving ``p_1``) and on top of the evicted cache (giving
+``q_1``), so the evicted model's first distribution already sees the eviction. Positions are
+the original ones: the first generated token sits at position ``n`` whatever was evicted.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from kvcouple.errors import InvalidInputError
+from kvcouple.policies import Policy, PolicyContext
+from kvcouple.tracer import compat
+
+
+class PromptTooShortError(InvalidInputError):
+    """A prompt with fewer than two tokens (nothing to evict before the re-fed last token)."""
+
+
+@dataclass
+class Prefill:
+    """The full prefix cache of one prompt (batch of one) and what policies may ask of it."""
+
+    input_ids: torch.Tensor  # (n,) the whole prompt
+    kv: list[tuple[torch.Tensor, torch.Tensor]]  # per layer (1, kv_heads, n-1, head_dim)
+    capture: compat.QueryCapture | None
+    num_query_heads: int
+    vocab_size: int
+
+    @property
+    def prompt_length(self) -> int:
+        return int(self.input_ids.shape[0])
+
+    @property
+    def prefix_length(self) -> int:
+        return self.prompt_length - 1
+
+    def context(self, generator: torch.Generator | None = None) -> PolicyContext:
+        cap = self.capture
+        return PolicyContext(
+            keys=[k[0] for k, _ in self.kv],
+            values=[v[0] for _, v in self.kv],
+            query_fn=None if cap is None else cap.queries,
+            scaling=None if cap is None else cap.scaling,
+            num_query_heads=self.num_query_heads,
+            generator=generator,
+        )
+
+
+def num_query_heads(model: Any) -> int:
+    cfg = (
+        model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    )
+    return int(cfg.num_attention_heads)
+
+
+@torch.inference_mode()
+def prefill(model: Any, input_ids: torch.Tensor, need_queries: bool, doc: str = "") -> Prefill:
+    """Run the prompt minus its last token through the model once."""
+    ids = torch.as_tensor(input_ids, dtype=torch.long).reshape(-1)
+    n = int(ids.shape[0])
+    if n < 2:
+        raise PromptTooShortError(
+            f"prompt {doc!r} has {n} token(s); the tracer needs at least 2 (the last prompt "
+            "token is re-fed after eviction)"
+        )
+    device = next(model.parameters()).device
+    ids = ids.to(device)
+    cache = compat.new_cache()
+    positions = torch.arange(n - 1, device=device)[None]
+    capture = compat.QueryCapture(model) if need_queries else None
+    if capture is not None:
+        with capture:
+            compat.forward(model, ids[None, :-1], cache, positions)
+    else:
+        compat.forward(model, ids[None, :-1], cache, positions)
+    return Prefill(
+        ids, compat.cache_tensors(cache), capture, num_query_heads(model), vocab_size(model)
+    )
+
+
+def vocab_size(model: Any) -> int:
+    """The width of the model's logits."""
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    if head is not None and hasattr(head, "weight"):
+        return int(head.weight.shape[0])
+    return int(model.config.vocab_size)
+
+
+def select(policy: Policy, pre: Prefill, generator: torch.Generator | None = None) -> torch.Tensor:
+    """The policy's kept prefix indices ``(layers, kv_heads, kept - 1)``, checked."""
+    keep = policy.kept_count(pre.prompt_length) - 1
+    ctx = pre.context(generator)
+    idx = policy.select(ctx, keep)
+    want = (ctx.num_layers, ctx.num_kv_heads, keep)
+    if tuple(idx.shape) != want:
+        raise ValueError(
+            f"policy {policy.spec()} returned indices of shape {tuple(idx.shape)}, expected {want}"
+        )
+    if keep and (int(idx.min()) < 0 or int(idx.max()) >= pre.prefix_length):
+        raise ValueError(f"policy {policy.spec()} returned indices outside the prompt")
+    return idx
+
+
+def gather_kept(
+    kv: list[tuple[torch.Tensor, torch.Tensor]], idx: torch.Tensor
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """The kept entries per layer and KV head: ``(1, kv_heads, keep, head_dim)`` each."""
+    out = []
+    for layer, (k, v) in enumerate(kv):
+        index = idx[layer].to(k.device)[None, :, :, None].expand(1, -1, -1, k.shape[-1])
+        out.append((torch.gather(k, 2, index), torch.gather(v, 2, index)))
+    return out

@@ -1,0 +1,102 @@
+"""Prompt files: JSON lines of ``{"id", "text"}`` or ``{"id", "input_ids"}``.
+
+Blank lines are skipped. Ids are strings (numbers are converted) and must be unique. A line
+that is not valid JSON, lacks an id, or has neither a non-empty ``text`` nor a non-empty
+``input_ids`` list raises :class:`PromptFileError` naming the file and line number.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from kvcouple.errors import InvalidInputError
+
+
+class PromptFileError(InvalidInputError):
+    """A prompt file that cannot be read as documented (names the line)."""
+
+
+@dataclass(frozen=True)
+class Prompt:
+    """One document: its id and token ids."""
+
+    id: str
+    input_ids: tuple[int, ...]
+
+
+def _tokenize(tokenizer: Any, text: str, chat_template: bool) -> list[int]:
+    if chat_template:
+        ids = tokenizer.apply_chat_template(
+            [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True
+        )
+        if isinstance(ids, dict) or hasattr(ids, "keys"):  # BatchEncoding in newer versions
+            ids = ids["input_ids"]
+        return [int(i) for i in ids]
+    return [int(i) for i in tokenizer(text, add_special_tokens=True)["input_ids"]]
+
+
+def load_prompts(
+    path: str | os.PathLike[str],
+    tokenizer: Any = None,
+    *,
+    chat_template: bool = False,
+    vocab_size: int | None = None,
+) -> list[Prompt]:
+    """Read a prompt file; texts are tokenised with ``tokenizer`` (optionally through its chat
+    template). ``vocab_size`` bounds the token ids of ``input_ids`` lines."""
+    path = Path(path)
+    if not path.exists():
+        raise FileNotFoundError(f"prompt file {path} does not exist")
+    prompts: list[Prompt] = []
+    seen: dict[str, int] = {}
+    with path.open(encoding="utf-8") as f:
+        for number, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            where = f"{path} line {number}"
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise PromptFileError(f"{where}: not valid JSON ({e.msg})") from None
+            if not isinstance(obj, dict):
+                raise PromptFileError(f"{where}: expected a JSON object, got {type(obj).__name__}")
+            if "id" not in obj or not isinstance(obj["id"], (str, int)) or obj["id"] == "":
+                raise PromptFileError(f'{where}: missing or empty "id" (a string)')
+            doc_id = str(obj["id"])
+            if doc_id in seen:
+                raise PromptFileError(f"{where}: id {doc_id!r} already used on line {seen[doc_id]}")
+            seen[doc_id] = number
+            if "input_ids" in obj:
+                ids = obj["input_ids"]
+                if not isinstance(ids, list) or not all(
+                    isinstance(i, int) and not isinstance(i, bool) for i in ids
+                ):
+                    raise PromptFileError(f'{where}: "input_ids" must be a list of integers')
+                bad = [i for i in ids if i < 0 or (vocab_size is not None and i >= vocab_size)]
+                if bad:
+                    raise PromptFileError(
+                        f"{where}: token id {bad[0]} is outside the vocabulary [0, {vocab_size})"
+                    )
+            elif "text" in obj:
+                if not isinstance(obj["text"], str):
+                    raise PromptFileError(f'{where}: "text" must be a string')
+                if not obj["text"].strip():
+                    raise PromptFileError(f"{where}: empty prompt (document {doc_id!r})")
+                if tokenizer is None:
+                    raise PromptFileError(
+                        f"{where}: a text prompt needs a tokenizer (the model has none); "
+                        'give "input_ids" instead'
+                    )
+                ids = _tokenize(tokenizer, obj["text"], chat_template)
+            else:
+                raise PromptFileError(f'{where}: needs "text" or "input_ids"')
+            if not ids:
+                raise PromptFileError(f"{where}: empty prompt (document {doc_id!r})")
+            prompts.append(Prompt(doc_id, tuple(ids)))
+    if not prompts:
+        raise PromptFileError(f"{path} holds no prompts")
+    return prompts

@@ -1,0 +1,226 @@
+"""A whole tracing run: documents x policies into one trace store, resumable and shardable.
+
+Each document is prefilled once and traced under every policy; its records are written as one
+region of the store and marked completed last. Rerunning the same command skips completed
+documents, and because every random draw depends only on ``(seed, doc index, policy index)``
+the finished store equals an uninterrupted run. ``shard=(i, n)`` traces documents whose index
+is ``i`` modulo ``n``, so ``n`` processes can fill one store.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from kvcouple.errors import InvalidInputError
+from kvcouple.policies import Policy, parse_policy
+from kvcouple.store import StoreLayout, TraceStoreWriter
+from kvcouple.tracer.engine import TraceSettings, trace_policy
+from kvcouple.tracer.prefill import prefill, vocab_size
+from kvcouple.tracer.prompts import Prompt
+
+
+class VocabularyMismatchError(InvalidInputError):
+    """Resuming a store traced with another vocabulary size than the model's."""
+
+
+def trace_document(
+    model: Any,
+    input_ids: Sequence[int],
+    policies: Sequence[Policy | str],
+    settings: TraceSettings,
+    *,
+    seed: int = 0,
+    doc_index: int = 0,
+    doc_id: str = "",
+    on_policy: Any = None,
+) -> tuple[dict[str, np.ndarray], int]:
+    """Trace one prompt under every policy. Returns the store arrays of this document (no
+    ``doc`` axis; ``policy`` first) and the number of generated tokens (both sides).
+    ``on_policy()`` is called after each policy (for progress bars)."""
+    import torch
+
+    pols = [parse_policy(p) if isinstance(p, str) else p for p in policies]
+    ids = torch.as_tensor(list(input_ids), dtype=torch.long)
+    pre = prefill(model, ids, any(p.NEEDS_QUERIES for p in pols), doc=doc_id)
+    traces = []
+    for i, pol in enumerate(pols):
+        traces.append(trace_policy(model, pre, pol, settings, seed, doc_index, i))
+        if on_policy is not None:
+            on_policy()
+    arrays = {name: np.stack([t.arrays[name] for t in traces]) for name in traces[0].arrays}
+    arrays["prompt_length"] = np.asarray(pre.prompt_length, dtype=np.int32)
+    arrays["kept_length"] = np.asarray([t.kept_length for t in traces], dtype=np.int32)
+    return arrays, sum(t.generated_tokens for t in traces)
+
+
+@dataclass
+class RunSummary:
+    """What one invocation of :func:`trace` did."""
+
+    store: Path
+    documents: int
+    traced: list[int] = field(default_factory=list)
+    skipped: int = 0
+    generated_tokens: int = 0
+    seconds: float = 0.0
+    occurrence: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.generated_tokens / self.seconds if self.seconds > 0 else 0.0
+
+    def format(self) -> str:
+        lines = [
+            f"store: {self.store}",
+            f"documents: {len(self.traced)} traced, {self.skipped} already done, "
+            f"{self.documents} in the run",
+            f"generated tokens (both sides): {self.generated_tokens} in {self.seconds:.1f} s "
+            f"({self.tokens_per_second:.1f} tokens/s)",
+        ]
+        for spec, value in self.occurrence.items():
+            lines.append(f"  {spec}: mean occurrence estimate P(tau <= T) = {value:.4f}")
+        return "\n".join(lines)
+
+
+def parse_shard(text: str) -> tuple[int, int]:
+    """``"i/N"`` -> ``(i, N)`` with ``0 <= i < N``."""
+    try:
+        i, n = (int(x) for x in text.split("/"))
+    except ValueError:
+        raise InvalidInputError(f"--shard must look like i/N (e.g. 0/2), got {text!r}") from None
+    if n < 1 or not 0 <= i < n:
+        raise InvalidInputError(f"--shard {text}: need 0 <= i < N")
+    return i, n
+
+
+def _check_vocab(out: Path, vocab: int) -> None:
+    if not out.exists():
+        return
+    import zarr
+
+    try:
+        attrs = dict(zarr.open_group(str(out), mode="r").attrs)
+    except Exception:
+        return  # not a store: the writer reports it
+    if "vocab_size" in attrs and attrs["vocab_size"] != vocab:
+        raise VocabularyMismatchError(
+            f"cannot resume {out}: it was traced with a vocabulary of {attrs['vocab_size']} "
+            f"tokens but this model's logits have {vocab}. Use the same model or a new --out."
+        )
+
+
+def trace(
+    model: Any,
+    prompts: Sequence[Prompt],
+    policies: Sequence[Policy | str],
+    settings: TraceSettings,
+    out: str | os.PathLike[str],
+    *,
+    seed: int = 0,
+    model_id: str = "",
+    model_revision: str = "",
+    shard: tuple[int, int] = (0, 1),
+    max_docs: int | None = None,
+    progress: bool = True,
+) -> RunSummary:
+    """Trace every prompt under every policy into the store at ``out`` (created or resumed).
+
+    ``max_docs`` stops after that many newly traced documents (the rest stay unfinished, to
+    be finished by the same call again).
+    """
+    import torch
+    from tqdm import tqdm
+
+    from kvcouple import __version__
+
+    pols = [parse_policy(p) if isinstance(p, str) else p for p in policies]
+    if not pols:
+        raise InvalidInputError("give at least one policy")
+    specs = [p.spec() for p in pols]
+    if len(set(specs)) != len(specs):
+        raise InvalidInputError(f"a policy is given twice: {specs}")
+    for p in pols:
+        if getattr(p, "decode_time", False):
+            raise InvalidInputError(
+                f"policy {p.spec()}: decode-time eviction is not supported by the tracer yet"
+            )
+    if not prompts:
+        raise InvalidInputError("no prompts to trace")
+    out = Path(out)
+    vocab = vocab_size(model)
+    _check_vocab(out, vocab)
+    dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
+    layout = StoreLayout(
+        doc_ids=[p.id for p in prompts],
+        policies=specs,
+        horizon=settings.horizon,
+        window=settings.window,
+        branches=settings.branches,
+        replicates=settings.replicates,
+        vocab_size=vocab,
+        record=settings.record,
+    )
+    attrs = {
+        "kvcouple_version": __version__,
+        "model_id": model_id,
+        "model_revision": model_revision,
+        "dtype": dtype,
+        "decoding": settings.decoding.as_dict(),
+        "policies": [{"spec": p.spec(), "name": p.name, "params": p.params} for p in pols],
+        "seed": seed,
+        "eos_token_id": list(settings.eos_token_ids),
+        "estimator": "rb",
+        "source": "model",
+    }
+    writer = TraceStoreWriter.open(out, layout, attrs)
+    done = writer.completed()
+    index, count = shard
+    mine = [d for d in range(len(prompts)) if d % count == index]
+    todo = [d for d in mine if not done[d]]
+    if max_docs is not None:
+        todo = todo[:max_docs]
+    summary = RunSummary(
+        out, len(prompts), skipped=len(mine) - len([d for d in mine if not done[d]])
+    )
+    occ_sum = np.zeros(len(pols))
+    start = time.perf_counter()
+    bar = tqdm(
+        total=len(todo) * len(pols), unit="doc-policy", disable=not progress, desc="kvcouple trace"
+    )
+    try:
+        for d in todo:
+            prompt = prompts[d]
+            arrays, tokens = trace_document(
+                model,
+                prompt.input_ids,
+                pols,
+                settings,
+                seed=seed,
+                doc_index=d,
+                doc_id=prompt.id,
+                on_policy=lambda: bar.update(1),
+            )
+            writer.write_doc(d, arrays)
+            summary.traced.append(d)
+            summary.generated_tokens += tokens
+            hazard = arrays["hazard"].astype(np.float64)  # (policy, rep, step)
+            occ_sum += (1 - np.prod(1 - hazard, axis=-1)).mean(axis=-1)
+            elapsed = time.perf_counter() - start
+            bar.set_postfix(tok_s=f"{summary.generated_tokens / max(elapsed, 1e-9):.0f}")
+    finally:
+        bar.close()
+    summary.seconds = time.perf_counter() - start
+    if summary.traced:
+        summary.occurrence = dict(
+            zip(specs, (occ_sum / len(summary.traced)).tolist(), strict=False)
+        )
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    return summary
