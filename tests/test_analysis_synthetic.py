@@ -18,6 +18,46 @@ from kvcouple.synth.trace_store import as_emitter_pair, with_starts, write_synth
 T = 8
 
 
+def exact_truth(pair, start: int, horizon: int, window: int) -> dict[str, object]:
+    """The exact solver's answer: ``kvcouple.synth.exact`` (the project's solver) when it is
+    installed, else the independent DP of ``analysis_exact_dp`` (the two are cross-checked
+    below)."""
+    base = with_starts(as_emitter_pair(pair), start, start)
+    try:
+        from kvcouple import synth
+    except ImportError:
+        return exact_dp(base, horizon, window)
+    kp = synth.pair_from_mapping(
+        {
+            "P_emit": base.p_emit,
+            "P_next": base.p_next,
+            "P_start": base.p_start,
+            "Q_emit": base.q_emit,
+            "Q_next": base.q_next,
+            "Q_start": base.q_start,
+        }
+    )
+    r = synth.exact(kp, horizon=horizon, window=window)
+    post = np.zeros(horizon)
+    reach = np.zeros(horizon)
+    reach[0] = r.occurrence
+    n = len(r.branch_tv_by_lag)
+    reach[1 : n + 1] = r.branch_lag_weight
+    post[1 : n + 1] = np.nan_to_num(r.branch_tv_by_lag) * r.branch_lag_weight
+    return {
+        "occurrence": r.occurrence,
+        "occupation": r.occupation,
+        "expected_mismatches": r.expected_mismatches,
+        "window_contribution": r.window_contribution,
+        "tail_contribution": r.tail_contribution,
+        "tail_exposure": r.tail_exposure,
+        "survival": np.asarray(r.survival),
+        "pmf": np.asarray(r.divergence_time_pmf),
+        "post_by_lag": post,
+        "reach": reach,
+    }
+
+
 def _markov(seed: int, V: int, mix: float) -> dict[str, np.ndarray]:
     rng = np.random.default_rng(seed)
     P = rng.dirichlet(np.ones(V) * 0.7, size=V)
@@ -56,8 +96,7 @@ def store(tmp_path_factory):
 def exact():
     out = {}
     for name, pair in PAIRS.items():
-        base = as_emitter_pair(pair)
-        out[name] = [exact_dp(with_starts(base, s, s), T, T - 1) for s in STARTS]
+        out[name] = [exact_truth(pair, s, T, T - 1) for s in STARTS]
     return out
 
 
@@ -116,26 +155,23 @@ def test_curves_and_rho_match_exact(store, exact):
         assert mm == pytest.approx(f + e * rho["estimate"], rel=1e-12)
         # Branch TV by lag: O-weighted over branches that reach the lag, pooled over docs.
         for lag in range(1, T - 2):
-            truth = sum(e["post_by_lag"][lag] for e in ex) / sum(e["reach"][lag] for e in ex)
+            tv = sum(e["post_by_lag"][lag] for e in ex) / sum(e["reach"][lag] for e in ex)
             row = _row(m.tables["curves"], policy=pol, curve="branch_tv", x=lag)
-            assert row["ci_low"] - 0.03 <= truth <= row["ci_high"] + 0.03, (pol, lag, row)
+            assert row["ci_low"] - 0.03 <= tv <= row["ci_high"] + 0.03, (pol, lag, row)
 
 
 def test_observation_window_splits_tail(store, exact):
     """With L_w < stored L: window + tail contributions and tail exposure match the exact
     solver at L_w, and the sharp interval contains E[M]/T."""
     Lw = 3
-    ex_w = {
-        pol: [exact_dp(with_starts(as_emitter_pair(PAIRS[pol]), s, s), T, Lw) for s in STARTS]
-        for pol in PAIRS
-    }
+    ex_w = {pol: [exact_truth(PAIRS[pol], s, T, Lw) for s in STARTS] for pol in PAIRS}
     result = analyze(store, window=Lw, n_boot=400)
     _check_aggregate(result, ex_w, ["window_contribution", "tail_contribution", "tail_exposure"])
     for pol, ex in ex_w.items():
-        truth = np.mean([e["expected_mismatches"] for e in ex]) / T
+        m_true = np.mean([e["expected_mismatches"] for e in ex]) / T
         lo = _row(result.models[0].tables["summary"], policy=pol, quantity="interval_lower")
         hi = _row(result.models[0].tables["summary"], policy=pol, quantity="interval_upper")
-        assert lo["ci_low"] <= truth <= hi["ci_high"]
+        assert lo["ci_low"] <= m_true <= hi["ci_high"]
         assert lo["estimate"] <= hi["estimate"]
 
 
@@ -153,29 +189,18 @@ def test_short_window_store_reports_interval_not_point(tmp_path, exact):
     result = analyze(path, n_boot=300)
     rows = result.models[0].tables["summary"]
     assert np.isnan(_row(rows, quantity="mismatch_fraction")["estimate"])
-    ex2 = {
-        "markov3": [
-            exact_dp(with_starts(as_emitter_pair(PAIRS["markov3"]), s, s), T, 2) for s in STARTS
-        ]
-    }
+    ex2 = {"markov3": [exact_truth(PAIRS["markov3"], s, T, 2) for s in STARTS]}
     _check_aggregate(result, ex2, ["window_contribution", "tail_exposure", "occurrence"])
-    truth = np.mean([e["expected_mismatches"] for e in ex2["markov3"]]) / T
-    assert _row(rows, quantity="interval_lower")["ci_low"] <= truth
-    assert truth <= _row(rows, quantity="interval_upper")["ci_high"]
+    m_true = np.mean([e["expected_mismatches"] for e in ex2["markov3"]]) / T
+    assert _row(rows, quantity="interval_lower")["ci_low"] <= m_true
+    assert m_true <= _row(rows, quantity="interval_upper")["ci_high"]
 
 
-def test_own_exact_solver_matches_synth_exact_when_available():
+def test_independent_exact_dp_matches_synth_exact():
     synth = pytest.importorskip("kvcouple.synth")
-    if not hasattr(synth, "exact"):
-        pytest.skip("kvcouple.synth.exact has not landed")
     for name, pair in PAIRS.items():
         ours = exact_dp(as_emitter_pair(pair), T, 3)
-        try:
-            theirs = synth.exact(
-                synth.load_pair(pair) if hasattr(synth, "load_pair") else pair, horizon=T, window=3
-            )
-        except TypeError:
-            pytest.skip("kvcouple.synth.exact takes another pair type")
+        theirs = synth.exact(synth.pair_from_mapping(pair), horizon=T, window=3)
         for key in (
             "occurrence",
             "occupation",
@@ -184,5 +209,5 @@ def test_own_exact_solver_matches_synth_exact_when_available():
             "tail_contribution",
             "tail_exposure",
         ):
-            if key in theirs:
-                assert float(theirs[key]) == pytest.approx(ours[key], abs=1e-9), (name, key)
+            assert getattr(theirs, key) == pytest.approx(ours[key], abs=1e-12), (name, key)
+        np.testing.assert_allclose(theirs.branch_tv_by_lag, ours["branch_tv"][1:4], atol=1e-12)

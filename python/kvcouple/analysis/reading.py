@@ -341,8 +341,8 @@ def topk_tv_bounds(
     in_p = match.any(1)
     q_at_p = np.where(match, pq[:, None, :], 0.0).sum(2)
     known = np.where(in_q, np.abs(pp - q_at_p), 0.0).sum(1)
-    cap_q = np.minimum(np.nanmin(np.where(iq >= 0, pq, np.nan), axis=1), tq)
-    cap_p = np.minimum(np.nanmin(np.where(ip >= 0, pp, np.nan), axis=1), tp)
+    cap_q = np.minimum(np.min(np.where(iq >= 0, pq, np.inf), axis=1), tq)
+    cap_p = np.minimum(np.min(np.where(ip >= 0, pp, np.inf), axis=1), tp)
     only_p = np.where(~in_q & (ip >= 0), pp, 0.0)
     only_q = np.where(~in_p & (iq >= 0), pq, 0.0)
     # Upper: unknown partners are 0 and the tails are disjoint.

@@ -1,0 +1,176 @@
+"""Prespecified plans (hashing, confirmatory refusal, document sets, Holm), gap attribution,
+paired differences and the bootstrap's reproducibility."""
+
+from __future__ import annotations
+
+import kvcouple
+import numpy as np
+import pytest
+from kvcouple import _core
+from kvcouple.analysis import PlanError, analyze, load_plan
+from kvcouple.analysis.stats import bootstrap_p_value, holm
+from kvcouple.cli import main
+from kvcouple.synth.trace_store import write_synthetic_trace_store
+
+V = 4
+_rng = np.random.default_rng(7)
+_P = _rng.dirichlet(np.ones(V), size=V)
+PAIRS = {
+    "mild": {"P": _P, "Q": 0.9 * _P + 0.1 * _rng.dirichlet(np.ones(V), size=V), "start": 0},
+    "harsh": {"P": _P, "Q": 0.5 * _P + 0.5 * _rng.dirichlet(np.ones(V), size=V), "start": 0},
+}
+DOCS = [0, 1, 2, 3, 0, 1, 2, 3]
+
+PLAN = """
+name = "harsh vs mild"
+alpha = 0.05
+correction = "holm"
+n_boot = 300
+
+[documents]
+exploratory = ["doc0000", "doc0001", "doc0002"]
+confirmatory = ["doc0003", "doc0004", "doc0005", "doc0006", "doc0007"]
+
+[[comparisons]]
+name = "harsh loses more"
+metric = "mismatch_fraction"
+a = "mild"
+b = "harsh"
+direction = "greater"
+
+[[comparisons]]
+metric = "occurrence"
+a = "mild"
+b = "harsh"
+direction = "two-sided"
+"""
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory):
+    path = tmp_path_factory.mktemp("plan") / "run.zarr"
+    return write_synthetic_trace_store(path, PAIRS, horizon=8, replicates=100, docs=DOCS, seed=1)
+
+
+def _row(rows, **kw):
+    return next(r for r in rows if all(r[k] == v for k, v in kw.items()))
+
+
+def test_gap_attribution_identity(store):
+    result = analyze(store, n_boot=300)
+    m = result.models[0]
+    g = {r["term"]: r for r in m.tables["gap_attribution"]}
+    total = g["delta_first_mismatch"]["estimate"] + g["exposure_term"]["estimate"]
+    total += g["rate_term"]["estimate"]
+    assert g["gap"]["estimate"] == pytest.approx(total, rel=1e-12)
+    diff = _row(m.tables["differences"], quantity="mismatch_fraction")
+    assert (diff["policy_a"], diff["policy_b"]) == ("mild", "harsh")
+    assert g["gap"]["estimate"] == pytest.approx(diff["difference"], rel=1e-12)
+    assert g["gap"]["estimate"] > 0 and g["gap"]["ci_low"] > 0  # harsh is clearly worse
+    for term in g.values():
+        assert term["ci_low"] <= term["estimate"] <= term["ci_high"]
+    share = g["exposure_share"]["estimate"]
+    assert share == pytest.approx(g["exposure_term"]["estimate"] / g["gap"]["estimate"])
+
+
+def test_plan_hash_ignores_layout_but_not_content(tmp_path):
+    a, b, c = tmp_path / "a.toml", tmp_path / "b.toml", tmp_path / "c.toml"
+    a.write_text(PLAN)
+    b.write_text("# a comment\n" + PLAN.replace("alpha = 0.05", "alpha    = 0.05  # five"))
+    c.write_text(PLAN.replace("alpha = 0.05", "alpha = 0.1"))
+    assert load_plan(a).hash == load_plan(b).hash != load_plan(c).hash
+
+
+def test_confirmatory_refuses_a_changed_plan(store, tmp_path):
+    plan, changed = tmp_path / "plan.toml", tmp_path / "changed.toml"
+    plan.write_text(PLAN)
+    changed.write_text(PLAN.replace('direction = "two-sided"', 'direction = "less"'))
+    registry = tmp_path / "registry.json"
+    first = analyze(store, plan=plan, doc_set="confirmatory", registry=registry)
+    assert [d.doc_id for d in first.models[0].docs] == [f"doc000{i}" for i in range(3, 8)]
+    assert first.plan_hash == load_plan(plan).hash
+    again = analyze(store, plan=plan, doc_set="confirmatory", registry=registry)
+    assert again.tests == first.tests
+    with pytest.raises(PlanError, match="plan changed after it was first run"):
+        analyze(store, plan=changed, doc_set="confirmatory", registry=registry)
+    # Exploratory analyses may change the plan freely.
+    explo = analyze(store, plan=changed, doc_set="exploratory", registry=registry)
+    assert [d.doc_id for d in explo.models[0].docs] == ["doc0000", "doc0001", "doc0002"]
+    # The command line says why it refuses.
+    out = tmp_path / "out"
+    args = [
+        "analyze",
+        str(store),
+        "--out",
+        str(out),
+        "--docs",
+        "confirmatory",
+        "--registry",
+        str(registry),
+        "--no-figures",
+    ]
+    assert main([*args, "--plan", str(plan)]) == 0
+    assert load_plan(plan).hash in (out / "tests.csv").read_text()
+    assert main([*args, "--plan", str(changed)]) == 2
+
+
+def test_tests_are_corrected_and_recorded(store, tmp_path):
+    plan = tmp_path / "plan.toml"
+    plan.write_text(PLAN)
+    result = analyze(store, plan=plan, doc_set="exploratory")
+    assert len(result.tests) == 2
+    t = result.tests[0]
+    assert t["comparison"] == "harsh loses more" and t["correction"] == "holm"
+    assert t["p_value"] <= t["p_adjusted"] <= 1
+    assert t["difference"] > 0 and t["reject_h0"]
+    assert result.tests[1]["p_adjusted"] >= result.tests[1]["p_value"]
+
+
+def test_plan_errors_name_the_problem(tmp_path, store):
+    bad = tmp_path / "bad.toml"
+    bad.write_text(PLAN.replace('metric = "occurrence"', 'metric = "vibes"'))
+    with pytest.raises(PlanError, match="unknown metric 'vibes'"):
+        load_plan(bad)
+    bad.write_text(PLAN.replace('"doc0003", ', '"nope", '))
+    with pytest.raises(PlanError, match="not in the store.*nope"):
+        analyze(store, plan=bad, doc_set="confirmatory", registry=tmp_path / "r.json")
+    bad.write_text(PLAN.replace('b = "harsh"\ndirection = "greater"', 'b = "h2o"\n'))
+    with pytest.raises(ValueError, match="policy 'h2o' is not in"):
+        analyze(store, plan=bad, doc_set="exploratory")
+
+
+def test_split_by_hash_is_deterministic_and_disjoint(tmp_path):
+    text = PLAN.split("[documents]")[0] + "[documents]\nsplit = { exploratory_fraction = 0.5 }\n"
+    text += "[[comparisons]]" + PLAN.split("[[comparisons]]")[1]
+    plan_file = tmp_path / "s.toml"
+    plan_file.write_text(text)
+    plan = load_plan(plan_file)
+    ids = [f"doc{i:04d}" for i in range(200)]
+    ex, co = plan.documents(ids, "exploratory"), plan.documents(ids, "confirmatory")
+    assert not set(ex) & set(co) and len(ex) + len(co) == 200 and 60 < len(ex) < 140
+    assert ex == load_plan(plan_file).documents(list(reversed(ids))[::-1], "exploratory")
+
+
+def test_holm_and_p_values():
+    assert holm([0.01, 0.04, 0.03]) == pytest.approx([0.03, 0.06, 0.06])
+    assert holm([0.5, 0.001]) == pytest.approx([0.5, 0.002])
+    boot = np.linspace(0.01, 1, 99)
+    assert bootstrap_p_value(boot, "greater") == pytest.approx(1 / 100)
+    assert bootstrap_p_value(boot, "less") == pytest.approx(1.0)
+    assert bootstrap_p_value(boot, "two-sided") == pytest.approx(2 / 100)
+
+
+def test_bootstrap_is_seeded_and_thread_independent():
+    values = np.random.default_rng(0).normal(size=(50, 3))
+    a = _core.bootstrap_means(values, 200, 5)
+    kvcouple.set_num_threads(1)
+    try:
+        b = _core.bootstrap_means(values, 200, 5)
+    finally:
+        kvcouple.set_num_threads(0)
+    np.testing.assert_array_equal(a, b)
+    assert not np.array_equal(a, _core.bootstrap_means(values, 200, 6))
+    assert abs(a.mean(0) - values.mean(0)).max() < 0.05
+    assert np.allclose(a.std(0), values.std(0) / np.sqrt(50), rtol=0.2)
+    with pytest.raises(ValueError, match="n_boot"):
+        _core.bootstrap_means(values, 0, 5)
