@@ -1,0 +1,192 @@
+"""Eviction policies: kept counts, shapes, GQA, determinism, parsing and bad parameters."""
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from kvcouple.policies import (  # noqa: E402
+    POLICIES,
+    PolicyContext,
+    PolicyError,
+    PolicyParameterError,
+    ScorePolicy,
+    UnknownPolicyError,
+    kept_count,
+    parse_policy,
+    register_policy,
+)
+
+pytestmark = pytest.mark.torch
+
+LAYERS, KV_HEADS, GROUP, DIM = 3, 2, 3, 8
+
+SPECS = [
+    "full",
+    "snapkv:retain=0.5",
+    "snapkv:budget=20,window=4,kernel=3,pool=max",
+    "recent:retain=0.5",
+    "streaming:sinks=4,retain=0.5",
+    "h2o:retain=0.4",
+    "h2o:budget=9,recent=0.25",
+    "random:retain=0.5,seed=3",
+    "knorm:retain=0.3",
+    "tova:budget=7",
+    "valuediff:retain=0.6",
+]
+
+
+def make_context(length: int, seed: int = 0) -> PolicyContext:
+    gen = torch.Generator().manual_seed(seed)
+    keys = [torch.randn(KV_HEADS, length, DIM, generator=gen) for _ in range(LAYERS)]
+    values = [torch.randn(KV_HEADS, length, DIM, generator=gen) for _ in range(LAYERS)]
+    queries = [torch.randn(KV_HEADS * GROUP, length, DIM, generator=gen) for _ in range(LAYERS)]
+    return PolicyContext(
+        keys=keys,
+        values=values,
+        query_fn=lambda layer, start: queries[layer][:, start:],
+        scaling=DIM**-0.5,
+        num_query_heads=KV_HEADS * GROUP,
+        generator=torch.Generator().manual_seed(seed + 1),
+    )
+
+
+@pytest.mark.parametrize("spec", SPECS)
+@pytest.mark.parametrize("prompt_length", [2, 5, 40, 101])
+def test_kept_counts_shapes_and_range(spec, prompt_length):
+    policy = parse_policy(spec)
+    kept = policy.kept_count(prompt_length)
+    assert 1 <= kept <= prompt_length
+    ctx = make_context(prompt_length - 1)
+    idx = policy.select(ctx, kept - 1)
+    assert idx.shape == (LAYERS, KV_HEADS, kept - 1)
+    assert idx.dtype == torch.long
+    if kept > 1:
+        assert int(idx.min()) >= 0 and int(idx.max()) < prompt_length - 1
+        # ascending and unique per head
+        assert bool((idx[..., 1:] > idx[..., :-1]).all())
+
+
+@pytest.mark.parametrize("spec", SPECS)
+def test_deterministic(spec):
+    a = parse_policy(spec).select(make_context(60, seed=5), 20)
+    b = parse_policy(spec).select(make_context(60, seed=5), 20)
+    assert torch.equal(a, b)
+
+
+def test_kept_count_rounding():
+    assert kept_count(10, 0.5, None) == 5
+    assert kept_count(9, 0.5, None) == 5  # 4.5 rounds half up
+    assert kept_count(7, 0.1, None) == 1  # 0.7 -> 1
+    assert kept_count(3, 0.01, None) == 1  # clamped to >= 1
+    assert kept_count(100, None, 512) == 100  # clamped to the prompt
+    assert parse_policy("full").kept_count(17) == 17
+
+
+def test_recent_and_streaming_select_positions():
+    ctx = make_context(20)
+    idx = parse_policy("recent:budget=6").select(ctx, 5)
+    assert idx[0, 0].tolist() == [15, 16, 17, 18, 19]
+    idx = parse_policy("streaming:sinks=2,budget=6").select(ctx, 5)
+    assert idx[2, 1].tolist() == [0, 1, 17, 18, 19]
+    # A budget below the sinks keeps only the first tokens.
+    idx = parse_policy("streaming:sinks=4,budget=3").select(ctx, 2)
+    assert idx[0, 0].tolist() == [0, 1]
+
+
+def test_snapkv_keeps_window_and_gqa_group_mean():
+    ctx = make_context(50)
+    policy = parse_policy("snapkv:budget=21,window=8,kernel=1")
+    idx = policy.select(ctx, 20)
+    window = list(range(42, 50))
+    for layer in range(LAYERS):
+        for head in range(KV_HEADS):
+            assert idx[layer, head, -8:].tolist() == window
+    # Independent recomputation: per query head window attention, summed, group-averaged.
+    q = ctx.query_fn(1, 0)
+    k = ctx.keys[1].repeat_interleave(GROUP, dim=0)
+    logits = q @ k.transpose(-1, -2) * DIM**-0.5
+    causal = torch.ones(50, 50, dtype=torch.bool).tril()
+    att = torch.softmax(logits.masked_fill(~causal, float("-inf")), dim=-1)
+    votes = att[:, -8:, :42].sum(1).reshape(KV_HEADS, GROUP, 42).mean(1)
+    want = torch.sort(torch.topk(votes, 12, dim=-1).indices, dim=-1).values
+    assert torch.equal(idx[1, :, :12], want)
+    # Budget within the window: the most recent entries only.
+    assert parse_policy("snapkv:budget=4,window=8").select(ctx, 3)[0, 0].tolist() == [47, 48, 49]
+
+
+def test_knorm_valuediff_random_semantics():
+    ctx = make_context(30)
+    idx = parse_policy("knorm:budget=6").select(ctx, 5)
+    norms = ctx.keys[0][1].norm(dim=-1)
+    assert set(idx[0, 1].tolist()) == set(torch.argsort(norms)[:5].tolist())
+    idx = parse_policy("valuediff:budget=6").select(ctx, 5)
+    v = ctx.values[2][0]
+    dev = (v - v.mean(0)).norm(dim=-1)
+    assert set(idx[2, 0].tolist()) == set(torch.argsort(dev, descending=True)[:5].tolist())
+    a = parse_policy("random:budget=6,seed=1").select(make_context(30), 5)
+    b = parse_policy("random:budget=6,seed=2").select(make_context(30), 5)
+    assert not torch.equal(a, b)
+    assert not torch.equal(a[0], a[1])  # layers draw their own subsets
+
+
+def test_h2o_keeps_recent_share_and_heavy_hitters():
+    ctx = make_context(40)
+    idx = parse_policy("h2o:budget=11,recent=0.5").select(ctx, 10)
+    assert idx[0, 0, -5:].tolist() == [35, 36, 37, 38, 39]
+    acc = ctx.group_mean(ctx.accumulated_attention(0))[:, :35]
+    want = set(torch.topk(acc[1], 5).indices.tolist())
+    assert set(idx[0, 1, :5].tolist()) == want
+    # accumulated attention: every query distributes mass 1
+    total = ctx.accumulated_attention(0).sum(-1)
+    torch.testing.assert_close(total, torch.full_like(total, 40.0))
+
+
+def test_parse_errors():
+    with pytest.raises(UnknownPolicyError, match="unknown policy 'snapk'.*snapkv"):
+        parse_policy("snapk:retain=0.5")
+    with pytest.raises(PolicyParameterError, match="no parameter windw.*window"):
+        parse_policy("snapkv:retain=0.5,windw=3")
+    with pytest.raises(PolicyParameterError, match="exactly one of retain"):
+        parse_policy("recent")
+    with pytest.raises(PolicyParameterError, match="exactly one of retain"):
+        parse_policy("recent:retain=0.5,budget=3")
+    with pytest.raises(PolicyParameterError, match="retain must be in"):
+        parse_policy("recent:retain=1.5")
+    with pytest.raises(PolicyParameterError, match="not a valid int"):
+        parse_policy("snapkv:budget=ten")
+    with pytest.raises(PolicyParameterError, match="pool"):
+        parse_policy("snapkv:retain=0.5,pool=median")
+    with pytest.raises(PolicyParameterError, match="odd"):
+        parse_policy("snapkv:retain=0.5,kernel=4")
+    with pytest.raises(PolicyParameterError, match="param=value"):
+        parse_policy("recent:0.5")
+    with pytest.raises(PolicyParameterError, match="no parameter"):
+        parse_policy("full:retain=0.5")
+    with pytest.raises(PolicyError):
+        parse_policy("h2o:retain=0.5,mode=sometimes")
+    assert issubclass(PolicyError, ValueError)
+
+
+def test_spec_round_trip():
+    for spec in SPECS:
+        policy = parse_policy(spec)
+        again = parse_policy(policy.spec())
+        assert again.spec() == policy.spec() and again.params == policy.params
+
+
+def test_plugin_scorer():
+    @register_policy
+    class KeyMean(ScorePolicy):
+        name = "test-keymean"
+        PARAMS = {"sign": (float, 1.0)}
+
+        def score(self, ctx, layer):
+            return self.params["sign"] * ctx.keys[layer].mean(-1)
+
+    try:
+        ctx = make_context(25)
+        idx = parse_policy("test-keymean:budget=5,sign=-1").select(ctx, 4)
+        want = torch.argsort(ctx.keys[0][0].mean(-1))[:4]
+        assert idx[0, 0].tolist() == sorted(want.tolist())
+    finally:
+        POLICIES.pop("test-keymean")
