@@ -127,8 +127,9 @@ class AnalysisResult:
         return rows
 
 
-def _limit_worker_threads(threads: int | None = None) -> int:
-    """Run on each Dask worker: size kvcouple's Rust pool to the worker's thread budget."""
+def _limit_worker_threads(threads: int | None = None, dask_worker: Any = None) -> int:
+    """Run on each Dask worker (``client.run`` passes ``dask_worker``): size kvcouple's Rust
+    pool to the worker's thread budget."""
     import kvcouple
 
     n = threads
@@ -137,9 +138,7 @@ def _limit_worker_threads(threads: int | None = None) -> int:
         if env:
             n = int(env)
         else:
-            from distributed import get_worker
-
-            n = get_worker().state.nthreads
+            n = dask_worker.state.nthreads if dask_worker is not None else 0
     kvcouple.set_num_threads(int(n))
     return kvcouple.get_num_threads()
 
