@@ -25,6 +25,7 @@ from kvcouple import _core
 from kvcouple._core import InvalidInputError
 
 _HALF = {"float16", "bfloat16"}
+_MAX_VOCAB = 2**31 - 1
 
 
 def _as_rows(a: object, name: str, dtype: str | None) -> tuple[np.ndarray, str]:
@@ -50,6 +51,10 @@ def _as_rows(a: object, name: str, dtype: str | None) -> tuple[np.ndarray, str]:
         )
     if arr.ndim != 2:
         raise _core.ShapeError(f"{name} must be 2-D (rows, vocab), got shape {arr.shape}")
+    if arr.shape[1] > _MAX_VOCAB:
+        raise _core.ShapeError(
+            f"{name} has vocab {arr.shape[1]}, above the int32 range of token ids ({_MAX_VOCAB})"
+        )
     return np.ascontiguousarray(arr), kind
 
 

@@ -14,7 +14,9 @@ pub fn ln(x: f64) -> f64 {
     let hx = x
         .to_bits()
         .wrapping_add(0x3ff0_0000_0000_0000 - 0x3fe6_a09e_667f_3bcd);
-    let e = ((hx >> 52) as i64 - 0x3ff) as f64;
+    // Exponent to f64 without an i64 -> f64 conversion (AVX2 has none): splice the 12 bits
+    // into the mantissa of 2^52 and subtract.
+    let e = f64::from_bits(0x4330_0000_0000_0000 | (hx >> 52)) - (4_503_599_627_370_496.0 + 1023.0);
     let m = f64::from_bits((hx & 0x000f_ffff_ffff_ffff) + 0x3fe6_a09e_667f_3bcd);
     let s = (m - 1.0) / (m + 1.0);
     let s2 = s * s;

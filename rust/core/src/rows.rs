@@ -23,13 +23,35 @@ pub enum Rows<'a> {
     F64(&'a [f64]),
 }
 
-/// IEEE half -> f64, exact for every finite half (subnormals included).
-/// Multiplying the shifted bits by 2^112 rebiases the exponent and normalises subnormals.
+/// IEEE half -> f64 by arithmetic, exact for every finite half (subnormals included):
+/// multiplying the shifted bits by 2^112 rebiases the exponent. Used once to fill the table.
+fn f16_to_f64_arith(h: u16) -> f64 {
+    let mag = f32::from_bits(((h & 0x7fff) as u32) << 13) as f64 * 2f64.powi(112);
+    if h & 0x8000 != 0 {
+        -mag
+    } else {
+        mag
+    }
+}
+
+/// All 65536 halves as f32 (256 KiB, stays in cache). A table beats arithmetic here: softmax
+/// outputs over a large vocabulary are mostly f16 subnormals, and subnormal float arithmetic
+/// costs ~100 cycles on x86.
+fn f16_table() -> &'static [f32; 65536] {
+    static TABLE: std::sync::OnceLock<Box<[f32; 65536]>> = std::sync::OnceLock::new();
+    TABLE.get_or_init(|| {
+        let mut t = Box::new([0f32; 65536]);
+        for (h, v) in t.iter_mut().enumerate() {
+            *v = f16_to_f64_arith(h as u16) as f32; // exact: halves are a subset of f32
+        }
+        t
+    })
+}
+
+/// IEEE half -> f64, exact.
 #[inline(always)]
 pub fn f16_to_f64(h: u16) -> f64 {
-    let mag = f32::from_bits(((h & 0x7fff) as u32) << 13) * f32::from_bits(0x7780_0000); // 2^112
-    let sign = if h & 0x8000 != 0 { -1.0f32 } else { 1.0f32 };
-    (mag * sign) as f64
+    f16_table()[h as usize] as f64
 }
 
 /// bfloat16 -> f64: bfloat16 is the top half of an f32.
@@ -78,9 +100,10 @@ impl<'a> Rows<'a> {
         match self {
             Rows::F16(s) => {
                 let src = &s[start..start + n];
+                let table = f16_table();
                 let mut bad = false;
                 for (o, &h) in out.iter_mut().zip(src) {
-                    *o = f16_to_f64(h);
+                    *o = table[h as usize] as f64;
                     bad |= f16_nonfinite(h);
                 }
                 bad

@@ -79,10 +79,11 @@ pub fn couple<'py>(
     let pm = Matrix::extract(p, dtype, "p")?;
     let qm = Matrix::extract(q, dtype, "q")?;
     let (rows, vocab) = pair_shape(&pm, &qm)?;
-    if u.shape() != [rows, 3] {
+    let us_shape = u.shape();
+    if us_shape != [rows, 3] {
         return Err(ShapeError::new_err(format!(
-            "u has shape {:?}, expected ({rows}, 3)",
-            u.shape()
+            "u has shape ({}, {}), expected ({rows}, 3)",
+            us_shape[0], us_shape[1]
         )));
     }
     let us = u

@@ -237,6 +237,7 @@ pub fn exact(pair: &KernelPair, horizon: usize, window: usize) -> KvResult<Exact
                 }
             }
         }
+        eprintln!("t={t} active={}", nxt.pairs.len());
         std::mem::swap(&mut cur, &mut nxt);
     }
 
