@@ -37,7 +37,9 @@ def divergences_numpy(p: np.ndarray, q: np.ndarray) -> dict[str, np.ndarray]:
         xlogx = lambda x, lx: np.where(x > 0, x * lx, 0.0)  # noqa: E731
         kl_pq = np.where(a > 0, a * (la - lb), 0.0).sum(1)
         kl_qp = np.where(b > 0, b * (lb - la), 0.0).sum(1)
-        js = 0.5 * (np.where(a > 0, a * (la - lm), 0.0) + np.where(b > 0, b * (lb - lm), 0.0)).sum(1)
+        js = 0.5 * (np.where(a > 0, a * (la - lm), 0.0) + np.where(b > 0, b * (lb - lm), 0.0)).sum(
+            1
+        )
         return {
             "tv": 0.5 * np.abs(a - b).sum(1),
             "kl_pq": kl_pq,
@@ -109,8 +111,10 @@ def main() -> None:
     q64 = np.exp(0.9 * logits + 0.3 * rng.normal(size=logits.shape))
     q64 /= q64.sum(1, keepdims=True)
     u = rng.random((args.rows, 3))
-    print(f"rows={args.rows} vocab={args.vocab} threads={kvcouple.get_num_threads()} "
-          f"(numba threads={__import__('numba').get_num_threads()}, torch threads={torch.get_num_threads()})")
+    print(
+        f"rows={args.rows} vocab={args.vocab} threads={kvcouple.get_num_threads()} "
+        f"(numba threads={__import__('numba').get_num_threads()}, torch threads={torch.get_num_threads()})"
+    )
     for dtype in (np.float16, np.float32):
         p = p64.astype(dtype)
         q = q64.astype(dtype)
@@ -119,22 +123,30 @@ def main() -> None:
         peers = {
             "numpy": timeit(lambda: divergences_numpy(p, q), args.repeat),
             # numba takes no float16: the widening copy is part of its cost, as for numpy.
-            "numba reference": timeit(lambda: divergences_ref(p.astype(np.float64), q.astype(np.float64)), args.repeat),
+            "numba reference": timeit(
+                lambda: divergences_ref(p.astype(np.float64), q.astype(np.float64)), args.repeat
+            ),
             "numba (pre-widened)": timeit(lambda: divergences_ref(wide_p, wide_q), args.repeat),
             "torch cpu": timeit(lambda: divergences_torch(p, q), args.repeat),
             "plain pass (Rust)": timeit(lambda: kvcouple.plain_pass(p, q), args.repeat),
         }
         gb = 2 * p.nbytes / 1e9
-        print(f"\ndivergences, {np.dtype(dtype).name}: Rust {rust * 1e3:.2f} ms ({gb / rust:.2f} GB/s)")
+        print(
+            f"\ndivergences, {np.dtype(dtype).name}: Rust {rust * 1e3:.2f} ms ({gb / rust:.2f} GB/s)"
+        )
         for name, t in peers.items():
             rel = "speed-up" if not name.startswith("plain") else "slower than the plain pass by"
             ratio = t / rust if not name.startswith("plain") else rust / t
             print(f"  {name:<22} {t * 1e3:9.2f} ms   {rel} {ratio:.1f}x")
         rust_c = timeit(lambda: kvcouple.couple(p, q, u), args.repeat)
         numpy_c = timeit(lambda: couple_numpy(p, q, u), args.repeat)
-        numba_c = timeit(lambda: couple_ref(p.astype(np.float64), q.astype(np.float64), u), args.repeat)
-        print(f"couple, {np.dtype(dtype).name}: Rust {rust_c * 1e3:.2f} ms; numpy {numpy_c * 1e3:.2f} ms "
-              f"({numpy_c / rust_c:.1f}x); numba {numba_c * 1e3:.2f} ms ({numba_c / rust_c:.1f}x)")
+        numba_c = timeit(
+            lambda: couple_ref(p.astype(np.float64), q.astype(np.float64), u), args.repeat
+        )
+        print(
+            f"couple, {np.dtype(dtype).name}: Rust {rust_c * 1e3:.2f} ms; numpy {numpy_c * 1e3:.2f} ms "
+            f"({numpy_c / rust_c:.1f}x); numba {numba_c * 1e3:.2f} ms ({numba_c / rust_c:.1f}x)"
+        )
 
 
 if __name__ == "__main__":

@@ -32,7 +32,9 @@ def _chi2_pvalue(counts: np.ndarray, expected_prob: np.ndarray) -> float:
     return stats.chisquare(counts[support], exp).pvalue
 
 
-@pytest.mark.parametrize(("name", "p", "q"), list(_pairs()), ids=lambda x: x if isinstance(x, str) else "")
+@pytest.mark.parametrize(
+    ("name", "p", "q"), list(_pairs()), ids=lambda x: x if isinstance(x, str) else ""
+)
 def test_law_of_the_coupling(name, p, q):
     vocab = len(p)
     u = np.random.default_rng(7).random((N, 3))
@@ -50,8 +52,14 @@ def test_law_of_the_coupling(name, p, q):
         assert _chi2_pvalue(agree, np.minimum(p, q) / (1 - tv)) > ALPHA
     # Where they differ, x follows (p - q)+ and y follows (q - p)+.
     if tv > 0:
-        assert _chi2_pvalue(np.bincount(x[diverged], minlength=vocab), np.maximum(p - q, 0) / tv) > ALPHA
-        assert _chi2_pvalue(np.bincount(y[diverged], minlength=vocab), np.maximum(q - p, 0) / tv) > ALPHA
+        assert (
+            _chi2_pvalue(np.bincount(x[diverged], minlength=vocab), np.maximum(p - q, 0) / tv)
+            > ALPHA
+        )
+        assert (
+            _chi2_pvalue(np.bincount(y[diverged], minlength=vocab), np.maximum(q - p, 0) / tv)
+            > ALPHA
+        )
 
 
 def test_deterministic_and_thread_independent():

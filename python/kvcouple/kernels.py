@@ -44,7 +44,9 @@ def _as_rows(a: object, name: str, dtype: str | None) -> tuple[np.ndarray, str]:
         if arr.dtype == np.float16:
             arr = arr.view(np.uint16)
         if arr.dtype != np.uint16:
-            raise InvalidInputError(f"{name}: dtype={kind!r} expects float16 or uint16 bits, got {arr.dtype}")
+            raise InvalidInputError(
+                f"{name}: dtype={kind!r} expects float16 or uint16 bits, got {arr.dtype}"
+            )
     elif kind not in ("float32", "float64"):
         raise InvalidInputError(
             f"{name} has dtype {arr.dtype}; use float16, bfloat16, float32 or float64"

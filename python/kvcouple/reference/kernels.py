@@ -76,7 +76,15 @@ def divergences_ref(p: np.ndarray, q: np.ndarray) -> np.ndarray:
 
 
 DIVERGENCE_FIELDS = (
-    "tv", "kl_pq", "kl_qp", "js", "hellinger", "entropy_p", "entropy_q", "overlap", "top1_agree",
+    "tv",
+    "kl_pq",
+    "kl_qp",
+    "js",
+    "hellinger",
+    "entropy_p",
+    "entropy_q",
+    "overlap",
+    "top1_agree",
 )
 
 

@@ -12,8 +12,9 @@ from kvcouple.errors import SchemaVersionError, StoreError
 from kvcouple.store.schema import SCHEMA_VERSION
 
 
-def open_trace_store(path: str | os.PathLike[str], *, allow_incomplete: bool = False,
-                     chunks: Any = None) -> Any:
+def open_trace_store(
+    path: str | os.PathLike[str], *, allow_incomplete: bool = False, chunks: Any = None
+) -> Any:
     """Open a store as an ``xarray.Dataset`` (lazily; nothing is read but metadata).
 
     Raises :class:`StoreError` when the path is not a kvcouple store, or when some documents
@@ -31,7 +32,9 @@ def open_trace_store(path: str | os.PathLike[str], *, allow_incomplete: bool = F
         raise StoreError(f"{path} is not a readable Zarr store: {e}") from e
     version = ds.attrs.get("schema_version")
     if version is None:
-        raise StoreError(f"{path} is a Zarr store but not a kvcouple trace store (no schema_version)")
+        raise StoreError(
+            f"{path} is a Zarr store but not a kvcouple trace store (no schema_version)"
+        )
     if version != SCHEMA_VERSION:
         raise SchemaVersionError(
             f"{path} was written with trace-store schema version {version}; this kvcouple "

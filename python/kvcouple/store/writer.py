@@ -107,19 +107,35 @@ def _compressor() -> Any:
     return numcodecs.Zstd(level=3)
 
 
-def _create_array(group: Any, name: str, data_or_shape: Any, chunks: tuple[int, ...],
-                  dtype: str, dims: tuple[str, ...], compress: bool = True) -> Any:
+def _create_array(
+    group: Any,
+    name: str,
+    data_or_shape: Any,
+    chunks: tuple[int, ...],
+    dtype: str,
+    dims: tuple[str, ...],
+    compress: bool = True,
+) -> Any:
     """Create one array in Zarr format 2 with xarray's dimension names (zarr 2 and 3)."""
     shape = data_or_shape.shape if isinstance(data_or_shape, np.ndarray) else data_or_shape
     attrs = {"_ARRAY_DIMENSIONS": list(dims)}
     if hasattr(group, "create_array"):  # zarr >= 3
         arr = group.create_array(
-            name, shape=shape, chunks=chunks, dtype=dtype, fill_value=None,
-            compressors=_compressor() if compress else None, attributes=attrs,
+            name,
+            shape=shape,
+            chunks=chunks,
+            dtype=dtype,
+            fill_value=None,
+            compressors=_compressor() if compress else None,
+            attributes=attrs,
         )
     else:  # zarr 2
         arr = group.create_dataset(
-            name, shape=shape, chunks=chunks, dtype=dtype, fill_value=None,
+            name,
+            shape=shape,
+            chunks=chunks,
+            dtype=dtype,
+            fill_value=None,
             compressor=_compressor() if compress else None,
         )
         arr.attrs.update(attrs)
@@ -149,8 +165,9 @@ class TraceStoreWriter:
         self._vars = variables(layout.record)
 
     @classmethod
-    def open(cls, path: str | os.PathLike[str], layout: StoreLayout,
-             attrs: dict[str, Any]) -> TraceStoreWriter:
+    def open(
+        cls, path: str | os.PathLike[str], layout: StoreLayout, attrs: dict[str, Any]
+    ) -> TraceStoreWriter:
         """Create the store, or resume it if it exists and was made by the same run.
 
         ``attrs`` must hold the run-defining keys of :data:`RUN_KEYS` that apply; a store that
@@ -158,18 +175,20 @@ class TraceStoreWriter:
         """
         layout.validate()
         path = Path(path)
-        full_attrs = _jsonable({
-            **attrs,
-            "schema_version": SCHEMA_VERSION,
-            "record": str(layout.record),
-            "horizon": layout.horizon,
-            "window": layout.window,
-            "branches": layout.branches,
-            "replicates": layout.replicates,
-            "vocab_size": layout.vocab_size,
-            "doc_ids": list(layout.doc_ids),
-            "policy_specs": list(layout.policies),
-        })
+        full_attrs = _jsonable(
+            {
+                **attrs,
+                "schema_version": SCHEMA_VERSION,
+                "record": str(layout.record),
+                "horizon": layout.horizon,
+                "window": layout.window,
+                "branches": layout.branches,
+                "replicates": layout.replicates,
+                "vocab_size": layout.vocab_size,
+                "doc_ids": list(layout.doc_ids),
+                "policy_specs": list(layout.policies),
+            }
+        )
         if not path.exists():
             cls._create(path, layout, full_attrs)
         group = _open_group(path, "r+")

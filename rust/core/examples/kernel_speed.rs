@@ -17,13 +17,22 @@ fn main() {
         .collect();
     for r in 0..rows {
         let s: f32 = p[r * vocab..(r + 1) * vocab].iter().sum();
-        p[r * vocab..(r + 1) * vocab].iter_mut().for_each(|x| *x /= s);
+        p[r * vocab..(r + 1) * vocab]
+            .iter_mut()
+            .for_each(|x| *x /= s);
     }
     let q: Vec<f32> = p.iter().rev().copied().collect();
     let n = (rows * vocab) as f64;
     for _ in 0..3 {
         let t = Instant::now();
-        let d = divergences(Rows::F32(&p), Rows::F32(&q), rows, vocab, &Options::default()).unwrap();
+        let d = divergences(
+            Rows::F32(&p),
+            Rows::F32(&q),
+            rows,
+            vocab,
+            &Options::default(),
+        )
+        .unwrap();
         let dt = t.elapsed().as_secs_f64();
         let t2 = Instant::now();
         let s = plain_pass(Rows::F32(&p), Rows::F32(&q), rows, vocab).unwrap();

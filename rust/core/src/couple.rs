@@ -8,6 +8,7 @@
 //! 4. overlap: `x = y =` the first index whose running sum of `min(a, b)` exceeds `u1 * o`;
 //! 5. residual: `x` from `(a - b)+` at `u1`, `y` from `(b - a)+` at `u2`, the same way;
 //!    a residual whose mass was lost to rounding falls back to `a` (resp. `b`) itself.
+//!
 //! Running sums that never exceed the target (rounding) return the last index of positive
 //! weight, so the result is always inside the support and the vocabulary.
 
@@ -235,7 +236,14 @@ mod tests {
     #[test]
     fn disjoint_rows_always_diverge() {
         let d = draw(&[1.0, 0.0], &[0.0, 1.0], [0.999, 0.5, 0.5]);
-        assert_eq!(d, Draw { x: 0, y: 1, diverged: true });
+        assert_eq!(
+            d,
+            Draw {
+                x: 0,
+                y: 1,
+                diverged: true
+            }
+        );
     }
 
     #[test]
@@ -243,8 +251,22 @@ mod tests {
         // p = (0.5, 0.5, 0), q = (0.5, 0, 0.5): delta = 0.5, overlap = {0: 0.5}.
         let p = [0.5, 0.5, 0.0];
         let q = [0.5, 0.0, 0.5];
-        assert_eq!(draw(&p, &q, [0.7, 0.9, 0.1]), Draw { x: 0, y: 0, diverged: false });
-        assert_eq!(draw(&p, &q, [0.2, 0.9, 0.1]), Draw { x: 1, y: 2, diverged: true });
+        assert_eq!(
+            draw(&p, &q, [0.7, 0.9, 0.1]),
+            Draw {
+                x: 0,
+                y: 0,
+                diverged: false
+            }
+        );
+        assert_eq!(
+            draw(&p, &q, [0.2, 0.9, 0.1]),
+            Draw {
+                x: 1,
+                y: 2,
+                diverged: true
+            }
+        );
     }
 
     #[test]
@@ -279,7 +301,15 @@ mod tests {
     #[test]
     fn bad_uniforms_and_shapes() {
         let p = [0.5, 0.5];
-        let e = couple(Rows::F64(&p), Rows::F64(&p), &[0.1, 0.2, 1.0], 1, 2, false, None);
+        let e = couple(
+            Rows::F64(&p),
+            Rows::F64(&p),
+            &[0.1, 0.2, 1.0],
+            1,
+            2,
+            false,
+            None,
+        );
         assert!(matches!(e, Err(KvError::InvalidRow { row: 0, .. })));
         let e = couple(Rows::F64(&p), Rows::F64(&p), &[0.1, 0.2], 1, 2, false, None);
         assert!(matches!(e, Err(KvError::Shape(_))));

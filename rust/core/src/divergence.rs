@@ -7,6 +7,7 @@
 //!   each row by its own sum;
 //! - `hellinger = sqrt(1/2 sum (sqrt p - sqrt q)^2)`, `js` uses `m = (p + q) / 2`;
 //! - `top1_agree` compares first-index argmaxes.
+//!
 //! Sums are two-level (8 lanes within 1024-element blocks, then blocks), all in f64.
 
 use rayon::prelude::*;
@@ -333,7 +334,13 @@ pub(crate) fn row_total(rows: &Rows, row: usize, vocab: usize) -> KvResult<f64> 
     Ok(total)
 }
 
-fn one_row(p: &Rows, q: &Rows, row: usize, vocab: usize, opts: &Options) -> KvResult<RowDivergence> {
+fn one_row(
+    p: &Rows,
+    q: &Rows,
+    row: usize,
+    vocab: usize,
+    opts: &Options,
+) -> KvResult<RowDivergence> {
     let atol = opts.atol.unwrap_or_else(|| default_atol(p.dtype()));
     if let Some(t) = opts.logits {
         let mut a = vec![0.0; vocab];
@@ -344,13 +351,22 @@ fn one_row(p: &Rows, q: &Rows, row: usize, vocab: usize, opts: &Options) -> KvRe
                 *x = rows.get(row * vocab + i);
             }
             if !t.apply(buf, &mut scratch) {
-                return Err(KvError::row(row, format!("{side} logits contain NaN or +inf")));
+                return Err(KvError::row(
+                    row,
+                    format!("{side} logits contain NaN or +inf"),
+                ));
             }
             if buf.iter().all(|&x| x == 0.0) {
                 return Err(KvError::row(row, format!("{side} logits are all -inf")));
             }
         }
-        let (s, _) = row_sums(&RowSource::Dense(&a), &RowSource::Dense(&b), vocab, 1.0, 1.0);
+        let (s, _) = row_sums(
+            &RowSource::Dense(&a),
+            &RowSource::Dense(&b),
+            vocab,
+            1.0,
+            1.0,
+        );
         return Ok(finish(&s));
     }
     let src_p = RowSource::Stored {
@@ -395,8 +411,10 @@ pub fn divergences(
         t.validate()?;
     }
     if let Some(a) = opts.atol {
-        if !(a >= 0.0) {
-            return Err(KvError::InvalidArgument(format!("atol must be >= 0, got {a}")));
+        if a.is_nan() || a < 0.0 {
+            return Err(KvError::InvalidArgument(format!(
+                "atol must be >= 0, got {a}"
+            )));
         }
     }
     let out: Vec<KvResult<RowDivergence>> = parallel::install(|| {
@@ -503,7 +521,9 @@ mod tests {
     fn random_rows_match_naive_formulas() {
         let mut state = 12345u64;
         let mut next = || {
-            state = state.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+            state = state
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
             ((state >> 11) as f64) / ((1u64 << 53) as f64)
         };
         for &v in &[1usize, 2, 3, 7, 8, 9, 1023, 1024, 1025, 5000] {
@@ -540,10 +560,7 @@ mod tests {
         let p = [0.5, 0.5, 0.5, 0.5, 0.5, 0.5];
         let q = [0.5, 0.5, 0.7, 0.3, -0.1, 1.1];
         let e = divergences(Rows::F64(&p), Rows::F64(&q), 3, 2, &Options::default()).unwrap_err();
-        assert_eq!(
-            e,
-            KvError::row(2, "contains a negative probability")
-        );
+        assert_eq!(e, KvError::row(2, "contains a negative probability"));
         let q = [0.5, 0.5, f64::NAN, 0.5, 0.5, 0.5];
         let e = divergences(Rows::F64(&p), Rows::F64(&q), 3, 2, &Options::default()).unwrap_err();
         assert!(matches!(e, KvError::InvalidRow { row: 1, .. }));

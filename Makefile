@@ -1,0 +1,55 @@
+# Developer tasks. `make help` lists them. CI (.ci/run) runs: install, lint, test, wheel-smoke.
+PYTHON ?= python3
+PYTEST_ARGS ?=
+
+.PHONY: help install develop fmt lint stubtest test test-rust test-python bench wheel wheel-smoke demo clean
+
+help:
+	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-12s %s\n", $$1, $$2}'
+
+install: ## Install kvcouple (editable, release build of the Rust core) with test and dev tools
+	$(PYTHON) -m pip install -e ".[dev]"
+
+develop: ## Rebuild the Rust extension in place after Rust changes
+	$(PYTHON) -m pip install -e . --no-deps --no-build-isolation
+
+fmt: ## Format Rust and Python
+	cargo fmt --all
+	ruff format python tests benchmarks scripts
+	ruff check --fix python tests benchmarks scripts
+
+lint: ## rustfmt --check, clippy -D warnings, ruff
+	cargo fmt --all -- --check
+	cargo clippy --workspace --all-targets -- -D warnings
+	ruff check python tests benchmarks scripts
+	ruff format --check python tests benchmarks scripts
+
+stubtest: ## Check python/kvcouple/_core.pyi against the built module
+	$(PYTHON) -m mypy.stubtest kvcouple._core --allowlist .ci/stubtest-allowlist.txt
+
+test-rust: ## The pure-Rust core on its own
+	cargo test -p kvcouple-core
+
+test-python: ## The Python suite, notebooks included
+	$(PYTHON) -m pytest -q $(PYTEST_ARGS)
+
+test: test-rust stubtest test-python ## Everything: cargo test, stub check, pytest (notebooks too)
+
+bench: ## Benchmarks: ratios against peers, measured side by side
+	$(PYTHON) benchmarks/bench_kernels.py
+	@for b in benchmarks/bench_estimators.py benchmarks/bench_trace.py benchmarks/bench_analysis.py; do \
+		if [ -f $$b ]; then echo "== $$b"; $(PYTHON) $$b || exit 1; fi; done
+
+wheel: ## The abi3 wheel in dist/
+	maturin build --release -o dist
+
+wheel-smoke: wheel ## Install the wheel in a fresh venv (no torch) and run both kernels
+	rm -rf build/venv-smoke && $(PYTHON) -m venv build/venv-smoke
+	build/venv-smoke/bin/pip install -q "$$(ls -t dist/kvcouple-*.whl | head -1)"
+	cd build && venv-smoke/bin/python ../.ci/smoke.py
+
+demo: ## The main job on the embedded default model
+	kvcouple demo
+
+clean:
+	rm -rf target dist build .pytest_cache .ruff_cache .hypothesis
