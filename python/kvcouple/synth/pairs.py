@@ -16,7 +16,12 @@ EMITTER_KEYS = ("P_emit", "P_next", "P_start", "Q_emit", "Q_next", "Q_start")
 MARKOV_KEYS = ("P", "Q", "start")
 
 PairArrays = tuple[
-    npt.NDArray[np.float64], npt.NDArray[np.int64], int, npt.NDArray[np.float64], npt.NDArray[np.int64], int
+    npt.NDArray[np.float64],
+    npt.NDArray[np.int64],
+    int,
+    npt.NDArray[np.float64],
+    npt.NDArray[np.int64],
+    int,
 ]
 
 

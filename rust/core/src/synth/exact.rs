@@ -237,7 +237,6 @@ pub fn exact(pair: &KernelPair, horizon: usize, window: usize) -> KvResult<Exact
                 }
             }
         }
-        eprintln!("t={t} active={}", nxt.pairs.len());
         std::mem::swap(&mut cur, &mut nxt);
     }
 

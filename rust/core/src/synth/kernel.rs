@@ -4,8 +4,10 @@
 use crate::error::{KvError, KvResult};
 use crate::synth::rng::Rng;
 
-/// Rows of `emit` must sum to 1 within this; they are then renormalised exactly.
+/// Rows of `emit` must sum to 1 within this; they are then renormalised.
 pub const ROW_ATOL: f64 = 1e-6;
+/// Rows whose sum is within this of 1 are used exactly as given.
+pub const EXACT_ATOL: f64 = 1e-12;
 
 /// A probabilistic finite-state emitter over tokens `0..vocab`: in state `s` it emits `v` with
 /// probability `emit[s * vocab + v]` and moves to state `next[s * vocab + v]`.
@@ -61,7 +63,13 @@ impl Kernel {
                     "{name}_emit row {s} sums to {total:.9}, not 1 (rows must be stochastic within {ROW_ATOL})"
                 )));
             }
-            let scale = 1.0 / total;
+            // Sums off by rounding only are kept as given: rescaling them would perturb rows
+            // that should stay equal (the interval construction relies on it).
+            let scale = if (total - 1.0).abs() <= EXACT_ATOL {
+                1.0
+            } else {
+                1.0 / total
+            };
             rows.extend(row.iter().map(|x| x * scale));
         }
         let mut next_states = Vec::with_capacity(next.len());

@@ -131,15 +131,3 @@ fn constructions_attain_the_interval_ends() {
         assert!(e.expected_mismatches <= e.interval_upper() + 1e-12);
     }
 }
-
-#[test]
-#[ignore]
-fn profile_construction() {
-    let pr = pair(1, 16, 16, false);
-    let (_, hi) = interval_constructions(&pr, 64, 8).unwrap();
-    for t in [4, 6, 8] {
-        let start = std::time::Instant::now();
-        exact(&hi, t, 8).unwrap();
-        eprintln!("T={t}: {:?}", start.elapsed());
-    }
-}
