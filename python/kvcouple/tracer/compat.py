@@ -168,6 +168,7 @@ class QueryCapture:
 
         return hook
 
+    @torch.inference_mode()
     def queries(self, layer: int, start: int = 0) -> torch.Tensor:
         """Post-RoPE queries of positions ``start..`` of batch row 0: ``(heads, len, head_dim)``."""
         module = self.modules[layer]

@@ -93,6 +93,7 @@ def vocab_size(model: Any) -> int:
     return int(model.config.vocab_size)
 
 
+@torch.inference_mode()
 def select(policy: Policy, pre: Prefill, generator: torch.Generator | None = None) -> torch.Tensor:
     """The policy's kept prefix indices ``(layers, kv_heads, kept - 1)``, checked."""
     keep = policy.kept_count(pre.prompt_length) - 1

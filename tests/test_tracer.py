@@ -1,0 +1,366 @@
+"""The tracer on tiny random models of four architectures (Llama, Qwen2, Qwen3, Mistral; GQA).
+
+The six properties the tracer must hold: the full policy has no hazard and the model's own
+distributions; uniform evictions equal a masked full forward; SnapKV's kept indices equal a
+plain recomputation from eager attention weights; first-step marginals follow p and q;
+kill-and-resume and sharded runs equal an uninterrupted run; bad input is refused clearly.
+"""
+
+import functools
+import json
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+import xarray as xr  # noqa: E402
+from scipy import stats  # noqa: E402
+
+from kvcouple.cli import main as cli_main  # noqa: E402
+from kvcouple.errors import StoreError  # noqa: E402
+from kvcouple.policies import PolicyContext, PolicyError, parse_policy  # noqa: E402
+from kvcouple.store import Record  # noqa: E402
+from kvcouple.testing.tiny_models import TINY_ARCHS, tiny_model  # noqa: E402
+from kvcouple.torch_coupling import apply_decoding  # noqa: E402
+from kvcouple.tracer import (  # noqa: E402
+    Prompt,
+    PromptFileError,
+    TraceSettings,
+    load_prompts,
+    trace,
+    trace_document,
+)
+from kvcouple.tracer.prefill import PromptTooShortError, prefill, select  # noqa: E402
+from kvcouple.tracer.run import VocabularyMismatchError  # noqa: E402
+
+pytestmark = pytest.mark.torch
+
+VOCAB = 128
+PROMPT = [int(x) for x in np.random.default_rng(0).integers(1, VOCAB - 1, size=26)]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    # Tiny models on a shared 2-core machine: one thread avoids oversubscription stalls.
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(old)
+
+
+@functools.cache
+def model(arch: str, attn: str = "sdpa"):
+    return tiny_model(arch, seed=7, attn_implementation=attn)
+
+
+def distributions(arr: dict, side: str, policy: int, rep: int) -> np.ndarray:
+    """Path distributions ``(T, V)`` rebuilt from a ``topk:V`` record."""
+    ids = arr[f"topk_ids_{side}"][policy, rep]
+    probs = arr[f"topk_probs_{side}"][policy, rep]
+    out = np.zeros((ids.shape[0], VOCAB))
+    np.put_along_axis(out, ids.astype(np.int64), probs, axis=1)
+    return out
+
+
+def masked_forward(m, tokens: list[int], prompt_length: int, kept: set[int]) -> np.ndarray:
+    """Next-token distributions of the full model where queries from the last prompt token on
+    cannot see evicted prompt positions (same position ids)."""
+    L = len(tokens)
+    allowed = torch.ones(L, L, dtype=torch.bool).tril()
+    hidden = torch.tensor([j < prompt_length - 1 and j not in kept for j in range(L)])
+    allowed[prompt_length - 1 :, :] &= ~hidden[None, :]
+    mask = torch.zeros(L, L).masked_fill(~allowed, torch.finfo(torch.float32).min)
+    with torch.no_grad():
+        logits = m(
+            input_ids=torch.tensor([tokens]),
+            attention_mask=mask[None, None],
+            position_ids=torch.arange(L)[None],
+        ).logits[0, prompt_length - 1 :]
+    return apply_decoding(logits).numpy()
+
+
+def kept_positions(spec: str, n: int) -> set[int]:
+    """Prompt positions a content-independent policy keeps (the last token always)."""
+    policy = parse_policy(spec)
+    zeros = [torch.zeros(2, n - 1, 16)]
+    idx = policy.select(PolicyContext(zeros, zeros), policy.kept_count(n) - 1)
+    return set(idx[0, 0].tolist()) | {n - 1}
+
+
+# 1 ------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("arch", TINY_ARCHS)
+def test_full_policy_no_hazard_and_model_distributions(arch):
+    m = model(arch)
+    T = 6
+    settings = TraceSettings(
+        horizon=T, replicates=3, branches=1, window=2, record=Record("topk", VOCAB)
+    )
+    arr, _ = trace_document(m, PROMPT, ["full"], settings, seed=1)
+    assert arr["hazard"].max() <= 1e-6
+    assert arr["kept_length"][0] == len(PROMPT)
+    for rep in range(3):
+        path = arr["tokens"][0, rep]
+        assert (path >= 0).all()
+        seq = torch.tensor([PROMPT + path[:-1].tolist()])
+        with torch.no_grad():
+            want = apply_decoding(m(seq).logits[0, len(PROMPT) - 1 :]).numpy()
+        np.testing.assert_allclose(distributions(arr, "p", 0, rep), want, atol=1e-5)
+        np.testing.assert_allclose(distributions(arr, "q", 0, rep), want, atol=1e-5)
+        entropy = -(want * np.log(np.where(want > 0, want, 1))).sum(-1)
+        np.testing.assert_allclose(arr["entropy_p"][0, rep], entropy, atol=1e-5)
+        assert arr["top1_agree"][0, rep].all()
+
+
+# 2 ------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("arch", TINY_ARCHS)
+@pytest.mark.parametrize("spec", ["recent:retain=0.5", "streaming:sinks=3,retain=0.4"])
+def test_uniform_eviction_equals_masked_full_forward(arch, spec):
+    m = model(arch)
+    T = 5
+    settings = TraceSettings(
+        horizon=T, replicates=2, branches=1, window=0, record=Record("topk", VOCAB)
+    )
+    arr, _ = trace_document(m, PROMPT, [spec], settings, seed=2)
+    n = len(PROMPT)
+    kept = kept_positions(spec, n)
+    assert arr["kept_length"][0] == len(kept) < n
+    for rep in range(2):
+        path = arr["tokens"][0, rep]
+        q_want = masked_forward(m, PROMPT + path[:-1].tolist(), n, kept)
+        np.testing.assert_allclose(distributions(arr, "q", 0, rep), q_want, atol=1e-5)
+        p_want = masked_forward(m, PROMPT + path[:-1].tolist(), n, set(range(n)))
+        np.testing.assert_allclose(distributions(arr, "p", 0, rep), p_want, atol=1e-5)
+        tv = 0.5 * np.abs(p_want - q_want).sum(-1)
+        np.testing.assert_allclose(arr["hazard"][0, rep], tv, atol=1e-5)
+        assert arr["hazard"][0, rep].max() > 1e-3  # the eviction changes something
+
+
+# 3 ------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("arch", TINY_ARCHS)
+@pytest.mark.parametrize(
+    "spec", ["snapkv:retain=0.5,window=6,kernel=5", "snapkv:budget=12,window=4,kernel=3,pool=max"]
+)
+def test_snapkv_indices_match_eager_attention(arch, spec):
+    policy = parse_policy(spec)
+    pre = prefill(model(arch), torch.tensor(PROMPT), need_queries=True)
+    idx = select(policy, pre)
+    eager = model(arch, "eager")
+    with torch.no_grad():
+        out = eager(torch.tensor([PROMPT[:-1]]), output_attentions=True)
+    n1 = len(PROMPT) - 1
+    w, k = policy.params["window"], policy.params["kernel"]
+    keep = policy.kept_count(len(PROMPT)) - 1
+    pool = (
+        torch.nn.functional.avg_pool1d
+        if policy.params["pool"] == "avg"
+        else torch.nn.functional.max_pool1d
+    )
+    for layer, att in enumerate(out.attentions):
+        votes = att[0, :, -w:, : n1 - w].sum(1)  # (heads, n1 - w)
+        pooled = pool(votes[:, None], kernel_size=k, stride=1, padding=k // 2)[:, 0]
+        grouped = pooled.reshape(2, -1, n1 - w).mean(1)  # 2 KV heads
+        # Documented tie rule (max pooling makes exact ties): the lower position first.
+        order = torch.argsort(grouped, dim=-1, descending=True, stable=True)
+        top = torch.sort(order[:, : keep - w], dim=-1).values
+        want = torch.cat([top, torch.arange(n1 - w, n1).expand(2, w)], dim=-1)
+        assert torch.equal(idx[layer], want), f"layer {layer}"
+
+
+# 4 ------------------------------------------------------------------------------------------
+def test_first_step_marginals_follow_p_and_q():
+    m = model("mistral")
+    R, spec = 3000, "recent:retain=0.3"
+    settings = TraceSettings(horizon=1, replicates=R, branches=1, window=0)
+    arr, _ = trace_document(m, PROMPT, [spec], settings, seed=3)
+    n = len(PROMPT)
+    p = masked_forward(m, PROMPT, n, set(range(n)))[0]
+    q = masked_forward(m, PROMPT, n, kept_positions(spec, n))[0]
+    h = arr["hazard"][0, :, 0]
+    np.testing.assert_allclose(h, 0.5 * np.abs(p - q).sum(), atol=1e-5)
+    assert 0.2 < h[0] < 0.95
+    z = arr["tokens"][0, :, 0]
+    x = arr["branch_tokens_p"][0, :, 0, 0]
+    y = arr["branch_tokens_q"][0, :, 0, 0]
+    assert (arr["branch_step"][0] == 1).all() and (x != y).all()
+    # The SMC draw: residuals with probability h, else the overlap token.
+    coin = np.random.default_rng(11).random(R) < h
+    for tokens, law in ((np.where(coin, x, z), p), (np.where(coin, y, z), q)):
+        observed = np.bincount(tokens, minlength=VOCAB)
+        expected = law * R
+        big = expected >= 5
+        obs = np.append(observed[big], observed[~big].sum())
+        exp = np.append(expected[big], expected[~big].sum())
+        assert stats.chisquare(obs, exp * obs.sum() / exp.sum()).pvalue > 1e-3
+    overlap = np.minimum(p, q) / np.minimum(p, q).sum()
+    big = overlap * R >= 5
+    observed = np.bincount(z, minlength=VOCAB)
+    obs = np.append(observed[big], observed[~big].sum())
+    exp = np.append(overlap[big] * R, overlap[~big].sum() * R)
+    assert stats.chisquare(obs, exp * obs.sum() / exp.sum()).pvalue > 1e-3
+
+
+def test_eos_is_absorbing():
+    settings = TraceSettings(
+        horizon=5, replicates=3, branches=2, window=4, eos_token_ids=tuple(range(VOCAB))
+    )
+    arr, _ = trace_document(model("qwen3"), PROMPT, ["recent:retain=0.3"], settings, seed=4)
+    tokens = arr["tokens"][0]
+    assert (tokens == tokens[:, :1]).all()  # the first token is EOS, repeated
+    assert (arr["hazard"][0, :, 1:] == 0).all()
+    assert (arr["branch_step"][0] == 1).all()  # only step 1 can diverge
+    for side in ("p", "q"):
+        b = arr[f"branch_tokens_{side}"][0]
+        assert (b == b[..., :1]).all()
+    assert (arr["branch_mismatch"][0] == 1).all()
+
+
+# 5 ------------------------------------------------------------------------------------------
+def _prompts(count: int) -> list[Prompt]:
+    rng = np.random.default_rng(9)
+    return [
+        Prompt(f"doc{i}", tuple(int(t) for t in rng.integers(1, VOCAB, 12 + 3 * i)))
+        for i in range(count)
+    ]
+
+
+def test_resume_and_shards_equal_uninterrupted(tmp_path):
+    m = model("qwen2")
+    prompts = _prompts(3)
+    policies = ["snapkv:retain=0.5,window=4", "random:retain=0.5", "h2o:retain=0.4"]
+    settings = TraceSettings(
+        horizon=4,
+        replicates=2,
+        branches=2,
+        window=2,
+        record=Record("topk", 3),
+        eos_token_ids=(VOCAB - 1,),
+    )
+    kw = {"seed": 5, "model_id": "tiny-qwen2", "progress": False}
+    ref_path, resumed, sharded = tmp_path / "a.zarr", tmp_path / "b.zarr", tmp_path / "c.zarr"
+    trace(m, prompts, policies, settings, ref_path, **kw)
+
+    first = trace(m, prompts, policies, settings, resumed, max_docs=1, **kw)
+    assert first.traced == [0]
+    import zarr
+
+    group = zarr.open_group(str(resumed), mode="r+")
+    group["tokens"][1] = 99  # a document half-written when the process was killed
+    again = trace(m, prompts, policies, settings, resumed, **kw)
+    assert again.traced == [1, 2] and again.skipped == 1
+
+    assert trace(m, prompts, policies, settings, sharded, shard=(1, 2), **kw).traced == [1]
+    assert trace(m, prompts, policies, settings, sharded, shard=(0, 2), **kw).traced == [0, 2]
+
+    ref = xr.open_zarr(ref_path).load()
+    assert ref["completed"].values.all()
+    assert (ref["branch_step"].values > 0).any()
+    for other in (resumed, sharded):
+        ds = xr.open_zarr(other).load()
+        assert ds.identical(ref), other
+    with pytest.raises(StoreError, match="seed"):
+        trace(m, prompts, policies, settings, ref_path, **{**kw, "seed": 6})
+
+
+# 6 ------------------------------------------------------------------------------------------
+def test_bad_prompt_files(tmp_path):
+    f = tmp_path / "p.jsonl"
+    f.write_text('{"id": "a", "input_ids": [1, 2, 3]}\n{"id": "b", "input_ids": [1, 2\n')
+    with pytest.raises(PromptFileError, match="line 2: not valid JSON"):
+        load_prompts(f)
+    f.write_text('{"id": "a", "input_ids": [1, 2]}\n\n{"id": "b", "text": "  "}\n')
+    with pytest.raises(PromptFileError, match="line 3: empty prompt"):
+        load_prompts(f)
+    f.write_text('{"id": "a", "input_ids": []}\n')
+    with pytest.raises(PromptFileError, match="line 1: empty prompt"):
+        load_prompts(f)
+    f.write_text('{"text": "hello"}\n')
+    with pytest.raises(PromptFileError, match="line 1: missing"):
+        load_prompts(f)
+    f.write_text('{"id": 1, "input_ids": [1]}\n{"id": "1", "input_ids": [2]}\n')
+    with pytest.raises(PromptFileError, match="line 2: id '1' already used on line 1"):
+        load_prompts(f)
+    f.write_text('{"id": "a", "input_ids": [1, 500]}\n')
+    with pytest.raises(PromptFileError, match="token id 500"):
+        load_prompts(f, vocab_size=VOCAB)
+    f.write_text('{"id": "a", "text": "hello"}\n')
+    with pytest.raises(PromptFileError, match="needs a tokenizer"):
+        load_prompts(f)
+    assert issubclass(PromptFileError, ValueError)
+
+
+def test_bad_trace_arguments(tmp_path):
+    m = model("llama")
+    with pytest.raises(ValueError, match="horizon must be >= 1"):
+        TraceSettings(horizon=0)
+    with pytest.raises(PromptTooShortError, match="1 token"):
+        trace_document(m, [5], ["full"], TraceSettings(horizon=2))
+    with pytest.raises(PolicyError, match="unknown policy"):
+        trace_document(m, PROMPT, ["lru:retain=0.5"], TraceSettings(horizon=2))
+    settings = TraceSettings(horizon=2, replicates=1, branches=1, window=1)
+    out = tmp_path / "v.zarr"
+    trace(m, _prompts(1), ["recent:retain=0.5"], settings, out, model_id="x", progress=False)
+    small = tiny_model("llama", seed=7, vocab_size=64)
+    with pytest.raises(VocabularyMismatchError, match="vocabulary of 128 tokens.*have 64"):
+        trace(
+            small, _prompts(1), ["recent:retain=0.5"], settings, out, model_id="x", progress=False
+        )
+
+
+def test_cli_end_to_end_and_errors(tmp_path, capsys):
+    model_dir = tmp_path / "tiny"
+    model("llama").save_pretrained(model_dir)
+    prompts = tmp_path / "docs.jsonl"
+    prompts.write_text(
+        "".join(
+            json.dumps({"id": p.id, "input_ids": list(p.input_ids)}) + "\n" for p in _prompts(2)
+        )
+    )
+    out = tmp_path / "run.zarr"
+    base = [
+        "trace",
+        "--model",
+        str(model_dir),
+        "--prompts",
+        str(prompts),
+        "--out",
+        str(out),
+        "--quiet",
+    ]
+    args = [
+        *base,
+        "--policy",
+        "snapkv:retain=0.5,window=4",
+        "--policy",
+        "recent:retain=0.5",
+        "--horizon",
+        "3",
+        "--replicates",
+        "2",
+        "--branches",
+        "1",
+        "--window",
+        "2",
+        "--device",
+        "cpu",
+    ]
+    assert cli_main(args) == 0
+    assert "2 traced" in capsys.readouterr().out
+    ds = xr.open_zarr(out)
+    assert ds.sizes["doc"] == 2 and ds.sizes["policy"] == 2 and bool(ds["completed"].all())
+    assert cli_main(args) == 0  # rerun: nothing left to do
+    assert "0 traced, 2 already done" in capsys.readouterr().out
+
+    for extra, message in [
+        (["--policy", "nope"], "unknown policy 'nope'"),
+        (["--policy", "snapkv:retain=0.5,size=3"], "no parameter size"),
+        (["--policy", "full", "--horizon", "0"], "--horizon must be >= 1"),
+        (["--policy", "full", "--shard", "2/2"], "0 <= i < N"),
+        (["--policy", "full", "--record", "topk:0"], "record must be"),
+    ]:
+        assert cli_main([*base, *extra]) == 2
+        assert message in capsys.readouterr().err
+    prompts.write_text('{"id": "a", "input_ids": [1, 2, 3]}\nnot json\n')
+    assert cli_main([*base[:-1], "--out", str(tmp_path / "x.zarr"), "--policy", "full"]) == 2
+    assert "line 2" in capsys.readouterr().err
