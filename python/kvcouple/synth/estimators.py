@@ -61,7 +61,7 @@ def _json(x: Any) -> Any:
     return x
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class ExactResult:
     """The exact law of the SMC on a pair (see the module docstring for the conventions)."""
 
@@ -173,7 +173,7 @@ def _ratio(a: npt.NDArray[np.float64], b: npt.NDArray[np.float64]) -> tuple[floa
     return r, se
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class Estimate:
     """Means and standard errors of an estimator's replicates.
 
