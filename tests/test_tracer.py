@@ -364,3 +364,16 @@ def test_cli_end_to_end_and_errors(tmp_path, capsys):
     prompts.write_text('{"id": "a", "input_ids": [1, 2, 3]}\nnot json\n')
     assert cli_main([*base[:-1], "--out", str(tmp_path / "x.zarr"), "--policy", "full"]) == 2
     assert "line 2" in capsys.readouterr().err
+
+
+def test_gpu_script_cpu_size_path(capsys):
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu_trace.py"
+    spec = importlib.util.spec_from_file_location("gpu_trace", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    result = module.main(["--tiny", "--horizon", "4", "--prompt", "40", "--window", "2"])
+    assert result["trace_tokens_per_s"] > 0 and result["generate_tokens_per_s"] > 0
+    assert "ratio trace/generate" in capsys.readouterr().out
