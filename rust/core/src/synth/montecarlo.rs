@@ -16,7 +16,7 @@ use crate::parallel;
 use crate::synth::exact::check_horizon;
 use crate::synth::kernel::KernelPair;
 use crate::synth::rng::Rng;
-use crate::synth::step;
+use crate::synth::step::{RowStepper, Stepper, TableStepper};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Method {
@@ -84,7 +84,13 @@ fn uniforms3(rng: &mut Rng) -> [f64; 3] {
     [u0, u1, u2]
 }
 
-fn naive_replicate(pair: &KernelPair, o: &McOptions, lags: usize, rng: &mut Rng) -> Replicate {
+fn naive_replicate<S: Stepper>(
+    pair: &KernelPair,
+    steps: &S,
+    o: &McOptions,
+    lags: usize,
+    rng: &mut Rng,
+) -> Replicate {
     let (p, q, t_max, win) = (&pair.p, &pair.q, o.horizon, o.window);
     let mut r = Replicate {
         tv_sum: vec![0.0; lags],
@@ -95,10 +101,9 @@ fn naive_replicate(pair: &KernelPair, o: &McOptions, lags: usize, rng: &mut Rng)
     let mut tau: Option<usize> = None;
     let (mut window_n, mut tail_n) = (0usize, 0usize);
     for t in 1..=t_max {
-        let (a, b) = (p.row(sp), q.row(sq));
-        let st = step::stats(a, b);
+        let st = steps.stats(sp, sq);
         r.evaluations += 2.0;
-        let (x, y) = step::draw(a, b, &st, uniforms3(rng));
+        let (x, y) = steps.draw(sp, sq, &st, uniforms3(rng));
         let mismatch = x != y;
         match tau {
             None if mismatch => tau = Some(t),
@@ -156,7 +161,14 @@ fn pick(weights: &[f64], target: f64) -> usize {
     last_positive
 }
 
-fn rb_replicate(pair: &KernelPair, o: &McOptions, lags: usize, rng: &mut Rng) -> Replicate {
+fn rb_replicate<S: Stepper>(
+    pair: &KernelPair,
+    steps: &S,
+    o: &McOptions,
+    lags: usize,
+    rng: &mut Rng,
+    scratch: &mut Scratch,
+) -> Replicate {
     let (p, q, t_max, win) = (&pair.p, &pair.q, o.horizon, o.window);
     let mut r = Replicate {
         tv_sum: vec![0.0; lags],
@@ -164,13 +176,13 @@ fn rb_replicate(pair: &KernelPair, o: &McOptions, lags: usize, rng: &mut Rng) ->
         ..Default::default()
     };
     // 1. The overlap path: states at each step and weights W_{t-1} h_t.
-    let mut path: Vec<(usize, usize)> = Vec::with_capacity(t_max);
-    let mut weights: Vec<f64> = Vec::with_capacity(t_max);
+    let Scratch { path, weights } = scratch;
+    path.clear();
+    weights.clear();
     let (mut sp, mut sq) = (p.start, q.start);
     let mut survival = 1.0;
     for t in 1..=t_max {
-        let (a, b) = (p.row(sp), q.row(sq));
-        let st = step::stats(a, b);
+        let st = steps.stats(sp, sq);
         r.evaluations += 2.0;
         path.push((sp, sq));
         weights.push(survival * st.delta);
@@ -181,7 +193,7 @@ fn rb_replicate(pair: &KernelPair, o: &McOptions, lags: usize, rng: &mut Rng) ->
         if t == t_max {
             break;
         }
-        let z = step::overlap_token(a, b, &st, rng.uniform());
+        let z = steps.overlap_token(sp, sq, &st, rng.uniform());
         sp = p.next_state(sp, z);
         sq = q.next_state(sq, z);
     }
@@ -201,23 +213,21 @@ fn rb_replicate(pair: &KernelPair, o: &McOptions, lags: usize, rng: &mut Rng) ->
     let k = o.branches;
     if occ > 0.0 && k > 0 {
         for _ in 0..k {
-            let i = pick(&weights, rng.uniform() * occ);
+            let i = pick(weights, rng.uniform() * occ);
             let (sp0, sq0) = path[i];
-            let (a, b) = (p.row(sp0), q.row(sq0));
-            let st = step::stats(a, b); // the path already evaluated these rows
+            let st = steps.stats(sp0, sq0); // the path already evaluated these rows
             let u1 = rng.uniform();
             let u2 = rng.uniform();
-            let (x, y) = step::residual_tokens(a, b, &st, u1, u2);
+            let (x, y) = steps.residual_tokens(sp0, sq0, &st, [u1, u2]);
             let (mut sp, mut sq) = (p.next_state(sp0, x), q.next_state(sq0, y));
             let mut max_lag = t_max - (i + 1);
             if !o.trace_to_horizon {
                 max_lag = max_lag.min(win);
             }
             for lag in 1..=max_lag {
-                let (a, b) = (p.row(sp), q.row(sq));
-                let st = step::stats(a, b);
+                let st = steps.stats(sp, sq);
                 r.evaluations += 2.0;
-                let (x, y) = step::draw(a, b, &st, uniforms3(rng));
+                let (x, y) = steps.draw(sp, sq, &st, uniforms3(rng));
                 let mismatch = (x != y) as u8 as f64;
                 if lag <= lags {
                     r.tv_sum[lag - 1] += st.delta;
@@ -253,6 +263,29 @@ fn rb_replicate(pair: &KernelPair, o: &McOptions, lags: usize, rng: &mut Rng) ->
     r
 }
 
+/// Reusable buffers of one worker (rb's overlap path).
+#[derive(Default)]
+struct Scratch {
+    path: Vec<(usize, usize)>,
+    weights: Vec<f64>,
+}
+
+fn run<S: Stepper>(pair: &KernelPair, steps: &S, o: &McOptions, lags: usize) -> Vec<Replicate> {
+    parallel::install(|| {
+        (0..o.replicates)
+            .into_par_iter()
+            .with_min_len(64)
+            .map_init(Scratch::default, |scratch, i| {
+                let mut rng = Rng::stream(o.seed, i as u64);
+                match o.method {
+                    Method::Naive => naive_replicate(pair, steps, o, lags, &mut rng),
+                    Method::Rb => rb_replicate(pair, steps, o, lags, &mut rng, scratch),
+                }
+            })
+            .collect()
+    })
+}
+
 /// Run `o.replicates` replicates of the chosen estimator.
 pub fn simulate(pair: &KernelPair, o: &McOptions) -> KvResult<McOutput> {
     check_horizon(o.horizon)?;
@@ -267,18 +300,11 @@ pub fn simulate(pair: &KernelPair, o: &McOptions) -> KvResult<McOutput> {
         ));
     }
     let lags = o.window.min(o.horizon - 1);
-    let reps: Vec<Replicate> = parallel::install(|| {
-        (0..o.replicates)
-            .into_par_iter()
-            .map(|i| {
-                let mut rng = Rng::stream(o.seed, i as u64);
-                match o.method {
-                    Method::Naive => naive_replicate(pair, o, lags, &mut rng),
-                    Method::Rb => rb_replicate(pair, o, lags, &mut rng),
-                }
-            })
-            .collect()
-    });
+    // Small pairs get precomputed step tables; both steppers give identical tokens.
+    let reps = match TableStepper::build(pair) {
+        Some(table) => run(pair, &table, o, lags),
+        None => run(pair, &RowStepper(pair), o, lags),
+    };
     let col = |f: fn(&Replicate) -> f64| reps.iter().map(f).collect::<Vec<f64>>();
     let rb = o.method == Method::Rb;
     Ok(McOutput {

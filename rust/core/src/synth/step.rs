@@ -6,6 +6,8 @@
 //! whose residual mass on one side is exactly zero are treated as identical (`delta = 0`), so
 //! the sampler never needs the fallback that could return `x == y` after a residual draw.
 
+use crate::synth::kernel::KernelPair;
+
 /// Masses of one row pair.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct StepStats {
@@ -85,6 +87,132 @@ pub fn draw(a: &[f64], b: &[f64], st: &StepStats, u: [f64; 3]) -> (usize, usize)
     }
 }
 
+/// How the Monte Carlo estimators take one step from a state pair.
+pub trait Stepper: Sync {
+    fn stats(&self, sp: usize, sq: usize) -> StepStats;
+    fn overlap_token(&self, sp: usize, sq: usize, st: &StepStats, u1: f64) -> usize;
+    fn residual_tokens(&self, sp: usize, sq: usize, st: &StepStats, u: [f64; 2]) -> (usize, usize);
+
+    #[inline]
+    fn draw(&self, sp: usize, sq: usize, st: &StepStats, u: [f64; 3]) -> (usize, usize) {
+        if u[0] >= st.delta {
+            let z = self.overlap_token(sp, sq, st, u[1]);
+            (z, z)
+        } else {
+            self.residual_tokens(sp, sq, st, [u[1], u[2]])
+        }
+    }
+}
+
+/// Steps computed from the kernels' rows each time (any size).
+pub struct RowStepper<'a>(pub &'a KernelPair);
+
+impl Stepper for RowStepper<'_> {
+    #[inline]
+    fn stats(&self, sp: usize, sq: usize) -> StepStats {
+        stats(self.0.p.row(sp), self.0.q.row(sq))
+    }
+    #[inline]
+    fn overlap_token(&self, sp: usize, sq: usize, st: &StepStats, u1: f64) -> usize {
+        overlap_token(self.0.p.row(sp), self.0.q.row(sq), st, u1)
+    }
+    #[inline]
+    fn residual_tokens(&self, sp: usize, sq: usize, st: &StepStats, u: [f64; 2]) -> (usize, usize) {
+        residual_tokens(self.0.p.row(sp), self.0.q.row(sq), st, u[0], u[1])
+    }
+}
+
+/// Steps from precomputed per-state-pair tables: the stats and the running sums of the
+/// overlap and residual weights, searched by bisection. The running sums are accumulated in
+/// the order [`inverse_cdf`] uses, so the tokens are identical to [`RowStepper`]'s.
+pub struct TableStepper {
+    states_q: usize,
+    vocab: usize,
+    stats: Vec<StepStats>,
+    cum: Vec<f64>,
+    last_positive: Vec<[usize; 3]>,
+}
+
+/// Largest table (f64 entries) [`TableStepper::build`] allocates: 32 MB.
+pub const TABLE_LIMIT: usize = 1 << 22;
+
+impl TableStepper {
+    /// The tables of every state pair, or `None` when they would exceed [`TABLE_LIMIT`].
+    pub fn build(pair: &KernelPair) -> Option<Self> {
+        let (sp_n, sq_n, v) = (pair.p.states, pair.q.states, pair.vocab());
+        let pairs = sp_n.checked_mul(sq_n)?;
+        if pairs.checked_mul(3 * v)? > TABLE_LIMIT {
+            return None;
+        }
+        let mut t = TableStepper {
+            states_q: sq_n,
+            vocab: v,
+            stats: Vec::with_capacity(pairs),
+            cum: Vec::with_capacity(pairs * 3 * v),
+            last_positive: Vec::with_capacity(pairs),
+        };
+        let weights: [fn(f64, f64) -> f64; 3] =
+            [f64::min, |x, y| (x - y).max(0.0), |x, y| (y - x).max(0.0)];
+        for sp in 0..sp_n {
+            for sq in 0..sq_n {
+                let (a, b) = (pair.p.row(sp), pair.q.row(sq));
+                t.stats.push(stats(a, b));
+                let mut last = [0usize; 3];
+                for (k, w) in weights.iter().enumerate() {
+                    let mut cum = 0.0;
+                    for i in 0..v {
+                        let x = w(a[i], b[i]);
+                        if x > 0.0 {
+                            cum += x;
+                            last[k] = i;
+                        }
+                        t.cum.push(cum);
+                    }
+                }
+                t.last_positive.push(last);
+            }
+        }
+        Some(t)
+    }
+
+    #[inline]
+    fn search(&self, pair_index: usize, kind: usize, target: f64) -> usize {
+        let start = (pair_index * 3 + kind) * self.vocab;
+        let cum = &self.cum[start..start + self.vocab];
+        // Sorted sums: the count of entries <= target is the partition point; counting is
+        // branch-free and faster than bisection on short rows.
+        let i = if self.vocab <= 32 {
+            cum.iter().map(|&c| (c <= target) as usize).sum()
+        } else {
+            cum.partition_point(|&c| c <= target)
+        };
+        if i < self.vocab {
+            i
+        } else {
+            self.last_positive[pair_index][kind]
+        }
+    }
+}
+
+impl Stepper for TableStepper {
+    #[inline]
+    fn stats(&self, sp: usize, sq: usize) -> StepStats {
+        self.stats[sp * self.states_q + sq]
+    }
+    #[inline]
+    fn overlap_token(&self, sp: usize, sq: usize, st: &StepStats, u1: f64) -> usize {
+        self.search(sp * self.states_q + sq, 0, u1 * st.overlap)
+    }
+    #[inline]
+    fn residual_tokens(&self, sp: usize, sq: usize, st: &StepStats, u: [f64; 2]) -> (usize, usize) {
+        let k = sp * self.states_q + sq;
+        (
+            self.search(k, 1, u[0] * st.res_p),
+            self.search(k, 2, u[1] * st.res_q),
+        )
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -121,6 +249,37 @@ mod tests {
                 (theirs.x, theirs.y),
                 "{a:?} {b:?} {u:?}"
             );
+        }
+    }
+
+    #[test]
+    fn table_stepper_gives_the_same_tokens() {
+        use crate::synth::kernel::{random_pair, RandomPairOptions};
+        for seed in 0..20 {
+            let pair = random_pair(&RandomPairOptions {
+                vocab: 1 + seed as usize % 9,
+                states: 1 + seed as usize % 4,
+                closeness: 0.7,
+                sparsity: 0.4,
+                absorbing: false,
+                deterministic: 0.2,
+                markov: false,
+                seed,
+            })
+            .unwrap();
+            let table = TableStepper::build(&pair).unwrap();
+            let rows = RowStepper(&pair);
+            let mut rng = Rng::new(seed);
+            for sp in 0..pair.p.states {
+                for sq in 0..pair.q.states {
+                    let st = rows.stats(sp, sq);
+                    assert_eq!(st, table.stats(sp, sq));
+                    for _ in 0..200 {
+                        let u = [rng.uniform(), rng.uniform(), rng.uniform()];
+                        assert_eq!(rows.draw(sp, sq, &st, u), table.draw(sp, sq, &st, u));
+                    }
+                }
+            }
         }
     }
 }
