@@ -98,6 +98,30 @@ mod tests {
     }
 
     #[test]
+    fn f16_rows_match_the_f64_reference() {
+        // Every finite half, paired with a shifted copy, against the f64 reference.
+        let vocab = 3000;
+        let halves: Vec<u16> = (0..vocab as u32)
+            .map(|i| ((i * 7919) % 0x7c00) as u16 | if i % 3 == 0 { 0x8000 } else { 0 })
+            .collect();
+        let shifted: Vec<u16> = halves.iter().rev().copied().collect();
+        let fast = row_tv(Rows::F16(&halves), Rows::F16(&shifted), 1, vocab).unwrap()[0];
+        let reference: f64 = 0.5
+            * halves
+                .iter()
+                .zip(&shifted)
+                .map(|(&x, &y)| (crate::rows::f16_to_f64(x) - crate::rows::f16_to_f64(y)).abs())
+                .sum::<f64>();
+        assert!(
+            (fast - reference).abs() <= 1e-6 * reference,
+            "{fast} {reference}"
+        );
+        let mut nan_row = halves.clone();
+        nan_row[2500] = 0x7e00;
+        assert!(row_tv(Rows::F16(&nan_row), Rows::F16(&shifted), 1, vocab).unwrap()[0].is_nan());
+    }
+
+    #[test]
     fn half_rows_and_shape_errors() {
         // 0x3800 = 0.5, 0x0000 = 0
         let p = [0x3800u16, 0x3800, 0, 0];
