@@ -7,6 +7,7 @@ import json
 
 import numpy as np
 import pytest
+
 from kvcouple.analysis import analyze
 from kvcouple.synth.trace_store import write_synthetic_trace_store
 

@@ -3,9 +3,10 @@ paired differences and the bootstrap's reproducibility."""
 
 from __future__ import annotations
 
-import kvcouple
 import numpy as np
 import pytest
+
+import kvcouple
 from kvcouple import _core
 from kvcouple.analysis import PlanError, analyze, load_plan
 from kvcouple.analysis.stats import bootstrap_p_value, holm
@@ -174,3 +175,36 @@ def test_bootstrap_is_seeded_and_thread_independent():
     assert np.allclose(a.std(0), values.std(0) / np.sqrt(50), rtol=0.2)
     with pytest.raises(ValueError, match="n_boot"):
         _core.bootstrap_means(values, 0, 5)
+
+
+def test_several_stores_are_reported_per_model(store, tmp_path):
+    other = write_synthetic_trace_store(
+        tmp_path / "other.zarr",
+        PAIRS,
+        horizon=8,
+        replicates=50,
+        docs=[0, 1, 2],
+        seed=9,
+        model_id="other-model",
+    )
+    result = analyze([store, other], n_boot=100)
+    assert [m.model for m in result.models] == ["synthetic", "other-model"]
+    assert [len(m.docs) for m in result.models] == [8, 3]
+    out = tmp_path / "rep"
+    assert (
+        main(
+            [
+                "analyze",
+                str(store),
+                str(other),
+                "--out",
+                str(out),
+                "--n-boot",
+                "100",
+                "--no-figures",
+            ]
+        )
+        == 0
+    )
+    text = (out / "summary.csv").read_text()
+    assert "other-model,harsh,mismatch_fraction" in text and "synthetic,mild,occurrence" in text

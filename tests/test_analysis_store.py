@@ -9,6 +9,7 @@ import shutil
 import numpy as np
 import pytest
 import zarr
+
 from kvcouple.analysis import analyze
 from kvcouple.analysis.report import write_report
 from kvcouple.cli import main

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+
 from analysis_exact_dp import exact_dp
 from kvcouple.analysis import analyze
 from kvcouple.synth.trace_store import as_emitter_pair, with_starts, write_synthetic_trace_store

@@ -250,6 +250,7 @@ def write_synthetic_trace_store(
     record: str = "summary",
     seed: int = 0,
     stop_after: int | None = None,
+    model_id: str = "synthetic",
 ) -> Path:
     """Simulate every (document, policy) into a new or resumed store at ``path``.
 
@@ -257,7 +258,8 @@ def write_synthetic_trace_store(
     is a count (every document starts from the pairs' own start states) or a list of start
     states, one per document: an int for Markov pairs (the start token) or ``(p_state,
     q_state)``. ``window`` defaults to ``horizon - 1`` (branches traced to the horizon).
-    ``stop_after`` writes only that many documents (to make an interrupted run for tests).
+    ``stop_after`` writes only that many documents (to make an interrupted run for tests);
+    ``model_id`` labels the store (analyses of several stores report per model).
     Each (document, policy) has its own random stream from ``(seed, doc, policy)``, so a
     resumed run writes exactly what an uninterrupted one would.
     """
@@ -286,7 +288,7 @@ def write_synthetic_trace_store(
         record=Record.parse(record),
     )
     attrs = {
-        "model_id": "synthetic",
+        "model_id": model_id,
         "model_revision": "",
         "dtype": "float64",
         "kvcouple_version": kvcouple_version,
