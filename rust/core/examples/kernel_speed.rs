@@ -23,7 +23,8 @@ fn main() {
     }
     let q: Vec<f32> = p.iter().rev().copied().collect();
     let n = (rows * vocab) as f64;
-    for _ in 0..3 {
+    let (mut best, mut best_plain) = (f64::INFINITY, f64::INFINITY);
+    for _ in 0..20 {
         let t = Instant::now();
         let d = divergences(
             Rows::F32(&p),
@@ -37,12 +38,10 @@ fn main() {
         let t2 = Instant::now();
         let s = plain_pass(Rows::F32(&p), Rows::F32(&q), rows, vocab).unwrap();
         let dt2 = t2.elapsed().as_secs_f64();
-        println!(
-            "divergences {:.2} ns/entry, plain {:.2} ns/entry (tv {:.3}, sum {:.3})",
-            dt / n * 1e9,
-            dt2 / n * 1e9,
-            d[0].tv,
-            s[0]
-        );
+        assert!(d[0].tv > 0.0 && s[0] > 0.0);
+        best = best.min(dt / n * 1e9);
+        best_plain = best_plain.min(dt2 / n * 1e9);
     }
+    // Minimum over runs: the least disturbed by other load on the machine.
+    println!("divergences {best:.2} ns/entry, plain pass {best_plain:.2} ns/entry (one thread)");
 }

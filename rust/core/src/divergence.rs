@@ -13,7 +13,7 @@
 use rayon::prelude::*;
 
 use crate::error::{KvError, KvResult};
-use crate::fastmath::{ln, TINY};
+use crate::fastmath::{ln3_and_quotient, TINY};
 use crate::parallel;
 use crate::rows::{check_pair, Dtype, Rows};
 use crate::transform::Transform;
@@ -88,6 +88,8 @@ struct Lanes {
     inf_pq: [f64; LANES],
     inf_qp: [f64; LANES],
     min: [f64; LANES],
+    max_p: [f64; LANES],
+    max_q: [f64; LANES],
 }
 
 impl Lanes {
@@ -106,51 +108,42 @@ impl Lanes {
             inf_pq: z,
             inf_qp: z,
             min: [f64::INFINITY; LANES],
+            max_p: [f64::NEG_INFINITY; LANES],
+            max_q: [f64::NEG_INFINITY; LANES],
         }
-    }
-}
-
-/// Logarithms of one block, `out[i] = ln(max(x[i], TINY))`: a plain map loop over a
-/// fixed-size array, which LLVM's loop vectoriser turns into SIMD.
-#[inline(always)]
-fn ln_block(x: &[f64; BLOCK], out: &mut [f64; BLOCK]) {
-    for (o, &v) in out.iter_mut().zip(x.iter()) {
-        *o = ln(v.max(TINY));
     }
 }
 
 /// Every sum over one full block (the caller zero-pads a partial last block: zeros add
 /// nothing to any sum). Kept apart from the row loop and over fixed-size arrays so that it
 /// vectorises; compiled twice, generic and with AVX2+FMA, picked at run time.
+/// The Hellinger term uses `(sqrt p - sqrt q)^2 = (p - q)^2 / (p + q + 2 sqrt(pq))`: one
+/// square root, no cancellation, exactly 0 for equal entries.
 #[inline(always)]
 fn block_kernel(a: &[f64; BLOCK], b: &[f64; BLOCK], l: &mut Lanes) {
-    let mut m = [0.0f64; BLOCK];
-    for ((mi, &p), &q) in m.iter_mut().zip(a.iter()).zip(b.iter()) {
-        *mi = 0.5 * (p + q);
-    }
-    let mut la = [0.0f64; BLOCK];
-    let mut lb = [0.0f64; BLOCK];
-    let mut lm = [0.0f64; BLOCK];
-    ln_block(a, &mut la);
-    ln_block(b, &mut lb);
-    ln_block(&m, &mut lm);
     for c in 0..BLOCK / LANES {
         for j in 0..LANES {
             let i = c * LANES + j;
             let (p, q) = (a[i], b[i]);
-            l.pp[j] += p * la[i];
-            l.pq[j] += p * lb[i];
-            l.qq[j] += q * lb[i];
-            l.qp[j] += q * la[i];
-            l.mm[j] += m[i] * lm[i];
-            l.abs_diff[j] += (p - q).abs();
-            let d = p.max(0.0).sqrt() - q.max(0.0).sqrt();
-            l.hel[j] += d * d;
+            let m = 0.5 * (p + q);
+            let diff = p - q;
+            let den_h = (p + q + 2.0 * (p * q).max(0.0).sqrt()).max(1e-150);
+            let (lp, lq, lm, hel) =
+                ln3_and_quotient(p.max(TINY), q.max(TINY), m.max(TINY), diff * diff, den_h);
+            l.pp[j] += p * lp;
+            l.pq[j] += p * lq;
+            l.qq[j] += q * lq;
+            l.qp[j] += q * lp;
+            l.mm[j] += m * lm;
+            l.abs_diff[j] += diff.abs();
+            l.hel[j] += hel;
             l.sp[j] += p;
             l.sq[j] += q;
             l.inf_pq[j] += if p > 0.0 && q == 0.0 { 1.0 } else { 0.0 };
             l.inf_qp[j] += if q > 0.0 && p == 0.0 { 1.0 } else { 0.0 };
             l.min[j] = l.min[j].min(p.min(q));
+            l.max_p[j] = l.max_p[j].max(p);
+            l.max_q[j] = l.max_q[j].max(q);
         }
     }
 }
@@ -254,8 +247,13 @@ fn row_sums(
         s.inf_pq += fold(&l.inf_pq);
         s.inf_qp += fold(&l.inf_qp);
         s.min = l.min.iter().copied().fold(s.min, f64::min);
-        argmax_into(&a[..n], start, &mut best_p, &mut s.argmax_p);
-        argmax_into(&b[..n], start, &mut best_q, &mut s.argmax_q);
+        // Scan for the first index of a new maximum only in blocks that hold one (rare).
+        if l.max_p.iter().copied().fold(f64::NEG_INFINITY, f64::max) > best_p {
+            argmax_into(&a[..n], start, &mut best_p, &mut s.argmax_p);
+        }
+        if l.max_q.iter().copied().fold(f64::NEG_INFINITY, f64::max) > best_q {
+            argmax_into(&b[..n], start, &mut best_q, &mut s.argmax_q);
+        }
         start += n;
     }
     (s, nonfinite)

@@ -8,8 +8,9 @@
 /// Smallest argument callers pass (positive and normal, so the bit tricks hold).
 pub const TINY: f64 = 1e-300;
 
+/// `x = 2^e * m` with `m` in [sqrt(1/2), sqrt(2)); returns `(e, m)`.
 #[inline(always)]
-pub fn ln(x: f64) -> f64 {
+fn reduce(x: f64) -> (f64, f64) {
     // Rebias so that the exponent field counts from sqrt(1/2) instead of 1.
     let hx = x
         .to_bits()
@@ -18,9 +19,13 @@ pub fn ln(x: f64) -> f64 {
     // into the mantissa of 2^52 and subtract.
     let e = f64::from_bits(0x4330_0000_0000_0000 | (hx >> 52)) - (4_503_599_627_370_496.0 + 1023.0);
     let m = f64::from_bits((hx & 0x000f_ffff_ffff_ffff) + 0x3fe6_a09e_667f_3bcd);
-    let s = (m - 1.0) / (m + 1.0);
+    (e, m)
+}
+
+/// `e ln 2 + 2 atanh(s)` with the series to s^23, Horner in s^2.
+#[inline(always)]
+fn series(e: f64, s: f64) -> f64 {
     let s2 = s * s;
-    // 2 * (s + s^3/3 + ... + s^23/23), Horner in s^2.
     let mut r = 2.0 / 23.0;
     r = r * s2 + 2.0 / 21.0;
     r = r * s2 + 2.0 / 19.0;
@@ -34,6 +39,34 @@ pub fn ln(x: f64) -> f64 {
     r = r * s2 + 2.0 / 3.0;
     r = r * s2 + 2.0;
     e * std::f64::consts::LN_2 + s * r
+}
+
+#[inline(always)]
+pub fn ln(x: f64) -> f64 {
+    let (e, m) = reduce(x);
+    series(e, (m - 1.0) / (m + 1.0))
+}
+
+/// Three logarithms and one extra quotient `num / den` for the price of one division.
+///
+/// Division and square root share one slow unit; the divergence pass needs three logarithms
+/// and a Hellinger term per entry, so one reciprocal of the product of the four denominators
+/// (each in [1.7, 2.5] for the logarithms, `den` kept in [1e-150, 8]) serves all of them.
+/// The extra multiplications cost a few ulps, far below the tolerances callers state.
+#[inline(always)]
+pub fn ln3_and_quotient(x: f64, y: f64, z: f64, num: f64, den: f64) -> (f64, f64, f64, f64) {
+    let (ex, mx) = reduce(x);
+    let (ey, my) = reduce(y);
+    let (ez, mz) = reduce(z);
+    let (dx, dy, dz) = (mx + 1.0, my + 1.0, mz + 1.0);
+    let dxy = dx * dy;
+    let dzw = dz * den;
+    let r = 1.0 / (dxy * dzw);
+    let sx = (mx - 1.0) * (r * dy * dzw);
+    let sy = (my - 1.0) * (r * dx * dzw);
+    let sz = (mz - 1.0) * (r * dxy * den);
+    let quotient = num * (r * dxy * dz);
+    (series(ex, sx), series(ey, sy), series(ez, sz), quotient)
 }
 
 #[cfg(test)]
@@ -54,6 +87,26 @@ mod tests {
         }
         assert!(worst < 4e-16, "worst relative error {worst}");
         assert_eq!(ln(1.0), 0.0);
+    }
+
+    #[test]
+    fn ln3_and_quotient_match_separate_operations() {
+        let xs = [TINY, 1e-200, 3e-17, 1e-8, 0.3, 0.5, 1.0, 1.7, 7.0, 1e100];
+        for &x in &xs {
+            for &y in &xs {
+                for &(num, den) in &[(0.0, 1e-150), (0.25, 1.0), (1e-300, 1e-150), (3.0, 7.9)] {
+                    let z = 0.5 * (x + y);
+                    let (a, b, c, d) = ln3_and_quotient(x, y, z, num, den);
+                    for (got, want) in [(a, x.ln()), (b, y.ln()), (c, z.ln())] {
+                        assert!((got - want).abs() <= 2e-15 * want.abs().max(1.0), "{x} {y}");
+                    }
+                    assert!(
+                        (d - num / den).abs() <= 1e-15 * (num / den),
+                        "{num} / {den}"
+                    );
+                }
+            }
+        }
     }
 
     #[test]
