@@ -377,3 +377,51 @@ def test_gpu_script_cpu_size_path(capsys):
     result = module.main(["--tiny", "--horizon", "4", "--prompt", "40", "--window", "2"])
     assert result["trace_tokens_per_s"] > 0 and result["generate_tokens_per_s"] > 0
     assert "ratio trace/generate" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_decode_time_h2o_sliding_window_equals_masked_forward(arch):
+    """With recent=1 decode-time H2O is a sliding window: the path and every branch (replayed
+    from the prompt cache) equal a full forward whose queries see only the last kept tokens."""
+    m = model(arch)
+    T, L = 6, 3
+    settings = TraceSettings(
+        horizon=T, replicates=2, branches=2, window=L, record=Record("topk", VOCAB)
+    )
+    arr, _ = trace_document(m, PROMPT, ["h2o:budget=8,recent=1.0,mode=decode"], settings, seed=3)
+    n, kept = len(PROMPT), int(arr["kept_length"][0])
+
+    def sliding(tokens):
+        size = len(tokens)
+        allowed = torch.ones(size, size, dtype=torch.bool).tril()
+        for i in range(n - 1, size):
+            # the re-fed last prompt token sees `kept` entries, later tokens kept + 1 (itself)
+            allowed[i, : max(0, i - kept + (1 if i == n - 1 else 0))] = False
+        mask = torch.zeros(size, size).masked_fill(~allowed, torch.finfo(torch.float32).min)
+        with torch.no_grad():
+            logits = m(
+                input_ids=torch.tensor([tokens]),
+                attention_mask=mask[None, None],
+                position_ids=torch.arange(size)[None],
+            ).logits[0, n - 1 :]
+        return apply_decoding(logits).numpy()
+
+    branches = 0
+    for rep in range(2):
+        path = arr["tokens"][0, rep]
+        np.testing.assert_allclose(
+            distributions(arr, "q", 0, rep), sliding(PROMPT + path[:-1].tolist()), atol=1e-5
+        )
+        for k in range(2):
+            start = int(arr["branch_step"][0, rep, k])
+            lags = min(L, T - start)
+            ys = arr["branch_tokens_q"][0, rep, k, :lags].tolist()
+            want = sliding(PROMPT + path[: start - 1].tolist() + ys)[start - 1 : start + lags]
+            ids = arr["branch_topk_ids_q"][0, rep, k, : lags + 1].astype(np.int64)
+            got = np.zeros((lags + 1, VOCAB))
+            np.put_along_axis(got, ids, arr["branch_topk_probs_q"][0, rep, k, : lags + 1], axis=1)
+            np.testing.assert_allclose(got, want, atol=1e-5)
+            branches += 1
+    assert branches == 4
+    heavy, _ = trace_document(m, PROMPT, ["h2o:budget=8,recent=0.25,mode=decode"], settings, seed=3)
+    assert not np.allclose(heavy["hazard"], arr["hazard"])  # heavy hitters change the kernel

@@ -5,9 +5,13 @@ the query heads of each GQA group). The budget is split: ``recent`` (a fraction,
 of it goes to the most recent tokens, the rest to the heaviest hitters among the others.
 
 ``mode=prefill`` (default) evicts once after prefill. ``mode=decode`` keeps the cache at the
-fixed budget during generation too: after each generated token, every layer and KV head evicts
-its entry of lowest accumulated attention (scores keep accumulating over generated queries),
-never one of the most recent ``recent`` share.
+fixed budget ``k`` (the kept count) during generation too, as in H2O's Algorithm 1: each new
+token attends to the at most ``k`` cached entries plus itself, its attention is added to the
+accumulated scores, and then every layer and KV head evicts its entry of lowest accumulated
+score, never one of the ``recent`` share of most recent positions. With ``recent=1`` this is a
+sliding window of ``k + 1`` tokens. Decode-time tracing replays each branch's path from the
+prompt cache (see :mod:`kvcouple.tracer.decode_eviction`), so it costs more than one-shot
+policies.
 """
 
 from __future__ import annotations

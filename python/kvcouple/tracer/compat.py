@@ -171,11 +171,19 @@ class QueryCapture:
     @torch.inference_mode()
     def queries(self, layer: int, start: int = 0) -> torch.Tensor:
         """Post-RoPE queries of positions ``start..`` of batch row 0: ``(heads, len, head_dim)``."""
+        return self.batch_queries(layer, start, rows=slice(0, 1))[0]
+
+    @torch.inference_mode()
+    def batch_queries(self, layer: int, start: int = 0, rows: slice | None = None) -> torch.Tensor:
+        """Post-RoPE queries of the captured batch rows: ``(rows, heads, len, head_dim)``."""
         module = self.modules[layer]
-        hidden = self.hidden[layer][:1, start:]
-        cos, sin = (t[:1, start:] for t in self.rope[layer])
+        rows = rows if rows is not None else slice(None)
+        hidden = self.hidden[layer][rows, start:]
+        cos, sin = (t[:, start:] for t in self.rope[layer])
+        if cos.shape[0] > 1:
+            cos, sin = cos[rows], sin[rows]
         head_dim = module.head_dim
-        q = module.q_proj(hidden).view(1, hidden.shape[1], -1, head_dim)
+        q = module.q_proj(hidden).view(hidden.shape[0], hidden.shape[1], -1, head_dim)
         if getattr(module, "q_norm", None) is not None:
             q = module.q_norm(q)
         q = q.transpose(1, 2)
@@ -185,7 +193,7 @@ class QueryCapture:
                 f"{type(module).__module__} has no apply_rotary_pos_emb; cannot rebuild queries"
             )
         q, _ = rotate(q, q, cos, sin)
-        return q[0]
+        return q
 
     @property
     def scaling(self) -> float:

@@ -79,22 +79,32 @@ class _Rows:
         valid: torch.Tensor,
         positions: torch.Tensor,
         padded: bool,
+        evictor: Any = None,
     ):
         self.model = model
         self.cache = compat.cache_from_tensors(kv)
         self.valid = valid
         self.positions = positions
-        self.padded = padded
+        self.padded = padded or evictor is not None
         self.dtype = kv[0][0].dtype
+        # A decode-time policy: evicts from some rows after each step (see decode_eviction).
+        self.evictor = evictor
 
     def step(self, tokens: torch.Tensor) -> torch.Tensor:
         """Feed one token per row; returns ``(rows, vocab)`` logits."""
         ones = torch.ones(self.valid.shape[0], 1, dtype=torch.bool, device=self.valid.device)
         self.valid = torch.cat([self.valid, ones], dim=1)
         mask = compat.additive_mask(self.valid, self.dtype) if self.padded else None
-        logits = compat.forward(
-            self.model, tokens[:, None], self.cache, self.positions[:, None], mask
-        )
+        if self.evictor is None:
+            logits = compat.forward(
+                self.model, tokens[:, None], self.cache, self.positions[:, None], mask
+            )
+        else:
+            with self.evictor.capture:
+                logits = compat.forward(
+                    self.model, tokens[:, None], self.cache, self.positions[:, None], mask
+                )
+            self.evictor.after_step(self)
         self.positions = self.positions + 1
         return logits
 
@@ -156,39 +166,50 @@ class _Path:
     rows: _Rows
 
 
+def initial_rows(
+    model: Any,
+    pre: Prefill,
+    kept: list[tuple[torch.Tensor, torch.Tensor]],
+    copies: int,
+    evictor: Any = None,
+) -> _Rows:
+    """``copies`` P rows on the full prefix cache, then ``copies`` Q rows on the kept entries
+    (left-padded to the prefix length, the padding hidden), all about to feed the last prompt
+    token at position ``n - 1``."""
+    n1 = pre.prefix_length
+    keep = kept[0][0].shape[2]
+    device = pre.input_ids.device
+    pad = (0, 0, n1 - keep, 0)
+    kv = []
+    for (kp, vp), (kq, vq) in zip(pre.kv, kept, strict=True):
+        kv.append(
+            tuple(
+                torch.cat(
+                    [
+                        full.expand(copies, -1, -1, -1),
+                        torch.nn.functional.pad(part, pad).expand(copies, -1, -1, -1),
+                    ]
+                )
+                for full, part in ((kp, kq), (vp, vq))
+            )
+        )
+    valid = torch.ones(2 * copies, n1, dtype=torch.bool, device=device)
+    valid[copies:, : n1 - keep] = False
+    positions = torch.full((2 * copies,), n1, device=device)
+    return _Rows(model, kv, valid, positions, keep < n1, evictor)
+
+
 def _overlap_path(
     model: Any,
     pre: Prefill,
     kept: list[tuple[torch.Tensor, torch.Tensor]],
     settings: TraceSettings,
     path_u: torch.Tensor,
+    evictor: Any = None,
 ) -> _Path:
     R, T = settings.replicates, settings.horizon
-    n1 = pre.prefix_length
-    keep = kept[0][0].shape[2]
     device = pre.input_ids.device
-    kv = []
-    for (kp, vp), (kq, vq) in zip(pre.kv, kept, strict=False):
-        pad = (0, 0, n1 - keep, 0)  # left-pad the kept entries to the prefix length
-        kv.append(
-            (
-                torch.cat(
-                    [
-                        kp.expand(R, -1, -1, -1),
-                        torch.nn.functional.pad(kq, pad).expand(R, -1, -1, -1),
-                    ]
-                ),
-                torch.cat(
-                    [
-                        vp.expand(R, -1, -1, -1),
-                        torch.nn.functional.pad(vq, pad).expand(R, -1, -1, -1),
-                    ]
-                ),
-            )
-        )
-    valid = torch.ones(2 * R, n1, dtype=torch.bool, device=device)
-    valid[R:, : n1 - keep] = False
-    rows = _Rows(model, kv, valid, torch.full((2 * R,), n1, device=device), keep < n1)
+    rows = initial_rows(model, pre, kept, R, evictor)
 
     eos = torch.tensor(settings.eos_token_ids, dtype=torch.long, device=device)
     alive = torch.ones(R, dtype=torch.bool, device=device)
@@ -390,10 +411,23 @@ def trace_policy(
     idx = select(policy, pre, gen)
     kept = gather_kept(pre.kv, idx)
     path_u = torch.as_tensor(streams["path"], device=device)
-    path = _overlap_path(model, pre, kept, settings, path_u)
-    times = branch_times(path.hazard, streams["branch_time"])
     branch_u = torch.as_tensor(streams["branch"], device=device)
-    branch_arrays, branch_tokens = _branches(model, pre, path, settings, times, branch_u)
+    if getattr(policy, "decode_time", False):
+        from kvcouple.tracer.decode_eviction import DecodeH2O, replay_branches
+
+        def make_evictor(copies: int) -> DecodeH2O:
+            return DecodeH2O(model, pre, idx, policy, copies)
+
+        path = _overlap_path(model, pre, kept, settings, path_u, make_evictor(settings.replicates))
+        path.rows = None  # branches replay from the prompt cache; free the path's cache
+        times = branch_times(path.hazard, streams["branch_time"])
+        branch_arrays, branch_tokens = replay_branches(
+            model, pre, kept, make_evictor, path, settings, times, branch_u
+        )
+    else:
+        path = _overlap_path(model, pre, kept, settings, path_u)
+        times = branch_times(path.hazard, streams["branch_time"])
+        branch_arrays, branch_tokens = _branches(model, pre, path, settings, times, branch_u)
     arrays = {**path.arrays, **branch_arrays}
     del path
     return PolicyTrace(

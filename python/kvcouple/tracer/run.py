@@ -146,11 +146,6 @@ def trace(
     specs = [p.spec() for p in pols]
     if len(set(specs)) != len(specs):
         raise InvalidInputError(f"a policy is given twice: {specs}")
-    for p in pols:
-        if getattr(p, "decode_time", False):
-            raise InvalidInputError(
-                f"policy {p.spec()}: decode-time eviction is not supported by the tracer yet"
-            )
     if not prompts:
         raise InvalidInputError("no prompts to trace")
     out = Path(out)
