@@ -104,6 +104,18 @@ def _couple(a, b, u0, u1, u2):
     return _pick(a, b, 1, u1 * res_p), _pick(a, b, 2, u2 * res_q), delta
 
 
+@numba.njit(cache=True)
+def _frozen(pe, pn, qe, qn, sp, sq):
+    """Identical rows whose every token leads back to (sp, sq): stop simulating (EOS)."""
+    delta, _, _, _ = _stats(pe[sp], qe[sq])
+    if delta != 0.0:
+        return False
+    for z in range(pe.shape[1]):
+        if min(pe[sp, z], qe[sq, z]) > 0.0 and (pn[sp, z] != sp or qn[sq, z] != sq):
+            return False
+    return True
+
+
 @numba.njit(parallel=True, cache=True)
 def naive_ref(pe, pn, ps, qe, qn, qs, horizon, window, replicates, seed):
     """Columns: occurrence, occupation, window, tail, total loss, tail exposure."""
@@ -115,6 +127,8 @@ def naive_ref(pe, pn, ps, qe, qn, qs, horizon, window, replicates, seed):
         win = 0.0
         tail = 0.0
         for t in range(1, horizon + 1):
+            if _frozen(pe, pn, qe, qn, sp, sq):
+                break
             u0 = _uniform(rng)
             u1 = _uniform(rng)
             u2 = _uniform(rng)
@@ -153,6 +167,8 @@ def rb_ref(pe, pn, ps, qe, qn, qs, horizon, window, replicates, branches, seed):
         surv = 1.0
         n = 0
         for t in range(1, horizon + 1):
+            if _frozen(pe, pn, qe, qn, sp, sq):
+                break
             delta, overlap, _, _ = _stats(pe[sp], qe[sq])
             path_p[n] = sp
             path_q[n] = sq
@@ -200,6 +216,8 @@ def rb_ref(pe, pn, ps, qe, qn, qs, horizon, window, replicates, branches, seed):
                 sp = pn[path_p[i0], x]
                 sq = qn[path_q[i0], y]
                 for lag in range(1, horizon - i0):
+                    if _frozen(pe, pn, qe, qn, sp, sq):
+                        break
                     u0 = _uniform(rng)
                     u1 = _uniform(rng)
                     u2 = _uniform(rng)

@@ -8,6 +8,7 @@
 //! - naive: three per step (`u0, u1, u2`, see [`step::draw`]);
 //! - rb: one per overlap step (the token; none at the last step or when `delta = 1`), then per
 //!   branch one for the branch time, two for the residual pair, and three per traced lag.
+//! Simulation stops at a frozen state pair ([`Stepper::frozen`], e.g. both kernels after EOS).
 
 use rayon::prelude::*;
 
@@ -101,6 +102,15 @@ fn naive_replicate<S: Stepper>(
     let mut tau: Option<usize> = None;
     let (mut window_n, mut tail_n) = (0usize, 0usize);
     for t in 1..=t_max {
+        if steps.frozen(sp, sq) {
+            // No more mismatches; later lags still count in the TV-by-lag weights (TV 0).
+            if let Some(t0) = tau {
+                for lag in (t - t0)..=lags.min(t_max - t0) {
+                    r.lag_weight[lag - 1] += 1.0;
+                }
+            }
+            break;
+        }
         let st = steps.stats(sp, sq);
         r.evaluations += 2.0;
         let (x, y) = steps.draw(sp, sq, &st, uniforms3(rng));
@@ -182,6 +192,9 @@ fn rb_replicate<S: Stepper>(
     let (mut sp, mut sq) = (p.start, q.start);
     let mut survival = 1.0;
     for t in 1..=t_max {
+        if steps.frozen(sp, sq) {
+            break; // the hazard is 0 from here on
+        }
         let st = steps.stats(sp, sq);
         r.evaluations += 2.0;
         path.push((sp, sq));
@@ -225,6 +238,9 @@ fn rb_replicate<S: Stepper>(
                 max_lag = max_lag.min(win);
             }
             for lag in 1..=max_lag {
+                if steps.frozen(sp, sq) {
+                    break;
+                }
                 let st = steps.stats(sp, sq);
                 r.evaluations += 2.0;
                 let (x, y) = steps.draw(sp, sq, &st, uniforms3(rng));

@@ -87,9 +87,23 @@ pub fn draw(a: &[f64], b: &[f64], st: &StepStats, u: [f64; 3]) -> (usize, usize)
     }
 }
 
+/// See [`Stepper::frozen`].
+pub fn frozen(pair: &KernelPair, sp: usize, sq: usize) -> bool {
+    let (a, b) = (pair.p.row(sp), pair.q.row(sq));
+    stats(a, b).delta == 0.0
+        && (0..a.len()).all(|z| {
+            a[z].min(b[z]) <= 0.0
+                || (pair.p.next_state(sp, z) == sp && pair.q.next_state(sq, z) == sq)
+        })
+}
+
 /// How the Monte Carlo estimators take one step from a state pair.
 pub trait Stepper: Sync {
     fn stats(&self, sp: usize, sq: usize) -> StepStats;
+    /// Both kernels emit the same tokens and every one of them leads back to `(sp, sq)`
+    /// (e.g. both after EOS): nothing can change any more, so simulation may stop here
+    /// (as a tracer stops at EOS).
+    fn frozen(&self, sp: usize, sq: usize) -> bool;
     fn overlap_token(&self, sp: usize, sq: usize, st: &StepStats, u1: f64) -> usize;
     fn residual_tokens(&self, sp: usize, sq: usize, st: &StepStats, u: [f64; 2]) -> (usize, usize);
 
@@ -112,6 +126,9 @@ impl Stepper for RowStepper<'_> {
     fn stats(&self, sp: usize, sq: usize) -> StepStats {
         stats(self.0.p.row(sp), self.0.q.row(sq))
     }
+    fn frozen(&self, sp: usize, sq: usize) -> bool {
+        frozen(self.0, sp, sq)
+    }
     #[inline]
     fn overlap_token(&self, sp: usize, sq: usize, st: &StepStats, u1: f64) -> usize {
         overlap_token(self.0.p.row(sp), self.0.q.row(sq), st, u1)
@@ -129,6 +146,7 @@ pub struct TableStepper {
     states_q: usize,
     vocab: usize,
     stats: Vec<StepStats>,
+    frozen: Vec<bool>,
     cum: Vec<f64>,
     last_positive: Vec<[usize; 3]>,
 }
@@ -148,6 +166,7 @@ impl TableStepper {
             states_q: sq_n,
             vocab: v,
             stats: Vec::with_capacity(pairs),
+            frozen: Vec::with_capacity(pairs),
             cum: Vec::with_capacity(pairs * 3 * v),
             last_positive: Vec::with_capacity(pairs),
         };
@@ -157,6 +176,7 @@ impl TableStepper {
             for sq in 0..sq_n {
                 let (a, b) = (pair.p.row(sp), pair.q.row(sq));
                 t.stats.push(stats(a, b));
+                t.frozen.push(frozen(pair, sp, sq));
                 let mut last = [0usize; 3];
                 for (k, w) in weights.iter().enumerate() {
                     let mut cum = 0.0;
@@ -198,6 +218,10 @@ impl Stepper for TableStepper {
     #[inline]
     fn stats(&self, sp: usize, sq: usize) -> StepStats {
         self.stats[sp * self.states_q + sq]
+    }
+    #[inline]
+    fn frozen(&self, sp: usize, sq: usize) -> bool {
+        self.frozen[sp * self.states_q + sq]
     }
     #[inline]
     fn overlap_token(&self, sp: usize, sq: usize, st: &StepStats, u1: f64) -> usize {
@@ -274,6 +298,7 @@ mod tests {
                 for sq in 0..pair.q.states {
                     let st = rows.stats(sp, sq);
                     assert_eq!(st, table.stats(sp, sq));
+                    assert_eq!(rows.frozen(sp, sq), table.frozen(sp, sq));
                     for _ in 0..200 {
                         let u = [rng.uniform(), rng.uniform(), rng.uniform()];
                         assert_eq!(rows.draw(sp, sq, &st, u), table.draw(sp, sq, &st, u));
