@@ -132,7 +132,7 @@ def bytes_per_doc_raw() -> int:
     return 2 * rows * VOCAB * 2
 
 
-def make_store(path: str | Path, gb: float, workers: int = 2, ratio: float = 0.85) -> Path:
+def make_store(path: str | Path, gb: float, workers: int = 2, ratio: float = 0.5) -> Path:
     """Write a store of about ``gb`` GB on disk (``ratio``: expected compressed/raw size)."""
     from kvcouple.store import TraceStoreWriter
 

@@ -150,7 +150,14 @@ def read_summary(info: StoreInfo, group: Any, doc: int) -> dict[str, np.ndarray]
     """The RB-CMC fields of one document (all policies), after checking its chunks exist."""
     doc_id = info.doc_ids[doc]
     check_chunks_exist(info.path, group, list(SUMMARY_READ), doc, doc_id)
-    return {n: read_chunk(info.path, group[n], n, (doc,), doc_id) for n in SUMMARY_READ}
+    out = {}
+    for n in SUMMARY_READ:
+        direct = DirectChunks.open(info.path, n)
+        if direct is not None:
+            out[n] = direct.read_doc(doc, doc_id)
+        else:
+            out[n] = read_chunk(info.path, group[n], n, (doc,), doc_id)
+    return out
 
 
 def _block_selections(arr: Any, doc: int, pol: int) -> list[tuple[Any, ...]]:
@@ -213,12 +220,12 @@ def recompute_full(
         where, pol, sel, pa, qa, pn, qn, _ = job
         return job, read(pa, pn, sel), read(qa, qn, sel)
 
-    # One reader thread decodes ahead while this thread runs the Rust kernel (which releases
-    # the GIL), so decoding and computing overlap; more readers only contend for the GIL.
-    depth = max(1, threads)
-    with ThreadPoolExecutor(max_workers=1) as pool:
+    # Reader threads decode ahead (numcodecs releases the GIL while decompressing) while this
+    # thread runs the Rust kernel (which releases it too), so decoding and computing overlap.
+    # At most 2 x threads chunk pairs are in memory at once.
+    with ThreadPoolExecutor(max_workers=max(1, threads)) as pool:
         it = iter(jobs)
-        pending = [pool.submit(load, job) for job in itertools.islice(it, depth)]
+        pending = [pool.submit(load, job) for job in itertools.islice(it, 2 * max(1, threads))]
         while pending:
             job, p, q = pending.pop(0).result()
             nxt = next(it, None)
@@ -268,6 +275,18 @@ class DirectChunks:
             return cls(Path(path), name, meta)
         except Exception:  # an unknown codec: let Zarr handle it
             return None
+
+    def read_doc(self, doc: int, doc_id: str) -> np.ndarray:
+        """Every chunk of one document (the first axis), assembled."""
+        out = np.empty(self.shape[1:], self.dtype)
+        grid = [range(0, n, c) for n, c in zip(self.shape[1:], self.chunks[1:], strict=True)]
+        for starts in itertools.product(*grid):
+            sel = tuple(
+                slice(s, min(s + c, n))
+                for s, c, n in zip(starts, self.chunks[1:], self.shape[1:], strict=True)
+            )
+            out[sel] = self.read((doc, *sel), doc_id)
+        return out
 
     def read(self, sel: tuple[Any, ...], doc_id: str) -> np.ndarray:
         """The block ``sel`` (integers, then chunk-aligned slices) as a numpy array."""
