@@ -50,12 +50,19 @@ def _analyze(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
     for m in result.models:
-        for row in m.tables["summary"]:
-            if row["quantity"] == "mismatch_fraction":
-                print(
-                    f"{m.model} {row['policy']}: E[M]/T = {row['estimate']:.4g} "
-                    f"[{row['ci_low']:.4g}, {row['ci_high']:.4g}] over {row['n_docs']} docs"
+        rows = {(r["policy"], r["quantity"]): r for r in m.tables["summary"]}
+        for pol in m.policies:
+            r, lo, hi = (
+                rows[(pol, k)] for k in ("mismatch_fraction", "interval_lower", "interval_upper")
+            )
+            if r["estimate"] == r["estimate"]:
+                what = f"E[M]/T = {r['estimate']:.4g} [{r['ci_low']:.4g}, {r['ci_high']:.4g}]"
+            else:  # branches traced only to L: the tail is unobserved
+                what = (
+                    f"E[M]/T in the sharp interval [{lo['estimate']:.4g}, "
+                    f"{hi['estimate']:.4g}] (CI [{lo['ci_low']:.4g}, {hi['ci_high']:.4g}])"
                 )
+            print(f"{m.model} {pol}: {what} over {r['n_docs']} docs")
     print(f"plan hash {result.plan_hash}; wrote {out}")
     return 0
 

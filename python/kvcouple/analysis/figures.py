@@ -23,6 +23,15 @@ def _series(tables: dict[str, Rows]) -> list[tuple[str, str]]:
     return seen
 
 
+def _horizons(tables: dict[str, Rows]) -> dict[str, int]:
+    """T per model, from the survival curve's last step."""
+    out: dict[str, int] = {}
+    for r in tables["curves"]:
+        if r["curve"] == "survival":
+            out[r["model"]] = max(out.get(r["model"], 0), int(r["x"]))
+    return out
+
+
 def _curve_plot(ax: Any, tables: dict[str, Rows], curve: str) -> None:
     for model, pol in _series(tables):
         rows = sorted(
@@ -94,12 +103,21 @@ def make_figures(tables: dict[str, Rows], folder: Path) -> dict[str, bytes]:
     save(fig, "branch_tv_by_lag")
 
     fig, ax = plt.subplots(figsize=(max(4, 1.3 * len(series) + 2), 4))
-    first = [q(m, p, "first_mismatch")["estimate"] for m, p in series]
-    m_tot = [q(m, p, "mismatch_fraction") for m, p in series]
-    post = [t["estimate"] - f for t, f in zip(m_tot, first, strict=True)]
+    T = {m: h for m, h in _horizons(tables).items()}
     xs = range(len(series))
+    first = [q(m, p, "first_mismatch")["estimate"] for m, p in series]
+    window = [q(m, p, "window_contribution")["estimate"] / T[m] for m, p in series]
+    tail = [q(m, p, "tail_contribution")["estimate"] / T[m] for m, p in series]
+    exposure = [q(m, p, "tail_exposure")["estimate"] / T[m] for m, p in series]
     ax.bar(xs, first, label="first mismatch P(tau<=T)/T")
-    ax.bar(xs, post, bottom=first, label="exposure x rho")
+    ax.bar(xs, window, bottom=first, label="window (lags 1..L_w)")
+    low = [f + w for f, w in zip(first, window, strict=True)]
+    seen = [t if t == t else 0.0 for t in tail]  # NaN: tail not observed
+    ax.bar(xs, seen, bottom=low, label="tail (lags > L_w)")
+    unseen = [e if t != t else 0.0 for t, e in zip(tail, exposure, strict=True)]
+    if any(unseen):
+        ax.bar(xs, unseen, bottom=low, fill=False, hatch="//", label="unobserved tail (at most)")
+    m_tot = [q(m, p, "mismatch_fraction") for m, p in series]
     ax.errorbar(
         xs,
         [t["estimate"] for t in m_tot],
@@ -112,7 +130,7 @@ def make_figures(tables: dict[str, Rows], folder: Path) -> dict[str, bytes]:
         capsize=4,
     )
     ax.set_xticks(list(xs), labels, fontsize=7)
-    ax.set(ylabel="E[M]/T", title="Decomposition of the mismatch fraction")
+    ax.set(ylabel="E[M]/T", title="Decomposition of E[M]/T (bar: CI)")
     ax.legend(fontsize=7)
     save(fig, "decomposition")
 
