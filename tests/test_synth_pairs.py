@@ -33,6 +33,12 @@ def test_markov_shorthand_file(tmp_path: Path) -> None:
     assert pair.p.states == 2 and pair.p.is_markov() and pair.p.start == 1
     np.testing.assert_array_equal(pair.q.next, [[0, 1], [0, 1]])
     same = synth.KernelPair.markov(p, q, start=1)
+    short = tmp_path / "short.npz"
+    same.save(short, markov=True)
+    with np.load(short) as f:
+        assert sorted(f.keys()) == ["P", "Q", "start"]
+    with pytest.raises(kvcouple.InvalidKernelError, match="shorthand"):
+        synth.random_pair(3, 2, seed=0).save(short, markov=True)
     a, b = synth.exact(pair, 5, 2), synth.exact(same, 5, 2)
     assert a.expected_mismatches == b.expected_mismatches
 

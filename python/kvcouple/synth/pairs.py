@@ -150,17 +150,25 @@ class KernelPair:
         """``(P_emit, P_next, P_start, Q_emit, Q_next, Q_start)``."""
         return (self.p.emit, self.p.next, self.p.start, self.q.emit, self.q.next, self.q.start)
 
-    def save(self, path: str | os.PathLike[str]) -> None:
-        save_pair(self, path)
+    def save(self, path: str | os.PathLike[str], *, markov: bool = False) -> None:
+        save_pair(self, path, markov=markov)
 
     @classmethod
     def load(cls, path: str | os.PathLike[str]) -> KernelPair:
         return load_pair(path)
 
 
-def save_pair(pair: KernelPair, path: str | os.PathLike[str]) -> None:
-    """Write a pair file (``.npz``) with the emitter keys ``P_emit, ..., Q_start``."""
-    np.savez(path, **dict(zip(EMITTER_KEYS, pair.arrays(), strict=True)))
+def save_pair(pair: KernelPair, path: str | os.PathLike[str], *, markov: bool = False) -> None:
+    """Write a pair file (``.npz``) with the emitter keys ``P_emit, ..., Q_start``, or with
+    ``markov=True`` the shorthand ``P, Q, start`` (for Markov pairs with one start token)."""
+    if not markov:
+        np.savez(path, **dict(zip(EMITTER_KEYS, pair.arrays(), strict=True)))
+        return
+    if not (pair.p.is_markov() and pair.q.is_markov() and pair.p.start == pair.q.start):
+        raise InvalidKernelError(
+            "the Markov shorthand needs S = V, next[s, v] = v and one start for both kernels"
+        )
+    np.savez(path, P=pair.p.emit, Q=pair.q.emit, start=pair.p.start)
 
 
 def pair_from_mapping(f: Any, where: str = "pair") -> KernelPair:

@@ -81,8 +81,16 @@ pub fn check_horizon(horizon: usize) -> KvResult<()> {
             "horizon must be at least 1 step".into(),
         ));
     }
+    if horizon > MAX_HORIZON {
+        return Err(KvError::InvalidArgument(format!(
+            "horizon = {horizon} is beyond the {MAX_HORIZON} steps the synthetic tools support"
+        )));
+    }
     Ok(())
 }
+
+/// The longest horizon the synthetic tools accept.
+pub const MAX_HORIZON: usize = 1 << 20;
 
 /// Masses of the state pairs reachable at one step.
 struct Layer {
@@ -146,7 +154,7 @@ pub fn exact(pair: &KernelPair, horizon: usize, window: usize) -> KvResult<Exact
     check_horizon(horizon)?;
     let (p, q) = (&pair.p, &pair.q);
     let too_many = match p.states.checked_mul(q.states) {
-        Some(n) => n > 1 << 28,
+        Some(n) => n > 1 << 24,
         None => true,
     };
     if too_many {

@@ -180,6 +180,15 @@ pub fn random_pair(o: &RandomPairOptions) -> KvResult<KernelPair> {
             "vocab = {v} and states = {s} must both be at least 1"
         )));
     }
+    let too_big = match s.checked_mul(v) {
+        Some(n) => n > 1 << 26,
+        None => true,
+    };
+    if too_big {
+        return Err(KvError::InvalidArgument(format!(
+            "{s} states x {v} tokens is too large for a random pair"
+        )));
+    }
     if o.absorbing && (v < 2 || (!o.markov && s < 2)) {
         return Err(KvError::InvalidArgument(
             "an absorbing EOS needs at least 2 tokens and 2 states".into(),

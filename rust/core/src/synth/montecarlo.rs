@@ -5,9 +5,10 @@
 //! values; means, standard errors and variances are taken by the caller.
 //!
 //! Uniforms are consumed in a fixed order (the numba reference follows it bit for bit):
-//! - naive: three per step (`u0, u1, u2`, see [`step::draw`]);
+//! - naive: three per step (`u0, u1, u2`, see [`crate::synth::step::draw`]);
 //! - rb: one per overlap step (the token; none at the last step or when `delta = 1`), then per
 //!   branch one for the branch time, two for the residual pair, and three per traced lag.
+//!
 //! Simulation stops at a frozen state pair ([`Stepper::frozen`], e.g. both kernels after EOS).
 
 use rayon::prelude::*;
@@ -316,6 +317,17 @@ pub fn simulate(pair: &KernelPair, o: &McOptions) -> KvResult<McOutput> {
         ));
     }
     let lags = o.window.min(o.horizon - 1);
+    let too_many = match o.replicates.checked_mul(lags.max(1)) {
+        Some(n) => n > 1 << 27,
+        None => true,
+    };
+    if too_many {
+        return Err(KvError::InvalidArgument(format!(
+            "{} replicates x {lags} lags of branch TVs would not fit in memory; \
+             use fewer replicates or a shorter window",
+            o.replicates
+        )));
+    }
     // Small pairs get precomputed step tables; both steppers give identical tokens.
     let reps = match TableStepper::build(pair) {
         Some(table) => run(pair, &table, o, lags),
