@@ -193,9 +193,11 @@ pub fn synth_simulate<'py>(
     let method = match method {
         "naive" => Method::Naive,
         "rb" => Method::Rb,
-        other => return Err(InvalidInputError::new_err(format!(
-            "unknown method {other:?}: use \"naive\" or \"rb\" (rb returns the rb-tv variant too)"
-        ))),
+        other => {
+            let hint = "use \"naive\" or \"rb\" (rb returns the rb-tv variant too)";
+            let msg = format!("unknown method {other:?}: {hint}");
+            return Err(InvalidInputError::new_err(msg));
+        }
     };
     let o = McOptions {
         method,
