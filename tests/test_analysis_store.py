@@ -189,3 +189,27 @@ def test_report_files(full_store, tmp_path):
     data = json.loads((out / "results.json").read_text())
     assert data["meta"]["plan_hash"] == "none"
     assert {r["policy"] for r in data["summary"]} == {"a", "b"}
+
+
+def test_inconsistent_fields_are_named():
+    from kvcouple.analysis.estimates import estimate_unit
+
+    R, T, K, L = 3, 4, 1, 3
+    hazard = np.full((R, T), 0.1, np.float32)
+    steps = np.ones((R, K), np.int32)
+    mism = np.zeros((R, K, L + 1), np.int8)
+    tv = np.zeros((R, K, L + 1), np.float32)
+    kw = dict(obs_window=L, doc_id="d7", policy="snapkv")
+    bad = hazard.copy()
+    bad[2, 1] = 1.5
+    with pytest.raises(StoreError, match=r"'d7'.*'snapkv'.*1\.5 at replicate 2, step 2"):
+        estimate_unit(bad, steps, mism, tv, **kw)
+    no_branch = steps.copy()
+    no_branch[1] = 0
+    with pytest.raises(StoreError, match="replicate 1 diverges .* no branch recorded"):
+        estimate_unit(hazard, no_branch, mism, tv, **kw)
+    # Divergence at float-noise level without branches is accepted (a `full` policy).
+    u = estimate_unit(np.full((R, T), 1e-9), np.zeros((R, K), np.int32), mism, tv, **kw)
+    assert u.values["occurrence"] == pytest.approx(4e-9)
+    with pytest.raises(ValueError, match="observation window"):
+        estimate_unit(hazard, steps, mism, tv, obs_window=L + 1)

@@ -6,7 +6,8 @@ reads one document's RB-CMC fields, estimates every policy, and for ``full``/``t
 recomputes the hazards and branch TVs from the stored distributions, chunk by chunk. Locally the
 tasks run one after another (each overlapping its chunk decoding with the Rust kernels); on a
 Dask cluster (``client=`` or ``scheduler=``) they run on the workers, which open the store
-themselves, and only the small per-document results travel back. The statistics are computed on
+themselves (so the store's path must be readable from every worker: a shared filesystem), and
+only the small per-document results travel back. The statistics are computed on
 the caller from those results, so both paths give identical numbers.
 
 **Threads under Dask.** Each worker process runs kvcouple's Rust kernels in its own thread pool.

@@ -26,6 +26,7 @@ import numpy as np
 from kvcouple.errors import StoreError
 
 ESTIMATORS = ("indicator", "tv")
+NOISE_OCCURRENCE = 1e-6  # below this a replicate without branches is not an error
 
 # Scalar per-unit quantities, in counts of tokens (divide by T for fractions).
 SCALARS = (
@@ -101,9 +102,11 @@ def estimate_unit(
     tail_exposure = mass @ np.maximum(T - steps - obs_window, 0.0)
     tau_mass = mass @ steps
 
-    # Branches: a replicate that can diverge must carry its K branches.
+    # Branches: a replicate that can diverge must carry its K branches (a tracer may skip them
+    # when divergence is float noise, e.g. the `full` policy; such a replicate's post-divergence
+    # part, at most O * T, is then counted as 0).
     has_branch = branch_step > 0
-    need = occurrence > 0
+    need = occurrence > NOISE_OCCURRENCE
     missing = need & ~has_branch.all(1)
     if missing.any():
         r = int(np.flatnonzero(missing)[0])
