@@ -9,10 +9,14 @@
 - A 4-D float attention mask ``(batch, 1, query, key)`` (0 = attend, dtype minimum = hidden)
   is used as given (transformers returns prepared 4-D masks untouched). This needs the
   ``sdpa`` or ``eager`` attention implementation (flash-attention takes no 4-D masks).
-- Attention modules expose ``q_proj``, ``head_dim``, ``scaling``, ``layer_idx`` and optionally
-  ``q_norm`` (Qwen3), and receive ``hidden_states`` and ``position_embeddings=(cos, sin)``
-  as keywords; their modeling module defines ``apply_rotary_pos_emb(q, k, cos, sin)``. This
-  holds for Llama, Mistral, Qwen2 and Qwen3 (and most Llama-like models).
+- Attention modules expose ``q_proj``, ``head_dim``, ``layer_idx``, optionally ``scaling``
+  and ``q_norm`` (Qwen3), and receive ``hidden_states`` and ``position_embeddings=(cos, sin)``
+  as keywords (or, in older releases such as Mistral in 4.45, ``position_ids`` and their own
+  ``rotary_emb``); their modeling module defines ``apply_rotary_pos_emb(q, k, cos, sin)``.
+  This holds for Llama, Mistral, Qwen2 and Qwen3 (and most Llama-like models).
+- Every layer is full attention over a plain dynamic cache: sliding-window layers (Mistral with
+  ``sliding_window`` set, Qwen2 with ``use_sliding_window``) and hybrid caches (Gemma 2/3) are
+  not emulated; the tracer's masks give those layers full attention.
 """
 
 from __future__ import annotations
@@ -158,6 +162,15 @@ class QueryCapture:
             rope = kwargs.get("position_embeddings")
             if rope is None and len(args) > 1 and isinstance(args[1], tuple):
                 rope = args[1]
+            rotary = getattr(module, "rotary_emb", None)
+            position_ids = kwargs.get("position_ids")
+            if (
+                rope is None
+                and rotary is not None
+                and position_ids is not None
+                and hidden is not None
+            ):
+                rope = rotary(hidden, position_ids)  # older models rotate inside attention
             if hidden is None or rope is None:
                 raise UnsupportedModelError(
                     f"{type(module).__name__} did not receive hidden_states and "
