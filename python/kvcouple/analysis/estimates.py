@@ -89,7 +89,7 @@ def estimate_unit(
     if bad.any():
         r, t = np.argwhere(bad)[0]
         raise StoreError(
-            f"{_where(doc_id, policy)}: hazard {h[r, t]!r} at replicate {r}, step "
+            f"{_where(doc_id, policy)}: hazard {float(h[r, t])} at replicate {r}, step "
             f"{t + 1} is not a probability (damaged or wrongly written store)"
         )
     h = np.minimum(h, 1.0)
