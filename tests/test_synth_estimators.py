@@ -151,6 +151,9 @@ def test_branch_tv_by_lag_estimates() -> None:
         assert est.branch_tv_by_lag.shape == truth.branch_tv_by_lag.shape == (6,)
         err = np.abs(est.branch_tv_by_lag - truth.branch_tv_by_lag)
         assert np.all(err <= 4 * est.branch_tv_by_lag_se + 1e-3), (method, err)
+        weights = est.raw["branch_lag_weight"]
+        se = weights.std(0, ddof=1) / np.sqrt(len(weights))
+        assert np.all(np.abs(weights.mean(0) - truth.branch_lag_weight) <= 4 * se + 1e-3)
         rate = est.mean["mismatch_rate"]
         assert abs(rate - truth.mismatch_rate) <= 4 * est.se["mismatch_rate"] + 1e-9
 

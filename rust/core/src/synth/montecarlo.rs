@@ -217,9 +217,16 @@ fn rb_replicate<S: Stepper>(
         r.occurrence += w;
         r.occupation += w * after as f64;
         r.tail_exposure += w * after.saturating_sub(win) as f64;
-        for l in 0..lags.min(after) {
-            r.lag_weight[l] += w;
+    }
+    // P(tau + l <= T) = sum of w_t over t <= T - l: prefix sums of the weights.
+    let mut prefix = 0.0;
+    let mut next_t = 1;
+    for lag in (1..=lags).rev() {
+        while next_t <= (t_max - lag).min(weights.len()) {
+            prefix += weights[next_t - 1];
+            next_t += 1;
         }
+        r.lag_weight[lag - 1] = prefix;
     }
     let occ = r.occurrence;
     // 3. Branches from t* ~ W_{t-1} h_t / O.
