@@ -49,8 +49,9 @@ def _curve_plot(ax: Any, tables: dict[str, Rows], curve: str) -> None:
     ax.legend(fontsize=7)
 
 
-def make_figures(tables: dict[str, Rows], folder: Path) -> dict[str, bytes]:
-    """Draw every figure, save it as PNG in ``folder`` and return the PNG bytes by name."""
+def make_figures(tables: dict[str, Rows], folder: Path, stamp: str = "") -> dict[str, bytes]:
+    """Draw every figure, save it as PNG in ``folder`` and return the PNG bytes by name.
+    ``stamp`` (the plan hash and settings) is printed in a corner of every figure."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -62,6 +63,8 @@ def make_figures(tables: dict[str, Rows], folder: Path) -> dict[str, bytes]:
     def save(fig: Any, name: str) -> None:
         buf = io.BytesIO()
         fig.tight_layout()
+        if stamp:
+            fig.text(0.995, 0.005, stamp, ha="right", va="bottom", fontsize=5, color="0.4")
         fig.savefig(buf, format="png", dpi=110)
         plt.close(fig)
         out[name] = buf.getvalue()

@@ -245,7 +245,8 @@ def write_report(
     if figures:
         from kvcouple.analysis.figures import make_figures
 
-        images = make_figures(tables, out / "figures")
+        stamp = f"plan {result.plan_hash[:12]} | {result.estimator} | docs: {result.doc_set}"
+        images = make_figures(tables, out / "figures", stamp)
     if html_report:
         (out / "report.html").write_text(html_page(md, images, result.plan_hash))
     return out
