@@ -74,9 +74,13 @@ struct Replicate {
     window_tv: f64,
     tail_tv: f64,
     total_tv: f64,
-    tv_sum: Vec<f64>,
-    lag_weight: Vec<f64>,
     evaluations: f64,
+}
+
+/// One replicate's rows of the by-lag outputs.
+struct LagRows<'a> {
+    tv_sum: &'a mut [f64],
+    weight: &'a mut [f64],
 }
 
 fn uniforms3(rng: &mut Rng) -> [f64; 3] {
@@ -92,13 +96,10 @@ fn naive_replicate<S: Stepper>(
     o: &McOptions,
     lags: usize,
     rng: &mut Rng,
+    by_lag: LagRows,
 ) -> Replicate {
     let (p, q, t_max, win) = (&pair.p, &pair.q, o.horizon, o.window);
-    let mut r = Replicate {
-        tv_sum: vec![0.0; lags],
-        lag_weight: vec![0.0; lags],
-        ..Default::default()
-    };
+    let mut r = Replicate::default();
     let (mut sp, mut sq) = (p.start, q.start);
     let mut tau: Option<usize> = None;
     let (mut window_n, mut tail_n) = (0usize, 0usize);
@@ -107,7 +108,7 @@ fn naive_replicate<S: Stepper>(
             // No more mismatches; later lags still count in the TV-by-lag weights (TV 0).
             if let Some(t0) = tau {
                 for lag in (t - t0)..=lags.min(t_max - t0) {
-                    r.lag_weight[lag - 1] += 1.0;
+                    by_lag.weight[lag - 1] += 1.0;
                 }
             }
             break;
@@ -122,8 +123,8 @@ fn naive_replicate<S: Stepper>(
             Some(t0) => {
                 let lag = t - t0;
                 if lag <= lags {
-                    r.tv_sum[lag - 1] += st.delta;
-                    r.lag_weight[lag - 1] += 1.0;
+                    by_lag.tv_sum[lag - 1] += st.delta;
+                    by_lag.weight[lag - 1] += 1.0;
                 }
                 if lag <= win {
                     window_n += mismatch as usize;
@@ -179,13 +180,10 @@ fn rb_replicate<S: Stepper>(
     lags: usize,
     rng: &mut Rng,
     scratch: &mut Scratch,
+    by_lag: LagRows,
 ) -> Replicate {
     let (p, q, t_max, win) = (&pair.p, &pair.q, o.horizon, o.window);
-    let mut r = Replicate {
-        tv_sum: vec![0.0; lags],
-        lag_weight: vec![0.0; lags],
-        ..Default::default()
-    };
+    let mut r = Replicate::default();
     // 1. The overlap path: states at each step and weights W_{t-1} h_t.
     let Scratch { path, weights } = scratch;
     path.clear();
@@ -226,7 +224,7 @@ fn rb_replicate<S: Stepper>(
             prefix += weights[next_t - 1];
             next_t += 1;
         }
-        r.lag_weight[lag - 1] = prefix;
+        by_lag.weight[lag - 1] = prefix;
     }
     let occ = r.occurrence;
     // 3. Branches from t* ~ W_{t-1} h_t / O.
@@ -254,7 +252,7 @@ fn rb_replicate<S: Stepper>(
                 let (x, y) = steps.draw(sp, sq, &st, uniforms3(rng));
                 let mismatch = (x != y) as u8 as f64;
                 if lag <= lags {
-                    r.tv_sum[lag - 1] += st.delta;
+                    by_lag.tv_sum[lag - 1] += st.delta;
                 }
                 if lag <= win {
                     win_n += mismatch;
@@ -270,7 +268,7 @@ fn rb_replicate<S: Stepper>(
     }
     // 4. Estimates: O times the mean over branches.
     let scale = if k > 0 { occ / k as f64 } else { 0.0 };
-    r.tv_sum.iter_mut().for_each(|v| *v *= scale);
+    by_lag.tv_sum.iter_mut().for_each(|v| *v *= scale);
     r.window = scale * win_n;
     r.window_tv = scale * win_tv;
     if o.trace_to_horizon {
@@ -294,20 +292,41 @@ struct Scratch {
     weights: Vec<f64>,
 }
 
-fn run<S: Stepper>(pair: &KernelPair, steps: &S, o: &McOptions, lags: usize) -> Vec<Replicate> {
-    parallel::install(|| {
-        (0..o.replicates)
-            .into_par_iter()
+/// All replicates; the by-lag outputs are written in place (`lags` values per replicate).
+fn run<S: Stepper>(
+    pair: &KernelPair,
+    steps: &S,
+    o: &McOptions,
+    lags: usize,
+) -> (Vec<Replicate>, Vec<f64>, Vec<f64>) {
+    let n = o.replicates;
+    let width = lags.max(1); // chunks of 0 are not allowed; trimmed below
+    let mut tv_sum = vec![0.0; n * width];
+    let mut weight = vec![0.0; n * width];
+    let reps = parallel::install(|| {
+        tv_sum
+            .par_chunks_mut(width)
+            .zip(weight.par_chunks_mut(width))
+            .enumerate()
             .with_min_len(64)
-            .map_init(Scratch::default, |scratch, i| {
+            .map_init(Scratch::default, |scratch, (i, (tv, w))| {
                 let mut rng = Rng::stream(o.seed, i as u64);
+                let by_lag = LagRows {
+                    tv_sum: &mut tv[..lags],
+                    weight: &mut w[..lags],
+                };
                 match o.method {
-                    Method::Naive => naive_replicate(pair, steps, o, lags, &mut rng),
-                    Method::Rb => rb_replicate(pair, steps, o, lags, &mut rng, scratch),
+                    Method::Naive => naive_replicate(pair, steps, o, lags, &mut rng, by_lag),
+                    Method::Rb => rb_replicate(pair, steps, o, lags, &mut rng, scratch, by_lag),
                 }
             })
             .collect()
-    })
+    });
+    if lags == 0 {
+        tv_sum.clear();
+        weight.clear();
+    }
+    (reps, tv_sum, weight)
 }
 
 /// Run `o.replicates` replicates of the chosen estimator.
@@ -336,7 +355,7 @@ pub fn simulate(pair: &KernelPair, o: &McOptions) -> KvResult<McOutput> {
         )));
     }
     // Small pairs get precomputed step tables; both steppers give identical tokens.
-    let reps = match TableStepper::build(pair) {
+    let (reps, tv_sum, weight) = match TableStepper::build(pair) {
         Some(table) => run(pair, &table, o, lags),
         None => run(pair, &RowStepper(pair), o, lags),
     };
@@ -353,11 +372,8 @@ pub fn simulate(pair: &KernelPair, o: &McOptions) -> KvResult<McOutput> {
         window_contribution_tv: if rb { col(|r| r.window_tv) } else { vec![] },
         tail_contribution_tv: if rb { col(|r| r.tail_tv) } else { vec![] },
         total_loss_tv: if rb { col(|r| r.total_tv) } else { vec![] },
-        branch_tv_sum: reps.iter().flat_map(|r| r.tv_sum.iter().copied()).collect(),
-        branch_lag_weight: reps
-            .iter()
-            .flat_map(|r| r.lag_weight.iter().copied())
-            .collect(),
+        branch_tv_sum: tv_sum,
+        branch_lag_weight: weight,
         evaluations: col(|r| r.evaluations),
     })
 }
