@@ -432,3 +432,87 @@ def test_decode_time_h2o_sliding_window_equals_masked_forward(arch):
     assert branches == 4
     heavy, _ = trace_document(m, PROMPT, ["h2o:budget=8,recent=0.25,mode=decode"], settings, seed=3)
     assert not np.allclose(heavy["hazard"], arr["hazard"])  # heavy hitters change the kernel
+
+
+def test_text_prompts_are_tokenised(tmp_path):
+    class Tokenizer:
+        def __call__(self, text, add_special_tokens=True):
+            return {"input_ids": [0] * add_special_tokens + [ord(c) % 50 + 1 for c in text]}
+
+        def apply_chat_template(self, messages, add_generation_prompt=False, tokenize=True):
+            return (
+                [7, 7] + self(messages[0]["content"], add_special_tokens=False)["input_ids"] + [9]
+            )
+
+    f = tmp_path / "p.jsonl"
+    f.write_text('{"id": "a", "text": "hi"}\n{"id": "b", "input_ids": [4, 5]}\n')
+    plain = load_prompts(f, Tokenizer())
+    assert plain[0] == Prompt("a", (0, ord("h") % 50 + 1, ord("i") % 50 + 1))
+    assert plain[1] == Prompt("b", (4, 5))
+    chat = load_prompts(f, Tokenizer(), chat_template=True)
+    assert chat[0].input_ids == (7, 7, ord("h") % 50 + 1, ord("i") % 50 + 1, 9)
+
+
+def test_killed_process_resumes_to_the_same_store(tmp_path):
+    """SIGKILL a CLI run once a document is done; rerunning the command gives the same store
+    as an uninterrupted run."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    import zarr
+
+    model_dir = tmp_path / "tiny"
+    model("llama").save_pretrained(model_dir)
+    prompts = tmp_path / "docs.jsonl"
+    lines = (json.dumps({"id": p.id, "input_ids": list(p.input_ids)}) + "\n" for p in _prompts(6))
+    prompts.write_text("".join(lines))
+    args = [
+        "trace",
+        "--model",
+        str(model_dir),
+        "--prompts",
+        str(prompts),
+        "--quiet",
+        "--policy",
+        "snapkv:retain=0.5,window=4",
+        "--policy",
+        "recent:retain=0.5",
+        "--horizon",
+        "24",
+        "--replicates",
+        "4",
+        "--branches",
+        "2",
+        "--window",
+        "4",
+        "--seed",
+        "3",
+        "--device",
+        "cpu",
+    ]
+    killed, ref = tmp_path / "killed.zarr", tmp_path / "ref.zarr"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "kvcouple.cli", *args, "--out", str(killed)],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    deadline = time.monotonic() + 180
+    while proc.poll() is None and time.monotonic() < deadline:
+        try:
+            if np.asarray(zarr.open_group(str(killed), mode="r")["completed"][...]).any():
+                break
+        except Exception:  # the store is not there yet
+            pass
+        time.sleep(0.1)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    finished = np.asarray(zarr.open_group(str(killed), mode="r")["completed"][...])
+    print(f"killed with {finished.sum()} of {finished.size} documents done")
+    assert cli_main([*args, "--out", str(killed)]) == 0
+    assert cli_main([*args, "--out", str(ref)]) == 0
+    assert xr.open_zarr(killed).load().identical(xr.open_zarr(ref).load())
