@@ -162,7 +162,8 @@ def save_pair(pair: KernelPair, path: str | os.PathLike[str], *, markov: bool = 
     """Write a pair file (``.npz``) with the emitter keys ``P_emit, ..., Q_start``, or with
     ``markov=True`` the shorthand ``P, Q, start`` (for Markov pairs with one start token)."""
     if not markov:
-        np.savez(path, **dict(zip(EMITTER_KEYS, pair.arrays(), strict=True)))
+        arrays = {k: np.asarray(v) for k, v in zip(EMITTER_KEYS, pair.arrays(), strict=True)}
+        np.savez(path, **arrays)
         return
     if not (pair.p.is_markov() and pair.q.is_markov() and pair.p.start == pair.q.start):
         raise InvalidKernelError(
