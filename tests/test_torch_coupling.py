@@ -1,10 +1,11 @@
 """The torch sampler and decoding transform against the Rust ones."""
 
-import kvcouple
 import numpy as np
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
+
+import kvcouple
 
 torch = pytest.importorskip("torch")
 
