@@ -162,8 +162,15 @@ def save_pair(pair: KernelPair, path: str | os.PathLike[str], *, markov: bool = 
     """Write a pair file (``.npz``) with the emitter keys ``P_emit, ..., Q_start``, or with
     ``markov=True`` the shorthand ``P, Q, start`` (for Markov pairs with one start token)."""
     if not markov:
-        arrays = {k: np.asarray(v) for k, v in zip(EMITTER_KEYS, pair.arrays(), strict=True)}
-        np.savez(path, **arrays)
+        np.savez(
+            path,
+            P_emit=pair.p.emit,
+            P_next=pair.p.next,
+            P_start=pair.p.start,
+            Q_emit=pair.q.emit,
+            Q_next=pair.q.next,
+            Q_start=pair.q.start,
+        )
         return
     if not (pair.p.is_markov() and pair.q.is_markov() and pair.p.start == pair.q.start):
         raise InvalidKernelError(
