@@ -3,7 +3,9 @@ statistical efficiency over naive simulation.
 
 For each reference pair, prints (all measured in this one run):
 - replicates per second of naive and rb (K=1) in Rust and in the numba reference (same
-  algorithms, same random numbers), with 1 thread and with all threads, and Rust's speed-up;
+  algorithms, same random numbers: the replicates agree to rounding), with 1 thread and with all
+  threads, and Rust's speed-up. The Rust core caches per-state-pair step tables (TV, running
+  sums of the overlap and residual weights); the reference recomputes rows at every step;
 - per-replicate variance of the total loss M and cost in kernel evaluations (2 per step);
 - the efficiency ratio Var(naive) * cost(naive) / (Var(rb) * cost(rb)), also for rb-tv.
 Usage: python benchmarks/bench_estimators.py [--replicates 20000] [--repeat 3]
