@@ -199,6 +199,12 @@ class Bootstrap:
 def bootstrap_table(table: Table, n_boot: int, seed: int, level: float) -> Bootstrap:
     from kvcouple import _core
 
+    if not 0 <= int(seed) < 2**64:
+        raise ValueError(f"the bootstrap seed must be an integer in [0, 2**64), got {seed}")
+    if int(n_boot) < 1:
+        raise ValueError(f"n_boot must be at least 1, got {n_boot}")
+    if not 0 < level < 1:
+        raise ValueError(f"the confidence level must be in (0, 1), got {level}")
     names, mat = table.matrix()
     with np.errstate(invalid="ignore"):
         point = np.array([np.nanmean(c) if np.isfinite(c).any() else np.nan for c in mat.T])
