@@ -24,6 +24,7 @@ from typing import Any
 
 from kvcouple.analysis.engine import AnalysisResult
 from kvcouple.analysis.estimates import SCALARS
+from kvcouple.analysis.reading import TOLERANCE
 from kvcouple.analysis.stats import QUANTITIES
 
 
@@ -67,7 +68,8 @@ def tidy_tables(result: AnalysisResult) -> dict[str, list[dict[str, Any]]]:
                     "rows_checked": sum(c.rows_checked for c in checked),
                     "max_abs_diff": max(c.max_abs_diff for c in checked),
                     "disagreements": sum(len(c.disagreements) for c in checked),
-                    "tolerance": result.settings.get("tolerance") or "by dtype",
+                    "tolerance": result.settings.get("tolerance")
+                    or "by stored dtype: " + ", ".join(f"{k} {v:g}" for k, v in TOLERANCE.items()),
                     **meta,
                 }
             )
