@@ -245,5 +245,7 @@ def test_bad_arguments_raise_typed_errors() -> None:
         synth.estimate(pair, 5, 2, seed=-3)
     with pytest.raises(kvcouple.InvalidInputError, match="horizon"):
         synth.exact(pair, 2**21, 2)
+    with pytest.raises(kvcouple.InvalidInputError, match="too many for the exact solver"):
+        synth.exact(synth.random_pair(3, 64, seed=0), 2**20, 2**20)
     with pytest.raises(kvcouple.InvalidInputError, match="memory"):
         synth.estimate(pair, 2**20, 2**20, replicates=10**6)

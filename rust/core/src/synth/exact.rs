@@ -153,19 +153,20 @@ fn residual_successors(k: &Kernel, state: usize, res: &[f64], total: f64) -> Vec
 pub fn exact(pair: &KernelPair, horizon: usize, window: usize) -> KvResult<ExactResult> {
     check_horizon(horizon)?;
     let (p, q) = (&pair.p, &pair.q);
+    let t_max = horizon;
+    let l_eff = window.min(t_max);
+    let classes = l_eff + 1; // lags 1..=l_eff, then "beyond the window"
     let too_many = match p.states.checked_mul(q.states) {
-        Some(n) => n > 1 << 24,
+        Some(n) => n > 1 << 24 || n.saturating_mul(classes) > 1 << 27,
         None => true,
     };
     if too_many {
         return Err(KvError::InvalidArgument(format!(
-            "{} x {} state pairs are too many for the exact solver",
+            "{} x {} state pairs with {classes} lag classes are too many for the exact solver \
+             (reduce the states or the window)",
             p.states, q.states
         )));
     }
-    let t_max = horizon;
-    let l_eff = window.min(t_max);
-    let classes = l_eff + 1; // lags 1..=l_eff, then "beyond the window"
     let n_lags = window.min(t_max - 1);
     let mut cur = Layer::new(p.states, q.states, classes);
     let mut nxt = Layer::new(p.states, q.states, classes);
