@@ -17,18 +17,18 @@ impl<'py> Matrix<'py> {
     /// `dtype` is the logical format: "float16" and "bfloat16" arrive as uint16 views.
     pub fn extract(obj: &Bound<'py, PyAny>, dtype: &str, name: &str) -> PyResult<Self> {
         let wrong = |e: PyErr| {
-            InvalidInputError::new_err(format!(
-                "{name} must be a 2-D numpy array of {dtype}: {e}"
-            ))
+            InvalidInputError::new_err(format!("{name} must be a 2-D numpy array of {dtype}: {e}"))
         };
         Ok(match dtype {
-            "float16" | "bfloat16" => Matrix::U16(obj.extract().map_err(wrong)?, dtype == "bfloat16"),
+            "float16" | "bfloat16" => {
+                Matrix::U16(obj.extract().map_err(wrong)?, dtype == "bfloat16")
+            }
             "float32" => Matrix::F32(obj.extract().map_err(wrong)?),
             "float64" => Matrix::F64(obj.extract().map_err(wrong)?),
             other => {
                 return Err(InvalidInputError::new_err(format!(
-                    "unsupported dtype {other:?} for {name}: use float16, bfloat16, float32 or float64"
-                )))
+                "unsupported dtype {other:?} for {name}: use float16, bfloat16, float32 or float64"
+            )))
             }
         })
     }
@@ -44,8 +44,11 @@ impl<'py> Matrix<'py> {
 
     /// The contiguous memory as core rows (C order required; the Python layer makes it so).
     pub fn rows(&self, name: &str) -> PyResult<Rows<'_>> {
-        let not_contig =
-            |_| ShapeError::new_err(format!("{name} must be C-contiguous (use np.ascontiguousarray)"));
+        let not_contig = |_| {
+            ShapeError::new_err(format!(
+                "{name} must be C-contiguous (use np.ascontiguousarray)"
+            ))
+        };
         Ok(match self {
             Matrix::U16(a, false) => Rows::F16(a.as_slice().map_err(not_contig)?),
             Matrix::U16(a, true) => Rows::BF16(a.as_slice().map_err(not_contig)?),

@@ -44,7 +44,10 @@ pub fn divergences<'py>(
         ($name:ident) => {
             d.set_item(
                 stringify!($name),
-                out.iter().map(|r| r.$name).collect::<Vec<_>>().into_pyarray(py),
+                out.iter()
+                    .map(|r| r.$name)
+                    .collect::<Vec<_>>()
+                    .into_pyarray(py),
             )?;
         };
     }
@@ -90,13 +93,24 @@ pub fn couple<'py>(
         .as_slice()
         .map_err(|_| ShapeError::new_err("u must be C-contiguous"))?;
     let (pr, qr) = (pm.rows("p")?, qm.rows("q")?);
-    let draws = py.detach(|| {
-        guard(|| core_couple::couple(pr, qr, us, rows, vocab, renormalize, atol))
-    })?;
+    let draws =
+        py.detach(|| guard(|| core_couple::couple(pr, qr, us, rows, vocab, renormalize, atol)))?;
     Ok((
-        draws.iter().map(|d| d.x).collect::<Vec<_>>().into_pyarray(py),
-        draws.iter().map(|d| d.y).collect::<Vec<_>>().into_pyarray(py),
-        draws.iter().map(|d| d.diverged).collect::<Vec<_>>().into_pyarray(py),
+        draws
+            .iter()
+            .map(|d| d.x)
+            .collect::<Vec<_>>()
+            .into_pyarray(py),
+        draws
+            .iter()
+            .map(|d| d.y)
+            .collect::<Vec<_>>()
+            .into_pyarray(py),
+        draws
+            .iter()
+            .map(|d| d.diverged)
+            .collect::<Vec<_>>()
+            .into_pyarray(py),
     ))
 }
 
