@@ -199,7 +199,8 @@ def register(subparsers: Any) -> None:
         "--worker-threads",
         type=int,
         default=None,
-        help="Rust threads per Dask worker (default: the worker's nthreads)",
+        help="Rust threads per Dask worker (default: KVCOUPLE_NUM_THREADS in the workers' "
+        "environment, else the worker's nthreads, so workers do not oversubscribe cores)",
     )
     p.add_argument("--n-boot", type=int, default=None, help="bootstrap resamples (2000)")
     p.add_argument("--seed", type=int, default=None, help="bootstrap seed (0)")
