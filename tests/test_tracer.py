@@ -124,24 +124,45 @@ def test_full_policy_no_hazard_and_model_distributions(arch):
 @pytest.mark.parametrize("arch", TINY_ARCHS)
 @pytest.mark.parametrize("spec", ["recent:retain=0.5", "streaming:sinks=3,retain=0.4"])
 def test_uniform_eviction_equals_masked_full_forward(arch, spec):
+    """The overlap path and every branch (each side on its own prefix) against a full forward
+    with the evicted positions hidden from the queries from the last prompt token on."""
     m = model(arch)
-    T = 5
+    T, L = 5, 3
     settings = TraceSettings(
-        horizon=T, replicates=2, branches=1, window=0, record=Record("topk", VOCAB)
+        horizon=T, replicates=2, branches=2, window=L, record=Record("topk", VOCAB)
     )
     arr, _ = trace_document(m, PROMPT, [spec], settings, seed=2)
     n = len(PROMPT)
     kept = kept_positions(spec, n)
+    everything = set(range(n))
     assert arr["kept_length"][0] == len(kept) < n
     for rep in range(2):
         path = arr["tokens"][0, rep]
         q_want = masked_forward(m, PROMPT + path[:-1].tolist(), n, kept)
         np.testing.assert_allclose(distributions(arr, "q", 0, rep), q_want, atol=1e-5)
-        p_want = masked_forward(m, PROMPT + path[:-1].tolist(), n, set(range(n)))
+        p_want = masked_forward(m, PROMPT + path[:-1].tolist(), n, everything)
         np.testing.assert_allclose(distributions(arr, "p", 0, rep), p_want, atol=1e-5)
         tv = 0.5 * np.abs(p_want - q_want).sum(-1)
         np.testing.assert_allclose(arr["hazard"][0, rep], tv, atol=1e-5)
         assert arr["hazard"][0, rep].max() > 1e-3  # the eviction changes something
+        for k in range(2):
+            start = int(arr["branch_step"][0, rep, k])
+            assert 1 <= start <= T
+            lags = min(L, T - start)
+            prefix = PROMPT + path[: start - 1].tolist()
+            want = {}
+            for side, positions in (("p", everything), ("q", kept)):
+                own = arr[f"branch_tokens_{side}"][0, rep, k, :lags].tolist()
+                want[side] = masked_forward(m, prefix + own, n, positions)[start - 1 : start + lags]
+                ids = arr[f"branch_topk_ids_{side}"][0, rep, k, : lags + 1].astype(np.int64)
+                got = np.zeros((lags + 1, VOCAB))
+                probs = arr[f"branch_topk_probs_{side}"][0, rep, k, : lags + 1]
+                np.put_along_axis(got, ids, probs, axis=1)
+                np.testing.assert_allclose(got, want[side], atol=1e-5)
+            tv = 0.5 * np.abs(want["p"] - want["q"]).sum(-1)
+            np.testing.assert_allclose(arr["branch_tv"][0, rep, k, 1 : lags + 1], tv[1:], atol=1e-5)
+            assert (arr["branch_mismatch"][0, rep, k, lags + 1 :] == -1).all()
+            assert np.isnan(arr["branch_tv"][0, rep, k, lags + 1 :]).all()
 
 
 # 3 ------------------------------------------------------------------------------------------
