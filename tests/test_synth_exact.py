@@ -6,6 +6,8 @@ import time
 
 import numpy as np
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from kvcouple import synth
 
@@ -189,3 +191,45 @@ def test_constructions_attain_the_interval_ends(seed: int, window: int) -> None:
     beyond = full_l.branch_lag_weight[window:] > 0
     assert np.all(full_l.branch_tv_by_lag[window:][beyond] == 0)
     assert np.allclose(full_u.branch_tv_by_lag[window:][beyond], 1)
+
+
+@st.composite
+def tiny_kernel(draw: st.DrawFn, vocab: int) -> synth.Kernel:
+    """Rows from small integer weights: exact zeros and ties between P and Q are common."""
+    states = draw(st.integers(1, 2))
+    weights = draw(
+        st.lists(
+            st.lists(st.integers(0, 3), min_size=vocab, max_size=vocab).filter(any),
+            min_size=states,
+            max_size=states,
+        )
+    )
+    emit = np.array(weights, dtype=float)
+    emit /= emit.sum(1, keepdims=True)
+    nxt = draw(
+        st.lists(st.integers(0, states - 1), min_size=states * vocab, max_size=states * vocab)
+    )
+    return synth.Kernel(
+        emit, np.array(nxt).reshape(states, vocab), draw(st.integers(0, states - 1))
+    )
+
+
+@given(data=st.data())
+def test_exact_matches_brute_force_on_arbitrary_tiny_pairs(data: st.DataObject) -> None:
+    vocab = data.draw(st.integers(2, 3))
+    pair = synth.KernelPair(data.draw(tiny_kernel(vocab)), data.draw(tiny_kernel(vocab)))
+    horizon = data.draw(st.integers(1, 4))
+    window = data.draw(st.integers(0, 4))
+    bf = brute_force(pair, horizon, window)
+    e = synth.exact(pair, horizon, window)
+    np.testing.assert_allclose(e.divergence_time_pmf, bf["pmf"], atol=1e-12)
+    np.testing.assert_allclose(e.mismatch_by_step, bf["mism"], atol=1e-12)
+    assert e.window_contribution == pytest.approx(bf["win"], abs=1e-12)
+    assert e.tail_contribution == pytest.approx(bf["tail"], abs=1e-12)
+    lower, upper = synth.interval_constructions(pair, horizon, window)
+    assert synth.exact(lower, horizon, window).expected_mismatches == pytest.approx(
+        e.interval_lower, abs=1e-12
+    )
+    assert synth.exact(upper, horizon, window).expected_mismatches == pytest.approx(
+        e.interval_upper, abs=1e-12
+    )
