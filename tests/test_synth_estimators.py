@@ -5,9 +5,12 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import kvcouple
 from kvcouple import _core, synth
+from synth_helpers import tiny_kernel
 
 QUANTITIES = (
     "occurrence",
@@ -249,3 +252,15 @@ def test_bad_arguments_raise_typed_errors() -> None:
         synth.exact(synth.random_pair(3, 64, seed=0), 2**20, 2**20)
     with pytest.raises(kvcouple.InvalidInputError, match="memory"):
         synth.estimate(pair, 2**20, 2**20, replicates=10**6)
+
+
+@settings(max_examples=25)
+@given(data=st.data())
+def test_estimators_on_pairs_with_ties_and_zeros(data: st.DataObject) -> None:
+    vocab = data.draw(st.integers(2, 3))
+    pair = synth.KernelPair(data.draw(tiny_kernel(vocab)), data.draw(tiny_kernel(vocab)))
+    horizon, window = data.draw(st.integers(1, 6)), data.draw(st.integers(0, 6))
+    truth = synth.exact(pair, horizon, window)
+    for i, method in enumerate(synth.METHODS):
+        est = synth.estimate(pair, horizon, window, method=method, replicates=2000, seed=i)
+        _check(est, truth, "tiny pair")

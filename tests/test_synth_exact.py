@@ -10,6 +10,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from kvcouple import synth
+from synth_helpers import tiny_kernel
 
 
 def _stats(a: np.ndarray, b: np.ndarray) -> tuple[float, np.ndarray, np.ndarray, np.ndarray]:
@@ -191,27 +192,6 @@ def test_constructions_attain_the_interval_ends(seed: int, window: int) -> None:
     beyond = full_l.branch_lag_weight[window:] > 0
     assert np.all(full_l.branch_tv_by_lag[window:][beyond] == 0)
     assert np.allclose(full_u.branch_tv_by_lag[window:][beyond], 1)
-
-
-@st.composite
-def tiny_kernel(draw: st.DrawFn, vocab: int) -> synth.Kernel:
-    """Rows from small integer weights: exact zeros and ties between P and Q are common."""
-    states = draw(st.integers(1, 2))
-    weights = draw(
-        st.lists(
-            st.lists(st.integers(0, 3), min_size=vocab, max_size=vocab).filter(any),
-            min_size=states,
-            max_size=states,
-        )
-    )
-    emit = np.array(weights, dtype=float)
-    emit /= emit.sum(1, keepdims=True)
-    nxt = draw(
-        st.lists(st.integers(0, states - 1), min_size=states * vocab, max_size=states * vocab)
-    )
-    return synth.Kernel(
-        emit, np.array(nxt).reshape(states, vocab), draw(st.integers(0, states - 1))
-    )
 
 
 @given(data=st.data())
