@@ -537,3 +537,13 @@ def test_killed_process_resumes_to_the_same_store(tmp_path):
     assert cli_main([*args, "--out", str(killed)]) == 0
     assert cli_main([*args, "--out", str(ref)]) == 0
     assert xr.open_zarr(killed).load().identical(xr.open_zarr(ref).load())
+
+
+def test_all_zero_chunks_are_written(tmp_path):
+    """The full policy's hazards are all zero: the chunk must still exist on disk, since
+    readers take a missing chunk for a damaged store."""
+    out = tmp_path / "full.zarr"
+    settings = TraceSettings(horizon=3, replicates=2, branches=1, window=1)
+    trace(model("llama"), _prompts(1), ["full"], settings, out, progress=False)
+    assert (out / "hazard" / "0.0.0.0").exists()
+    assert (out / "branch_step" / "0.0.0.0").exists()

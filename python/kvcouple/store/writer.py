@@ -151,6 +151,16 @@ def _open_group(path: Path, mode: str) -> Any:
         return zarr.open_group(str(path), mode=mode)
 
 
+def _write_empty_chunks() -> Any:
+    """A context in which zarr 3 writes chunks equal to the fill value (zarr 2 always does)."""
+    config = getattr(zarr, "config", None)
+    if config is None:
+        import contextlib
+
+        return contextlib.nullcontext()
+    return config.set({"array.write_empty_chunks": True})
+
+
 def _jsonable(v: Any) -> Any:
     return json.loads(json.dumps(v, default=str))
 
@@ -256,6 +266,7 @@ class TraceStoreWriter:
         if missing:
             raise StoreError(f"write_doc({doc}) is missing variables: {', '.join(missing)}")
         sizes = self.layout.sizes()
+        values = {}
         for name, (dims, dtype) in self._vars.items():
             if name == "completed":
                 continue
@@ -265,5 +276,10 @@ class TraceStoreWriter:
                 raise StoreError(
                     f"write_doc({doc}): {name} has shape {value.shape}, expected {want} {dims[1:]}"
                 )
-            self._group[name][doc] = value.astype(dtype, copy=False)
-        self._group["completed"][doc] = True
+            values[name] = value.astype(dtype, copy=False)
+        # Every chunk is written, even one equal to the fill value (an all-zero hazard of the
+        # full policy): readers tell a damaged store by its missing chunks.
+        with _write_empty_chunks():
+            for name, value in values.items():
+                self._group[name][doc] = value
+            self._group["completed"][doc] = True
