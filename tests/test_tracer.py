@@ -329,6 +329,10 @@ def test_bad_trace_arguments(tmp_path):
     settings = TraceSettings(horizon=2, replicates=1, branches=1, window=1)
     out = tmp_path / "v.zarr"
     trace(m, _prompts(1), ["recent:retain=0.5"], settings, out, model_id="x", progress=False)
+    flash = tiny_model("llama", seed=7)
+    flash.config._attn_implementation = "flash_attention_2"
+    with pytest.raises(ValueError, match="takes no 4-D attention masks"):
+        trace_document(flash, PROMPT, ["full"], TraceSettings(horizon=2))
     small = tiny_model("llama", seed=7, vocab_size=64)
     with pytest.raises(VocabularyMismatchError, match="vocabulary of 128 tokens.*have 64"):
         trace(

@@ -9,6 +9,7 @@ the original ones: the first generated token sits at position ``n`` whatever was
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 from typing import Any
 
@@ -70,6 +71,7 @@ def prefill(model: Any, input_ids: torch.Tensor, need_queries: bool, doc: str = 
             f"prompt {doc!r} has {n} token(s); the tracer needs at least 2 (the last prompt "
             "token is re-fed after eviction)"
         )
+    check_model(model, n)
     device = next(model.parameters()).device
     ids = ids.to(device)
     cache = compat.new_cache()
@@ -83,6 +85,29 @@ def prefill(model: Any, input_ids: torch.Tensor, need_queries: bool, doc: str = 
     return Prefill(
         ids, compat.cache_tensors(cache), capture, num_query_heads(model), vocab_size(model)
     )
+
+
+def check_model(model: Any, prompt_length: int) -> None:
+    """Refuse attention implementations that take no 4-D masks; warn where the tracer's full
+    attention departs from a model's sliding window."""
+    impl = getattr(model.config, "_attn_implementation", None) or "eager"
+    if impl not in ("sdpa", "eager"):
+        raise compat.UnsupportedModelError(
+            f"attention implementation {impl!r} takes no 4-D attention masks; load the model "
+            "with attn_implementation='sdpa' (or 'eager')"
+        )
+    cfg = (
+        model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    )
+    window = getattr(cfg, "sliding_window", None)
+    uses_window = getattr(cfg, "use_sliding_window", window is not None)
+    if window and uses_window and prompt_length > window:
+        warnings.warn(
+            f"the model has a {window}-token sliding window but the prompt has {prompt_length} "
+            "tokens; the tracer attends over the whole cache, so both kernels differ from the "
+            "model's own sliding-window attention",
+            stacklevel=3,
+        )
 
 
 def vocab_size(model: Any) -> int:
