@@ -25,6 +25,7 @@ from kvcouple.store import Record  # noqa: E402
 from kvcouple.testing.tiny_models import TINY_ARCHS, tiny_model  # noqa: E402
 from kvcouple.torch_coupling import apply_decoding  # noqa: E402
 from kvcouple.tracer import (  # noqa: E402
+    Decoding,
     Prompt,
     PromptFileError,
     TraceSettings,
@@ -551,3 +552,34 @@ def test_all_zero_chunks_are_written(tmp_path):
     trace(model("llama"), _prompts(1), ["full"], settings, out, progress=False)
     assert (out / "hazard" / "0.0.0.0").exists()
     assert (out / "branch_step" / "0.0.0.0").exists()
+
+
+def test_greedy_decoding_stops_the_path_at_hazard_one():
+    """With top_k=1 both kernels are point masses: the hazard is 0 or 1, a hazard of 1 ends
+    the path (tokens -1, hazard 0, distributions blank after it) and is the branch time."""
+    settings = TraceSettings(
+        horizon=6,
+        replicates=1,
+        branches=1,
+        window=6,
+        decoding=Decoding(top_k=1),
+        record=Record("topk", 2),
+    )
+    stops = 0
+    for seed in range(4):
+        ids = [int(t) for t in np.random.default_rng(seed).integers(1, VOCAB - 1, 20)]
+        arr, _ = trace_document(model("qwen2"), ids, ["recent:budget=1"], settings, seed=seed)
+        hazard, tokens = arr["hazard"][0, 0], arr["tokens"][0, 0]
+        assert set(np.unique(hazard)) <= {0.0, 1.0}
+        hits = np.flatnonzero(hazard == 1)
+        if hits.size:
+            stops += 1
+            t = hits[0]
+            assert (tokens[t:] == -1).all() and (tokens[:t] >= 0).all()
+            assert (hazard[t + 1 :] == 0).all()
+            assert arr["branch_step"][0, 0, 0] == t + 1
+            assert np.isnan(arr["topk_probs_p"][0, 0, t + 1 :]).all()
+            assert arr["branch_tokens_p"][0, 0, 0, 0] != arr["branch_tokens_q"][0, 0, 0, 0]
+        else:
+            assert arr["branch_step"][0, 0, 0] == 0
+    assert stops > 0

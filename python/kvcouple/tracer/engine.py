@@ -246,11 +246,14 @@ def _overlap_path(
             done = done | newly
         tokens = torch.where(alive, z, 0)
     arrays = _host(steps, axis=1)
-    if settings.record.kind == "full":
-        dead = arrays["tokens"] == NO_TOKEN
-        stopped = dead & (arrays["hazard"] == 0)
-        for side in ("p", "q"):
-            arrays[side][stopped] = np.nan
+    # After a stop (a step with no overlap) nothing is observed: blank the distributions.
+    stopped = (arrays["tokens"] == NO_TOKEN) & (arrays["hazard"] == 0)
+    for side in ("p", "q"):
+        for name in (side, f"topk_probs_{side}", f"tail_mass_{side}"):
+            if name in arrays:
+                arrays[name][stopped] = np.nan
+        if f"topk_ids_{side}" in arrays:
+            arrays[f"topk_ids_{side}"][stopped] = NO_TOKEN
     return _Path(arrays, arrays["hazard"].astype(np.float64), torch.stack(fed, dim=1), rows)
 
 
