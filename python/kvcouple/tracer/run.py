@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from kvcouple.errors import InvalidInputError
+from kvcouple.errors import InvalidInputError, StoreError
 from kvcouple.policies import Policy, parse_policy
 from kvcouple.store import StoreLayout, TraceStoreWriter
 from kvcouple.tracer.engine import TraceSettings, trace_policy
@@ -100,7 +100,8 @@ def parse_shard(text: str) -> tuple[int, int]:
     return i, n
 
 
-def _check_vocab(out: Path, vocab: int) -> None:
+def _check_resume(out: Path, vocab: int, eos: list[int]) -> None:
+    """Refuse to resume a store whose vocabulary or EOS ids differ from this run's."""
     if not out.exists():
         return
     import zarr
@@ -113,6 +114,11 @@ def _check_vocab(out: Path, vocab: int) -> None:
         raise VocabularyMismatchError(
             f"cannot resume {out}: it was traced with a vocabulary of {attrs['vocab_size']} "
             f"tokens but this model's logits have {vocab}. Use the same model or a new --out."
+        )
+    if "eos_token_id" in attrs and list(attrs["eos_token_id"]) != eos:
+        raise StoreError(
+            f"cannot resume {out}: it was traced with EOS ids {attrs['eos_token_id']} but this "
+            f"run has {eos}. Use the same --eos or a new --out."
         )
 
 
@@ -150,7 +156,7 @@ def trace(
         raise InvalidInputError("no prompts to trace")
     out = Path(out)
     vocab = vocab_size(model)
-    _check_vocab(out, vocab)
+    _check_resume(out, vocab, list(settings.eos_token_ids))
     dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
     layout = StoreLayout(
         doc_ids=[p.id for p in prompts],
