@@ -588,3 +588,21 @@ def test_greedy_decoding_stops_the_path_at_hazard_one():
         else:
             assert arr["branch_step"][0, 0, 0] == 0
     assert stops > 0
+
+
+def test_branch_batches_change_only_float_noise():
+    import dataclasses
+
+    settings = TraceSettings(
+        horizon=8, replicates=3, branches=3, window=4, record=Record("topk", 3)
+    )
+    ids = PROMPT[:20]
+    a, ta = trace_document(model("llama"), ids, ["snapkv:retain=0.5,window=8"], settings, seed=4)
+    small = dataclasses.replace(settings, branch_batch=2)
+    b, tb = trace_document(model("llama"), ids, ["snapkv:retain=0.5,window=8"], small, seed=4)
+    assert ta == tb
+    for name in a:
+        if a[name].dtype.kind == "f":
+            np.testing.assert_allclose(a[name], b[name], atol=1e-5, err_msg=name)
+        else:
+            np.testing.assert_array_equal(a[name], b[name], err_msg=name)

@@ -56,6 +56,12 @@ def register(subparsers: Any) -> None:
         help="L: lags traced after a branch (>= horizon: to the horizon)",
     )
     p.add_argument("--record", default="summary", help="summary | topk:K | full")
+    p.add_argument(
+        "--branch-batch",
+        type=int,
+        default=None,
+        help="most branches traced at once (each holds two cache copies; default: all K x R)",
+    )
     p.add_argument("--temperature", type=float, default=1.0)
     p.add_argument("--top-k", type=int, default=None)
     p.add_argument("--top-p", type=float, default=None)

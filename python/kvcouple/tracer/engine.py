@@ -60,11 +60,15 @@ class TraceSettings:
     decoding: Decoding = field(default_factory=Decoding)
     record: Record = field(default_factory=Record)
     eos_token_ids: tuple[int, ...] = ()
+    # Most branches traced in one batch (each is two rows with a copy of the cache); None: all.
+    branch_batch: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("horizon", "replicates", "branches"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.branch_batch is not None and self.branch_batch < 1:
+            raise ValueError(f"branch_batch must be >= 1, got {self.branch_batch}")
         if self.window < 0:
             raise ValueError(f"window must be >= 0, got {self.window}")
 
@@ -286,17 +290,48 @@ def _branches(
     times: np.ndarray,
     branch_u: torch.Tensor,
 ) -> tuple[dict[str, np.ndarray], int]:
-    R, _K, T, L = settings.replicates, settings.branches, settings.horizon, settings.window
-    n1 = pre.prefix_length
+    """Every branch of every replicate, ``branch_batch`` branches at a time."""
     out = _empty_branch_arrays(settings, pre)
     out["branch_step"][:] = times
     rr, kk = np.nonzero(times > 0)
-    if rr.size == 0:
-        return out, 0
+    size = settings.branch_batch or max(rr.size, 1)
+    tokens = 0
+    for start in range(0, rr.size, size):
+        tokens += _branch_group(
+            model,
+            pre,
+            path,
+            settings,
+            rr[start : start + size],
+            kk[start : start + size],
+            times,
+            branch_u,
+            out,
+        )
+    return out, tokens
+
+
+def _branch_group(
+    model: Any,
+    pre: Prefill,
+    path: _Path,
+    settings: TraceSettings,
+    rr: np.ndarray,
+    kk: np.ndarray,
+    times: np.ndarray,
+    branch_u: torch.Tensor,
+    out: dict[str, np.ndarray],
+) -> int:
+    """Branches ``(rr[i], kk[i])`` in one batch: copy each replicate's path cache, hide the
+    path from ``t*`` on, re-feed step ``t*``'s token, draw the residuals, continue ``L`` lags.
+    Writes into ``out``; returns the tokens generated."""
+    R, T, L = settings.replicates, settings.horizon, settings.window
+    n1 = pre.prefix_length
     ts = times[rr, kk]
     B = rr.size
     device = pre.input_ids.device
     rr_t = torch.as_tensor(rr, device=device)
+    kk_t = torch.as_tensor(kk, device=device)
     ts_t = torch.as_tensor(ts, device=device)
     index = torch.cat([rr_t, rr_t + R])
     kv = [
@@ -322,7 +357,7 @@ def _branches(
         if eos.numel():
             probs = _absorb(probs, done, last)
         p, q = probs[:B], probs[B:]
-        u = branch_u[lag][rr_t, torch.as_tensor(kk, device=device)]
+        u = branch_u[lag][rr_t, kk_t]
         if lag == 0:
             u = u.clone()
             u[:, 0] = 0.0  # u0 = 0: the residuals (the branch starts with X != Y)
@@ -349,7 +384,7 @@ def _branches(
         fill = target[rr, kk, : lags + 1]
         mask = inside.reshape(inside.shape + (1,) * (value.ndim - 2))
         target[rr, kk, : lags + 1] = np.where(mask, value.astype(target.dtype), fill)
-    return out, 2 * B * (lags + 1)
+    return 2 * B * (lags + 1)
 
 
 def _empty_branch_arrays(settings: TraceSettings, pre: Prefill) -> dict[str, np.ndarray]:
