@@ -197,6 +197,32 @@ def test_snapkv_indices_match_eager_attention(arch, spec):
         assert torch.equal(idx[layer], want), f"layer {layer}"
 
 
+@pytest.mark.parametrize("arch", TINY_ARCHS)
+def test_h2o_and_tova_indices_match_eager_attention(arch):
+    """Scores from every prompt query (H2O) and from the last one (TOVA), recomputed from
+    eager attention weights."""
+    pre = prefill(model(arch), torch.tensor(PROMPT), need_queries=True)
+    with torch.no_grad():
+        attentions = model(arch, "eager")(
+            torch.tensor([PROMPT[:-1]]), output_attentions=True
+        ).attentions
+    n1 = len(PROMPT) - 1
+    h2o, tova = parse_policy("h2o:budget=11,recent=0.3"), parse_policy("tova:budget=9")
+    h2o_idx, tova_idx = select(h2o, pre), select(tova, pre)
+    for layer, att in enumerate(attentions):
+        heavy = att[0].sum(1).reshape(2, -1, n1).mean(1)  # accumulated, group-averaged
+        recent = h2o.recent_count(10)
+        order = torch.argsort(heavy[:, : n1 - recent], dim=-1, descending=True, stable=True)
+        chosen = torch.sort(order[:, : 10 - recent], dim=-1).values
+        want = torch.cat([chosen, torch.arange(n1 - recent, n1).expand(2, recent)], dim=-1)
+        assert torch.equal(h2o_idx[layer], want), f"h2o layer {layer}"
+        last = att[0, :, -1].reshape(2, -1, n1).mean(1)
+        order = torch.argsort(last, dim=-1, descending=True, stable=True)
+        assert torch.equal(tova_idx[layer], torch.sort(order[:, :8], dim=-1).values), (
+            f"tova {layer}"
+        )
+
+
 # 4 ------------------------------------------------------------------------------------------
 def test_first_step_marginals_follow_p_and_q():
     m = model("mistral")
