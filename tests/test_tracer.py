@@ -632,3 +632,12 @@ def test_branch_batches_change_only_float_noise():
             np.testing.assert_allclose(a[name], b[name], atol=1e-5, err_msg=name)
         else:
             np.testing.assert_array_equal(a[name], b[name], err_msg=name)
+
+
+def test_bfloat16_model():
+    """The GPU default dtype, on CPU: full policy exact, an eviction traced end to end."""
+    m = tiny_model("qwen2", seed=7).to(torch.bfloat16)
+    settings = TraceSettings(horizon=4, replicates=2, branches=1, window=2)
+    arr, _ = trace_document(m, PROMPT, ["full", "snapkv:retain=0.5,window=4"], settings, seed=1)
+    assert arr["hazard"][0].max() <= 1e-6
+    assert arr["hazard"][1].max() > 0 and np.isfinite(arr["entropy_q"][1]).all()
