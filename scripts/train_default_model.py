@@ -19,7 +19,7 @@ count reproduce the same weights.
 
 Run from the repository root::
 
-    python scripts/train_default_model.py            # ~5 min on 2 CPU cores
+    python scripts/train_default_model.py            # 600 steps, ~8 min on one core of a busy 2-core machine
     python scripts/train_default_model.py --steps 50 --out /tmp/m --prompts-out /tmp/p.jsonl
 """
 
@@ -103,7 +103,7 @@ def train_tokenizer(texts: list[str], vocab_size: int):
     """Byte-level BPE (no unknown tokens) wrapped as a ``PreTrainedTokenizerFast``.
 
     Encoding prepends BOS (a stable first position, which attention-sink policies rely on);
-    EOS ends every training document.
+    EOS ends every training document (a whole module or topic).
     """
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
     from transformers import PreTrainedTokenizerFast
@@ -206,6 +206,12 @@ def make_config(vocab_size: int, bos_id: int, eos_id: int):
     )
 
 
+def _rel(path: str) -> str:
+    """A path relative to the repository when inside it (no machine paths in the manifest)."""
+    p = Path(path).resolve()
+    return p.relative_to(REPO).as_posix() if p.is_relative_to(REPO) else str(p)
+
+
 def _make_portable(out: Path) -> None:
     """Keep the saved directory loadable by transformers 4.45+ as well as 5.x.
 
@@ -242,8 +248,15 @@ def train(args: argparse.Namespace) -> None:
     bos_id, eos_id = tokenizer.bos_token_id, tokenizer.eos_token_id
 
     def pack(docs) -> torch.Tensor:
+        # One training document per unit (a module's docstrings joined by blank lines, or a
+        # topic): EOS then comes only at the end of long documents, so sampled continuations
+        # of a prompt rarely stop early (EOS is absorbing in kvcouple's kernels).
+        units: dict[str, list[str]] = {}
+        for unit, text in docs:
+            units.setdefault(unit, []).append(text)
+        texts = ["\n\n".join(parts) for parts in units.values()]
         ids: list[int] = []
-        for enc in tokenizer.backend_tokenizer.encode_batch([text for _, text in docs]):
+        for enc in tokenizer.backend_tokenizer.encode_batch(texts):
             ids.extend(enc.ids)  # BOS + text
             ids.append(eos_id)
         return torch.tensor(ids, dtype=torch.long)
@@ -344,7 +357,7 @@ def train(args: argparse.Namespace) -> None:
         "torch": torch.__version__,
         "transformers": __import__("transformers").__version__,
         "tokenizers": __import__("tokenizers").__version__,
-        "args": vars(args),
+        "args": {k: _rel(v) if k in ("out", "prompts_out") else v for k, v in vars(args).items()},
         "n_params": n_params,
         "train_tokens": int(train_ids.numel()),
         "tokens_seen": args.steps * args.batch_size * L,
@@ -369,8 +382,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--out", default=str(DATA / "default_model"))
     p.add_argument("--prompts-out", default=str(DATA / "prompts.jsonl"))
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--steps", type=int, default=800)
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--steps", type=int, default=600)
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--seq-len", type=int, default=512)
     p.add_argument("--lr", type=float, default=3e-3)
