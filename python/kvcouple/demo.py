@@ -23,10 +23,16 @@ def register(subparsers: Any) -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("--out", default="kvcouple-demo", help="folder for the store and the report")
-    p.add_argument("--horizon", type=int, default=48, help="T: new tokens per trajectory")
-    p.add_argument("--replicates", type=int, default=8, help="R: overlap paths per document")
+    p.add_argument("--horizon", type=int, default=32, help="T: new tokens per trajectory")
+    p.add_argument("--replicates", type=int, default=6, help="R: overlap paths per document")
     p.add_argument("--branches", type=int, default=2, help="K: residual branches per path")
-    p.add_argument("--window", type=int, default=16, help="L: lags traced after a branch")
+    p.add_argument(
+        "--window",
+        type=int,
+        default=None,
+        help="L: lags traced after a branch (default: to the horizon, so the decomposition "
+        "is observed in full; a shorter window gives the sharp interval instead)",
+    )
     p.add_argument("--docs", type=int, default=None, help="trace only the first N prompts")
     p.add_argument("--policy", action="append", default=None, help="override the policies")
     p.add_argument("--seed", type=int, default=0)
@@ -47,7 +53,7 @@ def run(args: argparse.Namespace) -> int:
         "--horizon", str(args.horizon),
         "--replicates", str(args.replicates),
         "--branches", str(args.branches),
-        "--window", str(args.window),
+        "--window", str(args.window if args.window is not None else args.horizon),
         "--record", "summary",
         "--seed", str(args.seed),
         "--out", str(store),
