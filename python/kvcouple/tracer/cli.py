@@ -121,8 +121,11 @@ def _load(load_model: Any, args: argparse.Namespace, extra: dict[str, Any]) -> t
 
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     extra = {**extra, _dtype_keyword(): _resolve_dtype(args.dtype, device)}
+    assert local is not None
     model = AutoModelForCausalLM.from_pretrained(local, local_files_only=True, **extra)
-    return model.to(device).eval(), None
+    model.to(device)  # type: ignore[arg-type]
+    model.eval()
+    return model, None
 
 
 def run(args: argparse.Namespace) -> int:

@@ -167,7 +167,7 @@ class _Path:
     arrays: dict[str, np.ndarray]
     hazard: np.ndarray  # (R, T) float64
     fed: torch.Tensor  # (R, T) token fed at each step (step 1: last prompt token)
-    rows: _Rows
+    rows: _Rows | None  # None once the branches no longer need the path's cache
 
 
 def initial_rows(
@@ -184,19 +184,18 @@ def initial_rows(
     keep = kept[0][0].shape[2]
     device = pre.input_ids.device
     pad = (0, 0, n1 - keep, 0)
-    kv = []
+    kv: list[tuple[torch.Tensor, torch.Tensor]] = []
     for (kp, vp), (kq, vq) in zip(pre.kv, kept, strict=True):
-        kv.append(
-            tuple(
-                torch.cat(
-                    [
-                        full.expand(copies, -1, -1, -1),
-                        torch.nn.functional.pad(part, pad).expand(copies, -1, -1, -1),
-                    ]
-                )
-                for full, part in ((kp, kq), (vp, vq))
+        k, v = (
+            torch.cat(
+                [
+                    full.expand(copies, -1, -1, -1),
+                    torch.nn.functional.pad(part, pad).expand(copies, -1, -1, -1),
+                ]
             )
+            for full, part in ((kp, kq), (vp, vq))
         )
+        kv.append((k, v))
     valid = torch.ones(2 * copies, n1, dtype=torch.bool, device=device)
     valid[copies:, : n1 - keep] = False
     positions = torch.full((2 * copies,), n1, device=device)
@@ -334,6 +333,7 @@ def _branch_group(
     kk_t = torch.as_tensor(kk, device=device)
     ts_t = torch.as_tensor(ts, device=device)
     index = torch.cat([rr_t, rr_t + R])
+    assert path.rows is not None
     kv = [
         (k.index_select(0, index), v.index_select(0, index))
         for k, v in compat.cache_tensors(path.rows.cache)
@@ -390,7 +390,7 @@ def _branch_group(
 def _empty_branch_arrays(settings: TraceSettings, pre: Prefill) -> dict[str, np.ndarray]:
     R, K, L = settings.replicates, settings.branches, settings.window
     lag = (R, K, L + 1)
-    out = {
+    out: dict[str, np.ndarray] = {
         "branch_step": np.zeros((R, K), dtype=np.int32),
         "branch_tv": np.full(lag, np.nan, dtype=np.float32),
         "branch_mismatch": np.full(lag, NO_MISMATCH, dtype=np.int8),
@@ -451,7 +451,13 @@ def trace_policy(
     path_u = torch.as_tensor(streams["path"], device=device)
     branch_u = torch.as_tensor(streams["branch"], device=device)
     if getattr(policy, "decode_time", False):
+        from kvcouple.policies import H2O
         from kvcouple.tracer.decode_eviction import DecodeH2O, replay_branches
+
+        if not isinstance(policy, H2O):
+            raise ValueError(
+                f"policy {policy.spec()}: the tracer evicts during decoding only for h2o"
+            )
 
         def make_evictor(copies: int) -> DecodeH2O:
             return DecodeH2O(model, pre, idx, policy, copies)

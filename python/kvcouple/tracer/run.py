@@ -115,9 +115,10 @@ def _check_resume(out: Path, vocab: int, eos: list[int]) -> None:
             f"cannot resume {out}: it was traced with a vocabulary of {attrs['vocab_size']} "
             f"tokens but this model's logits have {vocab}. Use the same model or a new --out."
         )
-    if "eos_token_id" in attrs and list(attrs["eos_token_id"]) != eos:
+    traced_eos: Any = attrs.get("eos_token_id")
+    if traced_eos is not None and list(traced_eos) != eos:
         raise StoreError(
-            f"cannot resume {out}: it was traced with EOS ids {attrs['eos_token_id']} but this "
+            f"cannot resume {out}: it was traced with EOS ids {traced_eos} but this "
             f"run has {eos}. Use the same --eos or a new --out."
         )
 
@@ -142,7 +143,7 @@ def trace(
     be finished by the same call again).
     """
     import torch
-    from tqdm import tqdm
+    from tqdm import tqdm  # type: ignore[import-untyped]
 
     from kvcouple import __version__
 
