@@ -57,7 +57,8 @@ def build_model(tiny: bool, device: torch.device, dtype: torch.dtype):
             model = LlamaForCausalLM(config)
     finally:
         torch.set_default_dtype(previous)
-    return model.to(device=device, dtype=dtype).eval()
+    # Parameters are already in `dtype`; casting again would also round the float32 RoPE buffers.
+    return model.to(device=device).eval()
 
 
 def synchronize(device: torch.device) -> None:
