@@ -321,6 +321,9 @@ def test_resume_and_shards_equal_uninterrupted(tmp_path):
     )
     with pytest.raises(StoreError, match="EOS ids"):
         trace(m, prompts, policies, other_eos, ref_path, **kw)
+    changed = [prompts[0], Prompt(prompts[1].id, prompts[1].input_ids[:-1]), prompts[2]]
+    with pytest.raises(StoreError, match="prompts"):
+        trace(m, changed, policies, settings, ref_path, **kw)
 
 
 # 6 ------------------------------------------------------------------------------------------

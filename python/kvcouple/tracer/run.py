@@ -100,8 +100,17 @@ def parse_shard(text: str) -> tuple[int, int]:
     return i, n
 
 
-def _check_resume(out: Path, vocab: int, eos: list[int]) -> None:
-    """Refuse to resume a store whose vocabulary or EOS ids differ from this run's."""
+def prompts_digest(prompts: Sequence[Prompt]) -> str:
+    """SHA-256 of the documents' ids and token ids: a resumed run must trace the same prompts."""
+    import hashlib
+    import json
+
+    text = json.dumps([[p.id, list(p.input_ids)] for p in prompts], separators=(",", ":"))
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def _check_resume(out: Path, vocab: int, eos: list[int], digest: str) -> None:
+    """Refuse to resume a store whose vocabulary, EOS ids or prompts differ from this run's."""
     if not out.exists():
         return
     import zarr
@@ -120,6 +129,11 @@ def _check_resume(out: Path, vocab: int, eos: list[int]) -> None:
         raise StoreError(
             f"cannot resume {out}: it was traced with EOS ids {traced_eos} but this "
             f"run has {eos}. Use the same --eos or a new --out."
+        )
+    if attrs.get("prompts_sha256", digest) != digest:
+        raise StoreError(
+            f"cannot resume {out}: its prompts (ids and token ids) differ from this run's "
+            "(another prompt file, tokenizer or chat template). Use the same prompts or a new --out."
         )
 
 
@@ -157,7 +171,8 @@ def trace(
         raise InvalidInputError("no prompts to trace")
     out = Path(out)
     vocab = vocab_size(model)
-    _check_resume(out, vocab, list(settings.eos_token_ids))
+    digest = prompts_digest(prompts)
+    _check_resume(out, vocab, list(settings.eos_token_ids), digest)
     dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
     layout = StoreLayout(
         doc_ids=[p.id for p in prompts],
@@ -178,6 +193,7 @@ def trace(
         "policies": [{"spec": p.spec(), "name": p.name, "params": p.params} for p in pols],
         "seed": seed,
         "eos_token_id": list(settings.eos_token_ids),
+        "prompts_sha256": digest,
         "estimator": "rb",
         "source": "model",
     }
