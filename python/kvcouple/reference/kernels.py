@@ -39,19 +39,19 @@ def divergences_ref(p: np.ndarray, q: np.ndarray) -> np.ndarray:
             a = p[r, v]
             b = q[r, v]
             tv += abs(a - b)
-            m = 0.5 * (a + b)
+            total = a + b  # m = total / 2; halving can underflow for subnormals
             if a > 0.0:
                 h_p -= a * math.log(a)
-                js += 0.5 * a * math.log(a / m)
+                js += 0.5 * a * math.log(2.0 * a / total)
                 if b > 0.0:
-                    kl_pq += a * math.log(a / b)
+                    kl_pq += a * (math.log(a) - math.log(b))  # a / b can overflow
                 else:
                     inf_pq = True
             if b > 0.0:
                 h_q -= b * math.log(b)
-                js += 0.5 * b * math.log(b / m)
+                js += 0.5 * b * math.log(2.0 * b / total)
                 if a > 0.0:
-                    kl_qp += b * math.log(b / a)
+                    kl_qp += b * (math.log(b) - math.log(a))
                 else:
                     inf_qp = True
             d = math.sqrt(a) - math.sqrt(b)
