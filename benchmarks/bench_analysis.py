@@ -35,6 +35,12 @@ def _peak_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
 
 
+def _cpu_seconds() -> float:
+    """User + system CPU time of this process, all threads (robust to a shared machine)."""
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
+
+
 def plain_decode(store: str, threads: int) -> dict[str, float]:
     import xarray  # noqa: F401  (as the analysis: imported before the clock starts)
     import zarr
@@ -48,13 +54,14 @@ def plain_decode(store: str, threads: int) -> dict[str, float]:
             jobs.append(
                 (arr, tuple(slice(s, s + c) for s, c in zip(starts, arr.chunks, strict=True)))
             )
-    t = time.perf_counter()
+    t, cpu = time.perf_counter(), _cpu_seconds()
     decoded = 0
     with ThreadPoolExecutor(threads) as pool:
         for nbytes in pool.map(lambda j: j[0][j[1]].nbytes, jobs):
             decoded += nbytes
     return {
         "seconds": time.perf_counter() - t,
+        "cpu_seconds": _cpu_seconds() - cpu,
         "decoded_bytes": decoded,
         "peak_rss_mb": _peak_rss_mb(),
     }
@@ -66,12 +73,13 @@ def run_analysis(store: str, io_threads: int) -> dict[str, float]:
 
     from kvcouple.analysis import analyze
 
-    t = time.perf_counter()
+    t, cpu = time.perf_counter(), _cpu_seconds()
     result = analyze(store, n_boot=200, io_threads=io_threads)
-    seconds = time.perf_counter() - t
+    seconds, cpu = time.perf_counter() - t, _cpu_seconds() - cpu
     checks = [d.check for d in result.models[0].docs]
     return {
         "seconds": seconds,
+        "cpu_seconds": cpu,
         "decoded_bytes": sum(c.bytes_read for c in checks),
         "rows_checked": sum(c.rows_checked for c in checks),
         "disagreements": len(result.checks()),
@@ -131,7 +139,10 @@ def main(argv: list[str] | None = None) -> int:
             f"{decode['peak_rss_mb']:.0f} MB); analysis {a_gbs:.3f} GB/s "
             f"({analysis['seconds']:.1f} s, peak RSS {analysis['peak_rss_mb']:.0f} MB, "
             f"{analysis['rows_checked']} rows recomputed, {analysis['disagreements']} "
-            f"disagreements); ratio {a_gbs / d_gbs:.2f}",
+            f"disagreements); ratio {a_gbs / d_gbs:.2f}; CPU seconds per GB: decode "
+            f"{decode['cpu_seconds'] / (size / 1e9):.2f}, analysis "
+            f"{analysis['cpu_seconds'] / (size / 1e9):.2f} (CPU ratio "
+            f"{decode['cpu_seconds'] / analysis['cpu_seconds']:.2f})",
             flush=True,
         )
     if len(rows) > 1:
