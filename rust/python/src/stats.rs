@@ -24,7 +24,7 @@ pub fn bootstrap_means<'py>(
         .map_err(|_| ShapeError::new_err("values must be C-contiguous"))?;
     let out = py.detach(|| guard(|| bootstrap::bootstrap_means(data, docs, cols, n_boot, seed)))?;
     let flat = out.into_pyarray(py);
-    Ok(flat.reshape([n_boot, cols])?)
+    flat.reshape([n_boot, cols])
 }
 
 /// Per-row TV between stored distributions; NaN for rows that hold NaN (never recorded).
