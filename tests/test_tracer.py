@@ -224,8 +224,9 @@ def test_h2o_and_tova_indices_match_eager_attention(arch):
 
 
 # 4 ------------------------------------------------------------------------------------------
-def test_first_step_marginals_follow_p_and_q():
-    m = model("mistral")
+@pytest.mark.parametrize("arch", TINY_ARCHS)
+def test_first_step_marginals_follow_p_and_q(arch):
+    m = model(arch)
     R, spec = 3000, "recent:retain=0.3"
     settings = TraceSettings(horizon=1, replicates=R, branches=1, window=0)
     arr, _ = trace_document(m, PROMPT, [spec], settings, seed=3)
