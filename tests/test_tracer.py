@@ -645,3 +645,29 @@ def test_bfloat16_model():
     arr, _ = trace_document(m, PROMPT, ["full", "snapkv:retain=0.5,window=4"], settings, seed=1)
     assert arr["hazard"][0].max() <= 1e-6
     assert arr["hazard"][1].max() > 0 and np.isfinite(arr["entropy_q"][1]).all()
+
+
+def test_analysis_reads_a_traced_store_and_agrees_with_its_distributions(tmp_path):
+    """Integration: the analysis recomputes hazards and branch TVs from the stored float16
+    distributions of a traced store and finds no disagreement; the full policy has no loss."""
+    from kvcouple.analysis import analyze
+
+    out = tmp_path / "full.zarr"
+    settings = TraceSettings(
+        horizon=6,
+        replicates=3,
+        branches=2,
+        window=3,
+        record=Record("full"),
+        decoding=Decoding(temperature=0.9, top_p=0.95),
+        eos_token_ids=(VOCAB - 1,),
+    )
+    policies = ["full", "snapkv:retain=0.5,window=4", "h2o:retain=0.5,mode=decode"]
+    trace(model("qwen3"), _prompts(2), policies, settings, out, model_id="tiny", progress=False)
+    result = analyze(out, n_boot=50)
+    assert result.checks() == []
+    docs = result.models[0].docs
+    assert all(d.check is not None for d in docs)
+    for d in docs:
+        assert d.units["full"].survival.min() == pytest.approx(1.0)  # never diverges
+        assert d.units[parse_policy(policies[1]).spec()].survival[-1] < 1.0
