@@ -13,7 +13,7 @@
 use rayon::prelude::*;
 
 use crate::error::{KvError, KvResult};
-use crate::fastmath::{ln3_and_quotient, TINY};
+use crate::fastmath::{ln3_and_quotient, positive_or_tiny};
 use crate::parallel;
 use crate::rows::{check_pair, Dtype, Rows};
 use crate::transform::Transform;
@@ -128,8 +128,13 @@ fn block_kernel(a: &[f64; BLOCK], b: &[f64; BLOCK], l: &mut Lanes) {
             let m = 0.5 * (p + q);
             let diff = p - q;
             let den_h = (p + q + 2.0 * (p * q).max(0.0).sqrt()).max(1e-150);
-            let (lp, lq, lm, hel) =
-                ln3_and_quotient(p.max(TINY), q.max(TINY), m.max(TINY), diff * diff, den_h);
+            let (lp, lq, lm, hel) = ln3_and_quotient(
+                positive_or_tiny(p),
+                positive_or_tiny(q),
+                positive_or_tiny(m),
+                diff * diff,
+                den_h,
+            );
             l.pp[j] += p * lp;
             l.pq[j] += p * lq;
             l.qq[j] += q * lq;
