@@ -318,7 +318,7 @@ def test_resume_and_shards_equal_uninterrupted(tmp_path):
     with pytest.raises(StoreError, match="seed"):
         trace(m, prompts, policies, settings, ref_path, **{**kw, "seed": 6})
     other_eos = TraceSettings(
-        horizon=4, replicates=2, branches=2, window=2, record=Record("topk", 3)
+        horizon=4, replicates=2, branches=2, window=2, record=Record("topk", 3), eos_token_ids=()
     )
     with pytest.raises(StoreError, match="EOS ids"):
         trace(m, prompts, policies, other_eos, ref_path, **kw)

@@ -90,14 +90,6 @@ def register(subparsers: Any) -> None:
     p.set_defaults(func=run)
 
 
-def _eos_ids(model: Any) -> tuple[int, ...]:
-    for source in (getattr(model, "generation_config", None), model.config):
-        eos = getattr(source, "eos_token_id", None)
-        if eos is not None:
-            return tuple(int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos]))
-    return ()
-
-
 def _load(load_model: Any, args: argparse.Namespace, extra: dict[str, Any]) -> tuple[Any, Any]:
     """The model and its tokenizer; a local model directory without tokenizer files loads with
     no tokenizer (its prompts must then be given as input_ids)."""
@@ -165,7 +157,7 @@ def run(args: argparse.Namespace) -> int:
     prompts = load_prompts(
         prompts_path, tokenizer, chat_template=args.chat_template, vocab_size=vocab_size(model)
     )
-    eos = () if args.no_eos else tuple(args.eos) if args.eos else _eos_ids(model)
+    eos = () if args.no_eos else tuple(args.eos) if args.eos else None  # None: the model's
     settings = TraceSettings(
         horizon=args.horizon,
         replicates=args.replicates,

@@ -122,7 +122,7 @@ def replay_branches(
         initial = torch.from_numpy(np.ascontiguousarray(out[name][rr, kk]))
         rec[name] = initial if name in ("branch_p", "branch_q") else initial.to(device)
     arange = torch.arange(B, device=device)
-    eos = torch.tensor(settings.eos_token_ids, dtype=torch.long, device=device)
+    eos = torch.tensor(settings.eos_token_ids or (), dtype=torch.long, device=device)
     x = torch.zeros(B, dtype=torch.long, device=device)
     y = torch.zeros_like(x)
     done = torch.zeros(2 * B, dtype=torch.bool, device=device)

@@ -59,7 +59,9 @@ class TraceSettings:
     window: int = 0
     decoding: Decoding = field(default_factory=Decoding)
     record: Record = field(default_factory=Record)
-    eos_token_ids: tuple[int, ...] = ()
+    # Absorbing EOS ids; None (the default) means the model's own, resolved by `trace`
+    # exactly as `kvcouple trace` does; () means no absorbing EOS.
+    eos_token_ids: tuple[int, ...] | None = None
     # Most branches traced in one batch (each is two rows with a copy of the cache); None: all.
     branch_batch: int | None = None
 
@@ -214,7 +216,7 @@ def _overlap_path(
     device = pre.input_ids.device
     rows = initial_rows(model, pre, kept, R, evictor)
 
-    eos = torch.tensor(settings.eos_token_ids, dtype=torch.long, device=device)
+    eos = torch.tensor(settings.eos_token_ids or (), dtype=torch.long, device=device)
     alive = torch.ones(R, dtype=torch.bool, device=device)
     done = torch.zeros(R, dtype=torch.bool, device=device)
     last = torch.zeros(R, dtype=torch.long, device=device)
@@ -347,7 +349,7 @@ def _branch_group(
     tokens = path.fed[rr_t, ts_t - 1]
     tokens = torch.cat([tokens, tokens])
 
-    eos = torch.tensor(settings.eos_token_ids, dtype=torch.long, device=device)
+    eos = torch.tensor(settings.eos_token_ids or (), dtype=torch.long, device=device)
     done = torch.zeros(2 * B, dtype=torch.bool, device=device)
     last = torch.zeros(2 * B, dtype=torch.long, device=device)
     lags = min(L, T - int(ts.min()))

@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -89,6 +89,15 @@ class RunSummary:
         return "\n".join(lines)
 
 
+def model_eos_ids(model: Any) -> tuple[int, ...]:
+    """The EOS token ids a model declares (generation config first, then model config)."""
+    for source in (getattr(model, "generation_config", None), model.config):
+        eos = getattr(source, "eos_token_id", None)
+        if eos is not None:
+            return tuple(int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos]))
+    return ()
+
+
 def parse_shard(text: str) -> tuple[int, int]:
     """``"i/N"`` -> ``(i, N)`` with ``0 <= i < N``."""
     try:
@@ -161,6 +170,8 @@ def trace(
 
     from kvcouple import __version__
 
+    if settings.eos_token_ids is None:
+        settings = replace(settings, eos_token_ids=model_eos_ids(model))
     pols = [parse_policy(p) if isinstance(p, str) else p for p in policies]
     if not pols:
         raise InvalidInputError("give at least one policy")
