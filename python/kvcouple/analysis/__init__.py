@@ -7,5 +7,14 @@ document-level bootstrap statistics, prespecified plans, and reports.
 
 from kvcouple.analysis.engine import AnalysisResult, Options, analyze
 from kvcouple.analysis.plan import Plan, PlanError, load_plan
+from kvcouple.analysis.report import write_report
 
-__all__ = ["AnalysisResult", "Options", "Plan", "PlanError", "analyze", "load_plan"]
+__all__ = [
+    "AnalysisResult",
+    "Options",
+    "Plan",
+    "PlanError",
+    "analyze",
+    "load_plan",
+    "write_report",
+]

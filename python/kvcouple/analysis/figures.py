@@ -49,13 +49,18 @@ def _curve_plot(ax: Any, tables: dict[str, Rows], curve: str) -> None:
     ax.legend(fontsize=7)
 
 
+def _subplots(figsize: tuple[float, float]) -> tuple[Any, Any]:
+    """A figure and its axes without pyplot: no global backend switch and nothing to close,
+    so notebooks that write reports keep their inline plots."""
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=figsize)
+    return fig, fig.subplots()
+
+
 def make_figures(tables: dict[str, Rows], folder: Path, stamp: str = "") -> dict[str, bytes]:
     """Draw every figure, save it as PNG in ``folder`` and return the PNG bytes by name.
     ``stamp`` (the plan hash and settings) is printed in a corner of every figure."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
 
     folder.mkdir(parents=True, exist_ok=True)
     out: dict[str, bytes] = {}
@@ -66,12 +71,12 @@ def make_figures(tables: dict[str, Rows], folder: Path, stamp: str = "") -> dict
         if stamp:
             fig.text(0.995, 0.005, stamp, ha="right", va="bottom", fontsize=5, color="0.4")
         fig.savefig(buf, format="png", dpi=110)
-        plt.close(fig)
         out[name] = buf.getvalue()
         (folder / f"{name}.png").write_bytes(out[name])
 
     series = _series(tables)
-    labels = [f"{m}\n{p}" for m, p in series]
+    # Policy specs are long ("snapkv:retain=0.5,window=32,..."): one parameter per line.
+    labels = [f"{m}\n" + p.replace(",", "\n") for m, p in series]
 
     def q(model: str, pol: str, name: str) -> dict[str, Any]:
         rows = _get(tables["summary"], model=model, policy=pol, quantity=name)
@@ -81,7 +86,7 @@ def make_figures(tables: dict[str, Rows], folder: Path, stamp: str = "") -> dict
             else {"estimate": float("nan"), "ci_low": float("nan"), "ci_high": float("nan")}
         )
 
-    fig, ax = plt.subplots(figsize=(6, 4))
+    fig, ax = _subplots(figsize=(6, 4))
     _curve_plot(ax, tables, "survival")
     ax.set(
         xlabel="step t",
@@ -91,12 +96,12 @@ def make_figures(tables: dict[str, Rows], folder: Path, stamp: str = "") -> dict
     )
     save(fig, "survival")
 
-    fig, ax = plt.subplots(figsize=(6, 4))
+    fig, ax = _subplots(figsize=(6, 4))
     _curve_plot(ax, tables, "hazard")
     ax.set(xlabel="step t", ylabel="P(tau = t | tau >= t)", title="Hazard by step")
     save(fig, "hazard")
 
-    fig, ax = plt.subplots(figsize=(6, 4))
+    fig, ax = _subplots(figsize=(6, 4))
     _curve_plot(ax, tables, "branch_tv")
     ax.set(
         xlabel="lag after divergence",
@@ -105,7 +110,7 @@ def make_figures(tables: dict[str, Rows], folder: Path, stamp: str = "") -> dict
     )
     save(fig, "branch_tv_by_lag")
 
-    fig, ax = plt.subplots(figsize=(max(4, 1.3 * len(series) + 2), 4))
+    fig, ax = _subplots(figsize=(max(4, 1.3 * len(series) + 2), 4))
     T = {m: h for m, h in _horizons(tables).items()}
     xs = range(len(series))
     first = [q(m, p, "first_mismatch")["estimate"] for m, p in series]
@@ -137,7 +142,7 @@ def make_figures(tables: dict[str, Rows], folder: Path, stamp: str = "") -> dict
     ax.legend(fontsize=7)
     save(fig, "decomposition")
 
-    fig, ax = plt.subplots(figsize=(max(4, 1.3 * len(series) + 2), 4))
+    fig, ax = _subplots(figsize=(max(4, 1.3 * len(series) + 2), 4))
     for i, (m, p) in enumerate(series):
         lo, hi = q(m, p, "interval_lower"), q(m, p, "interval_upper")
         ax.vlines(i, lo["estimate"], hi["estimate"], lw=8, alpha=0.5)
@@ -148,7 +153,7 @@ def make_figures(tables: dict[str, Rows], folder: Path, stamp: str = "") -> dict
     ax.set(ylabel="E[M]/T", title="Sharp interval (bar), CI (line), point (dot)")
     save(fig, "sharp_interval")
 
-    fig, ax = plt.subplots(figsize=(max(4, 1.3 * len(series) + 2), 4))
+    fig, ax = _subplots(figsize=(max(4, 1.3 * len(series) + 2), 4))
     width = 0.38
     for j, name in enumerate(("early_tv", "late_tv")):
         rows = [q(m, p, name) for m, p in series]
