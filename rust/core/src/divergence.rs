@@ -163,12 +163,27 @@ unsafe fn block_kernel_avx2(a: &[f64; BLOCK], b: &[f64; BLOCK], l: &mut Lanes) {
     block_kernel(a, b, l)
 }
 
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512dq,avx2,fma")]
+unsafe fn block_kernel_avx512(a: &[f64; BLOCK], b: &[f64; BLOCK], l: &mut Lanes) {
+    block_kernel(a, b, l)
+}
+
 type BlockKernel = fn(&[f64; BLOCK], &[f64; BLOCK], &mut Lanes);
 
-/// The fastest block kernel this CPU runs.
+/// The fastest block kernel this CPU runs. Every variant sums in the same lane order, so
+/// results are bit-identical across CPUs; `KVCOUPLE_NO_AVX512=1` forces the AVX2 kernel
+/// (for comparing, or where AVX-512 lowers the clock of neighbouring work).
 fn pick_block_kernel() -> BlockKernel {
     #[cfg(target_arch = "x86_64")]
     {
+        if std::is_x86_feature_detected!("avx512f")
+            && std::is_x86_feature_detected!("avx512dq")
+            && std::env::var_os("KVCOUPLE_NO_AVX512").is_none()
+        {
+            // SAFETY: only reached when the CPU has the features the kernel was compiled for.
+            return |a, b, l| unsafe { block_kernel_avx512(a, b, l) };
+        }
         if std::is_x86_feature_detected!("avx2") && std::is_x86_feature_detected!("fma") {
             // SAFETY: only reached when the CPU has the features the kernel was compiled for.
             return |a, b, l| unsafe { block_kernel_avx2(a, b, l) };
