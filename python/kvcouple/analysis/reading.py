@@ -100,7 +100,10 @@ def _group(path: str) -> Any:
 
 def _chunk_keys(arr: Any, name: str, doc: int) -> Iterator[tuple[str, tuple[slice, ...]]]:
     """The chunk files (key, selection) of one document of ``arr`` (doc is the first axis)."""
-    sep = getattr(arr.metadata, "dimension_separator", ".") or "."
+    # zarr 3 exposes the separator on `metadata`, zarr 2 on the array; both default to ".".
+    meta = getattr(arr, "metadata", arr)
+    sep = getattr(meta, "dimension_separator", None) or getattr(arr, "_dimension_separator", None)
+    sep = sep or "."
     ranges = [range(0, n, c) for n, c in zip(arr.shape[1:], arr.chunks[1:], strict=True)]
     c0 = arr.chunks[0]
     for starts in itertools.product(*ranges):

@@ -231,7 +231,13 @@ class TraceStoreWriter:
             for name, (dims, dtype) in variables(layout.record).items():
                 shape = tuple(sizes[d] for d in dims)
                 itemsize = np.dtype(dtype).itemsize
-                _create_array(group, name, shape, _chunks(dims, sizes, itemsize), dtype, dims)
+                chunks = _chunks(dims, sizes, itemsize)
+                if name == "completed":
+                    # Written in full now: zarr 2 returns unwritten chunks of an array without
+                    # a fill value as uninitialised memory, and this flag must read False.
+                    _create_array(group, name, np.zeros(shape, bool), chunks, dtype, dims)
+                else:
+                    _create_array(group, name, shape, chunks, dtype, dims)
             coords = {
                 "doc": np.arange(sizes["doc"], dtype=np.int32),
                 "policy": np.array(layout.policies, dtype=f"<U{max(map(len, layout.policies))}"),
