@@ -2,7 +2,7 @@
 PYTHON ?= python3
 PYTEST_ARGS ?=
 
-.PHONY: help install develop fmt lint stubtest test test-rust test-python bench wheel wheel-smoke demo clean
+.PHONY: help install develop fmt lint stubtest test test-rust test-python bench wheel wheel-smoke compat-py310 demo clean
 
 help:
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-12s %s\n", $$1, $$2}'
@@ -47,6 +47,23 @@ wheel-smoke: wheel ## Install the wheel in a fresh venv (no torch) and run both 
 	rm -rf build/venv-smoke && $(PYTHON) -m venv build/venv-smoke
 	build/venv-smoke/bin/pip install -q "$$(ls -t dist/kvcouple-*.whl | head -1)"
 	cd build && venv-smoke/bin/python ../.ci/smoke.py
+
+# The oldest Python we support resolves to zarr 2 and an older xarray: run the torch-free
+# suites there against the wheel. Skipped (with a message) where no Python 3.10 is installed.
+COMPAT_TESTS = tests/test_kernels.py tests/test_coupling.py tests/test_kernel_errors.py \
+	tests/test_synth_exact.py tests/test_synth_pairs.py tests/test_synth_estimators.py \
+	tests/test_analysis_store.py tests/test_analysis_synthetic.py tests/test_analysis_plan.py
+
+compat-py310: wheel ## The wheel and torch-free suites on Python 3.10 (zarr 2)
+	@py=$$(ls $$(pyenv root 2>/dev/null)/versions/3.10*/bin/python 2>/dev/null | head -1); \
+	[ -n "$$py" ] || py=$$(command -v python3.10 || true); \
+	if [ -z "$$py" ] || ! $$py -c "import venv" 2>/dev/null; then \
+		echo "no Python 3.10 here: compat-py310 skipped"; exit 0; fi; \
+	set -e; rm -rf build/venv-py310; $$py -m venv build/venv-py310; \
+	build/venv-py310/bin/pip install -q "$$(ls -t dist/kvcouple-*.whl | head -1)[reference,plots]" \
+		pytest hypothesis scipy; \
+	build/venv-py310/bin/python -c "import sys, zarr; print('python', sys.version.split()[0], 'zarr', zarr.__version__)"; \
+	build/venv-py310/bin/python -m pytest -q -p no:cacheprovider $(COMPAT_TESTS)
 
 demo: ## The main job on the embedded default model
 	kvcouple demo
