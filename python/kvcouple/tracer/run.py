@@ -170,8 +170,8 @@ def trace(
 
     from kvcouple import __version__
 
-    if settings.eos_token_ids is None:
-        settings = replace(settings, eos_token_ids=model_eos_ids(model))
+    eos_ids = model_eos_ids(model) if settings.eos_token_ids is None else settings.eos_token_ids
+    settings = replace(settings, eos_token_ids=eos_ids)
     pols = [parse_policy(p) if isinstance(p, str) else p for p in policies]
     if not pols:
         raise InvalidInputError("give at least one policy")
@@ -183,7 +183,7 @@ def trace(
     out = Path(out)
     vocab = vocab_size(model)
     digest = prompts_digest(prompts)
-    _check_resume(out, vocab, list(settings.eos_token_ids), digest)
+    _check_resume(out, vocab, list(eos_ids), digest)
     dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
     layout = StoreLayout(
         doc_ids=[p.id for p in prompts],
@@ -203,7 +203,7 @@ def trace(
         "decoding": settings.decoding.as_dict(),
         "policies": [{"spec": p.spec(), "name": p.name, "params": p.params} for p in pols],
         "seed": seed,
-        "eos_token_id": list(settings.eos_token_ids),
+        "eos_token_id": list(eos_ids),
         "prompts_sha256": digest,
         "estimator": "rb",
         "source": "model",
