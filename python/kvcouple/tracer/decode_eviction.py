@@ -95,7 +95,7 @@ def replay_branches(
     """Branches of a decode-time policy, each replaying its path up to ``t*``."""
     from kvcouple.tracer.engine import (
         _absorb,
-        _distribution_records,
+        _branch_record,
         _empty_branch_arrays,
         initial_rows,
     )
@@ -143,14 +143,7 @@ def replay_branches(
         u[:, 0] = torch.where(lag == 0, 0.0, u[:, 0])  # lag 0: the residuals
         nx, ny, delta, _ = couple_rows(p, q, u)
         x, y = torch.where(active, nx, x), torch.where(active, ny, y)
-        values = {
-            "branch_tv": delta,
-            "branch_mismatch": (nx != ny).to(torch.int8),
-            "branch_tokens_p": nx,
-            "branch_tokens_q": ny,
-        }
-        for side, probs_side in (("p", p), ("q", q)):
-            values.update(_distribution_records(settings.record, side, probs_side, "branch_"))
+        values = _branch_record(settings.record, p, q, nx, ny, delta)
         for name, value in values.items():
             target = rec[name]
             index = (arange.to(target.device), lag_c.to(target.device))

@@ -155,6 +155,26 @@ def _distribution_records(
     return {}
 
 
+def _branch_record(
+    record: Record,
+    p: torch.Tensor,
+    q: torch.Tensor,
+    x: torch.Tensor,
+    y: torch.Tensor,
+    delta: torch.Tensor,
+) -> dict[str, torch.Tensor]:
+    """What one branch step records: TV, mismatch, both tokens, and the distributions."""
+    rec = {
+        "branch_tv": delta,
+        "branch_mismatch": (x != y).to(torch.int8),
+        "branch_tokens_p": x,
+        "branch_tokens_q": y,
+    }
+    for side, probs_side in (("p", p), ("q", q)):
+        rec.update(_distribution_records(record, side, probs_side, "branch_"))
+    return rec
+
+
 def _host(steps: list[dict[str, torch.Tensor]], axis: int) -> dict[str, np.ndarray]:
     """Stack per-step device records along ``axis`` and bring them to the host at once."""
     if not steps:
@@ -364,15 +384,7 @@ def _branch_group(
             u = u.clone()
             u[:, 0] = 0.0  # u0 = 0: the residuals (the branch starts with X != Y)
         x, y, delta, _ = couple_rows(p, q, u)
-        rec = {
-            "branch_tv": delta,
-            "branch_mismatch": (x != y).to(torch.int8),
-            "branch_tokens_p": x,
-            "branch_tokens_q": y,
-        }
-        for side, probs_side in (("p", p), ("q", q)):
-            rec.update(_distribution_records(settings.record, side, probs_side, "branch_"))
-        steps.append(rec)
+        steps.append(_branch_record(settings.record, p, q, x, y, delta))
         tokens = torch.cat([x, y])
         if eos.numel():
             newly = ~done & torch.isin(tokens, eos)

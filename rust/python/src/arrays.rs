@@ -58,13 +58,29 @@ impl<'py> Matrix<'py> {
     }
 }
 
-/// Both matrices with the same shape.
-pub fn pair_shape(p: &Matrix, q: &Matrix) -> PyResult<(usize, usize)> {
-    let (sp, sq) = (p.shape(), q.shape());
-    if sp != sq {
-        return Err(ShapeError::new_err(format!(
-            "p has shape {sp:?} but q has shape {sq:?}"
-        )));
+/// The two matrices `p` and `q` of one call, borrowed in one logical dtype, same shape.
+pub struct MatrixPair<'py> {
+    p: Matrix<'py>,
+    q: Matrix<'py>,
+    /// `(rows, vocab)`.
+    pub shape: (usize, usize),
+}
+
+impl<'py> MatrixPair<'py> {
+    pub fn extract(p: &Bound<'py, PyAny>, q: &Bound<'py, PyAny>, dtype: &str) -> PyResult<Self> {
+        let p = Matrix::extract(p, dtype, "p")?;
+        let q = Matrix::extract(q, dtype, "q")?;
+        let (sp, sq) = (p.shape(), q.shape());
+        if sp != sq {
+            return Err(ShapeError::new_err(format!(
+                "p has shape {sp:?} but q has shape {sq:?}"
+            )));
+        }
+        Ok(MatrixPair { p, q, shape: sp })
     }
-    Ok(sp)
+
+    /// Both as core rows, ready to move into a GIL-free section.
+    pub fn views(&self) -> PyResult<(Rows<'_>, Rows<'_>)> {
+        Ok((self.p.rows("p")?, self.q.rows("q")?))
+    }
 }

@@ -7,7 +7,7 @@ use numpy::{IntoPyArray, PyReadonlyArray2, PyUntypedArrayMethods};
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
-use crate::arrays::{pair_shape, Matrix};
+use crate::arrays::MatrixPair;
 use crate::errors::{guard, ShapeError};
 
 /// Divergences of each row pair; returns a dict of 1-D arrays (see `kvcouple.divergences`).
@@ -25,10 +25,9 @@ pub fn divergences<'py>(
     renormalize: bool,
     atol: Option<f64>,
 ) -> PyResult<Bound<'py, PyDict>> {
-    let pm = Matrix::extract(p, dtype, "p")?;
-    let qm = Matrix::extract(q, dtype, "q")?;
-    let (rows, vocab) = pair_shape(&pm, &qm)?;
-    let (pr, qr) = (pm.rows("p")?, qm.rows("q")?);
+    let pair = MatrixPair::extract(p, q, dtype)?;
+    let (rows, vocab) = pair.shape;
+    let (pr, qr) = pair.views()?;
     let opts = Options {
         logits: logits.then_some(Transform {
             temperature,
@@ -79,9 +78,8 @@ pub fn couple<'py>(
     Bound<'py, numpy::PyArray1<i64>>,
     Bound<'py, numpy::PyArray1<bool>>,
 )> {
-    let pm = Matrix::extract(p, dtype, "p")?;
-    let qm = Matrix::extract(q, dtype, "q")?;
-    let (rows, vocab) = pair_shape(&pm, &qm)?;
+    let pair = MatrixPair::extract(p, q, dtype)?;
+    let (rows, vocab) = pair.shape;
     let us_shape = u.shape();
     if us_shape != [rows, 3] {
         return Err(ShapeError::new_err(format!(
@@ -92,7 +90,7 @@ pub fn couple<'py>(
     let us = u
         .as_slice()
         .map_err(|_| ShapeError::new_err("u must be C-contiguous"))?;
-    let (pr, qr) = (pm.rows("p")?, qm.rows("q")?);
+    let (pr, qr) = pair.views()?;
     let draws =
         py.detach(|| guard(|| core_couple::couple(pr, qr, us, rows, vocab, renormalize, atol)))?;
     Ok((
@@ -122,10 +120,9 @@ pub fn plain_pass<'py>(
     q: &Bound<'py, PyAny>,
     dtype: &str,
 ) -> PyResult<Bound<'py, numpy::PyArray1<f64>>> {
-    let pm = Matrix::extract(p, dtype, "p")?;
-    let qm = Matrix::extract(q, dtype, "q")?;
-    let (rows, vocab) = pair_shape(&pm, &qm)?;
-    let (pr, qr) = (pm.rows("p")?, qm.rows("q")?);
+    let pair = MatrixPair::extract(p, q, dtype)?;
+    let (rows, vocab) = pair.shape;
+    let (pr, qr) = pair.views()?;
     let out = py.detach(|| guard(|| divergence::plain_pass(pr, qr, rows, vocab)))?;
     Ok(out.into_pyarray(py))
 }

@@ -5,7 +5,7 @@ use kvcouple_core::stats::{bootstrap, recompute};
 use numpy::{IntoPyArray, PyArray2, PyArrayMethods, PyReadonlyArray2, PyUntypedArrayMethods};
 use pyo3::prelude::*;
 
-use crate::arrays::{pair_shape, Matrix};
+use crate::arrays::MatrixPair;
 use crate::errors::{guard, ShapeError};
 
 /// Column means of `n_boot` document resamples of `values` (docs x cols); NaN entries skipped.
@@ -35,10 +35,9 @@ pub fn row_tv<'py>(
     q: &Bound<'py, PyAny>,
     dtype: &str,
 ) -> PyResult<Bound<'py, numpy::PyArray1<f64>>> {
-    let pm = Matrix::extract(p, dtype, "p")?;
-    let qm = Matrix::extract(q, dtype, "q")?;
-    let (rows, vocab) = pair_shape(&pm, &qm)?;
-    let (pr, qr) = (pm.rows("p")?, qm.rows("q")?);
+    let pair = MatrixPair::extract(p, q, dtype)?;
+    let (rows, vocab) = pair.shape;
+    let (pr, qr) = pair.views()?;
     let out = py.detach(|| guard(|| recompute::row_tv(pr, qr, rows, vocab)))?;
     Ok(out.into_pyarray(py))
 }

@@ -18,7 +18,7 @@ use crate::parallel;
 use crate::synth::exact::check_horizon;
 use crate::synth::kernel::KernelPair;
 use crate::synth::rng::Rng;
-use crate::synth::step::{RowStepper, Stepper, TableStepper};
+use crate::synth::step::{inverse_cdf, RowStepper, Stepper, TableStepper};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Method {
@@ -157,22 +157,6 @@ fn naive_replicate<S: Stepper>(
     r
 }
 
-/// First index whose running weight exceeds `target`; else the last positive index.
-fn pick(weights: &[f64], target: f64) -> usize {
-    let mut cum = 0.0;
-    let mut last_positive = 0;
-    for (i, &w) in weights.iter().enumerate() {
-        if w > 0.0 {
-            last_positive = i;
-            cum += w;
-            if cum > target {
-                return i;
-            }
-        }
-    }
-    last_positive
-}
-
 fn rb_replicate<S: Stepper>(
     pair: &KernelPair,
     steps: &S,
@@ -232,7 +216,7 @@ fn rb_replicate<S: Stepper>(
     let k = o.branches;
     if occ > 0.0 && k > 0 {
         for _ in 0..k {
-            let i = pick(weights, rng.uniform() * occ);
+            let i = inverse_cdf(weights, weights, rng.uniform() * occ, |w, _| w);
             let (sp0, sq0) = path[i];
             let st = steps.stats(sp0, sq0); // the path already evaluated these rows
             let u1 = rng.uniform();

@@ -47,7 +47,12 @@ pub fn stats(a: &[f64], b: &[f64]) -> StepStats {
 
 /// First index whose running weight exceeds `target`; else the last positive index.
 #[inline]
-fn inverse_cdf(a: &[f64], b: &[f64], target: f64, weight: impl Fn(f64, f64) -> f64) -> usize {
+pub(crate) fn inverse_cdf(
+    a: &[f64],
+    b: &[f64],
+    target: f64,
+    weight: impl Fn(f64, f64) -> f64,
+) -> usize {
     let mut cum = 0.0;
     let mut last_positive = 0;
     for (i, (&x, &y)) in a.iter().zip(b).enumerate() {
