@@ -4,11 +4,13 @@ Every table carries the plan hash (``none`` without a plan), the estimator and t
 set, so no output can be separated from the plan and settings that produced it.
 
 Files written into ``out/``: ``summary.csv`` (per model, policy and quantity: estimate and
-bootstrap CI), ``per_document.csv`` (per-document estimates with Monte Carlo standard errors),
+bootstrap CI), ``per_document.csv`` (per-document estimates with Monte Carlo standard errors;
+counts in tokens except ``occurrence``, a probability, and ``interval_lower/upper``, fractions of
+T as in ``summary.csv``: one unit per column name),
 ``curves.csv`` (survival, pmf, hazard by step, branch TV by lag, with CIs),
 ``differences.csv`` (paired policy differences), ``gap_attribution.csv``, ``tests.csv`` (with a
 plan), ``recompute_check.csv`` (recorded vs recomputed TVs beyond the tolerance),
-``skipped.csv``, ``results.json`` (all of it), ``report.md``, ``figures/*.png`` and
+``skipped.csv`` (an empty table is its header alone), ``results.json`` (all of it), ``report.md``, ``figures/*.png`` and
 ``report.html`` (self-contained: figures embedded as base64 PNG).
 """
 
@@ -55,8 +57,11 @@ def tidy_tables(result: AnalysisResult) -> dict[str, list[dict[str, Any]]]:
             for pol, u in d.units.items():
                 row: dict[str, Any] = {"model": m.model, "doc_id": d.doc_id, "policy": pol}
                 for k in SCALARS:
-                    row[k] = u.values[k]
-                    row[f"{k}_se"] = u.stderr[k]
+                    # One unit per column name: the sharp interval is a fraction of T here as
+                    # in summary.csv; the other scalars are counts (tokens) in both files.
+                    scale = m.horizon if k in ("interval_lower", "interval_upper") else 1
+                    row[k] = u.values[k] / scale
+                    row[f"{k}_se"] = u.stderr[k] / scale
                 row["median_tau"] = u.median_tau
                 row["tail_observed"] = u.tail_observed
                 out["per_document"].append({**row, **meta})
@@ -79,12 +84,33 @@ def tidy_tables(result: AnalysisResult) -> dict[str, list[dict[str, Any]]]:
     return out
 
 
-def _write_csv(path: Path, rows: list[dict[str, Any]]) -> None:
+# Columns of the tables that can be empty: an empty table is written as its header alone, so
+# readers (pandas, R) get the right columns and no rows. Every row also carries _META_KEYS.
+_META_KEYS = ["plan_hash", "estimator", "doc_set"]
+EMPTY_COLUMNS: dict[str, list[str]] = {
+    "tests": [
+        "comparison", "model", "metric", "policy_a", "policy_b", "policy", "value",
+        "direction", "estimate", "ci_low", "ci_high", "p_value", "n_docs", "doc_set",
+        "p_adjusted", "correction", "alpha", "reject_h0",
+    ],
+    "skipped": ["store", "doc_id", "reason"],
+    "recompute_check": [
+        "model", "doc_id", "policy", "where", "rep", "index", "lag", "recorded", "recomputed",
+    ],
+    "recompute_summary": [
+        "model", "rows_checked", "max_abs_diff", "disagreements", "tolerance",
+    ],
+}  # fmt: skip
+
+
+def _write_csv(path: Path, rows: list[dict[str, Any]], columns: list[str] | None = None) -> None:
     keys: list[str] = []
     for r in rows:
         keys += [k for k in r if k not in keys]
+    if not keys and columns is not None:
+        keys = columns + [k for k in _META_KEYS if k not in columns]
     with path.open("w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=keys or ["empty"])
+        w = csv.DictWriter(f, fieldnames=keys)
         w.writeheader()
         w.writerows(rows)
 
@@ -219,7 +245,7 @@ def write_report(
     out.mkdir(parents=True, exist_ok=True)
     tables = tidy_tables(result)
     for name, rows in tables.items():
-        _write_csv(out / f"{name}.csv", rows)
+        _write_csv(out / f"{name}.csv", rows, EMPTY_COLUMNS.get(name))
     payload = {
         "meta": {
             **_meta(result),

@@ -198,6 +198,9 @@ def simulate_doc_policy(
             x, _, _ = couple(p[go], q[go], u)
             out["tokens"][pol, g, t] = x
             sp[g], sq[g] = pair.p_next[sp[g], x], pair.q_next[sq[g], x]
+    # After a step with no overlap (h = 1) the path has ended: nothing can diverge any more,
+    # so its later hazards are 0, as the tracer writes them (tokens stay -1, metrics NaN).
+    out["hazard"][pol][np.isnan(out["hazard"][pol])] = 0.0
     # Survival weights W_t and the branch law pi_t = W_{t-1} h_t / O.
     w_prev = np.concatenate([np.ones((R, 1)), np.cumprod(1.0 - hazard, axis=1)[:, :-1]], axis=1)
     mass = w_prev * hazard
