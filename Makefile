@@ -2,7 +2,7 @@
 PYTHON ?= python3
 PYTEST_ARGS ?=
 
-.PHONY: help install develop fmt lint stubtest test test-rust test-python bench wheel wheel-smoke compat-py310 demo clean
+.PHONY: help install develop fmt lint stubtest test test-rust test-python bench wheel wheel-aarch64 wheel-check sdist sdist-check wheel-smoke compat-py310 docs docs-test demo clean
 
 help:
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-12s %s\n", $$1, $$2}'
@@ -40,12 +40,38 @@ bench: ## Benchmarks: ratios against peers, measured side by side
 	@for b in benchmarks/bench_estimators.py benchmarks/bench_trace.py benchmarks/bench_analysis.py; do \
 		if [ -f $$b ]; then echo "== $$b"; $(PYTHON) $$b || exit 1; fi; done
 
-wheel: ## The abi3 wheel in dist/
-	maturin build --release -o dist
+# Portable wheels without docker: zig (the `ziglang` package from PyPI) links against glibc 2.28
+# symbols, so the wheels install on RHEL/Rocky 8, Ubuntu 20.04, Debian 10 and newer.
+MANYLINUX ?= manylinux_2_28
+MATURIN = $(PYTHON) -m maturin
+X86_WHEEL = dist/kvcouple-*-abi3-$(MANYLINUX)_x86_64.whl
 
-wheel-smoke: wheel ## Install the wheel in a fresh venv (no torch) and run both kernels
+wheel: ## The abi3 manylinux_2_28 x86_64 wheel in dist/ (maturin --zig, no docker)
+	rm -f $(X86_WHEEL)
+	$(MATURIN) build --release --zig --compatibility $(MANYLINUX) -o dist
+
+wheel-aarch64: ## The same wheel for aarch64 (needs `rustup target add aarch64-unknown-linux-gnu`)
+	rm -f dist/kvcouple-*-abi3-$(MANYLINUX)_aarch64.whl
+	$(MATURIN) build --release --zig --compatibility $(MANYLINUX) \
+		--target aarch64-unknown-linux-gnu -o dist
+
+wheel-check: ## auditwheel show on every wheel in dist/: fails unless abi3 and manylinux_2_28 or older
+	$(PYTHON) .ci/check_wheel.py dist/kvcouple-*.whl
+
+sdist: ## The source distribution in dist/
+	rm -f dist/kvcouple-*.tar.gz
+	$(MATURIN) sdist -o dist
+
+sdist-check: sdist ## Build a wheel from the sdist alone (unpacked outside the repository)
+	rm -rf build/sdist build/sdist-target && mkdir -p build/sdist
+	tar -xzf dist/kvcouple-*.tar.gz -C build/sdist
+	cd build/sdist/kvcouple-* && CARGO_TARGET_DIR=$(CURDIR)/build/sdist-target $(MATURIN) build --release -o ../wheel
+	@ls build/sdist/wheel/kvcouple-*.whl
+
+wheel-smoke: wheel ## Install the wheel in a fresh venv (no torch), check its tag, run both kernels
+	$(PYTHON) .ci/check_wheel.py $(X86_WHEEL)
 	rm -rf build/venv-smoke && $(PYTHON) -m venv build/venv-smoke
-	build/venv-smoke/bin/pip install -q "$$(ls -t dist/kvcouple-*.whl | head -1)"
+	build/venv-smoke/bin/pip install -q $(X86_WHEEL)
 	cd build && venv-smoke/bin/python ../.ci/smoke.py
 
 # The oldest Python we support resolves to zarr 2 and an older xarray: run the torch-free
@@ -60,7 +86,7 @@ compat-py310: wheel ## The wheel and torch-free suites on Python 3.10 (zarr 2)
 	if [ -z "$$py" ] || ! $$py -c "import venv" 2>/dev/null; then \
 		echo "no Python 3.10 here: compat-py310 skipped"; exit 0; fi; \
 	set -e; rm -rf build/venv-py310; $$py -m venv build/venv-py310; \
-	build/venv-py310/bin/pip install -q "$$(ls -t dist/kvcouple-*.whl | head -1)[reference,plots]" \
+	build/venv-py310/bin/pip install -q "$$(ls $(X86_WHEEL))[reference,plots]" \
 		pytest hypothesis scipy; \
 	build/venv-py310/bin/python -c "import sys, zarr; print('python', sys.version.split()[0], 'zarr', zarr.__version__)"; \
 	build/venv-py310/bin/python -m pytest -q -p no:cacheprovider $(COMPAT_TESTS)
