@@ -15,14 +15,14 @@ develop: ## Rebuild the Rust extension in place after Rust changes
 
 fmt: ## Format Rust and Python
 	cargo fmt --all
-	ruff format python tests benchmarks scripts
-	ruff check --fix python tests benchmarks scripts
+	ruff format python tests benchmarks scripts .ci
+	ruff check --fix python tests benchmarks scripts .ci
 
 lint: ## rustfmt --check, clippy -D warnings, ruff
 	cargo fmt --all -- --check
 	cargo clippy --workspace --all-targets -- -D warnings
-	ruff check python tests benchmarks scripts
-	ruff format --check python tests benchmarks scripts
+	ruff check python tests benchmarks scripts .ci
+	ruff format --check python tests benchmarks scripts .ci
 
 stubtest: ## Check python/kvcouple/_core.pyi against the built module
 	$(PYTHON) -m mypy.stubtest kvcouple._core --allowlist .ci/stubtest-allowlist.txt

@@ -23,7 +23,9 @@ def check(wheel: Path) -> list[str]:
     if out.returncode:
         return [f"{wheel.name}: auditwheel show failed ({out.returncode})"]
     text = " ".join(out.stdout.split())  # auditwheel wraps lines
-    m = re.search(r'consistent with the following platform tag: "(manylinux_(\d+)_(\d+)_\w+)"', text)
+    m = re.search(
+        r'consistent with the following platform tag: "(manylinux_(\d+)_(\d+)_\w+)"', text
+    )
     if m is None:
         return [f"{wheel.name}: auditwheel names no manylinux tag"]
     problems = []
