@@ -14,6 +14,7 @@ from kvcouple.analysis import analyze
 from kvcouple.analysis.report import write_report
 from kvcouple.cli import main
 from kvcouple.errors import SchemaVersionError, StoreError
+from kvcouple.store import SCHEMA_VERSION
 from kvcouple.synth.trace_store import write_synthetic_trace_store
 
 PAIRS = {
@@ -129,11 +130,12 @@ def _set_schema_version(path, version):
 
 
 def test_other_schema_version_is_refused(copy, tmp_path, capsys):
-    _set_schema_version(copy, 2)
-    with pytest.raises(SchemaVersionError, match="schema version 2"):
+    other = SCHEMA_VERSION + 1
+    _set_schema_version(copy, other)
+    with pytest.raises(SchemaVersionError, match=f"schema version {other}"):
         analyze(copy)
     assert main(["analyze", str(copy), "--out", str(tmp_path / "r")]) == 2
-    assert "schema version 2" in capsys.readouterr().err
+    assert f"schema version {other}" in capsys.readouterr().err
     assert main(["info", str(copy)]) == 2
 
 
@@ -159,7 +161,7 @@ def test_interrupted_run(tmp_path, capsys):
 def test_info_and_check(copy, capsys):
     assert main(["info", str(copy), "--check"]) == 0
     out = capsys.readouterr().out
-    assert "schema v1" in out and "3 of 3 done" in out and "a, b" in out and "full" in out
+    assert f"schema v{SCHEMA_VERSION}" in out and "3 of 3 done" in out and "a, b" in out and "full" in out
     (copy / "p" / "0.1.0.0.0").unlink()
     assert main(["info", str(copy), "--check"]) == 1
     assert "p/0.1.0.0.0" in capsys.readouterr().out

@@ -2,7 +2,13 @@
 
 from kvcouple.store.reader import open_trace_store
 from kvcouple.store.schema import SCHEMA_VERSION, Record, variables
-from kvcouple.store.writer import RUN_KEYS, StoreLayout, TraceStoreWriter
+from kvcouple.store.writer import (
+    RUN_KEYS,
+    StoreLayout,
+    TraceStoreWriter,
+    VocabularyMismatchError,
+    check_resume,
+)
 
 __all__ = [
     "RUN_KEYS",
@@ -10,6 +16,8 @@ __all__ = [
     "Record",
     "StoreLayout",
     "TraceStoreWriter",
+    "VocabularyMismatchError",
+    "check_resume",
     "open_trace_store",
     "variables",
 ]

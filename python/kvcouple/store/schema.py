@@ -1,6 +1,6 @@
 """The trace-store layout (SPEC section 8): one xarray Dataset in a Zarr store per run.
 
-Schema version 1. Dimensions: ``doc, policy, rep, step (1..T), branch (1..K), lag (0..L)``,
+Schema version 2 (version 1 had no gate variables). Dimensions: ``doc, policy, rep, step (1..T), branch (1..K), lag (0..L)``,
 ``k`` (top-k records) and ``vocab`` (full records). Readable by plain ``xarray.open_zarr``.
 
 Variables (every record level):
@@ -11,6 +11,15 @@ name                   dims                            dtype    meaning
 doc_id                 doc                             str      the prompt's id
 prompt_length          doc                             int32    prompt tokens
 kept_length            doc, policy                     int32    prompt-cache entries kept per head
+gate_score             doc, policy                     float32  a gated policy's admission score
+                                                                (PAGE: the early-to-late drop in
+                                                                head agreement); NaN: no gate
+gate_class             doc, policy                     int8     -1: no gate; 0: dilution-prone
+                                                                (evicted); 1: capacity-bound (kept
+                                                                whole)
+eviction_applied       doc, policy                     bool     the evicted cache differs from the
+                                                                full one (False for ``full`` and
+                                                                inputs a gate kept whole)
 completed              doc                             bool     the doc's region is fully written
 tokens                 doc, policy, rep, step          int32    overlap-path token z_t (-1 after a
                                                                 stop: hazard 1 ends the path)
@@ -46,37 +55,57 @@ several processes can fill one store without racing on the attribute document.
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 
 # Sentinels for unobserved entries (after a stop, past the horizon, no branch).
 NO_TOKEN = -1
 NO_MISMATCH = -1
 
+# gate_class values.
+NO_GATE = -1
+DILUTION_PRONE = 0
+CAPACITY_BOUND = 1
+
 PATH_DIMS = ("doc", "policy", "rep", "step")
 BRANCH_DIMS = ("doc", "policy", "rep", "branch")
 LAG_DIMS = ("doc", "policy", "rep", "branch", "lag")
 
-# name -> (dims, dtype, fill written where unobserved)
-SUMMARY_VARIABLES: dict[str, tuple[tuple[str, ...], str]] = {
-    "prompt_length": (("doc",), "int32"),
-    "kept_length": (("doc", "policy"), "int32"),
-    "completed": (("doc",), "bool"),
-    "tokens": (PATH_DIMS, "int32"),
-    "hazard": (PATH_DIMS, "float32"),
-    "kl_pq": (PATH_DIMS, "float32"),
-    "kl_qp": (PATH_DIMS, "float32"),
-    "entropy_p": (PATH_DIMS, "float32"),
-    "entropy_q": (PATH_DIMS, "float32"),
-    "top1_agree": (PATH_DIMS, "bool"),
-    "branch_step": (BRANCH_DIMS, "int32"),
-    "branch_tv": (LAG_DIMS, "float32"),
-    "branch_mismatch": (LAG_DIMS, "int8"),
-    "branch_tokens_p": (LAG_DIMS, "int32"),
-    "branch_tokens_q": (LAG_DIMS, "int32"),
+
+class Variable(NamedTuple):
+    """One store variable: its dimensions, dtype, and the value where nothing was observed."""
+
+    dims: tuple[str, ...]
+    dtype: str
+    fill: object
+
+
+_NAN = float("nan")
+
+SUMMARY_VARIABLES: dict[str, Variable] = {
+    "prompt_length": Variable(("doc",), "int32", 0),
+    "kept_length": Variable(("doc", "policy"), "int32", 0),
+    "gate_score": Variable(("doc", "policy"), "float32", _NAN),
+    "gate_class": Variable(("doc", "policy"), "int8", NO_GATE),
+    "eviction_applied": Variable(("doc", "policy"), "bool", False),
+    "completed": Variable(("doc",), "bool", False),
+    "tokens": Variable(PATH_DIMS, "int32", NO_TOKEN),
+    "hazard": Variable(PATH_DIMS, "float32", _NAN),
+    "kl_pq": Variable(PATH_DIMS, "float32", _NAN),
+    "kl_qp": Variable(PATH_DIMS, "float32", _NAN),
+    "entropy_p": Variable(PATH_DIMS, "float32", _NAN),
+    "entropy_q": Variable(PATH_DIMS, "float32", _NAN),
+    "top1_agree": Variable(PATH_DIMS, "bool", False),
+    "branch_step": Variable(BRANCH_DIMS, "int32", 0),
+    "branch_tv": Variable(LAG_DIMS, "float32", _NAN),
+    "branch_mismatch": Variable(LAG_DIMS, "int8", NO_MISMATCH),
+    "branch_tokens_p": Variable(LAG_DIMS, "int32", NO_TOKEN),
+    "branch_tokens_q": Variable(LAG_DIMS, "int32", NO_TOKEN),
 }
 
 
@@ -105,28 +134,52 @@ class Record:
         return f"topk:{self.k}" if self.kind == "topk" else self.kind
 
 
-def variables(record: Record) -> dict[str, tuple[tuple[str, ...], str]]:
-    """Every variable a store with this record level holds."""
-    out = dict(SUMMARY_VARIABLES)
-    if record.kind == "topk":
-        for side in ("p", "q"):
-            out[f"topk_ids_{side}"] = ((*PATH_DIMS, "k"), "int32")
-            out[f"topk_probs_{side}"] = ((*PATH_DIMS, "k"), "float32")
-            out[f"tail_mass_{side}"] = (PATH_DIMS, "float32")
-            out[f"branch_topk_ids_{side}"] = ((*LAG_DIMS, "k"), "int32")
-            out[f"branch_topk_probs_{side}"] = ((*LAG_DIMS, "k"), "float32")
-            out[f"branch_tail_mass_{side}"] = (LAG_DIMS, "float32")
-    elif record.kind == "full":
-        for side in ("p", "q"):
-            out[side] = ((*PATH_DIMS, "vocab"), "float16")
-            out[f"branch_{side}"] = ((*LAG_DIMS, "vocab"), "float16")
+def distribution_variables(record: Record, prefix: str = "") -> dict[str, Variable]:
+    """The record-level variables of the path (``prefix=""``) or the branches (``"branch_"``)."""
+    dims = PATH_DIMS if not prefix else LAG_DIMS
+    out: dict[str, Variable] = {}
+    for side in ("p", "q"):
+        if record.kind == "topk":
+            out[f"{prefix}topk_ids_{side}"] = Variable((*dims, "k"), "int32", NO_TOKEN)
+            out[f"{prefix}topk_probs_{side}"] = Variable((*dims, "k"), "float32", _NAN)
+            out[f"{prefix}tail_mass_{side}"] = Variable(dims, "float32", _NAN)
+        elif record.kind == "full":
+            out[f"{prefix}{side}"] = Variable((*dims, "vocab"), "float16", _NAN)
     return out
 
 
-def empty_value(dtype: str) -> object:
-    """The value a writer puts where nothing was observed."""
-    if dtype.startswith("float"):
-        return np.nan
-    if dtype == "bool":
-        return False
-    return -1
+def variables(record: Record) -> dict[str, Variable]:
+    """Every variable a store with this record level holds."""
+    return {
+        **SUMMARY_VARIABLES,
+        **distribution_variables(record),
+        **distribution_variables(record, "branch_"),
+    }
+
+
+def empty_arrays(
+    record: Record,
+    sizes: Mapping[str, int],
+    region: tuple[str, ...] = ("doc",),
+    *,
+    names: Iterable[str] | None = None,
+    having: str | None = None,
+    float_dtype: str | None = None,
+) -> dict[str, np.ndarray]:
+    """Arrays filled with each variable's fill value for one region of the store: the variables
+    whose dims start with ``region`` (``("doc",)``: one document; ``("doc", "policy")``: one
+    document and policy), shaped by the remaining dims. ``names`` restricts the variables;
+    ``having`` keeps those with that dimension; ``float_dtype`` overrides the float dtypes (simulation in float64). ``completed`` is the
+    writer's own and never included."""
+    table = variables(record)
+    chosen = table if names is None else {n: table[n] for n in names}
+    out = {}
+    for name, var in chosen.items():
+        if name == "completed" or var.dims[: len(region)] != region:
+            continue
+        if having is not None and having not in var.dims:
+            continue
+        shape = tuple(sizes[d] for d in var.dims[len(region) :])
+        dtype = float_dtype if float_dtype and var.dtype.startswith("float") else var.dtype
+        out[name] = np.full(shape, var.fill, dtype=dtype)
+    return out

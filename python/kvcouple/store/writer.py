@@ -40,7 +40,48 @@ RUN_KEYS = (
     "seed",
     "doc_ids",
     "source",
+    "eos_token_id",
+    "prompts_sha256",
+    "attn_implementation",
 )
+
+# What a mismatch of some run keys means, in the user's terms ({old}: the store's, {new}: this
+# run's); other keys get a generic message.
+_RESUME_MESSAGES = {
+    "vocab_size": "it was traced with a vocabulary of {old} tokens but this model's logits "
+    "have {new}. Use the same model",
+    "eos_token_id": "it was traced with EOS ids {old} but this run has {new}. Use the same --eos",
+    "prompts_sha256": "its prompts (ids and token ids) differ from this run's (another prompt "
+    "file, tokenizer or chat template). Use the same prompts",
+    "attn_implementation": "it was traced with attention implementation {old!r} but this run "
+    "uses {new!r} (the kernels differ by more than float noise between implementations). "
+    "Use the same --attn",
+}
+
+
+class VocabularyMismatchError(StoreError):
+    """Resuming a store traced with another vocabulary size than the model's."""
+
+
+def check_resume(path: Path, existing: dict[str, Any], run: dict[str, Any]) -> None:
+    """Refuse to resume a store whose run-defining attributes (:data:`RUN_KEYS`) differ from
+    this run's: the one place resume compatibility is decided. Raises :class:`StoreError`
+    (:class:`VocabularyMismatchError` for the vocabulary) naming the first difference."""
+    for key in (*RUN_KEYS, "policy_specs"):
+        if key not in run and key not in existing:
+            continue
+        old, new = existing.get(key), run.get(key)
+        if old == new:
+            continue
+        template = _RESUME_MESSAGES.get(
+            key, "its {key} is {old!r} but this run has {new!r}. Use the same settings"
+        )
+        error = VocabularyMismatchError if key == "vocab_size" else StoreError
+        raise error(
+            f"cannot resume {path}: "
+            + template.format(key=key, old=old, new=new)
+            + " or a new --out."
+        )
 
 
 @dataclass(frozen=True)
@@ -212,13 +253,7 @@ class TraceStoreWriter:
                 f"{path} has schema version {existing['schema_version']}; this kvcouple writes "
                 f"version {SCHEMA_VERSION}. Write to a new store."
             )
-        for key in (*RUN_KEYS, "policy_specs"):
-            if key in full_attrs or key in existing:
-                if existing.get(key) != full_attrs.get(key):
-                    raise StoreError(
-                        f"cannot resume {path}: its {key} is {existing.get(key)!r} but this run "
-                        f"has {full_attrs.get(key)!r}. Use the same settings or a new --out."
-                    )
+        check_resume(path, existing, full_attrs)
         return cls(path, layout, group)
 
     @classmethod
@@ -228,7 +263,7 @@ class TraceStoreWriter:
         try:
             group = _open_group(tmp, "w")
             sizes = layout.sizes()
-            for name, (dims, dtype) in variables(layout.record).items():
+            for name, (dims, dtype, _) in variables(layout.record).items():
                 shape = tuple(sizes[d] for d in dims)
                 itemsize = np.dtype(dtype).itemsize
                 chunks = _chunks(dims, sizes, itemsize)
@@ -273,7 +308,7 @@ class TraceStoreWriter:
             raise StoreError(f"write_doc({doc}) is missing variables: {', '.join(missing)}")
         sizes = self.layout.sizes()
         values = {}
-        for name, (dims, dtype) in self._vars.items():
+        for name, (dims, dtype, _) in self._vars.items():
             if name == "completed":
                 continue
             want = tuple(sizes[d] for d in dims[1:])

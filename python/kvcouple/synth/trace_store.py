@@ -29,7 +29,7 @@ import numpy as np
 
 from kvcouple._core import __version__ as kvcouple_version
 from kvcouple.kernels import couple, divergences
-from kvcouple.store.schema import Record
+from kvcouple.store.schema import Record, empty_arrays
 from kvcouple.store.writer import StoreLayout, TraceStoreWriter
 
 _BELOW_ONE = 1.0 - 2.0**-53
@@ -143,20 +143,6 @@ def _record_rows(
             out[f"{prefix}topk_ids_{side}"][index] = ids
             out[f"{prefix}topk_probs_{side}"][index] = probs
             out[f"{prefix}tail_mass_{side}"][index] = np.clip(1.0 - probs.sum(1), 0.0, 1.0)
-
-
-def _empty_arrays(layout: StoreLayout) -> dict[str, np.ndarray]:
-    from kvcouple.store.schema import empty_value, variables
-
-    sizes = layout.sizes()
-    out = {}
-    for name, (dims, dtype) in variables(layout.record).items():
-        if name in ("completed", "prompt_length", "kept_length"):
-            continue
-        shape = tuple(sizes[d] for d in dims[1:])
-        np_dtype = np.float64 if dtype.startswith("float") else dtype
-        out[name] = np.full(shape, empty_value(dtype), dtype=np_dtype)
-    return out
 
 
 def simulate_doc_policy(
@@ -309,13 +295,14 @@ def write_synthetic_trace_store(
     if stop_after is not None:
         todo = todo[:stop_after]
     for d in todo:
-        out = _empty_arrays(layout)
+        out = empty_arrays(layout.record, layout.sizes(), float_dtype="float64")
         for pol, (_name, base) in enumerate(emitters.items()):
             pair = base if starts[d] is None else with_starts(base, *starts[d])
             rng = np.random.default_rng([int(seed), d, pol])
             simulate_doc_policy(pair, layout, rng, out, pol)
         out["prompt_length"] = np.int32(1)
         out["kept_length"] = np.ones(len(emitters), np.int32)
+        out["eviction_applied"][:] = True  # every synthetic Q is its own kernel
         writer.write_doc(d, out)
     return Path(path)
 

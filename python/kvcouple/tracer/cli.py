@@ -135,6 +135,8 @@ def run(args: argparse.Namespace) -> int:
             raise ValueError(f"--{name} must be >= 1, got {getattr(args, name)}")
     if args.window < 0:
         raise ValueError(f"--window must be >= 0, got {args.window}")
+    if args.branch_batch is not None and args.branch_batch < 1:
+        raise ValueError(f"--branch-batch must be >= 1, got {args.branch_batch}")
     if args.attn not in ("sdpa", "eager"):
         raise ValueError(f"--attn must be sdpa or eager, got {args.attn!r}")
 
@@ -166,6 +168,7 @@ def run(args: argparse.Namespace) -> int:
         decoding=decoding,
         record=record,
         eos_token_ids=eos,
+        branch_batch=args.branch_batch,
     )
     summary = trace(
         model,

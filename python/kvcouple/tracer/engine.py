@@ -25,7 +25,14 @@ import numpy as np
 import torch
 
 from kvcouple.policies import Policy
-from kvcouple.store.schema import NO_MISMATCH, NO_TOKEN, Record
+from kvcouple.store.schema import (
+    NO_GATE,
+    NO_TOKEN,
+    Record,
+    distribution_variables,
+    empty_arrays,
+    variables,
+)
 from kvcouple.torch_coupling import apply_decoding, couple_rows
 from kvcouple.tracer import compat
 from kvcouple.tracer.prefill import Prefill, gather_kept, select
@@ -73,6 +80,17 @@ class TraceSettings:
             raise ValueError(f"branch_batch must be >= 1, got {self.branch_batch}")
         if self.window < 0:
             raise ValueError(f"window must be >= 0, got {self.window}")
+
+    def sizes(self, vocab_size: int) -> dict[str, int]:
+        """The store's dimension sizes for this run (see :mod:`kvcouple.store.schema`)."""
+        return {
+            "rep": self.replicates,
+            "step": self.horizon,
+            "branch": self.branches,
+            "lag": self.window + 1,
+            "k": max(self.record.k, 1),
+            "vocab": vocab_size,
+        }
 
 
 class _Rows:
@@ -143,8 +161,9 @@ def _distribution_records(
         vals, ids = torch.topk(probs, k, dim=-1)
         pad = record.k - k
         if pad:
-            ids = torch.nn.functional.pad(ids, (0, pad), value=NO_TOKEN)
-            vals = torch.nn.functional.pad(vals, (0, pad), value=float("nan"))
+            fills = distribution_variables(record)
+            ids = torch.nn.functional.pad(ids, (0, pad), value=fills["topk_ids_p"].fill)
+            vals = torch.nn.functional.pad(vals, (0, pad), value=fills["topk_probs_p"].fill)
         return {
             f"{prefix}topk_ids_{side}": ids.to(torch.int32),
             f"{prefix}topk_probs_{side}": vals.to(torch.float32),
@@ -173,6 +192,9 @@ def _branch_record(
     for side, probs_side in (("p", p), ("q", q)):
         rec.update(_distribution_records(record, side, probs_side, "branch_"))
     return rec
+
+
+_SCHEMA = variables(Record())
 
 
 def _host(steps: list[dict[str, torch.Tensor]], axis: int) -> dict[str, np.ndarray]:
@@ -258,8 +280,7 @@ def _overlap_path(
             "tokens": torch.where(alive & has_overlap, z, NO_TOKEN),
         }
         for name, value in _metrics(p, q).items():
-            fill = False if value.dtype == torch.bool else float("nan")
-            rec[name] = torch.where(alive, value, fill)
+            rec[name] = torch.where(alive, value, _SCHEMA[name].fill)
         for side, probs_side in (("p", p), ("q", q)):
             for name, value in _distribution_records(settings.record, side, probs_side, "").items():
                 rec[name] = value
@@ -273,12 +294,8 @@ def _overlap_path(
     arrays = _host(steps, axis=1)
     # After a stop (a step with no overlap) nothing is observed: blank the distributions.
     stopped = (arrays["tokens"] == NO_TOKEN) & (arrays["hazard"] == 0)
-    for side in ("p", "q"):
-        for name in (side, f"topk_probs_{side}", f"tail_mass_{side}"):
-            if name in arrays:
-                arrays[name][stopped] = np.nan
-        if f"topk_ids_{side}" in arrays:
-            arrays[f"topk_ids_{side}"][stopped] = NO_TOKEN
+    for name, var in distribution_variables(settings.record).items():
+        arrays[name][stopped] = var.fill
     return _Path(arrays, arrays["hazard"].astype(np.float64), torch.stack(fed, dim=1), rows)
 
 
@@ -310,14 +327,16 @@ def _branches(
     settings: TraceSettings,
     times: np.ndarray,
     branch_u: torch.Tensor,
-) -> tuple[dict[str, np.ndarray], int]:
-    """Every branch of every replicate, ``branch_batch`` branches at a time."""
+) -> tuple[dict[str, np.ndarray], int, int]:
+    """Every branch of every replicate, ``branch_batch`` branches at a time. Returns the
+    arrays, the tokens generated and the number of batches run."""
     out = _empty_branch_arrays(settings, pre)
     out["branch_step"][:] = times
     rr, kk = np.nonzero(times > 0)
     size = settings.branch_batch or max(rr.size, 1)
-    tokens = 0
+    tokens = batches = 0
     for start in range(0, rr.size, size):
+        batches += 1
         tokens += _branch_group(
             model,
             pre,
@@ -329,7 +348,7 @@ def _branches(
             branch_u,
             out,
         )
-    return out, tokens
+    return out, tokens, batches
 
 
 def _branch_group(
@@ -402,34 +421,19 @@ def _branch_group(
 
 
 def _empty_branch_arrays(settings: TraceSettings, pre: Prefill) -> dict[str, np.ndarray]:
-    R, K, L = settings.replicates, settings.branches, settings.window
-    lag = (R, K, L + 1)
-    out: dict[str, np.ndarray] = {
-        "branch_step": np.zeros((R, K), dtype=np.int32),
-        "branch_tv": np.full(lag, np.nan, dtype=np.float32),
-        "branch_mismatch": np.full(lag, NO_MISMATCH, dtype=np.int8),
-        "branch_tokens_p": np.full(lag, NO_TOKEN, dtype=np.int32),
-        "branch_tokens_q": np.full(lag, NO_TOKEN, dtype=np.int32),
-    }
-    rec = settings.record
-    for side in ("p", "q"):
-        if rec.kind == "topk":
-            out[f"branch_topk_ids_{side}"] = np.full((*lag, rec.k), NO_TOKEN, dtype=np.int32)
-            out[f"branch_topk_probs_{side}"] = np.full((*lag, rec.k), np.nan, dtype=np.float32)
-            out[f"branch_tail_mass_{side}"] = np.full(lag, np.nan, dtype=np.float32)
-        elif rec.kind == "full":
-            vocab = pre.vocab_size
-            out[f"branch_{side}"] = np.full((*lag, vocab), np.nan, dtype=np.float16)
-    return out
+    """Every branch variable of one (document, policy), at its schema fill value."""
+    sizes = settings.sizes(pre.vocab_size)
+    return empty_arrays(settings.record, sizes, ("doc", "policy"), having="branch")
 
 
 @dataclass
 class PolicyTrace:
-    """One policy's records for one document (arrays without the doc/policy axes)."""
+    """One policy's records for one document: every store variable of the (document, policy)
+    region, without the doc/policy axes (``kept_length`` and the gate variables 0-d)."""
 
     arrays: dict[str, np.ndarray]
-    kept_length: int
     generated_tokens: int
+    branch_batches: int
 
 
 def random_streams(
@@ -479,15 +483,38 @@ def trace_policy(
         path = _overlap_path(model, pre, kept, settings, path_u, make_evictor(settings.replicates))
         path.rows = None  # branches replay from the prompt cache; free the path's cache
         times = branch_times(path.hazard, streams["branch_time"])
-        branch_arrays, branch_tokens = replay_branches(
-            model, pre, kept, make_evictor, path, settings, times, branch_u
-        )
+        branch_arrays = _empty_branch_arrays(settings, pre)
+        branch_arrays["branch_step"][:] = times
+        rr, kk = np.nonzero(times > 0)
+        size = settings.branch_batch or max(rr.size, 1)
+        branch_tokens = batches = 0
+        for start in range(0, rr.size, size):
+            r, k = rr[start : start + size], kk[start : start + size]
+            group_times = np.zeros_like(times)
+            group_times[r, k] = times[r, k]
+            got, tokens = replay_branches(
+                model, pre, kept, make_evictor, path, settings, group_times, branch_u
+            )
+            for name, value in got.items():
+                branch_arrays[name][r, k] = value[r, k]
+            branch_tokens += tokens
+            batches += 1
     else:
         path = _overlap_path(model, pre, kept, settings, path_u)
         times = branch_times(path.hazard, streams["branch_time"])
-        branch_arrays, branch_tokens = _branches(model, pre, path, settings, times, branch_u)
-    arrays = {**path.arrays, **branch_arrays}
+        branch_arrays, branch_tokens, batches = _branches(
+            model, pre, path, settings, times, branch_u
+        )
+    kept_length = idx.shape[-1] + 1
+    arrays = {
+        **path.arrays,
+        **branch_arrays,
+        "kept_length": np.asarray(kept_length, dtype=np.int32),
+        "gate_score": np.asarray(np.nan, dtype=np.float32),
+        "gate_class": np.asarray(NO_GATE, dtype=np.int8),
+        "eviction_applied": np.asarray(
+            kept_length < pre.prompt_length or policy.decode_time, dtype=bool
+        ),
+    }
     del path
-    return PolicyTrace(
-        arrays, idx.shape[-1] + 1, 2 * settings.replicates * settings.horizon + branch_tokens
-    )
+    return PolicyTrace(arrays, 2 * settings.replicates * settings.horizon + branch_tokens, batches)

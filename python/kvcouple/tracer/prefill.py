@@ -90,7 +90,7 @@ def prefill(model: Any, input_ids: torch.Tensor, need_queries: bool, doc: str = 
 def check_model(model: Any, prompt_length: int) -> None:
     """Refuse attention implementations that take no 4-D masks; warn where the tracer's full
     attention departs from a model's sliding window."""
-    impl = getattr(model.config, "_attn_implementation", None) or "eager"
+    impl = attn_implementation(model)
     if impl not in ("sdpa", "eager"):
         raise compat.UnsupportedModelError(
             f"attention implementation {impl!r} takes no 4-D attention masks; load the model "
@@ -108,6 +108,11 @@ def check_model(model: Any, prompt_length: int) -> None:
             "model's own sliding-window attention",
             stacklevel=3,
         )
+
+
+def attn_implementation(model: Any) -> str:
+    """The attention implementation the model runs with (``sdpa``, ``eager``, ...)."""
+    return str(getattr(model.config, "_attn_implementation", None) or "eager")
 
 
 def vocab_size(model: Any) -> int:

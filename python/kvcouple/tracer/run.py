@@ -11,26 +11,33 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from kvcouple.errors import InvalidInputError, StoreError
+from kvcouple.errors import InvalidInputError
 from kvcouple.policies import Policy, parse_policy
 from kvcouple.store import StoreLayout, TraceStoreWriter
+from kvcouple.store.writer import VocabularyMismatchError as VocabularyMismatchError
 from kvcouple.tracer.engine import TraceSettings, trace_policy
-from kvcouple.tracer.prefill import prefill, vocab_size
+from kvcouple.tracer.prefill import attn_implementation, prefill, vocab_size
 from kvcouple.tracer.prompts import Prompt
 
 
-class VocabularyMismatchError(InvalidInputError):
-    """Resuming a store traced with another vocabulary size than the model's."""
+@dataclass
+class DocumentTrace:
+    """One document under every policy: its store arrays (no ``doc`` axis; ``policy`` first),
+    the tokens generated (both sides) and the branch batches run."""
+
+    arrays: dict[str, np.ndarray]
+    generated_tokens: int
+    branch_batches: int
 
 
-def trace_document(
+def trace_document_records(
     model: Any,
     input_ids: Sequence[int],
     policies: Sequence[Policy | str],
@@ -39,11 +46,9 @@ def trace_document(
     seed: int = 0,
     doc_index: int = 0,
     doc_id: str = "",
-    on_policy: Any = None,
-) -> tuple[dict[str, np.ndarray], int]:
-    """Trace one prompt under every policy. Returns the store arrays of this document (no
-    ``doc`` axis; ``policy`` first) and the number of generated tokens (both sides).
-    ``on_policy()`` is called after each policy (for progress bars)."""
+    on_policy: Callable[[], object] | None = None,
+) -> DocumentTrace:
+    """Trace one prompt under every policy; ``on_policy()`` is called after each policy."""
     import torch
 
     pols = [parse_policy(p) if isinstance(p, str) else p for p in policies]
@@ -56,8 +61,38 @@ def trace_document(
             on_policy()
     arrays = {name: np.stack([t.arrays[name] for t in traces]) for name in traces[0].arrays}
     arrays["prompt_length"] = np.asarray(pre.prompt_length, dtype=np.int32)
-    arrays["kept_length"] = np.asarray([t.kept_length for t in traces], dtype=np.int32)
-    return arrays, sum(t.generated_tokens for t in traces)
+    return DocumentTrace(
+        arrays,
+        sum(t.generated_tokens for t in traces),
+        sum(t.branch_batches for t in traces),
+    )
+
+
+def trace_document(
+    model: Any,
+    input_ids: Sequence[int],
+    policies: Sequence[Policy | str],
+    settings: TraceSettings,
+    *,
+    seed: int = 0,
+    doc_index: int = 0,
+    doc_id: str = "",
+    on_policy: Callable[[], object] | None = None,
+) -> tuple[dict[str, np.ndarray], int]:
+    """Trace one prompt under every policy. Returns the store arrays of this document (no
+    ``doc`` axis; ``policy`` first) and the number of generated tokens (both sides).
+    ``on_policy()`` is called after each policy (for progress bars)."""
+    doc = trace_document_records(
+        model,
+        input_ids,
+        policies,
+        settings,
+        seed=seed,
+        doc_index=doc_index,
+        doc_id=doc_id,
+        on_policy=on_policy,
+    )
+    return doc.arrays, doc.generated_tokens
 
 
 @dataclass
@@ -69,6 +104,7 @@ class RunSummary:
     traced: list[int] = field(default_factory=list)
     skipped: int = 0
     generated_tokens: int = 0
+    branch_batches: int = 0
     seconds: float = 0.0
     occurrence: dict[str, float] = field(default_factory=dict)
 
@@ -83,6 +119,7 @@ class RunSummary:
             f"{self.documents} in the run",
             f"generated tokens (both sides): {self.generated_tokens} in {self.seconds:.1f} s "
             f"({self.tokens_per_second:.1f} tokens/s)",
+            f"branch batches: {self.branch_batches}",
         ]
         for spec, value in self.occurrence.items():
             lines.append(f"  {spec}: mean occurrence estimate P(tau <= T) = {value:.4f}")
@@ -116,34 +153,6 @@ def prompts_digest(prompts: Sequence[Prompt]) -> str:
 
     text = json.dumps([[p.id, list(p.input_ids)] for p in prompts], separators=(",", ":"))
     return hashlib.sha256(text.encode()).hexdigest()
-
-
-def _check_resume(out: Path, vocab: int, eos: list[int], digest: str) -> None:
-    """Refuse to resume a store whose vocabulary, EOS ids or prompts differ from this run's."""
-    if not out.exists():
-        return
-    import zarr
-
-    try:
-        attrs = dict(zarr.open_group(str(out), mode="r").attrs)
-    except Exception:
-        return  # not a store: the writer reports it
-    if "vocab_size" in attrs and attrs["vocab_size"] != vocab:
-        raise VocabularyMismatchError(
-            f"cannot resume {out}: it was traced with a vocabulary of {attrs['vocab_size']} "
-            f"tokens but this model's logits have {vocab}. Use the same model or a new --out."
-        )
-    traced_eos: Any = attrs.get("eos_token_id")
-    if traced_eos is not None and list(traced_eos) != eos:
-        raise StoreError(
-            f"cannot resume {out}: it was traced with EOS ids {traced_eos} but this "
-            f"run has {eos}. Use the same --eos or a new --out."
-        )
-    if attrs.get("prompts_sha256", digest) != digest:
-        raise StoreError(
-            f"cannot resume {out}: its prompts (ids and token ids) differ from this run's "
-            "(another prompt file, tokenizer or chat template). Use the same prompts or a new --out."
-        )
 
 
 def trace(
@@ -183,7 +192,6 @@ def trace(
     out = Path(out)
     vocab = vocab_size(model)
     digest = prompts_digest(prompts)
-    _check_resume(out, vocab, list(eos_ids), digest)
     dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
     layout = StoreLayout(
         doc_ids=[p.id for p in prompts],
@@ -205,6 +213,7 @@ def trace(
         "seed": seed,
         "eos_token_id": list(eos_ids),
         "prompts_sha256": digest,
+        "attn_implementation": attn_implementation(model),
         "estimator": "rb",
         "source": "model",
     }
@@ -226,7 +235,7 @@ def trace(
     try:
         for d in todo:
             prompt = prompts[d]
-            arrays, tokens = trace_document(
+            doc = trace_document_records(
                 model,
                 prompt.input_ids,
                 pols,
@@ -236,10 +245,11 @@ def trace(
                 doc_id=prompt.id,
                 on_policy=lambda: bar.update(1),
             )
-            writer.write_doc(d, arrays)
+            writer.write_doc(d, doc.arrays)
             summary.traced.append(d)
-            summary.generated_tokens += tokens
-            hazard = arrays["hazard"].astype(np.float64)  # (policy, rep, step)
+            summary.generated_tokens += doc.generated_tokens
+            summary.branch_batches += doc.branch_batches
+            hazard = doc.arrays["hazard"].astype(np.float64)  # (policy, rep, step)
             occ_sum += (1 - np.prod(1 - hazard, axis=-1)).mean(axis=-1)
             elapsed = time.perf_counter() - start
             bar.set_postfix(tok_s=f"{summary.generated_tokens / max(elapsed, 1e-9):.0f}")
