@@ -7,6 +7,7 @@ import pytest
 from scipy import stats
 
 import kvcouple
+from kvcouple.reference.kernels import couple_ref
 
 N = 40_000
 # With fixed seeds these are deterministic; 1e-4 guards against a chance failure on reseeding.
@@ -95,3 +96,19 @@ def test_edge_uniforms_and_degenerate_rows():
     # vocab 1: nothing can differ.
     x, y, d = kvcouple.couple(np.ones((3, 1)), np.ones((3, 1)), np.zeros((3, 3)))
     assert not d.any() and not x.any() and not y.any()
+
+
+def test_identical_rows_at_u0_zero_take_the_overlap():
+    """delta = 0 for identical rows, and u0 = 0 is not below it: the overlap branch, x = y =
+    the inverse CDF of p at u1, whatever u2 says (a residual draw would use u2 for y)."""
+    p = np.array([0.2, 0.3, 0.5])
+    u1 = np.array([0.0, 0.1, 0.25, 0.45, 0.6, 0.99])
+    u = np.column_stack([np.zeros_like(u1), u1, 1.0 - u1 - 1e-9])
+    rows = np.tile(p, (len(u1), 1))
+    want = np.searchsorted(np.cumsum(p), u1, side="right")  # first index with cum > u1
+    x, y, diverged = kvcouple.couple(rows, rows.copy(), u)
+    assert not diverged.any()
+    assert x.tolist() == want.tolist() and y.tolist() == want.tolist()
+    ref = couple_ref(rows, rows.copy(), u)
+    assert ref[:, 0].tolist() == want.tolist() and ref[:, 1].tolist() == want.tolist()
+    assert not ref[:, 2].any()

@@ -35,7 +35,7 @@ def row_pairs(draw):
     seed = draw(st.integers(0, 2**32 - 1))
     kind = draw(
         st.sampled_from(
-            ["dirichlet", "sparse", "one_hot", "identical", "disjoint", "peaked", "tiny"]
+            ["dirichlet", "sparse", "one_hot", "identical", "disjoint", "peaked", "tiny", "ties"]
         )
     )
     rng = np.random.default_rng(seed)
@@ -61,6 +61,13 @@ def row_pairs(draw):
     elif kind == "peaked":
         p[:, 0] += 1e6
         q[:, 0] += 1e6
+    elif kind == "ties":
+        # Small integer weights: maxima repeat, so top1_agree depends on which maximal index
+        # counts (the first). Equal integers stay equal after dividing by the row sum.
+        p = rng.integers(0, 3, size=(rows, vocab)).astype(np.float64)
+        q = rng.integers(0, 3, size=(rows, vocab)).astype(np.float64)
+        p[:, 0] += p.sum(axis=1) == 0
+        q[:, -1] += q.sum(axis=1) == 0
     elif kind == "tiny":
         p += 1e-300
         q *= rng.random(q.shape) < 0.5
@@ -118,6 +125,36 @@ def test_known_values():
     d = kvcouple.divergences(np.array([[0.25] * 4]), np.array([[0.25] * 4]))
     assert d.tv[0] == 0.0 and d.kl_pq[0] == 0.0 and d.top1_agree[0]
     assert d.entropy_p[0] == pytest.approx(np.log(4), abs=1e-15)
+
+
+# (p, q, top1_agree) with ties at the maximum: argmaxes are first-index, as in the numba reference.
+TIES = [
+    ([0.5, 0.5, 0.0], [0.6, 0.4, 0.0], True),
+    ([0.6, 0.4, 0.0], [0.5, 0.5, 0.0], True),
+    ([0.5, 0.5, 0.0], [0.4, 0.6, 0.0], False),
+    ([0.0, 0.5, 0.5], [0.0, 0.4, 0.6], False),
+    ([0.5, 0.5, 0.0], [0.5, 0.0, 0.5], True),
+    ([0.25, 0.25, 0.25, 0.25], [0.25, 0.25, 0.5, 0.0], False),
+    ([0.25, 0.25, 0.25, 0.25], [0.5, 0.25, 0.25, 0.0], True),
+]
+
+
+@pytest.mark.parametrize("dtype", ["float64", "float32", "float16", "bfloat16"])
+def test_top1_ties_take_the_first_index(dtype):
+    p = np.array([c[0] + [0.0] * (4 - len(c[0])) for c in TIES])
+    q = np.array([c[1] + [0.0] * (4 - len(c[1])) for c in TIES])
+    want = [c[2] for c in TIES]
+    if dtype == "bfloat16":  # every value above is exact in bfloat16
+        bits = lambda a: (a.astype(np.float32).view(np.uint32) >> 16).astype(np.uint16)  # noqa: E731
+        got = kvcouple.divergences(bits(p), bits(q), dtype="bfloat16")
+    else:
+        got = kvcouple.divergences(p.astype(dtype), q.astype(dtype))
+    assert got.top1_agree.tolist() == want
+    assert (divergences_ref(p, q)[:, 8] == 1.0).tolist() == want
+    # Logits with tied maxima go through the same argmax after the decoding transform.
+    with np.errstate(divide="ignore"):
+        lp, lq = np.log(p), np.log(q)
+    assert kvcouple.divergences(lp, lq, logits=True).top1_agree.tolist() == want
 
 
 def _transform_ref(logits, temperature=1.0, top_k=None, top_p=None):

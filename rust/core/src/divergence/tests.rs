@@ -131,3 +131,47 @@ fn half_inputs_match_f64() {
     let d = divergences(Rows::BF16(&b), Rows::BF16(&b), 1, 2, &Options::default()).unwrap()[0];
     assert!((d.entropy_q - std::f64::consts::LN_2).abs() < 1e-15);
 }
+
+fn top1(p: &[f64], q: &[f64]) -> bool {
+    divergences(Rows::F64(p), Rows::F64(q), 1, p.len(), &Options::default()).unwrap()[0].top1_agree
+}
+
+#[test]
+fn top1_ties_take_the_first_index() {
+    // Random rows almost never tie at the maximum: fixed cases, on either side.
+    assert!(top1(&[0.5, 0.5, 0.0], &[0.6, 0.4, 0.0]));
+    assert!(top1(&[0.6, 0.4, 0.0], &[0.5, 0.5, 0.0]));
+    assert!(!top1(&[0.5, 0.5, 0.0], &[0.4, 0.6, 0.0]));
+    assert!(!top1(&[0.4, 0.6, 0.0], &[0.5, 0.5, 0.0]));
+    assert!(!top1(&[0.0, 0.5, 0.5], &[0.0, 0.4, 0.6]));
+    assert!(top1(&[0.2, 0.4, 0.4], &[0.2, 0.5, 0.3]));
+    assert!(top1(&[0.25; 4], &[0.4, 0.2, 0.2, 0.2]));
+    assert!(!top1(&[0.25; 4], &[0.2, 0.2, 0.2, 0.4]));
+    // Both sides tied: the first maxima agree although the last ones do not.
+    assert!(top1(&[0.5, 0.5, 0.0], &[0.5, 0.0, 0.5]));
+}
+
+fn normalised(v: usize, weights: &[(usize, f64)]) -> Vec<f64> {
+    let mut row = vec![1.0; v];
+    for &(i, w) in weights {
+        row[i] = w;
+    }
+    let total: f64 = row.iter().sum();
+    row.iter().map(|x| x / total).collect()
+}
+
+#[test]
+fn top1_ties_across_and_within_blocks() {
+    // A maximum repeated in a later block (the block scan must keep the first one) and
+    // within one block past the first lanes.
+    let v = 3000;
+    let p = normalised(v, &[(3, 2.0), (1500, 2.0), (2999, 2.0)]);
+    assert!(top1(&p, &normalised(v, &[(3, 3.0)])));
+    assert!(!top1(&p, &normalised(v, &[(2999, 3.0)])));
+    let p = normalised(v, &[(9, 2.0), (10, 2.0)]);
+    assert!(top1(&p, &normalised(v, &[(9, 3.0)])));
+    assert!(!top1(&p, &normalised(v, &[(10, 3.0)])));
+    // All entries equal: both first maxima are index 0.
+    assert!(top1(&normalised(v, &[]), &normalised(v, &[(0, 1.5)])));
+    assert!(!top1(&normalised(v, &[]), &normalised(v, &[(v - 1, 1.5)])));
+}

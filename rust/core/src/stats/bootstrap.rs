@@ -128,6 +128,72 @@ mod tests {
     }
 
     #[test]
+    fn one_document_returns_its_own_values() {
+        let values = [3.5, -2.0, f64::NAN, 0.0];
+        let out = bootstrap_means(&values, 1, 4, 50, 9).unwrap();
+        assert_eq!(out.len(), 50 * 4);
+        for r in out.chunks(4) {
+            assert_eq!(&r[..2], &values[..2]);
+            assert!(r[2].is_nan());
+            assert_eq!(r[3], 0.0);
+        }
+    }
+
+    #[test]
+    fn every_replicate_draws_n_documents() {
+        // Column 0 counts the draws of document 0 (in units of 1/n), column 1 is constant:
+        // n draws make every replicate of column 0 a multiple of 1/n.
+        for docs in [2usize, 3, 7] {
+            let values: Vec<f64> = (0..docs)
+                .flat_map(|d| [if d == 0 { 1.0 } else { 0.0 }, 5.0])
+                .collect();
+            let out = bootstrap_means(&values, docs, 2, 400, 4).unwrap();
+            let mut draws_of_doc0 = 0.0;
+            for r in out.chunks(2) {
+                let k = r[0] * docs as f64;
+                assert!((k - k.round()).abs() < 1e-9, "{docs} docs: {}", r[0]);
+                assert_eq!(r[1], 5.0);
+                draws_of_doc0 += k.round();
+            }
+            // Each draw picks document 0 with probability 1/n: about 400 draws in all.
+            let sd = (400.0 * docs as f64 * (1.0 / docs as f64) * (1.0 - 1.0 / docs as f64)).sqrt();
+            assert!(
+                (draws_of_doc0 - 400.0).abs() < 5.0 * sd,
+                "{docs}: {draws_of_doc0}"
+            );
+        }
+    }
+
+    #[test]
+    fn spread_of_the_mean_is_sd_over_sqrt_n() {
+        // The bootstrap law of the mean of n documents has variance s^2 / n, s^2 the
+        // population variance of the documents (ddof 0).
+        let values = [0.0, 1.0, 2.0, 3.0, 10.0];
+        let n = values.len() as f64;
+        let mean = values.iter().sum::<f64>() / n;
+        let s2 = values.iter().map(|v| (v - mean).powi(2)).sum::<f64>() / n;
+        let boots = 40_000;
+        let out = bootstrap_means(&values, values.len(), 1, boots, 21).unwrap();
+        let b = boots as f64;
+        let m = out.iter().sum::<f64>() / b;
+        let var = out.iter().map(|v| (v - m).powi(2)).sum::<f64>() / (b - 1.0);
+        let want = s2 / n;
+        // Monte Carlo error: the mean within 5 SE; the variance within 5 of its SE, from the
+        // fourth central moment of the replicates (about 1.5% here; n - 1 draws give +25%).
+        assert!((m - mean).abs() < 5.0 * (want / b).sqrt(), "{m} vs {mean}");
+        let m4 = out.iter().map(|v| (v - m).powi(4)).sum::<f64>() / b;
+        let var_se = ((m4 - var * var) / b).sqrt();
+        assert!(
+            (var - want).abs() < 5.0 * var_se,
+            "{var} vs {want} (se {var_se})"
+        );
+        assert!(
+            5.0 * var_se < 0.1 * want,
+            "the check must tell n from n - 1"
+        );
+    }
+
+    #[test]
     fn indices_are_uniform() {
         let mut r = SplitMix64::stream(3, 0);
         let mut counts = [0usize; 5];
