@@ -11,10 +11,15 @@ class SchemaVersionError(StoreError):
     """A trace store written with another schema version than this kvcouple reads."""
 
 
+class ResourceLimitError(ValueError):
+    """A request whose buffers would not fit in the memory available (refused before allocating)."""
+
+
 __all__ = [
     "InternalError",
     "InvalidInputError",
     "InvalidKernelError",
+    "ResourceLimitError",
     "SchemaVersionError",
     "ShapeError",
     "StoreError",

@@ -5,10 +5,9 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from pathlib import Path
 from typing import Any
 
-from kvcouple.errors import StoreError
+from kvcouple.errors import ResourceLimitError, StoreError
 
 
 def _analyze(args: argparse.Namespace) -> int:
@@ -34,7 +33,7 @@ def _analyze(args: argparse.Namespace) -> int:
             registry=args.registry,
             io_threads=args.io_threads,
         )
-    except (StoreError, PlanError) as e:
+    except (StoreError, PlanError, ResourceLimitError) as e:
         print(f"kvcouple analyze: error: {e}", file=sys.stderr)
         return 2
     out = write_report(
@@ -67,19 +66,16 @@ def _analyze(args: argparse.Namespace) -> int:
     return 0
 
 
-def store_summary(path: str, check: bool = False) -> dict[str, Any]:
-    """What ``kvcouple info`` prints: schema, model, policies, documents done, size."""
-    import numpy as np
-    import zarr
+def store_summary(
+    path: str, check: bool = False, storage_options: dict[str, Any] | None = None
+) -> dict[str, Any]:
+    """What ``kvcouple info`` prints: schema, model, policies, documents done, size; with
+    ``check``, every problem the reader finds in the finished documents."""
+    from kvcouple.store.reader import TraceStoreReader
 
-    from kvcouple.store.reader import open_trace_store
-
-    ds = open_trace_store(path, allow_incomplete=True)
-    group = zarr.open_group(str(path), mode="r")
-    done = np.asarray(group["completed"][...], bool)
-    ids = [str(x) for x in np.asarray(group["doc_id"][...])]
-    size = sum(f.stat().st_size for f in Path(path).rglob("*") if f.is_file())
-    a = ds.attrs
+    reader = TraceStoreReader(path, storage_options)
+    a = reader.attrs
+    ids = reader.doc_ids
     out: dict[str, Any] = {
         "store": str(path),
         "schema_version": a.get("schema_version"),
@@ -100,24 +96,12 @@ def store_summary(path: str, check: bool = False) -> dict[str, Any]:
         "replicates": a.get("replicates"),
         "vocab_size": a.get("vocab_size"),
         "documents": len(ids),
-        "documents_done": int(done.sum()),
-        "unfinished": [i for i, d in zip(ids, done, strict=True) if not d][:20],
-        "size_bytes": size,
+        "documents_done": len(reader.done),
+        "unfinished": [ids[i] for i in reader.unfinished()][:20],
+        "size_bytes": reader.size_bytes(),
     }
     if check:
-        from kvcouple.analysis.reading import _chunk_keys
-
-        missing = []
-        for name in group.array_keys():
-            arr = group[name]
-            dims = arr.attrs.get("_ARRAY_DIMENSIONS", [])
-            if not dims or dims[0] != "doc":
-                continue
-            for d in np.flatnonzero(done):
-                for key, _ in _chunk_keys(arr, name, int(d)):
-                    if not (Path(path) / key).exists():
-                        missing.append(f"{key} (document {ids[d]!r})")
-        out["missing_chunks"] = missing
+        out["problems"] = reader.check(data=True)
     return out
 
 
@@ -130,10 +114,11 @@ def _info(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(info, indent=1, default=str))
         return 0
-    gb = info["size_bytes"] / 1e9
+    size = info["size_bytes"]
+    where = f"{size / 1e9:.3g} GB on disk" if size is not None else "object storage"
     print(
         f"{info['store']}: kvcouple trace store, schema v{info['schema_version']} "
-        f"(written by kvcouple {info['kvcouple_version']}), {gb:.3g} GB on disk"
+        f"(written by kvcouple {info['kvcouple_version']}), {where}"
     )
     print(
         f"  model     {info['model_id']} {info['model_revision'] or ''} ({info['source']}, "
@@ -149,11 +134,11 @@ def _info(args: argparse.Namespace) -> int:
         + (f"; unfinished: {', '.join(info['unfinished'])}" if info["unfinished"] else "")
     )
     if args.check:
-        missing = info["missing_chunks"]
-        print(f"  chunks    {'all present' if not missing else f'{len(missing)} missing'}")
-        for m in missing[:20]:
-            print(f"    missing {m}")
-        return 1 if missing else 0
+        problems = info["problems"]
+        print(f"  check     {'no problems' if not problems else f'{len(problems)} problems'}")
+        for m in problems[:20]:
+            print(f"    {m}")
+        return 1 if problems else 0
     return 0
 
 
@@ -225,6 +210,11 @@ def register(subparsers: Any) -> None:
         description="Schema version, model, policies, documents done, size.",
     )
     i.add_argument("store")
-    i.add_argument("--check", action="store_true", help="also look for missing chunk files")
+    i.add_argument(
+        "--check",
+        action="store_true",
+        help="also read every finished document: missing or undecodable chunks, values "
+        "outside the schema's ranges",
+    )
     i.add_argument("--json", action="store_true")
     i.set_defaults(func=_info)

@@ -27,15 +27,13 @@ from kvcouple.analysis import stats as st
 from kvcouple.analysis.estimates import ESTIMATORS, UnitEstimate, estimate_unit
 from kvcouple.analysis.plan import Plan, check_registry, documents_key, load_plan
 from kvcouple.analysis.reading import (
+    SUMMARY_READ,
     RecomputeCheck,
-    StoreInfo,
-    _group,
-    open_store_info,
-    read_summary,
     recompute_full,
     recompute_topk,
 )
 from kvcouple.errors import StoreError
+from kvcouple.store.reader import TraceStoreReader, check_memory
 
 
 @dataclass(frozen=True)
@@ -58,14 +56,13 @@ class DocResult:
     error: str | None = None
 
 
-def analyze_doc(info: StoreInfo, doc: int, options: Options) -> DocResult:
+def analyze_doc(info: TraceStoreReader, doc: int, options: Options) -> DocResult:
     """Everything one document contributes (a Dask task). Store damage is returned, not raised,
     so the caller decides whether to skip the document or stop."""
     doc_id = info.doc_ids[doc]
     try:
-        group = _group(info.path)
-        summary = read_summary(info, group, doc)
-        L = int(info.attrs["window"])
+        summary = info.read_summary(doc, SUMMARY_READ)
+        L = info.window
         obs = L if options.window is None else int(options.window)
         units = {
             pol: estimate_unit(
@@ -82,9 +79,9 @@ def analyze_doc(info: StoreInfo, doc: int, options: Options) -> DocResult:
         }
         check = None
         if options.recompute and info.record == "full":
-            check = recompute_full(info, group, doc, summary, options.tolerance, options.io_threads)
+            check = recompute_full(info, doc, summary, options.tolerance, options.io_threads)
         elif options.recompute and info.record.startswith("topk"):
-            check = recompute_topk(info, group, doc, summary, options.tolerance)
+            check = recompute_topk(info, doc, summary, options.tolerance)
         return DocResult(doc, doc_id, units, check)
     except StoreError as e:
         return DocResult(doc, doc_id, None, None, str(e))
@@ -155,7 +152,10 @@ def _client(client: Any, scheduler: str | None) -> tuple[Any, bool]:
 
 
 def _run_docs(
-    tasks: list[tuple[StoreInfo, int]], options: Options, client: Any, worker_threads: int | None
+    tasks: list[tuple[TraceStoreReader, int]],
+    options: Options,
+    client: Any,
+    worker_threads: int | None,
 ) -> list[DocResult]:
     if client is None:
         return [analyze_doc(info, d, options) for info, d in tasks]
@@ -166,7 +166,7 @@ def _run_docs(
     return list(client.gather(futures))
 
 
-def _select_docs(info: StoreInfo, plan: Plan | None, doc_set: str) -> list[int]:
+def _select_docs(info: TraceStoreReader, plan: Plan | None, doc_set: str) -> list[int]:
     if doc_set == "all" or plan is None:
         if doc_set != "all":
             raise ValueError(f"--docs {doc_set} needs a plan (--plan) that defines the sets")
@@ -204,6 +204,7 @@ def analyze(
     doc_set: str = "all",
     registry: str | os.PathLike[str] | None = None,
     io_threads: int = 2,
+    storage_options: dict[str, Any] | None = None,
 ) -> AnalysisResult:
     """Analyse one or more trace stores (one per model). See ``kvcouple analyze --help``.
 
@@ -229,7 +230,10 @@ def analyze(
         if seed is not None
         else (the_plan.seed if the_plan and the_plan.seed is not None else 0)
     )
-    infos = [open_store_info(p, allow_incomplete=allow_incomplete) for p in paths]
+    infos = [TraceStoreReader(p, storage_options) for p in paths]
+    for info in infos:
+        if not allow_incomplete:
+            info.require_complete()
     labels = _model_labels(infos)
     selected = [_select_docs(info, the_plan, doc_set) for info in infos]
     if doc_set == "confirmatory" and the_plan is not None:
@@ -249,11 +253,11 @@ def analyze(
         if owned:
             the_client.close()
     skipped = []
-    unfinished = [
-        (info, i) for info in infos for i in range(len(info.doc_ids)) if i not in set(info.done)
-    ]
-    for info, i in unfinished:
-        skipped.append({"store": info.path, "doc_id": info.doc_ids[i], "reason": "unfinished"})
+    for info in infos:
+        for i in info.unfinished():
+            skipped.append({"store": info.path, "doc_id": info.doc_ids[i], "reason": "unfinished"})
+        for i, why in info.flag_errors.items():
+            skipped.append({"store": info.path, "doc_id": info.doc_ids[i], "reason": why})
     models = []
     pos = 0
     for label, info, sel in zip(labels, infos, selected, strict=True):
@@ -290,24 +294,27 @@ def analyze(
     return result
 
 
-def _model_labels(infos: list[StoreInfo]) -> list[str]:
+def _model_labels(infos: list[TraceStoreReader]) -> list[str]:
     labels = [i.model for i in infos]
     return [lab if labels.count(lab) == 1 else f"{lab}#{k}" for k, lab in enumerate(labels)]
 
 
 def _model_result(
     label: str,
-    info: StoreInfo,
+    info: TraceStoreReader,
     docs: list[DocResult],
     window: int | None,
     n_boot: int,
     seed: int,
     ci: float,
 ) -> ModelResult:
-    T, L = int(info.attrs["horizon"]), int(info.attrs["window"])
+    T, L = info.horizon, info.window
     obs = L if window is None else int(window)
     units = [d.units for d in docs if d.units is not None]
     table = st.build_table([d.doc_id for d in docs], units, info.policies, T, obs)
+    names, _ = table.matrix()
+    # The resamples are n_boot x quantities doubles: refuse before allocating, not abort.
+    check_memory(f"--n-boot {n_boot} ({len(names)} quantities)", 8 * n_boot * len(names))
     bs = st.bootstrap_table(table, n_boot, seed, ci)
     tables = st.summarise(bs, info.policies, T, L + 1)
     return ModelResult(label, info.path, info.policies, T, L, obs, docs, tables, bs)

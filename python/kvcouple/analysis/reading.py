@@ -1,27 +1,21 @@
-"""Reading a trace store one document at a time, with damage detection and recomputation.
+"""Recomputing the recorded TVs of one document from its stored distributions.
 
-The store is opened with :func:`kvcouple.store.open_trace_store` (xarray, which checks the schema
-version and the completion flags); the arrays themselves are read chunk by chunk through Zarr,
-so memory stays bounded by a few chunks whatever the store's size.
-
-Damage is reported by name: a chunk file that is missing (Zarr would silently return its fill
-value) or that cannot be decoded raises :class:`~kvcouple.errors.StoreError` naming the variable,
-the chunk key, the document and the store.
+Everything is read through :class:`kvcouple.store.reader.TraceStoreReader` (the one reader:
+any chunking, Zarr v2 or v3, local or object storage, every block checked); this module only
+compares what was recorded with what the stored distributions give.
 """
 
 from __future__ import annotations
 
 import itertools
-import os
-from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from kvcouple.errors import StoreError
+from kvcouple.store.reader import TraceStoreReader
 
 # Disagreement between recorded and recomputed TV that still counts as agreement: storing a
 # probability in a half format rounds it by a relative 2^-11 (float16) or 2^-8 (bfloat16), so
@@ -30,21 +24,8 @@ TOLERANCE = {"float16": 2e-3, "bfloat16": 1e-2, "float32": 1e-5, "float64": 1e-9
 
 SUMMARY_READ = ("hazard", "tokens", "branch_step", "branch_mismatch", "branch_tv")
 
-
-@dataclass
-class StoreInfo:
-    """What the analysis needs to know about a store, picklable for Dask workers."""
-
-    path: str
-    attrs: dict[str, Any]
-    doc_ids: list[str]  # every document of the store, by index
-    policies: list[str]
-    done: list[int]  # indices of completed documents
-    record: str
-
-    @property
-    def model(self) -> str:
-        return str(self.attrs.get("model_id", "?"))
+# Recomputed quantity -> (stored p, stored q, recorded TV), for the path and the branches.
+PAIRS = {"path": ("p", "q", "hazard"), "branch": ("branch_p", "branch_q", "branch_tv")}
 
 
 @dataclass
@@ -69,112 +50,6 @@ class RecomputeCheck:
     bytes_read: int = 0
 
 
-def open_store_info(path: str | os.PathLike[str], *, allow_incomplete: bool) -> StoreInfo:
-    """Validate a store (schema, completion) and collect what the analysis needs."""
-    from kvcouple.store.reader import open_trace_store
-
-    ds = open_trace_store(path, allow_incomplete=True)
-    import zarr
-
-    group = zarr.open_group(str(path), mode="r")
-    done_flags = np.asarray(group["completed"][...], bool)
-    ids = [str(x) for x in np.asarray(group["doc_id"][...])]
-    if not done_flags.all() and not allow_incomplete:
-        open_trace_store(path, allow_incomplete=False)  # raises the reader's clear message
-    attrs = dict(ds.attrs)
-    return StoreInfo(
-        path=str(path),
-        attrs=attrs,
-        doc_ids=ids,
-        policies=[str(p) for p in np.asarray(group["policy"][...])],
-        done=[int(i) for i in np.flatnonzero(done_flags)],
-        record=str(attrs.get("record")),
-    )
-
-
-def _group(path: str) -> Any:
-    import zarr
-
-    return zarr.open_group(path, mode="r")
-
-
-def _chunk_keys(arr: Any, name: str, doc: int) -> Iterator[tuple[str, tuple[slice, ...]]]:
-    """The chunk files (key, selection) of one document of ``arr`` (doc is the first axis)."""
-    # zarr 3 exposes the separator on `metadata`, zarr 2 on the array; both default to ".".
-    meta = getattr(arr, "metadata", arr)
-    sep = getattr(meta, "dimension_separator", None) or getattr(arr, "_dimension_separator", None)
-    sep = sep or "."
-    ranges = [range(0, n, c) for n, c in zip(arr.shape[1:], arr.chunks[1:], strict=True)]
-    c0 = arr.chunks[0]
-    for starts in itertools.product(*ranges):
-        idx = [doc // c0] + [s // c for s, c in zip(starts, arr.chunks[1:], strict=True)]
-        sel = (slice(doc, doc + 1),) + tuple(
-            slice(s, min(s + c, n))
-            for s, c, n in zip(starts, arr.chunks[1:], arr.shape[1:], strict=True)
-        )
-        yield f"{name}/{sep.join(map(str, idx))}", sel
-
-
-def check_chunks_exist(path: str, group: Any, names: list[str], doc: int, doc_id: str) -> None:
-    """Raise :class:`StoreError` naming the first chunk file of this document that is missing."""
-    root = Path(path)
-    for name in names:
-        arr = group[name]
-        for key, _ in _chunk_keys(arr, name, doc):
-            if not (root / key).exists():
-                raise StoreError(
-                    f"{path}: chunk {key} of variable {name!r} (document {doc_id!r}) is missing; "
-                    f"the store is damaged. Re-trace that document, or pass --allow-incomplete "
-                    f"to analyse the others."
-                )
-
-
-def read_chunk(path: str, arr: Any, name: str, sel: tuple[Any, ...], doc_id: str) -> np.ndarray:
-    """Read one selection; a decode failure names the chunk that failed."""
-    try:
-        return np.asarray(arr[sel])
-    except Exception as e:  # codecs raise many types
-        for key, chunk_sel in _chunk_keys(
-            arr, name, sel[0].start if isinstance(sel[0], slice) else int(sel[0])
-        ):
-            try:
-                arr[chunk_sel]
-            except Exception as inner:
-                raise StoreError(
-                    f"{path}: chunk {key} of variable {name!r} (document {doc_id!r}) cannot be "
-                    f"decoded ({type(inner).__name__}: {inner}); the store is damaged."
-                ) from inner
-        raise StoreError(
-            f"{path}: variable {name!r} of document {doc_id!r} cannot be read: {e}"
-        ) from e
-
-
-def read_summary(info: StoreInfo, group: Any, doc: int) -> dict[str, np.ndarray]:
-    """The RB-CMC fields of one document (all policies), after checking its chunks exist."""
-    doc_id = info.doc_ids[doc]
-    check_chunks_exist(info.path, group, list(SUMMARY_READ), doc, doc_id)
-    out = {}
-    for n in SUMMARY_READ:
-        direct = DirectChunks.open(info.path, n)
-        if direct is not None:
-            out[n] = direct.read_doc(doc, doc_id)
-        else:
-            out[n] = read_chunk(info.path, group[n], n, (doc,), doc_id)
-    return out
-
-
-def _block_selections(arr: Any, doc: int, pol: int) -> list[tuple[Any, ...]]:
-    """Chunk-aligned selections of one (document, policy) over the remaining axes."""
-    shape, chunks = arr.shape[2:], arr.chunks[2:]
-    out = []
-    for starts in itertools.product(*[range(0, n, c) for n, c in zip(shape, chunks, strict=True)]):
-        out.append(
-            (doc, pol)
-            + tuple(slice(s, min(s + c, n)) for s, c, n in zip(starts, chunks, shape, strict=True))
-        )
-    return out
-
-
 def _as_bits(block: np.ndarray) -> tuple[np.ndarray, str]:
     if block.dtype == np.float16:
         return block.view(np.uint16), "float16"
@@ -186,46 +61,32 @@ def _as_bits(block: np.ndarray) -> tuple[np.ndarray, str]:
 
 
 def recompute_full(
-    info: StoreInfo,
-    group: Any,
+    reader: TraceStoreReader,
     doc: int,
     summary: dict[str, np.ndarray],
     tolerance: float | None,
     threads: int = 2,
 ) -> RecomputeCheck:
     """Recompute hazards (``p, q``) and branch TVs (``branch_p, branch_q``) of one document
-    from the stored distributions with the Rust kernel, chunk by chunk (``threads`` chunks
-    decoded ahead, so decoding and computing overlap)."""
+    from the stored distributions with the Rust kernel, block by block along the decoded
+    chunks (``threads`` blocks decoded ahead, so decoding and computing overlap)."""
     from kvcouple import _core
 
-    doc_id = info.doc_ids[doc]
-    check_chunks_exist(info.path, group, ["p", "q", "branch_p", "branch_q"], doc, doc_id)
+    doc_id = reader.doc_ids[doc]
     check = RecomputeCheck()
     jobs = []
-    for where, (pn, qn, recorded_name) in {
-        "path": ("p", "q", "hazard"),
-        "branch": ("branch_p", "branch_q", "branch_tv"),
-    }.items():
-        pa, qa = group[pn], group[qn]
-        for pol in range(len(info.policies)):
-            for sel in _block_selections(pa, doc, pol):
-                jobs.append((where, pol, sel, pa, qa, pn, qn, recorded_name))
-
-    direct = {n: DirectChunks.open(info.path, n) for n in ("p", "q", "branch_p", "branch_q")}
-
-    def read(arr: Any, name: str, sel: tuple[Any, ...]) -> np.ndarray:
-        reader = direct[name]
-        if reader is None:
-            return read_chunk(info.path, arr, name, sel, doc_id)
-        return reader.read(sel, doc_id)
+    for where, (pn, qn, recorded_name) in PAIRS.items():
+        for pol in range(len(reader.policies)):
+            for sel in reader.blocks(pn, doc, pol):
+                jobs.append((where, pol, (doc, pol, *sel), pn, qn, recorded_name))
 
     def load(job: Any) -> tuple[Any, np.ndarray, np.ndarray]:
-        where, pol, sel, pa, qa, pn, qn, _ = job
-        return job, read(pa, pn, sel), read(qa, qn, sel)
+        _, _, sel, pn, qn, _ = job
+        return job, reader.read(pn, sel), reader.read(qn, sel)
 
-    # Reader threads decode ahead (numcodecs releases the GIL while decompressing) while this
-    # thread runs the Rust kernel (which releases it too), so decoding and computing overlap.
-    # At most 2 x threads chunk pairs are in memory at once.
+    # Reader threads decode ahead (the codecs release the GIL while decompressing) while this
+    # thread runs the Rust kernel (which releases it too). At most 2 x threads block pairs are
+    # in memory at once.
     with ThreadPoolExecutor(max_workers=max(1, threads)) as pool:
         it = iter(jobs)
         pending = [pool.submit(load, job) for job in itertools.islice(it, 2 * max(1, threads))]
@@ -234,7 +95,7 @@ def recompute_full(
             nxt = next(it, None)
             if nxt is not None:
                 pending.append(pool.submit(load, nxt))
-            where, pol, sel, *_, recorded_name = job
+            where, pol, sel, pn, qn, recorded_name = job
             check.bytes_read += p.nbytes + q.nbytes
             vocab = p.shape[-1]
             pb, kind = _as_bits(np.ascontiguousarray(p))
@@ -242,79 +103,10 @@ def recompute_full(
             tv = _core.row_tv(pb.reshape(-1, vocab), qb.reshape(-1, vocab), kind)
             tol = TOLERANCE.get(kind, 1e-3) if tolerance is None else tolerance
             recorded = summary[recorded_name][(pol,) + sel[2:-1]].astype(np.float64).reshape(-1)
-            _compare(check, tv, recorded, tol, where, sel, p.shape[:-1], doc_id, info.policies[pol])
-    return check
-
-
-class DirectChunks:
-    """Chunk files of one Zarr v2 array in a local directory store, decoded with the array's own
-    numcodecs compressor and filters: the same bytes and codec as Zarr, without its per-call
-    machinery (which costs as much as the Rust kernel at 128k vocabularies)."""
-
-    def __init__(self, root: Path, name: str, meta: dict[str, Any]):
-        import numcodecs
-
-        self.root, self.name = root, name
-        self.shape = tuple(meta["shape"])
-        self.chunks = tuple(meta["chunks"])
-        self.dtype = np.dtype(meta["dtype"])
-        self.sep = meta.get("dimension_separator") or "."
-        self.codec = numcodecs.get_codec(meta["compressor"]) if meta.get("compressor") else None
-        self.filters = [numcodecs.get_codec(f) for f in meta.get("filters") or []]
-
-    @classmethod
-    def open(cls, path: str, name: str) -> DirectChunks | None:
-        """A reader when the array is plain Zarr v2 in C order on local disk, else None."""
-        import json
-
-        meta_file = Path(path) / name / ".zarray"
-        try:
-            meta = json.loads(meta_file.read_text())
-        except (OSError, ValueError):
-            return None
-        if meta.get("zarr_format") != 2 or meta.get("order", "C") != "C":
-            return None
-        try:
-            return cls(Path(path), name, meta)
-        except Exception:  # an unknown codec: let Zarr handle it
-            return None
-
-    def read_doc(self, doc: int, doc_id: str) -> np.ndarray:
-        """Every chunk of one document (the first axis), assembled."""
-        out = np.empty(self.shape[1:], self.dtype)
-        grid = [range(0, n, c) for n, c in zip(self.shape[1:], self.chunks[1:], strict=True)]
-        for starts in itertools.product(*grid):
-            sel = tuple(
-                slice(s, min(s + c, n))
-                for s, c, n in zip(starts, self.chunks[1:], self.shape[1:], strict=True)
+            _compare(
+                check, tv, recorded, tol, where, sel, p.shape[:-1], doc_id, reader.policies[pol]
             )
-            out[sel] = self.read((doc, *sel), doc_id)
-        return out
-
-    def read(self, sel: tuple[Any, ...], doc_id: str) -> np.ndarray:
-        """The block ``sel`` (integers, then chunk-aligned slices) as a numpy array."""
-        starts = [s.start if isinstance(s, slice) else int(s) for s in sel]
-        idx = [st // c for st, c in zip(starts, self.chunks, strict=False)]
-        key = f"{self.name}/{self.sep.join(map(str, idx))}"
-        try:
-            raw = (self.root / key).read_bytes()
-        except FileNotFoundError:
-            raise StoreError(
-                f"{self.root}: chunk {key} of variable {self.name!r} (document {doc_id!r}) is "
-                f"missing; the store is damaged."
-            ) from None
-        try:
-            data: Any = self.codec.decode(raw) if self.codec else raw
-            for f in reversed(self.filters):
-                data = f.decode(data)
-            block = np.frombuffer(data, dtype=self.dtype).reshape(self.chunks)
-        except Exception as e:
-            raise StoreError(
-                f"{self.root}: chunk {key} of variable {self.name!r} (document {doc_id!r}) cannot "
-                f"be decoded ({type(e).__name__}: {e}); the store is damaged."
-            ) from e
-        inner = tuple(0 if not isinstance(s, slice) else slice(0, s.stop - s.start) for s in sel)
-        return block[inner]
+    return check
 
 
 def _compare(
@@ -354,11 +146,11 @@ def _compare(
 
 
 def recompute_topk(
-    info: StoreInfo, group: Any, doc: int, summary: dict[str, np.ndarray], tolerance: float | None
+    reader: TraceStoreReader, doc: int, summary: dict[str, np.ndarray], tolerance: float | None
 ) -> RecomputeCheck:
     """Top-K records do not determine TV exactly; check that each recorded TV lies in the
     interval the top-K ids, probabilities and tail masses allow (widened by ``tolerance``)."""
-    doc_id = info.doc_ids[doc]
+    doc_id = reader.doc_ids[doc]
     check = RecomputeCheck()
     tol = 1e-4 if tolerance is None else tolerance
     for where, prefix, recorded_name in (
@@ -368,8 +160,7 @@ def recompute_topk(
         names = [
             f"{prefix}{v}_{s}" for v in ("topk_ids", "topk_probs", "tail_mass") for s in ("p", "q")
         ]
-        check_chunks_exist(info.path, group, names, doc, doc_id)
-        a = {n: read_chunk(info.path, group[n], n, (doc,), doc_id) for n in names}
+        a = reader.read_summary(doc, tuple(names))
         lo, hi = topk_tv_bounds(
             a[f"{prefix}topk_ids_p"],
             a[f"{prefix}topk_probs_p"],
@@ -379,7 +170,7 @@ def recompute_topk(
             a[f"{prefix}tail_mass_q"],
         )
         rec = summary[recorded_name].astype(np.float64)
-        for pol in range(len(info.policies)):
+        for pol in range(len(reader.policies)):
             r, lo_p, hi_p = rec[pol], lo[pol], hi[pol]
             seen = np.isfinite(r) & np.isfinite(lo_p)
             check.rows_checked += int(seen.sum())
@@ -391,7 +182,7 @@ def recompute_topk(
                 check.disagreements.append(
                     Disagreement(
                         doc_id,
-                        info.policies[pol],
+                        reader.policies[pol],
                         where,
                         int(idx[0]),
                         int(idx[1]) + 1,

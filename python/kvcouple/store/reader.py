@@ -1,55 +1,582 @@
-"""Open a trace store for analysis, with clear messages for stores that cannot be used."""
+"""The one way kvcouple reads a trace store: :class:`TraceStoreReader`.
+
+Every consumer (the analysis, ``kvcouple info``, Dask workers, the recomputation of TVs) reads
+through this module, and no other module computes chunk keys. The reader opens a store once
+(a local path or a URL such as ``s3://bucket/run.zarr``), validates its attributes against its
+array shapes and its coordinates, and then reads one document (or one document and policy) at
+a time, whatever the chunking on disk: documents chunked by 1, by several or all together,
+steps or vocabulary chunked, Zarr v2 or v3, sharded or not. Selections go through Zarr's own
+indexing (or the Rust engine, :mod:`kvcouple.store.engine`), never through element 0 of a
+chunk.
+
+Every block read is checked: its chunk files must exist (Zarr would silently return the fill
+value for a missing one), must decode, and must hold values the schema allows (hazard and TVs
+in [0, 1] or NaN, mismatch in {-1, 0, 1}, tokens in [-1, vocab), branch steps within the
+horizon). A failure raises :class:`~kvcouple.errors.StoreError` naming the variable, the chunk,
+the document and the store.
+"""
 
 from __future__ import annotations
 
+import itertools
+import math
 import os
-from pathlib import Path
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
 
-from kvcouple.errors import SchemaVersionError, StoreError
-from kvcouple.store.schema import SCHEMA_VERSION
+from kvcouple.errors import ResourceLimitError, SchemaVersionError, StoreError
+from kvcouple.store.schema import SCHEMA_VERSION, Record, variables
+
+# Coordinates written by the writer (dimension name -> first value); doc_id labels documents.
+DIM_COORDS = {"doc": 0, "policy": None, "rep": 0, "step": 1, "branch": 1, "lag": 0}
+DOC_ID = "doc_id"
+COMPLETED = "completed"
+POLICY = "policy"
+
+# Attributes that fix a dimension's size: (attribute, dimension, size from attribute value).
+SIZE_ATTRS = (
+    ("horizon", "step", lambda v: v),
+    ("window", "lag", lambda v: v + 1),
+    ("branches", "branch", lambda v: v),
+    ("replicates", "rep", lambda v: v),
+    ("vocab_size", "vocab", lambda v: v),
+)
+
+# Allowed values by variable (checked on every block read). "unit": [0, 1] or NaN;
+# "nonneg": >= 0 or NaN; "token": [-1, vocab); "mismatch": {-1, 0, 1}; "step": [0, horizon].
+RULES: dict[str, str] = {
+    "hazard": "unit",
+    "branch_tv": "unit",
+    "kl_pq": "nonneg",
+    "kl_qp": "nonneg",
+    "entropy_p": "nonneg",
+    "entropy_q": "nonneg",
+    "tokens": "token",
+    "branch_tokens_p": "token",
+    "branch_tokens_q": "token",
+    "branch_mismatch": "mismatch",
+    "branch_step": "step",
+    "prompt_length": "count",
+    "kept_length": "count",
+}
+for _side in ("p", "q"):
+    for _pre in ("", "branch_"):
+        RULES[f"{_pre}topk_ids_{_side}"] = "token"
+        RULES[f"{_pre}topk_probs_{_side}"] = "unit"
+        RULES[f"{_pre}tail_mass_{_side}"] = "unit"
+        RULES[f"{_pre}{_side}"] = "unit"
+
+# Probabilities and TVs computed in float arithmetic may leave [0, 1] by rounding only.
+UNIT_SLACK = 1e-5
+
+
+def _zarr_major() -> int:
+    import zarr
+
+    return int(zarr.__version__.split(".")[0])
+
+
+def _is_url(path: str) -> bool:
+    return "://" in path and not path.startswith("file://")
+
+
+def _fmt_index(idx: tuple[int, ...]) -> str:
+    return "(" + ", ".join(map(str, idx)) + ")"
+
+
+class TraceStoreReader:
+    """A validated, open trace store. Picklable: a Dask worker reopens it from the URL.
+
+    ``storage_options`` are passed to fsspec for URLs (``s3://...``): credentials, endpoint.
+    """
+
+    def __init__(self, path: str | os.PathLike[str], storage_options: dict[str, Any] | None = None):
+        self.path = str(path)
+        self.storage_options = dict(storage_options or {})
+        self._group: Any = None
+        self._arrays: dict[str, Any] = {}
+        self._open()
+
+    # -- opening and validation -------------------------------------------------------------
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = dict(self.__dict__)
+        state["_group"] = None
+        state["_arrays"] = {}
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+
+    @property
+    def group(self) -> Any:
+        if self._group is None:
+            self._group = self._open_group()
+        return self._group
+
+    def _open_group(self) -> Any:
+        import zarr
+
+        if not _is_url(self.path) and not os.path.exists(self.path):
+            raise StoreError(f"no trace store at {self.path}")
+        kw: dict[str, Any] = {"mode": "r"}
+        if self.storage_options:
+            kw["storage_options"] = self.storage_options
+        try:
+            return zarr.open_group(self.path, **kw)
+        except Exception as e:  # zarr and fsspec raise many types for unreadable metadata
+            raise StoreError(f"{self.path} is not a readable Zarr store: {e}") from e
+
+    def array(self, name: str) -> Any:
+        arr = self._arrays.get(name)
+        if arr is None:
+            try:
+                arr = self.group[name]
+            except KeyError:
+                raise StoreError(
+                    f"{self.path}: variable {name!r} is missing; the store is damaged"
+                ) from None
+            self._arrays[name] = arr
+        return arr
+
+    def _open(self) -> None:
+        attrs = dict(self.group.attrs)
+        version = attrs.get("schema_version")
+        if version is None:
+            raise StoreError(
+                f"{self.path} is a Zarr store but not a kvcouple trace store (no schema_version)"
+            )
+        if version != SCHEMA_VERSION:
+            raise SchemaVersionError(
+                f"{self.path} was written with trace-store schema version {version}; this "
+                f"kvcouple (reads version {SCHEMA_VERSION}) cannot read it. Re-trace, or use the "
+                f"kvcouple release that wrote it."
+            )
+        self.attrs = attrs
+        try:
+            self.record_level = Record.parse(str(attrs.get("record")))
+        except ValueError as e:
+            raise StoreError(f"{self.path}: attribute 'record': {e}") from None
+        self.record = str(self.record_level)
+        self.variables = variables(self.record_level)
+        self.names = [n for n in self.variables if n != COMPLETED]
+        self.dims = self._check_shapes()
+        self.doc_ids = self._coordinate(DOC_ID, "doc")
+        self.policies = self._coordinate(POLICY, "policy")
+        specs = attrs.get("policy_specs")
+        if specs is not None and list(specs) != self.policies:
+            raise StoreError(
+                f"{self.path}: coordinate 'policy' {self.policies} does not match the attribute "
+                f"policy_specs {list(specs)}; the store is damaged"
+            )
+        ids = attrs.get("doc_ids")
+        if ids is not None and list(ids) != self.doc_ids:
+            raise StoreError(
+                f"{self.path}: coordinate 'doc_id' does not match the attribute doc_ids; "
+                f"the store is damaged"
+            )
+        for dim, first in DIM_COORDS.items():
+            if first is not None and dim in self.group:
+                values = self.read_coordinate(dim)
+                want = np.arange(first, first + self.dims[dim])
+                if values.shape != want.shape or not np.array_equal(values, want):
+                    raise StoreError(
+                        f"{self.path}: coordinate {dim!r} is not {first}..{first + self.dims[dim] - 1}"
+                        f"; the store is damaged"
+                    )
+        self.completed_flags, self.flag_errors = self._read_completed()
+
+    def _check_shapes(self) -> dict[str, int]:
+        """Every schema variable present with its dimensions; sizes agree across variables and
+        with the attributes that define them (horizon, window, branches, replicates, K, vocab)."""
+        sizes: dict[str, int] = {}
+        for name, (dims, _dtype) in self.variables.items():
+            arr = self.array(name)
+            if len(arr.shape) != len(dims):
+                raise StoreError(
+                    f"{self.path}: variable {name!r} has {len(arr.shape)} dimensions, the schema "
+                    f"has {len(dims)} {dims}; the store is damaged"
+                )
+            for d, n in zip(dims, arr.shape, strict=True):
+                if sizes.setdefault(d, int(n)) != n:
+                    raise StoreError(
+                        f"{self.path}: dimension {d!r} is {sizes[d]} long in one variable and "
+                        f"{n} in {name!r}; the store is damaged"
+                    )
+        for attr, dim, size in SIZE_ATTRS:
+            if dim not in sizes:
+                continue
+            value = self.attrs.get(attr)
+            if not isinstance(value, int) or isinstance(value, bool):
+                raise StoreError(
+                    f"{self.path}: attribute {attr!r} is {'missing' if value is None else value!r}"
+                    f"; expected an integer (the store is damaged)"
+                )
+            if size(value) != sizes[dim]:
+                raise StoreError(
+                    f"{self.path}: attribute {attr!r} is {value} but dimension {dim!r} has "
+                    f"{sizes[dim]} entries; the store is damaged"
+                )
+        if self.record_level.kind == "topk" and sizes.get("k") != self.record_level.k:
+            raise StoreError(
+                f"{self.path}: record is {self.record} but dimension 'k' has {sizes.get('k')} "
+                f"entries; the store is damaged"
+            )
+        return sizes
+
+    def read_coordinate(self, name: str) -> np.ndarray:
+        """A one-dimensional coordinate, every chunk present and decodable."""
+        return self.read(name, (slice(None),))
+
+    def _coordinate(self, name: str, dim: str) -> list[str]:
+        values = [str(x) for x in self.read_coordinate(name)]
+        if len(values) != self.dims[dim]:
+            raise StoreError(
+                f"{self.path}: coordinate {name!r} has {len(values)} entries, dimension {dim!r} "
+                f"has {self.dims[dim]}; the store is damaged"
+            )
+        if any(v == "" for v in values) or len(set(values)) != len(values):
+            raise StoreError(
+                f"{self.path}: coordinate {name!r} has empty or repeated labels {values[:10]}; "
+                f"the store is damaged"
+            )
+        return values
+
+    def _read_completed(self) -> tuple[np.ndarray, dict[int, str]]:
+        """The completion flags by document; a damaged flag chunk marks its documents damaged
+        (with the message) rather than finished or unfinished."""
+        n = self.dims["doc"]
+        flags = np.zeros(n, bool)
+        errors: dict[int, str] = {}
+        step = self.storage_grid(COMPLETED)[0]
+        for start in range(0, n, step):
+            sel = (slice(start, min(start + step, n)),)
+            if self.missing(self.keys(COMPLETED, sel)):
+                continue  # never written (zarr 3 skips all-False chunks): unfinished
+            try:
+                flags[sel] = self.read(COMPLETED, sel)
+            except StoreError as e:
+                for d in range(sel[0].start, sel[0].stop):
+                    errors[d] = str(e)
+        return flags, errors
+
+    # -- what the analysis asks ---------------------------------------------------------------
+
+    @property
+    def model(self) -> str:
+        return str(self.attrs.get("model_id", "?"))
+
+    @property
+    def horizon(self) -> int:
+        return self.dims["step"]
+
+    @property
+    def window(self) -> int:
+        return self.dims["lag"] - 1
+
+    @property
+    def done(self) -> list[int]:
+        """Indices of the finished documents (flag chunks that decode and say so)."""
+        return [int(i) for i in np.flatnonzero(self.completed_flags)]
+
+    def unfinished(self) -> list[int]:
+        return [
+            i
+            for i in range(self.dims["doc"])
+            if not self.completed_flags[i] and i not in self.flag_errors
+        ]
+
+    def require_complete(self) -> None:
+        """Raise unless every document is finished and its flag readable."""
+        if self.flag_errors:
+            raise StoreError(next(iter(self.flag_errors.values())))
+        bad = self.unfinished()
+        if bad:
+            ids = [self.doc_ids[i] for i in bad]
+            shown = ", ".join(ids[:10]) + (" ..." if len(ids) > 10 else "")
+            raise StoreError(
+                f"{self.path}: {len(ids)} of {self.dims['doc']} documents are unfinished "
+                f"({shown}); the run was interrupted. Rerun the same trace command to finish it, "
+                f"or pass allow_incomplete=True (--allow-incomplete) to analyse the finished ones."
+            )
+
+    # -- chunk geometry: the only place chunk keys are computed --------------------------------
+
+    def storage_grid(self, name: str) -> tuple[int, ...]:
+        """The shape of one stored object (a shard where the array is sharded, else a chunk)."""
+        arr = self.array(name)
+        shards = getattr(arr, "shards", None)
+        return tuple(int(c) for c in (shards or arr.chunks))
+
+    def decode_grid(self, name: str) -> tuple[int, ...]:
+        """The shape of one independently decoded chunk (inside a shard where sharded)."""
+        return tuple(int(c) for c in self.array(name).chunks)
+
+    def chunk_key(self, name: str, coords: tuple[int, ...]) -> str:
+        """The storage key (relative to the store) of stored object ``coords`` of ``name``."""
+        arr = self.array(name)
+        if _zarr_major() >= 3:
+            return f"{arr.path}/{arr.metadata.encode_chunk_key(tuple(coords))}"
+        return str(arr._chunk_key(tuple(coords)))
+
+    def _cells(
+        self, name: str, sel: tuple[slice, ...], grid: tuple[int, ...]
+    ) -> Iterator[tuple[tuple[int, ...], tuple[slice, ...]]]:
+        """The grid cells a selection touches: (cell coordinates, the cell's selection)."""
+        shape = self.array(name).shape
+        ranges = []
+        for s, c, n in zip(sel, grid, shape, strict=True):
+            start, stop, _ = s.indices(n)
+            ranges.append(range(start // c, max(start // c, (stop - 1) // c) + 1))
+        for cell in itertools.product(*ranges):
+            yield (
+                cell,
+                tuple(
+                    slice(i * c, min((i + 1) * c, n))
+                    for i, c, n in zip(cell, grid, shape, strict=True)
+                ),
+            )
+
+    def keys(self, name: str, sel: tuple[slice, ...]) -> list[str]:
+        """Storage keys a selection reads."""
+        return [
+            self.chunk_key(name, cell)
+            for cell, _ in self._cells(name, sel, self.storage_grid(name))
+        ]
+
+    def missing(self, keys: list[str]) -> list[str]:
+        """The keys of ``keys`` that are absent from the store (asked concurrently)."""
+        if not keys:
+            return []
+        arr = self.array(next(iter(self._arrays)))  # any array: they share a store
+        if _zarr_major() >= 3:
+            import asyncio
+
+            from zarr.core.sync import sync
+
+            store = arr.store_path.store
+
+            async def ask() -> list[bool]:
+                return list(await asyncio.gather(*(store.exists(k) for k in keys)))
+
+            there = sync(ask())
+        else:
+            store = arr.chunk_store
+            there = [k in store for k in keys]
+        return [k for k, ok in zip(keys, there, strict=True) if not ok]
+
+    # -- reading -----------------------------------------------------------------------------
+
+    def _doc_label(self, name: str, sel: tuple[slice | int, ...]) -> str:
+        dims = self.variables.get(name, ((),))[0]
+        if not dims or dims[0] != "doc":
+            return ""
+        s = sel[0]
+        if isinstance(s, int):
+            docs = [s]
+        else:
+            docs = list(range(*s.indices(self.dims["doc"])))
+        if len(docs) == 1 and hasattr(self, "doc_ids"):
+            return f" (document {self.doc_ids[docs[0]]!r})"
+        return f" (documents {docs[0]}..{docs[-1]})" if docs else ""
+
+    def read(self, name: str, sel: tuple[Any, ...]) -> np.ndarray:
+        """``name[sel]`` after checking every stored object it touches exists; a decode
+        failure names the chunk. Integer indices drop their axis, as in numpy."""
+        arr = self.array(name)
+        full = tuple(sel) + (slice(None),) * (len(arr.shape) - len(sel))
+        as_slices = tuple(slice(s, s + 1) if isinstance(s, int | np.integer) else s for s in full)
+        label = self._doc_label(name, full)
+        absent = self.missing(self.keys(name, as_slices))
+        if absent:
+            raise StoreError(
+                f"{self.path}: chunk {absent[0]} of variable {name!r}{label} is missing; the "
+                f"store is damaged. Re-trace that document, or pass --allow-incomplete to "
+                f"analyse the others."
+            )
+        try:
+            return np.asarray(arr[full])
+        except Exception as e:  # codecs raise many types
+            raise self._locate_decode_error(name, as_slices, label, e) from e
+
+    def _locate_decode_error(
+        self, name: str, sel: tuple[slice, ...], label: str, err: Exception
+    ) -> StoreError:
+        arr = self.array(name)
+        for cell, cell_sel in self._cells(name, sel, self.storage_grid(name)):
+            try:
+                arr[cell_sel]
+            except Exception as inner:
+                return StoreError(
+                    f"{self.path}: chunk {self.chunk_key(name, cell)} of variable {name!r}"
+                    f"{label} cannot be decoded ({type(inner).__name__}: {inner}); the store is "
+                    f"damaged."
+                )
+        return StoreError(f"{self.path}: variable {name!r}{label} cannot be read: {err}")
+
+    def check_values(self, name: str, block: np.ndarray, origin: tuple[int, ...]) -> None:
+        """Raise naming the chunk and element of the first value the schema does not allow.
+        ``origin`` is the block's position in the array (one entry per array axis)."""
+        rule = RULES.get(name)
+        if rule is None or block.size == 0:
+            return
+        v = block
+        if rule == "unit":
+            with np.errstate(invalid="ignore"):
+                bad = ~(np.isnan(v) | ((v >= -UNIT_SLACK) & (v <= 1 + UNIT_SLACK)))
+            allowed = "in [0, 1] or NaN"
+        elif rule == "nonneg":
+            with np.errstate(invalid="ignore"):
+                bad = ~(np.isnan(v) | (v >= -UNIT_SLACK))
+            allowed = ">= 0 or NaN"
+        elif rule == "token":
+            bad = (v < -1) | (v >= self.dims["vocab"] if "vocab" in self.dims else False)
+            vocab = self.attrs.get("vocab_size")
+            if vocab is not None:
+                bad = (v < -1) | (v >= int(vocab))
+            allowed = f"in [-1, {vocab})"
+        elif rule == "mismatch":
+            bad = (v < -1) | (v > 1)
+            allowed = "in {-1, 0, 1}"
+        elif rule == "step":
+            bad = (v < 0) | (v > self.horizon)
+            allowed = f"in [0, {self.horizon}] (the horizon)"
+        else:  # count
+            bad = v < 0
+            allowed = ">= 0"
+        if not bad.any():
+            return
+        at = np.unravel_index(int(np.flatnonzero(bad.reshape(-1))[0]), block.shape)
+        pos = tuple(int(i) + o for i, o in zip(at, origin[len(origin) - block.ndim :], strict=True))
+        full_pos = tuple(origin[: len(origin) - block.ndim]) + pos
+        grid = self.storage_grid(name)
+        key = self.chunk_key(name, tuple(p // c for p, c in zip(full_pos, grid, strict=True)))
+        label = self._doc_label(name, (int(full_pos[0]),)) if full_pos else ""
+        raise StoreError(
+            f"{self.path}: chunk {key} of variable {name!r}{label} holds {block[at]!r} at "
+            f"{_fmt_index(full_pos)}; values must be {allowed}. The store is damaged."
+        )
+
+    def read_doc(self, name: str, doc: int) -> np.ndarray:
+        """Every value of one document of ``name`` (its first axis is ``doc``), checked."""
+        block = self.read(name, (int(doc),))
+        self.check_values(name, block, (int(doc),) + (0,) * block.ndim)
+        return block
+
+    def read_summary(self, doc: int, names: tuple[str, ...]) -> dict[str, np.ndarray]:
+        """Several variables of one document, checked."""
+        return {n: self.read_doc(n, doc) for n in names}
+
+    def blocks(
+        self, name: str, doc: int, policy: int, whole_last: bool = True
+    ) -> list[tuple[slice, ...]]:
+        """Selections over the axes after (doc, policy) that follow the decoded chunks (the
+        last axis taken whole when ``whole_last``, e.g. a vocabulary), so that streaming them
+        holds a few chunks at a time."""
+        arr = self.array(name)
+        shape, grid = arr.shape[2:], self.decode_grid(name)[2:]
+        if whole_last:
+            grid = grid[:-1] + (shape[-1],)
+        ranges = [range(0, n, c) for n, c in zip(shape, grid, strict=True)]
+        return [
+            tuple(slice(s, min(s + c, n)) for s, c, n in zip(st, grid, shape, strict=True))
+            for st in itertools.product(*ranges)
+        ]
+
+    def check(self, docs: list[int] | None = None, *, data: bool = False) -> list[str]:
+        """Every problem of the given documents (default: the finished ones), one line each:
+        missing chunks, undecodable chunks, values the schema does not allow. Distribution
+        variables (``vocab``/``k`` axes) are decoded only with ``data``."""
+        problems = list(dict.fromkeys(self.flag_errors.values()))
+        docs = self.done if docs is None else docs
+        for name, (dims, _) in self.variables.items():
+            if name == COMPLETED or not dims or dims[0] != "doc":
+                continue
+            heavy = "vocab" in dims or "k" in dims
+            for d in docs:
+                try:
+                    if heavy and not data:
+                        sel = (slice(d, d + 1),) + (slice(None),) * (len(dims) - 1)
+                        absent = self.missing(self.keys(name, sel))
+                        if absent:
+                            problems.append(
+                                f"{self.path}: chunk {absent[0]} of variable {name!r} "
+                                f"(document {self.doc_ids[d]!r}) is missing"
+                            )
+                    else:
+                        self.read_doc(name, d)
+                except StoreError as e:
+                    problems.append(str(e))
+        return problems
+
+    def size_bytes(self) -> int | None:
+        """Bytes on disk (local stores), else None."""
+        if _is_url(self.path):
+            return None
+        total = 0
+        for root, _, files in os.walk(self.path):
+            for f in files:
+                total += os.path.getsize(os.path.join(root, f))
+        return total
 
 
 def open_trace_store(
-    path: str | os.PathLike[str], *, allow_incomplete: bool = False, chunks: Any = None
+    path: str | os.PathLike[str],
+    *,
+    allow_incomplete: bool = False,
+    chunks: Any = None,
+    storage_options: dict[str, Any] | None = None,
 ) -> Any:
-    """Open a store as an ``xarray.Dataset`` (lazily; nothing is read but metadata).
+    """Open a store as an ``xarray.Dataset`` (lazily; nothing is read but metadata and the
+    coordinates), after :class:`TraceStoreReader` has validated it.
 
-    Raises :class:`StoreError` when the path is not a kvcouple store, or when some documents
-    are unfinished (an interrupted run) unless ``allow_incomplete``, in which case only the
-    finished documents are returned. Raises :class:`SchemaVersionError` for another schema.
+    Raises :class:`StoreError` when the path is not a kvcouple store or is damaged, or when some
+    documents are unfinished (an interrupted run) unless ``allow_incomplete``, in which case only
+    the finished documents are returned. Raises :class:`SchemaVersionError` for another schema.
     """
     import xarray as xr
 
-    path = Path(path)
-    if not path.exists():
-        raise StoreError(f"no trace store at {path}")
+    reader = TraceStoreReader(path, storage_options)
+    if not allow_incomplete:
+        reader.require_complete()
+    kw: dict[str, Any] = {}
+    if storage_options:
+        kw["storage_options"] = storage_options
     try:
-        ds = xr.open_zarr(str(path), chunks=chunks, consolidated=None)
+        ds = xr.open_zarr(str(path), chunks=chunks, consolidated=None, **kw)
     except Exception as e:  # zarr/xarray raise many types for unreadable metadata
         raise StoreError(f"{path} is not a readable Zarr store: {e}") from e
-    version = ds.attrs.get("schema_version")
-    if version is None:
-        raise StoreError(
-            f"{path} is a Zarr store but not a kvcouple trace store (no schema_version)"
-        )
-    if version != SCHEMA_VERSION:
-        raise SchemaVersionError(
-            f"{path} was written with trace-store schema version {version}; this kvcouple "
-            f"(reads version {SCHEMA_VERSION}) cannot read it. Re-trace, or use the kvcouple "
-            f"release that wrote it."
-        )
-    done = np.asarray(ds["completed"].values, dtype=bool)
-    if not done.all():
-        ids = [str(x) for x in np.asarray(ds["doc_id"].values)[~done]]
-        if not allow_incomplete:
-            shown = ", ".join(ids[:10]) + (" ..." if len(ids) > 10 else "")
-            raise StoreError(
-                f"{path}: {len(ids)} of {done.size} documents are unfinished ({shown}); the run "
-                f"was interrupted. Rerun the same trace command to finish it, or pass "
-                f"allow_incomplete=True (--allow-incomplete) to analyse the finished ones."
-            )
-        ds = ds.isel(doc=np.flatnonzero(done))
+    if allow_incomplete:
+        ds = ds.isel(doc=reader.done)
     return ds
+
+
+def bytes_needed(*shape: int, itemsize: int = 8) -> int:
+    return int(math.prod(shape)) * itemsize
+
+
+def check_memory(what: str, nbytes: int, fraction: float = 0.8) -> None:
+    """Refuse an allocation of ``nbytes`` that would not fit in the memory available now."""
+    avail = available_memory()
+    if avail is not None and nbytes > fraction * avail:
+        raise ResourceLimitError(
+            f"{what} needs {nbytes / 1e9:.3g} GB but only {avail / 1e9:.3g} GB of memory is "
+            f"available; ask for less"
+        )
+
+
+def available_memory() -> int | None:
+    """Bytes of memory available to this process now (Linux MemAvailable, else sysconf)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    try:
+        return int(os.sysconf("SC_AVPHYS_PAGES")) * int(os.sysconf("SC_PAGE_SIZE"))
+    except (ValueError, OSError, AttributeError):
+        return None
