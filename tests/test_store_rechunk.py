@@ -8,6 +8,8 @@ import pytest
 import xarray as xr
 import zarr
 
+pytest.importorskip("dask", reason="xarray re-chunks through dask")
+
 from kvcouple.analysis import analyze
 from kvcouple.store.reader import TraceStoreReader
 from kvcouple.synth.trace_store import write_synthetic_trace_store
