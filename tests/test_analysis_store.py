@@ -161,7 +161,12 @@ def test_interrupted_run(tmp_path, capsys):
 def test_info_and_check(copy, capsys):
     assert main(["info", str(copy), "--check"]) == 0
     out = capsys.readouterr().out
-    assert f"schema v{SCHEMA_VERSION}" in out and "3 of 3 done" in out and "a, b" in out and "full" in out
+    assert (
+        f"schema v{SCHEMA_VERSION}" in out
+        and "3 of 3 done" in out
+        and "a, b" in out
+        and "full" in out
+    )
     (copy / "p" / "0.1.0.0.0").unlink()
     assert main(["info", str(copy), "--check"]) == 1
     assert "p/0.1.0.0.0" in capsys.readouterr().out

@@ -45,7 +45,7 @@ SIZE_ATTRS = (
 )
 
 # Allowed values by variable (checked on every block read). "unit": [0, 1] or NaN;
-# "nonneg": >= 0 or NaN; "token": [-1, vocab); "mismatch": {-1, 0, 1}; "step": [0, horizon].
+# "nonneg": >= 0 or NaN; "token": [-1, vocab); "ternary": {-1, 0, 1}; "step": [0, horizon].
 RULES: dict[str, str] = {
     "hazard": "unit",
     "branch_tv": "unit",
@@ -56,7 +56,8 @@ RULES: dict[str, str] = {
     "tokens": "token",
     "branch_tokens_p": "token",
     "branch_tokens_q": "token",
-    "branch_mismatch": "mismatch",
+    "branch_mismatch": "ternary",
+    "gate_class": "ternary",
     "branch_step": "step",
     "prompt_length": "count",
     "kept_length": "count",
@@ -192,7 +193,8 @@ class TraceStoreReader:
         """Every schema variable present with its dimensions; sizes agree across variables and
         with the attributes that define them (horizon, window, branches, replicates, K, vocab)."""
         sizes: dict[str, int] = {}
-        for name, (dims, _dtype) in self.variables.items():
+        for name, var in self.variables.items():
+            dims = var.dims
             arr = self.array(name)
             if len(arr.shape) != len(dims):
                 raise StoreError(
@@ -210,10 +212,8 @@ class TraceStoreReader:
                 continue
             value = self.attrs.get(attr)
             if not isinstance(value, int) or isinstance(value, bool):
-                raise StoreError(
-                    f"{self.path}: attribute {attr!r} is {'missing' if value is None else value!r}"
-                    f"; expected an integer (the store is damaged)"
-                )
+                what = "missing" if value is None else f"{value!r}, not an integer"
+                raise StoreError(f"{self.path}: attribute {attr!r} is {what}; the store is damaged")
             if size(value) != sizes[dim]:
                 raise StoreError(
                     f"{self.path}: attribute {attr!r} is {value} but dimension {dim!r} has "
@@ -370,7 +370,8 @@ class TraceStoreReader:
     # -- reading -----------------------------------------------------------------------------
 
     def _doc_label(self, name: str, sel: tuple[slice | int, ...]) -> str:
-        dims = self.variables.get(name, ((),))[0]
+        var = self.variables.get(name)
+        dims = var.dims if var is not None else ()
         if not dims or dims[0] != "doc":
             return ""
         s = sel[0]
@@ -437,7 +438,7 @@ class TraceStoreReader:
             if vocab is not None:
                 bad = (v < -1) | (v >= int(vocab))
             allowed = f"in [-1, {vocab})"
-        elif rule == "mismatch":
+        elif rule == "ternary":
             bad = (v < -1) | (v > 1)
             allowed = "in {-1, 0, 1}"
         elif rule == "step":
@@ -455,7 +456,7 @@ class TraceStoreReader:
         key = self.chunk_key(name, tuple(p // c for p, c in zip(full_pos, grid, strict=True)))
         label = self._doc_label(name, (int(full_pos[0]),)) if full_pos else ""
         raise StoreError(
-            f"{self.path}: chunk {key} of variable {name!r}{label} holds {block[at]!r} at "
+            f"{self.path}: chunk {key} of variable {name!r}{label} holds {block[at].item()!r} at "
             f"{_fmt_index(full_pos)}; values must be {allowed}. The store is damaged."
         )
 
@@ -491,7 +492,8 @@ class TraceStoreReader:
         variables (``vocab``/``k`` axes) are decoded only with ``data``."""
         problems = list(dict.fromkeys(self.flag_errors.values()))
         docs = self.done if docs is None else docs
-        for name, (dims, _) in self.variables.items():
+        for name, var in self.variables.items():
+            dims = var.dims
             if name == COMPLETED or not dims or dims[0] != "doc":
                 continue
             heavy = "vocab" in dims or "k" in dims
