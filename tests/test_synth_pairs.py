@@ -99,7 +99,7 @@ def test_bad_pair_files(tmp_path: Path) -> None:
         synth.load_pair(path)
     path = tmp_path / "garbage.npz"
     path.write_bytes(b"not a zip")
-    with pytest.raises(kvcouple.InvalidKernelError, match="not a readable"):
+    with pytest.raises(kvcouple.InvalidKernelError, match="not a .npz pair file"):
         synth.load_pair(path)
     with pytest.raises(FileNotFoundError):
         synth.load_pair(tmp_path / "missing.npz")

@@ -2,12 +2,19 @@
 
 Each area's module exposes ``register(subparsers)``; heavy imports (torch) happen inside the
 command functions, so ``kvcouple --help`` stays fast and works without torch.
+
+Errors: every kvcouple error ends the command with one line on stderr, ``kvcouple COMMAND:
+error: ...``, and exit status 2 for input that cannot be used (arguments, files, stores) or 1
+for a failure while running (disk full, missing extra, a bug); Ctrl-C exits with 130. No
+traceback is printed unless ``--debug`` is given (or ``KVCOUPLE_DEBUG=1`` is set).
 """
 
 from __future__ import annotations
 
 import argparse
+import errno
 import importlib
+import os
 import sys
 
 # (module, what it adds) — each module defines register(subparsers).
@@ -27,6 +34,7 @@ def build_parser() -> argparse.ArgumentParser:
     from kvcouple import __version__
 
     parser.add_argument("--version", action="version", version=f"kvcouple {__version__}")
+    parser.add_argument("--debug", action="store_true", help="show the full traceback of an error")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name in _AREAS:
         try:
@@ -39,17 +47,64 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+# Exit statuses.
+USAGE = 2  # the input cannot be used: arguments, files, stores
+FAILURE = 1  # the run failed: disk full, a missing extra, a bug
+INTERRUPTED = 130
+
+
+def describe(e: BaseException) -> tuple[str, int]:
+    """One line saying what went wrong, and the exit status."""
+    from kvcouple.errors import InternalError, MissingExtraError, StoreError, missing_extra
+
+    if isinstance(e, KeyboardInterrupt):
+        return "interrupted (rerun the same command to resume a trace)", INTERRUPTED
+    if isinstance(e, MissingExtraError):
+        return str(e), FAILURE
+    if isinstance(e, ModuleNotFoundError):
+        extra = missing_extra(e)
+        if extra is not None:
+            return str(extra), FAILURE
+    if isinstance(e, InternalError):
+        return f"internal error (a bug in kvcouple, please report it): {e}", FAILURE
+    if isinstance(e, ValueError | StoreError):
+        return str(e), USAGE
+    if isinstance(e, OSError):
+        where = f" ({e.filename})" if e.filename else ""
+        if e.errno in (errno.ENOSPC, errno.EDQUOT):
+            return (
+                f"no space left on the device{where}: free some space and rerun the same "
+                "command (a trace store resumes where it stopped)"
+            ), FAILURE
+        reason = e.strerror or str(e)
+        if isinstance(e, FileNotFoundError | IsADirectoryError | NotADirectoryError):
+            return f"{reason}{where}", USAGE
+        return f"{reason}{where}", FAILURE
+    return (
+        f"internal error (a bug in kvcouple, please report it with --debug): "
+        f"{type(e).__name__}: {e}"
+    ), FAILURE
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     if not getattr(args, "func", None):
         parser.print_help()
-        return 2
+        return USAGE
+    debug = args.debug or os.environ.get("KVCOUPLE_DEBUG", "") not in ("", "0")
     try:
         return int(args.func(args) or 0)
-    except (ValueError, RuntimeError, FileNotFoundError) as e:
-        print(f"kvcouple {args.command}: error: {e}", file=sys.stderr)
-        return 2
+    except Exception as e:
+        if debug:
+            raise
+        message, code = describe(e)
+    except KeyboardInterrupt as e:
+        if debug:
+            raise
+        message, code = describe(e)
+    print(f"kvcouple {args.command}: error: {message}", file=sys.stderr)
+    return code
 
 
 if __name__ == "__main__":

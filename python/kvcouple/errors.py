@@ -1,4 +1,14 @@
-"""Exceptions raised by kvcouple. Every bad-input error is a ``ValueError`` subclass."""
+"""Exceptions raised by kvcouple.
+
+Bad input is a ``ValueError`` subclass (:class:`InvalidInputError` and its children) naming the
+argument, the value and what is allowed; a store that cannot be used is a :class:`StoreError`;
+a missing optional dependency is a :class:`MissingExtraError` saying which extra to install.
+"""
+
+from __future__ import annotations
+
+import importlib
+from types import ModuleType
 
 from kvcouple._core import InternalError, InvalidInputError, InvalidKernelError, ShapeError
 
@@ -15,12 +25,57 @@ class ResourceLimitError(ValueError):
     """A request whose buffers would not fit in the memory available (refused before allocating)."""
 
 
+class MissingExtraError(ImportError):
+    """An optional dependency is not installed; the message names the extra that brings it."""
+
+
+# Top-level module -> the kvcouple extra that installs it.
+EXTRAS = {
+    "torch": "tracer",
+    "transformers": "tracer",
+    "tokenizers": "tracer",
+    "safetensors": "tracer",
+    "huggingface_hub": "tracer",
+    "matplotlib": "plots",
+    "dask": "dask",
+    "distributed": "dask",
+    "numba": "reference",
+}
+
+
+def missing_extra(error: ModuleNotFoundError, what: str = "this") -> MissingExtraError | None:
+    """The :class:`MissingExtraError` for a failed import of an optional dependency (``None``
+    if the module is not one of kvcouple's extras)."""
+    top = (error.name or "").partition(".")[0]
+    extra = EXTRAS.get(top)
+    if extra is None:
+        return None
+    return MissingExtraError(
+        f"{what} needs the `{extra}` extra ({top} is not installed): "
+        f"pip install 'kvcouple[{extra}]'"
+    )
+
+
+def require(module: str, what: str = "this") -> ModuleType:
+    """Import ``module``, or raise :class:`MissingExtraError` naming the extra to install."""
+    try:
+        return importlib.import_module(module)
+    except ModuleNotFoundError as e:
+        err = missing_extra(e, what)
+        if err is None:
+            raise
+        raise err from e
+
+
 __all__ = [
     "InternalError",
     "InvalidInputError",
     "InvalidKernelError",
+    "MissingExtraError",
     "ResourceLimitError",
     "SchemaVersionError",
     "ShapeError",
     "StoreError",
+    "missing_extra",
+    "require",
 ]

@@ -17,6 +17,9 @@ divides each row by its own sum instead.
 
 from __future__ import annotations
 
+import math
+import numbers
+import os
 from dataclasses import dataclass, fields
 
 import numpy as np
@@ -30,7 +33,12 @@ _MAX_VOCAB = 2**31 - 1
 
 def _as_rows(a: object, name: str, dtype: str | None) -> tuple[np.ndarray, str]:
     """Return a C-contiguous 2-D array and its logical dtype name (halves as uint16 bits)."""
-    arr = np.asarray(a)
+    if a is None:
+        raise InvalidInputError(f"{name} is None; pass a 2-D array (rows, vocab)")
+    try:
+        arr = np.asarray(a)
+    except (TypeError, ValueError) as e:  # ragged lists and the like
+        raise InvalidInputError(f"{name} is not an array: {e}") from None
     kind = dtype
     if arr.dtype.name == "bfloat16":  # ml_dtypes
         arr, kind = arr.view(np.uint16), "bfloat16"
@@ -58,6 +66,41 @@ def _as_rows(a: object, name: str, dtype: str | None) -> tuple[np.ndarray, str]:
             f"{name} has vocab {arr.shape[1]}, above the int32 range of token ids ({_MAX_VOCAB})"
         )
     return np.ascontiguousarray(arr), kind
+
+
+def _int_arg(name: str, value: object) -> int:
+    """An integer argument (Python or numpy int; not bool, not float)."""
+    if isinstance(value, bool | np.bool_) or not isinstance(value, numbers.Integral):
+        raise InvalidInputError(f"{name} must be an integer, got {value!r}")
+    return int(value)
+
+
+def _float_arg(name: str, value: object) -> float:
+    """A real number argument (not bool, not complex, not a string)."""
+    if isinstance(value, bool | np.bool_) or not isinstance(value, numbers.Real):
+        raise InvalidInputError(f"{name} must be a real number, got {value!r}")
+    return float(value)
+
+
+def _flag(name: str, value: object) -> bool:
+    if not isinstance(value, bool | np.bool_):
+        raise InvalidInputError(f"{name} must be True or False, got {value!r}")
+    return bool(value)
+
+
+def _atol(atol: object) -> float | None:
+    if atol is None:
+        return None
+    a = _float_arg("atol", atol)
+    if not a >= 0:  # NaN too
+        raise InvalidInputError(f"atol must be a number >= 0, got {atol!r}")
+    return a
+
+
+def _check_dtype_arg(dtype: object) -> str | None:
+    if dtype is not None and not isinstance(dtype, str):
+        raise InvalidInputError(f"dtype must be a string such as 'bfloat16', got {dtype!r}")
+    return dtype
 
 
 def _pair(p: object, q: object, dtype: str | None) -> tuple[np.ndarray, np.ndarray, str]:
@@ -105,17 +148,39 @@ def divergences(
     :mod:`kvcouple.decoding`) is applied to both identically. Raises
     :class:`~kvcouple.errors.InvalidInputError` (a ``ValueError``) naming the first bad row.
     """
-    pa, qa, kind = _pair(p, q, dtype)
+    logits = _flag("logits", logits)
+    renormalize = _flag("renormalize", renormalize)
+    temperature = _float_arg("temperature", temperature)
+    if not (math.isfinite(temperature) and temperature > 0 and math.isfinite(1 / temperature)):
+        raise InvalidInputError(
+            f"temperature must be a finite number > 0 whose inverse is finite (>= 5.6e-309), "
+            f"got {temperature!r} (use top_k=1 for greedy decoding)"
+        )
+    if top_k is not None:
+        k = _int_arg("top_k", top_k)
+        if k < 1:
+            raise InvalidInputError(f"top_k must be >= 1, got {k}")
+        top_k = min(k, 2**62)  # beyond the vocabulary it keeps everything
+    if top_p is not None:
+        top_p = _float_arg("top_p", top_p)
+        if not 0 < top_p <= 1:
+            raise InvalidInputError(f"top_p must be in (0, 1], got {top_p!r}")
+    if not logits and (temperature != 1.0 or top_k is not None or top_p is not None):
+        raise InvalidInputError(
+            "temperature, top_k and top_p transform logits: pass logits=True (p and q are "
+            "probabilities otherwise)"
+        )
+    pa, qa, kind = _pair(p, q, _check_dtype_arg(dtype))
     out = _core.divergences(
         pa,
         qa,
         kind,
         logits=logits,
-        temperature=float(temperature),
-        top_k=None if top_k is None else int(top_k),
-        top_p=None if top_p is None else float(top_p),
+        temperature=temperature,
+        top_k=top_k,
+        top_p=top_p,
         renormalize=renormalize,
-        atol=atol,
+        atol=_atol(atol),
     )
     return Divergences(**out)
 
@@ -137,16 +202,26 @@ def couple(
     ``y`` int64 token ids and ``diverged = x != y``. Deterministic in its inputs; the torch
     sampler :func:`kvcouple.torch_coupling.couple_torch` returns the same tokens.
     """
-    pa, qa, kind = _pair(p, q, dtype)
-    ua = np.asarray(u)
-    if ua.dtype != np.float64:
-        ua = ua.astype(np.float64)
-    return _core.couple(pa, qa, np.ascontiguousarray(ua), kind, renormalize=renormalize, atol=atol)
+    renormalize = _flag("renormalize", renormalize)
+    atol = _atol(atol)
+    pa, qa, kind = _pair(p, q, _check_dtype_arg(dtype))
+    if u is None:
+        raise InvalidInputError("u is None; pass uniforms in [0, 1) of shape (rows, 3)")
+    try:
+        ua = np.asarray(u)
+    except (TypeError, ValueError) as e:
+        raise InvalidInputError(f"u is not an array: {e}") from None
+    if ua.dtype.kind not in "iuf":
+        raise InvalidInputError(f"u must hold real numbers in [0, 1), got dtype {ua.dtype}")
+    if ua.shape != (pa.shape[0], 3):
+        raise _core.ShapeError(f"u has shape {ua.shape}, expected ({pa.shape[0]}, 3)")
+    ua = np.ascontiguousarray(ua, dtype=np.float64)
+    return _core.couple(pa, qa, ua, kind, renormalize=renormalize, atol=atol)
 
 
 def plain_pass(p: object, q: object, *, dtype: str | None = None) -> np.ndarray:
     """Convert and sum both rows: the streaming speed of light, for benchmarks."""
-    pa, qa, kind = _pair(p, q, dtype)
+    pa, qa, kind = _pair(p, q, _check_dtype_arg(dtype))
     return _core.plain_pass(pa, qa, kind)
 
 
@@ -154,9 +229,20 @@ def set_num_threads(n: int) -> None:
     """Use ``n`` threads in every Rust kernel (0 restores the default of all cores).
 
     Under Dask, set this (or ``KVCOUPLE_NUM_THREADS``) to the worker's thread budget so that
-    worker processes do not oversubscribe the machine.
+    worker processes do not oversubscribe the machine. At most :func:`max_threads` (a pool far
+    larger than the machine only adds start-up time and memory).
     """
-    _core.set_num_threads(int(n))
+    k = _int_arg("n", n)
+    if not 0 <= k <= max_threads():
+        raise InvalidInputError(
+            f"set_num_threads: n = {k} must be in [0, {max_threads()}] (0: all cores)"
+        )
+    _core.set_num_threads(k)
+
+
+def max_threads() -> int:
+    """The largest thread count :func:`set_num_threads` accepts: 8 per core, at least 256."""
+    return max(256, 8 * (os.cpu_count() or 1))
 
 
 def get_num_threads() -> int:

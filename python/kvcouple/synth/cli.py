@@ -17,6 +17,8 @@ import json
 import sys
 from typing import Any
 
+from kvcouple.cliargs import finite_float, nonnegative, positive, seed
+
 SCALARS = (
     "expected_mismatches",
     "mismatch_fraction",
@@ -33,18 +35,17 @@ SCALARS = (
 )
 
 
-def _positive(text: str) -> int:
-    n = int(text)
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"{n} is not >= 1")
-    return n
+def _pair(path: str) -> Any:
+    """The ``--pair`` file, errors naming the option."""
+    from kvcouple.errors import InvalidKernelError
+    from kvcouple.synth import load_pair
 
-
-def _nonnegative(text: str) -> int:
-    n = int(text)
-    if n < 0:
-        raise argparse.ArgumentTypeError(f"{n} is not >= 0")
-    return n
+    try:
+        return load_pair(path)
+    except InvalidKernelError as e:
+        raise InvalidKernelError(f"--pair: {e}") from None
+    except OSError as e:
+        raise InvalidKernelError(f"--pair {path}: {e.strerror or e}") from None
 
 
 def _random_pair(args: argparse.Namespace) -> int:
@@ -82,9 +83,9 @@ def _print(d: dict[str, Any], as_json: bool) -> None:
 
 
 def _exact(args: argparse.Namespace) -> int:
-    from kvcouple.synth import exact, load_pair
+    from kvcouple.synth import exact
 
-    result = exact(load_pair(args.pair), args.horizon, args.window)
+    result = exact(_pair(args.pair), args.horizon, args.window)
     d = result.to_dict()
     if not args.json:
         d = {k: d[k] for k in ("horizon", "window", *SCALARS)}
@@ -93,10 +94,10 @@ def _exact(args: argparse.Namespace) -> int:
 
 
 def _estimate(args: argparse.Namespace) -> int:
-    from kvcouple.synth import estimate, load_pair
+    from kvcouple.synth import estimate
 
     est = estimate(
-        load_pair(args.pair),
+        _pair(args.pair),
         args.horizon,
         args.window,
         method=args.method,
@@ -111,11 +112,11 @@ def _estimate(args: argparse.Namespace) -> int:
 
 def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--pair", required=True, help="pair file (.npz): emitter keys or P, Q, start")
-    p.add_argument("-T", "--horizon", type=_positive, required=True, help="steps T")
+    p.add_argument("-T", "--horizon", type=positive, required=True, help="steps T")
     p.add_argument(
         "-L",
         "--window",
-        type=_nonnegative,
+        type=nonnegative,
         default=None,
         help="lags after divergence in the window (default and L >= T: to the horizon)",
     )
@@ -133,13 +134,15 @@ def register(subparsers: Any) -> None:
     synth.set_defaults(func=lambda _args: synth.print_help() or 2)
 
     p = sub.add_parser("random-pair", help="write a seeded random pair file")
-    p.add_argument("--vocab", type=_positive, required=True, help="tokens V")
-    p.add_argument("--states", type=_positive, default=None, help="states S (default V)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--closeness", type=float, default=0.5, help="0: unrelated Q; 1: Q = P")
-    p.add_argument("--sparsity", type=float, default=0.0, help="chance an entry is zero")
+    p.add_argument("--vocab", type=positive, required=True, help="tokens V")
+    p.add_argument("--states", type=positive, default=None, help="states S (default V)")
+    p.add_argument("--seed", type=seed, default=0)
+    p.add_argument("--closeness", type=finite_float, default=0.5, help="0: unrelated Q; 1: Q = P")
+    p.add_argument("--sparsity", type=finite_float, default=0.0, help="chance an entry is zero")
     p.add_argument("--absorbing", action="store_true", help="token V-1 is an absorbing EOS")
-    p.add_argument("--deterministic", type=float, default=0.0, help="chance a row is one-hot")
+    p.add_argument(
+        "--deterministic", type=finite_float, default=0.0, help="chance a row is one-hot"
+    )
     p.add_argument("--markov", action="store_true", help="first-order Markov tables (S = V)")
     p.add_argument("--out", required=True, help="the .npz file to write")
     p.set_defaults(func=_random_pair)
@@ -151,9 +154,9 @@ def register(subparsers: Any) -> None:
     p = sub.add_parser("estimate", help="Monte Carlo means and standard errors")
     _common(p)
     p.add_argument("--method", choices=("rb", "rb-tv", "naive"), default="rb")
-    p.add_argument("-N", "--replicates", type=_positive, default=1000)
-    p.add_argument("-K", "--branches", type=_positive, default=1)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("-N", "--replicates", type=positive, default=1000)
+    p.add_argument("-K", "--branches", type=positive, default=1)
+    p.add_argument("--seed", type=seed, default=0)
     p.add_argument(
         "--trace",
         choices=("horizon", "window"),

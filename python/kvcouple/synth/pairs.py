@@ -25,29 +25,61 @@ PairArrays = tuple[
 ]
 
 
+# Largest state index or start accepted from a float array (exact in float64, fits in int64).
+_MAX_INDEX = 2**53
+
+
 def _matrix(x: Any, name: str, dtype: type) -> np.ndarray:
-    a = np.asarray(x)
+    try:
+        a = np.asarray(x)
+    except (TypeError, ValueError) as e:
+        raise InvalidKernelError(f"{name} is not an array ({e})") from None
     if a.ndim != 2:
         raise InvalidKernelError(f"{name} must be 2-D (states x vocab), got shape {a.shape}")
+    kind = a.dtype.kind
     if dtype is np.int64:
-        if not (np.issubdtype(a.dtype, np.integer) or np.all(np.mod(a, 1) == 0)):
+        if kind == "f":
+            if not np.all(np.isfinite(a)) or np.any(np.mod(a, 1) != 0):
+                raise InvalidKernelError(
+                    f"{name} must hold integer state indices, got non-integer values ({a.dtype})"
+                )
+            if a.size and np.abs(a).max() > _MAX_INDEX:
+                raise InvalidKernelError(f"{name} holds a state index beyond 2**53")
+        elif kind not in "iub":
             raise InvalidKernelError(f"{name} must hold integer state indices, got {a.dtype}")
-    elif not np.issubdtype(a.dtype, np.number) or np.issubdtype(a.dtype, np.complexfloating):
+        if kind == "u" and a.size and a.max() > _MAX_INDEX:
+            raise InvalidKernelError(f"{name} holds a state index beyond 2**53")
+    elif kind not in "iuf":
         raise InvalidKernelError(f"{name} must hold real probabilities, got {a.dtype}")
     return np.ascontiguousarray(a, dtype=dtype)
 
 
 def check_seed(seed: int) -> int:
     """Seeds are 64-bit unsigned integers."""
-    if not 0 <= int(seed) < 2**64:
-        raise InvalidInputError(f"seed = {seed} must be an integer in [0, 2**64)")
+    if (
+        isinstance(seed, bool)
+        or not isinstance(seed, int | np.integer)
+        or not 0 <= int(seed) < 2**64
+    ):
+        raise InvalidInputError(f"seed = {seed!r} must be an integer in [0, 2**64)")
     return int(seed)
 
 
 def _index(x: Any, name: str) -> int:
-    a = np.asarray(x)
-    if a.ndim != 0 or not (np.issubdtype(a.dtype, np.integer) or float(a) == int(a)):
+    """One integer (a start state or token), from a Python or numpy scalar or a 0-d array."""
+    if isinstance(x, bool | np.bool_):
         raise InvalidKernelError(f"{name} must be one integer, got {x!r}")
+    try:
+        a = np.asarray(x)
+    except (TypeError, ValueError):
+        raise InvalidKernelError(f"{name} must be one integer, got {x!r}") from None
+    ok = a.ndim == 0 and (
+        a.dtype.kind in "iu"
+        or (a.dtype.kind == "f" and np.isfinite(a) and float(a) == int(a) and abs(a) <= _MAX_INDEX)
+    )
+    if not ok:
+        shown = f"an array of shape {a.shape}" if a.ndim else repr(x)
+        raise InvalidKernelError(f"{name} must be one integer, got {shown}")
     return int(a)
 
 
@@ -200,16 +232,34 @@ def pair_from_mapping(f: Any, where: str = "pair") -> KernelPair:
     )
 
 
+_ZIP_MAGIC = b"PK\x03\x04"
+
+
 def load_pair(path: str | os.PathLike[str]) -> KernelPair:
-    """Read and validate a pair file (``.npz``) in either form."""
+    """Read and validate a pair file (``.npz``) in either form.
+
+    A file that is not there raises :class:`FileNotFoundError`; a directory, a file that is not
+    an ``.npz`` archive (or a truncated one) or arrays that do not form a pair raise
+    :class:`~kvcouple.InvalidKernelError` naming the file.
+    """
+    where = os.fspath(path)
+    if os.path.isdir(where):
+        raise InvalidKernelError(f"{where} is a directory, not a .npz pair file")
+    with open(where, "rb") as fh:  # FileNotFoundError / PermissionError as they are
+        magic = fh.read(4)
+    if magic != _ZIP_MAGIC:
+        raise InvalidKernelError(
+            f"{where} is not a .npz pair file (an .npz is a zip archive; this file starts "
+            f"with {magic!r})"
+        )
     try:
-        f = np.load(path, allow_pickle=False)
-    except (OSError, ValueError) as e:
-        if isinstance(e, FileNotFoundError):
-            raise
-        raise InvalidKernelError(f"{os.fspath(path)}: not a readable .npz pair file ({e})") from e
-    with f:
-        return pair_from_mapping(f, os.fspath(path))
+        with np.load(where, allow_pickle=False) as f:
+            arrays = {k: f[k] for k in f.files}  # read now: a damaged member fails here
+    except Exception as e:  # zipfile.BadZipFile, zlib.error, EOFError, ValueError, OSError
+        raise InvalidKernelError(
+            f"{where} is a damaged .npz pair file (truncated or corrupted: {type(e).__name__}: {e})"
+        ) from e
+    return pair_from_mapping(arrays, where)
 
 
 def random_pair(

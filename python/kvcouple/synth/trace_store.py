@@ -27,10 +27,13 @@ from typing import Any
 
 import numpy as np
 
+from kvcouple import cliargs
 from kvcouple._core import __version__ as kvcouple_version
+from kvcouple.errors import InvalidInputError
 from kvcouple.kernels import couple, divergences
 from kvcouple.store.schema import Record, empty_arrays
 from kvcouple.store.writer import StoreLayout, TraceStoreWriter
+from kvcouple.synth.pairs import KernelPair, check_seed, load_pair, pair_from_mapping
 
 _BELOW_ONE = 1.0 - 2.0**-53
 
@@ -52,71 +55,43 @@ class EmitterPair:
 
 
 def as_emitter_pair(pair: Any) -> EmitterPair:
-    """Accept an :class:`EmitterPair`, a pair-file path (``.npz``), a mapping with the pair-file
-    keys (``P_emit, P_next, P_start, Q_emit, Q_next, Q_start``, or ``P, Q, start`` Markov tables)
-    or an object with those attributes (lower-case names accepted too)."""
+    """Accept an :class:`EmitterPair`, a :class:`~kvcouple.synth.KernelPair`, a pair-file path
+    (``.npz``), a mapping with the pair-file keys (``P_emit, P_next, P_start, Q_emit, Q_next,
+    Q_start``, or ``P, Q, start`` Markov tables, ``start`` defaulting to 0) or an object with
+    those attributes (lower-case names accepted too). Validated as pair files are (typed
+    :class:`~kvcouple.InvalidKernelError` naming the array)."""
     if isinstance(pair, EmitterPair):
         return pair
     if isinstance(pair, str | os.PathLike):
-        with np.load(pair) as f:
-            pair = {k: f[k] for k in f.files}
-    if not isinstance(pair, Mapping):
-        names = ("P_emit", "P_next", "P_start", "Q_emit", "Q_next", "Q_start", "P", "Q", "start")
-        pair = {
-            n: getattr(pair, n, getattr(pair, n.lower(), None))
-            for n in names
-            if getattr(pair, n, getattr(pair, n.lower(), None)) is not None
-        }
-    if "P_emit" in pair:
-        out = EmitterPair(
-            np.asarray(pair["P_emit"], np.float64),
-            np.asarray(pair["P_next"], np.int64),
-            int(pair["P_start"]),
-            np.asarray(pair["Q_emit"], np.float64),
-            np.asarray(pair["Q_next"], np.int64),
-            int(pair["Q_start"]),
-        )
-    elif "P" in pair and "Q" in pair:
-        p, q = np.asarray(pair["P"], np.float64), np.asarray(pair["Q"], np.float64)
-        nxt = np.broadcast_to(np.arange(p.shape[-1]), p.shape).astype(np.int64)
-        start = int(pair.get("start", 0))
-        out = EmitterPair(p, nxt, start, q, nxt.copy(), start)
+        kp = load_pair(pair)
+    elif isinstance(pair, KernelPair):
+        kp = pair
     else:
-        raise ValueError(
-            "a pair needs P_emit, P_next, P_start, Q_emit, Q_next, Q_start (or P, Q, start); "
-            f"got keys {sorted(pair)}"
-        )
-    _check_pair(out)
-    return out
-
-
-def _check_pair(pair: EmitterPair) -> None:
-    for side, emit, nxt, start in [
-        ("P", pair.p_emit, pair.p_next, pair.p_start),
-        ("Q", pair.q_emit, pair.q_next, pair.q_start),
-    ]:
-        if emit.ndim != 2 or nxt.shape != emit.shape:
-            raise ValueError(
-                f"{side}: emit and next must both be (states, vocab), got "
-                f"{emit.shape} and {nxt.shape}"
-            )
-        if not np.allclose(emit.sum(1), 1.0, atol=1e-9) or (emit < 0).any():
-            raise ValueError(f"{side}_emit rows must be probability vectors")
-        if nxt.min() < 0 or nxt.max() >= emit.shape[0]:
-            raise ValueError(f"{side}_next holds a state outside 0..{emit.shape[0] - 1}")
-        if not 0 <= start < emit.shape[0]:
-            raise ValueError(f"{side}_start {start} is not a state")
-    if pair.p_emit.shape[1] != pair.q_emit.shape[1]:
-        raise ValueError("P and Q must share one vocabulary")
+        names = ("P_emit", "P_next", "P_start", "Q_emit", "Q_next", "Q_start", "P", "Q", "start")
+        if isinstance(pair, Mapping):
+            found = {n: pair[n] for n in names if n in pair}
+        else:
+            found = {
+                n: getattr(pair, n, getattr(pair, n.lower(), None))
+                for n in names
+                if getattr(pair, n, getattr(pair, n.lower(), None)) is not None
+            }
+        if "P" in found and "Q" in found and "P_emit" not in found:
+            found.setdefault("start", 0)
+        kp = pair_from_mapping(found, type(pair).__name__)
+    return EmitterPair(*kp.arrays())
 
 
 def with_starts(pair: EmitterPair, p_start: int, q_start: int) -> EmitterPair:
     """The same pair started from other states (a synthetic document's "prompt")."""
-    out = EmitterPair(
+    for side, emit, start in (("P", pair.p_emit, p_start), ("Q", pair.q_emit, q_start)):
+        if not 0 <= int(start) < emit.shape[0]:
+            raise InvalidInputError(
+                f"start state {start} of {side} is not a state of the pair (0..{emit.shape[0] - 1})"
+            )
+    return EmitterPair(
         pair.p_emit, pair.p_next, int(p_start), pair.q_emit, pair.q_next, int(q_start)
     )
-    _check_pair(out)
-    return out
 
 
 def _record_rows(
@@ -254,18 +229,19 @@ def write_synthetic_trace_store(
     """
     emitters = {name: as_emitter_pair(p) for name, p in pairs.items()}
     if not emitters:
-        raise ValueError("give at least one policy pair")
+        raise InvalidInputError("give at least one policy pair")
     vocab = {e.vocab_size for e in emitters.values()}
     if len(vocab) != 1:
-        raise ValueError(f"every pair must share one vocabulary size, got {sorted(vocab)}")
+        raise InvalidInputError(f"every pair must share one vocabulary size, got {sorted(vocab)}")
     starts: list[tuple[int, int] | None]
-    if isinstance(docs, int):
-        starts = [None] * docs
+    if isinstance(docs, int | np.integer) and not isinstance(docs, bool):
+        starts = [None] * _count("docs", docs, 1)
     else:
-        starts = [
-            (s, s) if isinstance(s, int | np.integer) else (int(s[0]), int(s[1])) for s in docs
-        ]
-    window = horizon - 1 if window is None else window
+        starts = [_start_pair(s) for s in docs]
+    horizon = _count("horizon", horizon, 1)
+    window = horizon - 1 if window is None else _count("window", window, 0)
+    branches = _count("branches", branches, 1)
+    replicates = _count("replicates", replicates, 1)
     layout = StoreLayout(
         doc_ids=[f"doc{d:04d}" for d in range(len(starts))],
         policies=list(emitters),
@@ -276,6 +252,7 @@ def write_synthetic_trace_store(
         vocab_size=vocab.pop(),
         record=Record.parse(record),
     )
+    seed = check_seed(seed)
     attrs = {
         "model_id": model_id,
         "model_revision": "",
@@ -307,6 +284,46 @@ def write_synthetic_trace_store(
     return Path(path)
 
 
+def _count(name: str, value: Any, least: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int | np.integer) or value < least:
+        raise InvalidInputError(f"{name} must be an integer >= {least}, got {value!r}")
+    return int(value)
+
+
+def _start_pair(s: Any) -> tuple[int, int]:
+    """A document's start: one state (Markov pairs: the start token) or ``(p_state, q_state)``."""
+    if isinstance(s, int | np.integer) and not isinstance(s, bool):
+        return int(s), int(s)
+    if (
+        isinstance(s, tuple | list)
+        and len(s) == 2
+        and all(isinstance(x, int | np.integer) and not isinstance(x, bool) for x in s)
+    ):
+        return int(s[0]), int(s[1])
+    raise InvalidInputError(
+        f"a document start must be a state (int) or a (p_state, q_state) pair, got {s!r}"
+    )
+
+
+def parse_starts(text: str) -> list[tuple[int, int]]:
+    """``--starts``: ``'a,b,c'`` (one state per document) or ``'sp:sq,...'``."""
+    out = []
+    for item in text.split(","):
+        fields = item.strip().split(":")
+        try:
+            if len(fields) > 2:
+                raise ValueError
+            states = [int(f) for f in fields]
+        except ValueError:
+            raise InvalidInputError(
+                f"--starts: {item.strip()!r} is not a state or sp:sq (integers), in {text!r}"
+            ) from None
+        if min(states) < 0:
+            raise InvalidInputError(f"--starts: {item.strip()!r} has a negative state")
+        out.append((states[0], states[-1]))
+    return out
+
+
 def _parse_policy(text: str) -> tuple[str, str]:
     name, sep, file = text.partition("=")
     if not sep:
@@ -316,12 +333,9 @@ def _parse_policy(text: str) -> tuple[str, str]:
 
 def _run(args: argparse.Namespace) -> int:
     pairs = dict(_parse_policy(t) for t in args.pair)
-    docs: int | list[tuple[int, int] | int] = args.docs
+    docs: int | list[tuple[int, int]] = args.docs
     if args.starts:
-        docs = [
-            int(s) if ":" not in s else tuple(map(int, s.split(":")))  # type: ignore[misc]
-            for s in args.starts.split(",")
-        ]
+        docs = parse_starts(args.starts)
     path = write_synthetic_trace_store(
         args.out,
         pairs,
@@ -349,16 +363,24 @@ def register_trace_store(subparsers: Any) -> None:
         "pair", nargs="+", help="pair files (.npz), optionally NAME=FILE; one per policy"
     )
     p.add_argument("--out", required=True, help="the store to write (created or resumed)")
-    p.add_argument("-T", "--horizon", type=int, required=True)
-    p.add_argument("-L", "--window", type=int, default=None, help="default: T-1 (to the horizon)")
-    p.add_argument("-K", "--branches", type=int, default=1)
-    p.add_argument("-R", "--replicates", type=int, default=64)
-    p.add_argument("--docs", type=int, default=1, help="documents from the pairs' start states")
+    p.add_argument("-T", "--horizon", type=cliargs.positive, required=True)
+    p.add_argument(
+        "-L",
+        "--window",
+        type=cliargs.nonnegative,
+        default=None,
+        help="default: T-1 (to the horizon)",
+    )
+    p.add_argument("-K", "--branches", type=cliargs.positive, default=1)
+    p.add_argument("-R", "--replicates", type=cliargs.positive, default=64)
+    p.add_argument(
+        "--docs", type=cliargs.positive, default=1, help="documents from the pairs' start states"
+    )
     p.add_argument(
         "--starts",
         default=None,
         help="one start per document: 'a,b,c' (Markov) or 'sp:sq,...' (emitters)",
     )
     p.add_argument("--record", default="summary", help="summary, topk:K or full")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=cliargs.seed, default=0)
     p.set_defaults(func=_run)

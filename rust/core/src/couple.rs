@@ -182,6 +182,13 @@ pub fn couple(
             u.len()
         )));
     }
+    if let Some(a) = atol {
+        if a.is_nan() || a < 0.0 {
+            return Err(KvError::InvalidArgument(format!(
+                "atol must be >= 0, got {a}"
+            )));
+        }
+    }
     let atol = atol.unwrap_or_else(|| default_atol(p.dtype()));
     let out: Vec<KvResult<Draw>> = parallel::install(|| {
         (0..rows)

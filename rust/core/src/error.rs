@@ -18,6 +18,9 @@ pub enum KvError {
     /// A synthetic kernel or pair that is not well formed.
     #[error("invalid kernel: {0}")]
     InvalidKernel(String),
+    /// The computation was cancelled (see [`crate::cancel`]).
+    #[error("interrupted")]
+    Interrupted,
 }
 
 pub type KvResult<T> = Result<T, KvError>;

@@ -4,6 +4,7 @@
 //! - [`couple`]: the stepwise maximal coupling sampler;
 //! - [`transform`]: the decoding transform (temperature, top-k, top-p) shared with the tracer.
 
+pub mod cancel;
 pub mod couple;
 pub mod divergence;
 pub mod error;

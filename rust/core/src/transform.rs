@@ -35,6 +35,13 @@ impl Transform {
                 self.temperature
             )));
         }
+        if !(1.0 / self.temperature).is_finite() {
+            return Err(KvError::InvalidArgument(format!(
+                "temperature = {:e} is too small: 1 / temperature overflows float64 \
+                 (use top_k=1 for greedy decoding)",
+                self.temperature
+            )));
+        }
         if self.top_k == Some(0) {
             return Err(KvError::InvalidArgument("top_k must be >= 1".into()));
         }
@@ -53,11 +60,18 @@ impl Transform {
     /// Returns false when the row holds a NaN or +inf logit (-inf means "masked" and is fine).
     pub fn apply(&self, row: &mut [f64], scratch: &mut Vec<usize>) -> bool {
         let inv_t = 1.0 / self.temperature;
-        for z in row.iter_mut() {
-            if z.is_nan() || *z == f64::INFINITY {
+        let mut max = f64::NEG_INFINITY;
+        for &z in row.iter() {
+            if z.is_nan() || z == f64::INFINITY {
                 return false;
             }
-            *z *= inv_t;
+            max = max.max(z);
+        }
+        // At small temperatures z / t can overflow; softmax is shift-invariant, so then scale
+        // z - max (<= 0) instead, which cannot reach +inf.
+        let shift = if (max * inv_t).is_finite() { 0.0 } else { max };
+        for z in row.iter_mut() {
+            *z = (*z - shift) * inv_t;
         }
         let v = row.len();
         if let Some(k) = self.top_k {
@@ -121,6 +135,23 @@ fn softmax_in_place(row: &mut [f64]) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn tiny_temperatures_do_not_overflow() {
+        let t = Transform {
+            temperature: 1e-300,
+            ..Transform::default()
+        };
+        assert!(t.validate().is_ok());
+        assert_eq!(apply(t, &[1.0, 3.0, 2.0]), vec![0.0, 1.0, 0.0]);
+        let huge = [-1e300, -2e300];
+        assert_eq!(apply(t, &huge), vec![1.0, 0.0]);
+        let t = Transform {
+            temperature: 1e-320,
+            ..Transform::default()
+        };
+        assert!(t.validate().is_err());
+    }
 
     fn apply(t: Transform, logits: &[f64]) -> Vec<f64> {
         let mut row = logits.to_vec();

@@ -4,10 +4,13 @@
 //! Rust panic is caught at the boundary (a bug; never undefined behaviour).
 
 use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::sync::mpsc::{self, RecvTimeoutError};
+use std::time::Duration;
 
+use kvcouple_core::cancel::Cancel;
 use kvcouple_core::KvError;
 use pyo3::create_exception;
-use pyo3::exceptions::{PyRuntimeError, PyValueError};
+use pyo3::exceptions::{PyKeyboardInterrupt, PyRuntimeError, PyValueError};
 use pyo3::prelude::*;
 
 create_exception!(
@@ -42,6 +45,51 @@ pub fn to_py(e: KvError) -> PyErr {
         KvError::InvalidRow { .. } | KvError::InvalidArgument(_) => {
             InvalidInputError::new_err(e.to_string())
         }
+        KvError::Interrupted => PyKeyboardInterrupt::new_err("interrupted"),
+    }
+}
+
+/// How often a waiting binding looks for Ctrl-C (and other signals).
+const SIGNAL_POLL: Duration = Duration::from_millis(50);
+
+/// Run a long core computation on a helper thread with the GIL released, checking for Python
+/// signals while it runs: on Ctrl-C the computation is cancelled and the signal's exception
+/// (KeyboardInterrupt) raised once it has stopped.
+pub fn interruptible<T: Send>(
+    py: Python<'_>,
+    f: impl FnOnce(&Cancel) -> Result<T, KvError> + Send,
+) -> PyResult<T> {
+    let cancel = Cancel::new();
+    let mut signal: Option<PyErr> = None;
+    let out = py.detach(|| {
+        std::thread::scope(|s| {
+            let (tx, rx) = mpsc::channel();
+            let cancel = &cancel;
+            s.spawn(move || {
+                let _ = tx.send(guard(|| f(cancel)));
+            });
+            loop {
+                match rx.recv_timeout(SIGNAL_POLL) {
+                    Ok(r) => return r,
+                    Err(RecvTimeoutError::Timeout) => {
+                        if signal.is_none() {
+                            if let Err(e) = Python::attach(|py| py.check_signals()) {
+                                signal = Some(e);
+                                cancel.cancel();
+                            }
+                        }
+                    }
+                    Err(RecvTimeoutError::Disconnected) => {
+                        return Err(InternalError::new_err("the computation thread stopped"));
+                    }
+                }
+            }
+        })
+    });
+    // A signal wins even if the computation finished before it saw the cancel.
+    match signal {
+        Some(e) => Err(e),
+        None => out,
     }
 }
 

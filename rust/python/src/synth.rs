@@ -14,7 +14,7 @@ use numpy::{
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
-use crate::errors::{guard, InvalidInputError, InvalidKernelError};
+use crate::errors::{guard, interruptible, InvalidInputError, InvalidKernelError};
 
 type PairArrays<'py> = (
     Bound<'py, PyArray2<f64>>,
@@ -139,7 +139,7 @@ pub fn synth_exact<'py>(
 ) -> PyResult<Bound<'py, PyDict>> {
     let pr = pair(p_emit, p_next, p_start, q_emit, q_next, q_start)?;
     let (t, l) = (count("horizon", horizon)?, count("window", window)?);
-    let e = py.detach(|| guard(|| exact::exact(&pr, t, l)))?;
+    let e = interruptible(py, |c| exact::exact_with(&pr, t, l, c))?;
     let d = PyDict::new(py);
     d.set_item("horizon", e.horizon)?;
     d.set_item("window", e.window)?;
@@ -208,7 +208,7 @@ pub fn synth_simulate<'py>(
         seed,
         trace_to_horizon,
     };
-    let out = py.detach(|| guard(|| montecarlo::simulate(&pr, &o)))?;
+    let out = interruptible(py, |c| montecarlo::simulate_with(&pr, &o, c))?;
     let d = PyDict::new(py);
     let lag_shape = [o.replicates, out.lags];
     d.set_item("occurrence", out.occurrence.into_pyarray(py))?;

@@ -12,6 +12,7 @@
 //! states of one residual; memory `O(S_P * S_Q * (min(L, T) + 2))`. For S = V = 16, T = L = 64
 //! that is about 3e8 multiply-adds: well under a second.
 
+use crate::cancel::{Cancel, NEVER};
 use crate::error::{KvError, KvResult};
 use crate::synth::kernel::{Kernel, KernelPair};
 use crate::synth::step::{self, StepStats};
@@ -149,8 +150,32 @@ fn residual_successors(k: &Kernel, state: usize, res: &[f64], total: f64) -> Vec
     out
 }
 
+/// The most multiply-adds the exact solver accepts (its worst case for the pair's sizes): at
+/// a few 1e8 per second per core this is minutes, beyond which the Monte Carlo estimators are
+/// the tool.
+pub const MAX_EXACT_WORK: f64 = 3e11;
+
+/// Worst-case multiply-adds of [`exact`]: `T * A * (V + R_P R_Q) * (min(L, T) + 2)` with all
+/// `A = S_P S_Q` state pairs reachable and `R = min(V, S)`.
+pub fn exact_work(pair: &KernelPair, horizon: usize, window: usize) -> f64 {
+    let (p, q, v) = (&pair.p, &pair.q, pair.vocab() as f64);
+    let a = p.states as f64 * q.states as f64;
+    let r = p.states.min(pair.vocab()) as f64 * q.states.min(pair.vocab()) as f64;
+    horizon as f64 * a * (v + r) * (window.min(horizon) as f64 + 2.0)
+}
+
 /// Exact quantities of the pair for horizon `T` and window `L` (`L >= T`: the whole horizon).
 pub fn exact(pair: &KernelPair, horizon: usize, window: usize) -> KvResult<ExactResult> {
+    exact_with(pair, horizon, window, &NEVER)
+}
+
+/// [`exact`], stopping with [`KvError::Interrupted`] soon after `cancel` is set.
+pub fn exact_with(
+    pair: &KernelPair,
+    horizon: usize,
+    window: usize,
+    cancel: &Cancel,
+) -> KvResult<ExactResult> {
     check_horizon(horizon)?;
     let (p, q) = (&pair.p, &pair.q);
     let t_max = horizon;
@@ -165,6 +190,18 @@ pub fn exact(pair: &KernelPair, horizon: usize, window: usize) -> KvResult<Exact
             "{} x {} state pairs with {classes} lag classes are too many for the exact solver \
              (reduce the states or the window)",
             p.states, q.states
+        )));
+    }
+    let work = exact_work(pair, horizon, window);
+    if work > MAX_EXACT_WORK {
+        return Err(KvError::InvalidArgument(format!(
+            "horizon = {horizon} with window = {window} on {} x {} states (vocab {}) needs up \
+             to {work:.2e} operations in the exact solver, above its limit of \
+             {MAX_EXACT_WORK:.0e}: use a shorter horizon or window, or the Monte Carlo \
+             estimators",
+            pair.p.states,
+            pair.q.states,
+            pair.vocab()
         )));
     }
     let n_lags = window.min(t_max - 1);
@@ -185,6 +222,7 @@ pub fn exact(pair: &KernelPair, horizon: usize, window: usize) -> KvResult<Exact
     for t in 1..=t_max {
         nxt.clear(q.states);
         for i in 0..cur.pairs.len() {
+            cancel.check()?; // one pair's work is at most V + R^2 times the lag classes
             let (sp, sq) = cur.pairs[i];
             let (a, b) = (p.row(sp), q.row(sq));
             let st: StepStats = step::stats(a, b);

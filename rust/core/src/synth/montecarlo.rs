@@ -13,6 +13,7 @@
 
 use rayon::prelude::*;
 
+use crate::cancel::{Cancel, NEVER};
 use crate::error::{KvError, KvResult};
 use crate::parallel;
 use crate::synth::exact::check_horizon;
@@ -282,6 +283,7 @@ fn run<S: Stepper>(
     steps: &S,
     o: &McOptions,
     lags: usize,
+    cancel: &Cancel,
 ) -> (Vec<Replicate>, Vec<f64>, Vec<f64>) {
     let n = o.replicates;
     let width = lags.max(1); // chunks of 0 are not allowed; trimmed below
@@ -294,6 +296,9 @@ fn run<S: Stepper>(
             .enumerate()
             .with_min_len(64)
             .map_init(Scratch::default, |scratch, (i, (tv, w))| {
+                if cancel.is_cancelled() {
+                    return Replicate::default(); // discarded: simulate returns Interrupted
+                }
                 let mut rng = Rng::stream(o.seed, i as u64);
                 let by_lag = LagRows {
                     tv_sum: &mut tv[..lags],
@@ -315,6 +320,11 @@ fn run<S: Stepper>(
 
 /// Run `o.replicates` replicates of the chosen estimator.
 pub fn simulate(pair: &KernelPair, o: &McOptions) -> KvResult<McOutput> {
+    simulate_with(pair, o, &NEVER)
+}
+
+/// [`simulate`], stopping with [`KvError::Interrupted`] soon after `cancel` is set.
+pub fn simulate_with(pair: &KernelPair, o: &McOptions, cancel: &Cancel) -> KvResult<McOutput> {
     check_horizon(o.horizon)?;
     if o.replicates == 0 {
         return Err(KvError::InvalidArgument(
@@ -340,9 +350,10 @@ pub fn simulate(pair: &KernelPair, o: &McOptions) -> KvResult<McOutput> {
     }
     // Small pairs get precomputed step tables; both steppers give identical tokens.
     let (reps, tv_sum, weight) = match TableStepper::build(pair) {
-        Some(table) => run(pair, &table, o, lags),
-        None => run(pair, &RowStepper(pair), o, lags),
+        Some(table) => run(pair, &table, o, lags, cancel),
+        None => run(pair, &RowStepper(pair), o, lags, cancel),
     };
+    cancel.check()?;
     let col = |f: fn(&Replicate) -> f64| reps.iter().map(f).collect::<Vec<f64>>();
     let rb = o.method == Method::Rb;
     Ok(McOutput {

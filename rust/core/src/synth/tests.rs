@@ -131,3 +131,29 @@ fn constructions_attain_the_interval_ends() {
         assert!(e.expected_mismatches <= e.interval_upper() + 1e-12);
     }
 }
+
+#[test]
+fn cancelled_solvers_stop_with_interrupted() {
+    use crate::cancel::Cancel;
+    use crate::error::KvError;
+    use crate::synth::exact::exact_with;
+    use crate::synth::montecarlo::simulate_with;
+
+    let pr = pair(3, 4, 3, false);
+    let c = Cancel::new();
+    assert!(exact_with(&pr, 8, 8, &c).is_ok());
+    c.cancel();
+    assert_eq!(exact_with(&pr, 8, 8, &c), Err(KvError::Interrupted));
+    let o = opts(Method::Rb, 8, 8, 100);
+    assert!(matches!(
+        simulate_with(&pr, &o, &c),
+        Err(KvError::Interrupted)
+    ));
+}
+
+#[test]
+fn exact_refuses_work_beyond_its_limit() {
+    let pr = pair(3, 16, 16, false);
+    let e = crate::synth::exact::exact(&pr, 100_000, 100_000).unwrap_err();
+    assert!(e.to_string().contains("horizon = 100000"), "{e}");
+}
