@@ -103,7 +103,8 @@ def main(argv: list[str] | None = None) -> int:
         if debug:
             raise
         message, code = describe(e)
-    print(f"kvcouple {args.command}: error: {message}", file=sys.stderr)
+    sub = [v for k, v in vars(args).items() if k.endswith("_command") and isinstance(v, str)]
+    print(f"kvcouple {' '.join([args.command, *sub])}: error: {message}", file=sys.stderr)
     return code
 
 

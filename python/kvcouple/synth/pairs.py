@@ -212,7 +212,20 @@ def save_pair(pair: KernelPair, path: str | os.PathLike[str], *, markov: bool = 
 
 
 def pair_from_mapping(f: Any, where: str = "pair") -> KernelPair:
-    """A pair from a mapping with the emitter keys or the Markov shorthand ``P, Q, start``."""
+    """A pair from a mapping with the emitter keys or the Markov shorthand ``P, Q, start``.
+
+    Errors are :class:`~kvcouple.InvalidKernelError` whose message starts with ``where``."""
+    if not hasattr(f, "keys"):
+        raise InvalidKernelError(f"{where}: expected a mapping of arrays, got {type(f).__name__}")
+    try:
+        return _pair_from_mapping(f, where)
+    except InvalidKernelError as e:
+        if str(e).startswith(where):
+            raise
+        raise InvalidKernelError(f"{where}: {e}") from None
+
+
+def _pair_from_mapping(f: Any, where: str) -> KernelPair:
     keys = set(f.keys())
     if set(EMITTER_KEYS) <= keys:
         return KernelPair(

@@ -253,6 +253,10 @@ def write_synthetic_trace_store(
         record=Record.parse(record),
     )
     seed = check_seed(seed)
+    for s in starts:  # checked before the store is created
+        if s is not None:
+            for e in emitters.values():
+                with_starts(e, *s)
     attrs = {
         "model_id": model_id,
         "model_revision": "",
