@@ -54,6 +54,14 @@ def finite_float(text: str) -> float:
     return x
 
 
+def nonnegative_float(text: str) -> float:
+    """A finite float >= 0."""
+    x = finite_float(text)
+    if not x >= 0:
+        raise argparse.ArgumentTypeError(f"{text} is not a number >= 0")
+    return x
+
+
 def positive_float(text: str) -> float:
     """A finite float > 0."""
     x = finite_float(text)

@@ -5,16 +5,30 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
 from typing import Any
 
+from kvcouple import cliargs
 from kvcouple.errors import ResourceLimitError, StoreError
+from kvcouple.textsafe import terminal
 
 
 def _analyze(args: argparse.Namespace) -> int:
     from kvcouple.analysis.engine import analyze
     from kvcouple.analysis.plan import PlanError
     from kvcouple.analysis.report import write_report
+    from kvcouple.errors import InvalidInputError, MissingExtraError, require
 
+    out_dir = Path(args.out)
+    if out_dir.exists() and not out_dir.is_dir():
+        raise InvalidInputError(f"--out {args.out} exists and is not a directory")
+    figures = not args.no_figures
+    if figures:
+        try:
+            require("matplotlib", "the report's figures")
+        except MissingExtraError as e:
+            print(f"warning: {e}; writing the report without figures", file=sys.stderr)
+            figures = False
     try:
         result = analyze(
             args.stores,
@@ -36,11 +50,12 @@ def _analyze(args: argparse.Namespace) -> int:
     except (StoreError, PlanError, ResourceLimitError) as e:
         print(f"kvcouple analyze: error: {e}", file=sys.stderr)
         return 2
-    out = write_report(
-        result, args.out, figures=not args.no_figures, html_report=not args.no_figures
-    )
+    out = write_report(result, args.out, figures=figures, html_report=not args.no_figures)
     for s in result.skipped:
-        print(f"skipped {s['doc_id']} ({s['store']}): {s['reason']}", file=sys.stderr)
+        print(
+            f"skipped {terminal(s['doc_id'])} ({terminal(s['store'])}): {terminal(s['reason'])}",
+            file=sys.stderr,
+        )
     n_bad = len(result.checks())
     if n_bad:
         print(
@@ -61,7 +76,7 @@ def _analyze(args: argparse.Namespace) -> int:
                     f"E[M]/T in the sharp interval [{lo['estimate']:.4g}, "
                     f"{hi['estimate']:.4g}] (CI [{lo['ci_low']:.4g}, {hi['ci_high']:.4g}])"
                 )
-            print(f"{m.model} {pol}: {what} over {r['n_docs']} docs")
+            print(f"{terminal(m.model)} {terminal(pol)}: {what} over {r['n_docs']} docs")
     print(f"plan hash {result.plan_hash}; wrote {out}")
     return 0
 
@@ -114,6 +129,15 @@ def _info(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(info, indent=1, default=str))
         return 0
+    # Ids and names come from the store: shown with control characters escaped.
+    info = {
+        k: [terminal(x) for x in v]
+        if isinstance(v, list)
+        else terminal(v)
+        if isinstance(v, str)
+        else v
+        for k, v in info.items()
+    }
     size = info["size_bytes"]
     where = f"{size / 1e9:.3g} GB on disk" if size is not None else "object storage"
     print(
@@ -137,7 +161,7 @@ def _info(args: argparse.Namespace) -> int:
         problems = info["problems"]
         print(f"  check     {'no problems' if not problems else f'{len(problems)} problems'}")
         for m in problems[:20]:
-            print(f"    {m}")
+            print(f"    {terminal(m)}")
         return 1 if problems else 0
     return 0
 
@@ -154,7 +178,7 @@ def register(subparsers: Any) -> None:
     p.add_argument("--out", required=True, help="folder for tables, figures and report.html")
     p.add_argument(
         "--window",
-        type=int,
+        type=cliargs.nonnegative,
         default=None,
         help="observation window L_w for the window/tail split (default: stored L)",
     )
@@ -182,17 +206,19 @@ def register(subparsers: Any) -> None:
     p.add_argument("--scheduler", default=None, help="Dask scheduler address (tcp://host:port)")
     p.add_argument(
         "--worker-threads",
-        type=int,
+        type=cliargs.positive,
         default=None,
         help="Rust threads per Dask worker (default: KVCOUPLE_NUM_THREADS in the workers' "
         "environment, else the worker's nthreads, so workers do not oversubscribe cores)",
     )
-    p.add_argument("--n-boot", type=int, default=None, help="bootstrap resamples (2000)")
-    p.add_argument("--seed", type=int, default=None, help="bootstrap seed (0)")
-    p.add_argument("--ci", type=float, default=0.95, help="confidence level")
+    p.add_argument(
+        "--n-boot", type=cliargs.positive, default=None, help="bootstrap resamples (2000)"
+    )
+    p.add_argument("--seed", type=cliargs.seed, default=None, help="bootstrap seed (0)")
+    p.add_argument("--ci", type=cliargs.unit_open, default=0.95, help="confidence level")
     p.add_argument(
         "--tolerance",
-        type=float,
+        type=cliargs.nonnegative_float,
         default=None,
         help="recorded vs recomputed TV tolerance (default by stored dtype: "
         "float16 2e-3, bfloat16 1e-2, float32 1e-5)",
@@ -200,7 +226,7 @@ def register(subparsers: Any) -> None:
     p.add_argument(
         "--no-recompute", action="store_true", help="skip recomputing TVs from full/top-k records"
     )
-    p.add_argument("--io-threads", type=int, default=2, help="chunks decoded ahead")
+    p.add_argument("--io-threads", type=cliargs.positive, default=2, help="chunks decoded ahead")
     p.add_argument("--no-figures", action="store_true", help="tables only")
     p.set_defaults(func=_analyze)
 

@@ -18,10 +18,13 @@ so that ``n_workers x threads`` stays within the machine; to choose it yourself 
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+import numpy as np
 
 from kvcouple.analysis import stats as st
 from kvcouple.analysis.estimates import ESTIMATORS, UnitEstimate, estimate_unit
@@ -32,7 +35,7 @@ from kvcouple.analysis.reading import (
     recompute_full,
     recompute_topk,
 )
-from kvcouple.errors import StoreError
+from kvcouple.errors import InvalidInputError, StoreError, require
 from kvcouple.store.reader import TraceStoreReader, check_memory
 
 
@@ -146,9 +149,13 @@ def _client(client: Any, scheduler: str | None) -> tuple[Any, bool]:
         return client, False
     if scheduler is None:
         return None, False
+    require("distributed", "--scheduler")
     from distributed import Client
 
-    return Client(scheduler), True
+    try:
+        return Client(scheduler, timeout=_CONNECT_TIMEOUT), True
+    except (OSError, TimeoutError) as e:
+        raise InvalidInputError(f"scheduler = {scheduler!r}: cannot connect ({e})") from None
 
 
 def _run_docs(
@@ -186,6 +193,78 @@ def _select_docs(info: TraceStoreReader, plan: Plan | None, doc_set: str) -> lis
     return [i for i in info.done if info.doc_ids[i] in wanted]
 
 
+_CONNECT_TIMEOUT = 5  # seconds to reach a Dask scheduler (distributed's default is 30)
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int | np.integer) and not isinstance(v, bool)
+
+
+def check_options(
+    *,
+    window: Any = None,
+    worker_threads: Any = None,
+    tolerance: Any = None,
+    n_boot: Any = None,
+    seed: Any = None,
+    ci: Any = 0.95,
+    io_threads: Any = 2,
+    scheduler: Any = None,
+) -> None:
+    """Refuse bad :func:`analyze` options up front (before any store is opened), naming each;
+    a scheduler address is tried for a few seconds (refused: not reachable)."""
+    for name, v, least in (
+        ("window", window, 0),
+        ("worker_threads", worker_threads, 1),
+        ("n_boot", n_boot, 1),
+        ("seed", seed, 0),
+    ):
+        if v is not None and (not _is_int(v) or v < least):
+            raise InvalidInputError(f"{name} must be an integer >= {least}, got {v!r}")
+    if not _is_int(io_threads) or not 1 <= io_threads <= 1024:
+        raise InvalidInputError(f"io_threads must be an integer in [1, 1024], got {io_threads!r}")
+    if seed is not None and seed >= 2**64:
+        raise InvalidInputError(f"seed must be below 2**64, got {seed}")
+    if tolerance is not None and not (
+        isinstance(tolerance, int | float | np.floating)
+        and math.isfinite(tolerance)
+        and tolerance >= 0
+    ):
+        raise InvalidInputError(f"tolerance must be a finite number >= 0, got {tolerance!r}")
+    if not (isinstance(ci, int | float | np.floating) and 0 < ci < 1):
+        raise InvalidInputError(f"ci must be a confidence level in (0, 1), got {ci!r}")
+    if scheduler is not None:
+        _check_scheduler(scheduler)
+
+
+def _check_scheduler(scheduler: Any) -> None:
+    """A ``tcp://host:port`` address must accept a connection within a few seconds."""
+    import socket
+    from urllib.parse import urlsplit
+
+    if not isinstance(scheduler, str) or not scheduler:
+        raise InvalidInputError(
+            f"scheduler must be an address such as tcp://host:8786, got {scheduler!r}"
+        )
+    parts = urlsplit(scheduler if "://" in scheduler else f"tcp://{scheduler}")
+    if parts.scheme not in ("tcp", "tls"):
+        return  # other transports (inproc, ucx): let distributed judge
+    try:
+        host, port = parts.hostname, parts.port
+    except ValueError as e:
+        raise InvalidInputError(f"scheduler = {scheduler!r}: {e}") from None
+    if not host or port is None:
+        raise InvalidInputError(
+            f"scheduler = {scheduler!r} needs a host and a port (tcp://host:8786)"
+        )
+    try:
+        socket.create_connection((host, port), timeout=_CONNECT_TIMEOUT).close()
+    except OSError as e:
+        raise InvalidInputError(
+            f"scheduler = {scheduler!r} is not reachable ({e.strerror or e})"
+        ) from None
+
+
 def analyze(
     stores: str | os.PathLike[str] | list[str | os.PathLike[str]],
     *,
@@ -215,6 +294,16 @@ def analyze(
     documents raise :class:`~kvcouple.errors.StoreError` unless ``allow_incomplete``, which
     skips them (listed in ``result.skipped``).
     """
+    check_options(
+        window=window,
+        worker_threads=worker_threads,
+        tolerance=tolerance,
+        n_boot=n_boot,
+        seed=seed,
+        ci=ci,
+        io_threads=io_threads,
+        scheduler=scheduler,
+    )
     paths = [stores] if isinstance(stores, str | os.PathLike) else list(stores)
     if not paths:
         raise ValueError("give at least one trace store")

@@ -7,6 +7,8 @@ import io
 from pathlib import Path
 from typing import Any
 
+from kvcouple.textsafe import terminal
+
 Rows = list[dict[str, Any]]
 
 
@@ -32,13 +34,18 @@ def _horizons(tables: dict[str, Rows]) -> dict[str, int]:
     return out
 
 
+def _text(s: Any) -> str:
+    """A model or policy name as plot text: control characters escaped, no mathtext."""
+    return terminal(s).replace("$", r"\$")
+
+
 def _curve_plot(ax: Any, tables: dict[str, Rows], curve: str) -> None:
     for model, pol in _series(tables):
         rows = sorted(
             _get(tables["curves"], model=model, policy=pol, curve=curve), key=lambda r: r["x"]
         )
         x = [r["x"] for r in rows]
-        line = ax.plot(x, [r["estimate"] for r in rows], marker=".", label=f"{model} {pol}")
+        line = ax.plot(x, [r["estimate"] for r in rows], marker=".", label=_text(f"{model} {pol}"))
         ax.fill_between(
             x,
             [r["ci_low"] for r in rows],
@@ -76,7 +83,7 @@ def make_figures(tables: dict[str, Rows], folder: Path, stamp: str = "") -> dict
 
     series = _series(tables)
     # Policy specs are long ("snapkv:retain=0.5,window=32,..."): one parameter per line.
-    labels = [f"{m}\n" + p.replace(",", "\n") for m, p in series]
+    labels = [f"{_text(m)}\n" + _text(p).replace(",", "\n") for m, p in series]
 
     def q(model: str, pol: str, name: str) -> dict[str, Any]:
         rows = _get(tables["summary"], model=model, policy=pol, quantity=name)

@@ -21,6 +21,7 @@ import html
 import json
 import math
 import os
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +29,8 @@ from kvcouple.analysis.engine import AnalysisResult
 from kvcouple.analysis.estimates import SCALARS
 from kvcouple.analysis.reading import TOLERANCE
 from kvcouple.analysis.stats import QUANTITIES
+from kvcouple.errors import InvalidInputError, MissingExtraError, require
+from kvcouple.textsafe import markdown_cell, split_markdown_row, terminal
 
 
 def _meta(result: AnalysisResult) -> dict[str, Any]:
@@ -118,11 +121,11 @@ def _write_csv(path: Path, rows: list[dict[str, Any]], columns: list[str] | None
 def _fmt(v: Any) -> str:
     if isinstance(v, float):
         return "nan" if math.isnan(v) else f"{v:.4g}"
-    return str(v)
+    return markdown_cell(v)
 
 
 def markdown_table(rows: list[dict[str, Any]], columns: list[str]) -> str:
-    head = "| " + " | ".join(columns) + " |\n|" + "---|" * len(columns) + "\n"
+    head = "| " + " | ".join(map(markdown_cell, columns)) + " |\n|" + "---|" * len(columns) + "\n"
     return head + "".join(
         "| " + " | ".join(_fmt(r.get(c, "")) for c in columns) + " |\n" for r in rows
     )
@@ -141,7 +144,7 @@ def _json_safe(v: Any) -> Any:
 def markdown_report(result: AnalysisResult, tables: dict[str, list[dict[str, Any]]]) -> str:
     lines = [
         "# kvcouple analysis\n",
-        f"- plan: {result.plan_name or 'none'} (hash `{result.plan_hash}`)",
+        f"- plan: {terminal(result.plan_name or 'none')} (hash `{result.plan_hash}`)",
         f"- documents: {result.doc_set}; estimator: {result.estimator} "
         f"({'mismatch indicators, Rao-Blackwellised' if result.estimator == 'indicator' else 'branch-aligned TVs'})",
         f"- bootstrap: {result.settings.get('n_boot')} document resamples, seed "
@@ -149,7 +152,7 @@ def markdown_report(result: AnalysisResult, tables: dict[str, list[dict[str, Any
         f"percentile intervals",
         "- stores: "
         + ", ".join(
-            f"`{m.store}` ({m.model}: T={m.horizon}, L={m.window}, "
+            f"`{terminal(m.store)}` ({terminal(m.model)}: T={m.horizon}, L={m.window}, "
             f"L_w={m.obs_window}, {len(m.docs)} documents)"
             for m in result.models
         ),
@@ -233,6 +236,14 @@ def markdown_report(result: AnalysisResult, tables: dict[str, list[dict[str, Any
     return "\n".join(lines) + "\n"
 
 
+def _output(out: Path, name: str) -> Path:
+    """``out / name``, with a symbolic link there removed so that writing cannot follow it."""
+    path = out / name
+    if path.is_symlink():
+        path.unlink()
+    return path
+
+
 def write_report(
     result: AnalysisResult,
     out: str | os.PathLike[str],
@@ -240,12 +251,19 @@ def write_report(
     figures: bool = True,
     html_report: bool = True,
 ) -> Path:
-    """Write every table, the figures and the HTML report into ``out``; returns ``out``."""
+    """Write every table, the figures and the HTML report into ``out``; returns ``out``.
+
+    Files are written only inside ``out``: a symbolic link planted where an output goes is
+    replaced by the file, never followed. Without matplotlib (the ``plots`` extra) the report
+    is written without figures, with a warning.
+    """
     out = Path(out)
+    if out.exists() and not out.is_dir():
+        raise InvalidInputError(f"out = {out} exists and is not a directory")
     out.mkdir(parents=True, exist_ok=True)
     tables = tidy_tables(result)
     for name, rows in tables.items():
-        _write_csv(out / f"{name}.csv", rows, EMPTY_COLUMNS.get(name))
+        _write_csv(_output(out, f"{name}.csv"), rows, EMPTY_COLUMNS.get(name))
     payload = {
         "meta": {
             **_meta(result),
@@ -266,17 +284,28 @@ def write_report(
         },
         **tables,
     }
-    (out / "results.json").write_text(json.dumps(_json_safe(payload), indent=1, default=str))
+    _output(out, "results.json").write_text(json.dumps(_json_safe(payload), indent=1, default=str))
     md = markdown_report(result, tables)
-    (out / "report.md").write_text(md)
+    _output(out, "report.md").write_text(md)
     images: dict[str, bytes] = {}
+    if figures:
+        try:
+            require("matplotlib", "the report's figures")
+        except MissingExtraError as e:
+            warnings.warn(f"{e}; writing the report without figures", stacklevel=2)
+            figures = False
     if figures:
         from kvcouple.analysis.figures import make_figures
 
         stamp = f"plan {result.plan_hash[:12]} | {result.estimator} | docs: {result.doc_set}"
-        images = make_figures(tables, out / "figures", stamp)
+        folder = _output(out, "figures")
+        folder.mkdir(exist_ok=True)
+        for f in folder.iterdir():  # links planted inside too
+            if f.is_symlink():
+                f.unlink()
+        images = make_figures(tables, folder, stamp)
     if html_report:
-        (out / "report.html").write_text(html_page(md, images, result.plan_hash))
+        _output(out, "report.html").write_text(html_page(md, images, result.plan_hash))
     return out
 
 
@@ -288,7 +317,7 @@ def html_page(markdown: str, images: dict[str, bytes], plan_hash: str) -> str:
     in_table = False
     for line in markdown.splitlines():
         if line.startswith("|"):
-            cells = [html.escape(c.strip()) for c in line.strip("|").split("|")]
+            cells = [html.escape(c) for c in split_markdown_row(line)]
             if set("".join(cells)) <= set("-"):
                 continue
             tag = "th" if not in_table else "td"
