@@ -25,6 +25,7 @@ from kvcouple.store.writer import VocabularyMismatchError as VocabularyMismatchE
 from kvcouple.tracer.engine import TraceSettings, trace_policy
 from kvcouple.tracer.prefill import attn_implementation, prefill, vocab_size
 from kvcouple.tracer.prompts import Prompt
+from kvcouple.tracer.provenance import provenance
 
 
 @dataclass
@@ -217,6 +218,7 @@ def trace(
         "estimator": "rb",
         "source": "model",
     }
+    attrs.update(provenance(model, model_revision))  # versions, device, resolved revision
     writer = TraceStoreWriter.open(out, layout, attrs)
     done = writer.completed()
     index, count = shard
