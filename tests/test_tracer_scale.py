@@ -12,6 +12,7 @@ import xarray as xr  # noqa: E402
 
 from kvcouple import __version__  # noqa: E402
 from kvcouple.cli import main as cli_main  # noqa: E402
+from kvcouple.testing.tiny_models import tiny_model  # noqa: E402
 from kvcouple.tracer import Prompt, TraceSettings, trace  # noqa: E402
 from kvcouple.tracer.provenance import resolved_revision  # noqa: E402
 
@@ -73,3 +74,120 @@ def test_revision_resolved_from_a_hub_snapshot(tmp_path, capsys):
     assert cli_main([*args, "--quiet", "--device", "cpu"]) == 0
     capsys.readouterr()
     assert xr.open_zarr(out).attrs["model_revision"] == COMMIT
+
+
+# The memory plan ------------------------------------------------------------------------------
+def _live_tensor_bytes(exclude: set[int]) -> int:
+    """Bytes of every distinct CPU tensor storage alive now, except ``exclude`` (the weights)."""
+    import gc
+    import warnings
+
+    seen = {}
+    with warnings.catch_warnings():  # isinstance on deprecated torch module attributes warns
+        warnings.simplefilter("ignore")
+        tensors = [o for o in gc.get_objects() if isinstance(o, torch.Tensor)]
+    for o in tensors:
+        if o.device.type == "cpu":
+            storage = o.untyped_storage()
+            if storage.data_ptr() not in exclude:
+                seen[storage.data_ptr()] = storage.nbytes()
+    return sum(seen.values())
+
+
+@pytest.mark.parametrize("spec", ["recent:retain=0.5", "snapkv:retain=0.5"])
+def test_plan_matches_the_cache_bytes_held_at_the_peak(monkeypatch, spec):
+    """Every tensor alive at each forward of the trace (caches, kept entries, captured query
+    inputs) is counted; the largest count is the plan's cache bytes within 10%."""
+    from kvcouple.policies import parse_policy
+    from kvcouple.tracer import compat, trace_document
+    from kvcouple.tracer.memory import ModelShape, Sizes, plan_document
+
+    m = tiny_model("llama", seed=7, max_position_embeddings=4096)
+    weights = {t.untyped_storage().data_ptr() for t in [*m.parameters(), *m.buffers()]}
+    peak = [0]
+    forward = compat.forward
+
+    def metered(*args, **kw):
+        peak[0] = max(peak[0], _live_tensor_bytes(weights))
+        return forward(*args, **kw)
+
+    monkeypatch.setattr(compat, "forward", metered)
+    n, R, K, T, L = 2048, 4, 2, 6, 3
+    prompt = np.random.default_rng(0).integers(1, 127, n).tolist()
+    settings = TraceSettings(horizon=T, replicates=R, branches=K, window=L, branch_batch=None)
+    trace_document(m, prompt, [spec], settings, seed=1)
+    plan = plan_document(
+        ModelShape.of_model(m), n, [parse_policy(spec)], Sizes(T, R, K, L), branch_batch=None
+    )
+    planned = plan.cache_bytes + plan.capture
+    assert plan.phase == "branches"
+    assert abs(peak[0] - planned) <= 0.1 * planned, (peak[0], planned)
+
+
+def test_auto_branch_batch_is_the_largest_that_fits():
+    from kvcouple.policies import parse_policy
+    from kvcouple.tracer.memory import (
+        MemoryPlanError,
+        ModelShape,
+        Sizes,
+        choose_branch_batch,
+        plan_document,
+    )
+
+    shape = ModelShape.of_model(model("llama"))
+    pols = [parse_policy("snapkv:retain=0.5"), parse_policy("recent:budget=8")]
+    sizes = Sizes(horizon=16, replicates=4, branches=3, window=4)
+    peaks = [plan_document(shape, 300, pols, sizes, b).peak for b in range(1, 13)]
+    assert all(a < b for a, b in zip(peaks, peaks[1:], strict=False))  # grows with the batch
+    for b in (1, 5, 12):
+        chosen = choose_branch_batch(shape, 300, pols, sizes, peaks[b - 1] + 1, doc_id="d")
+        assert chosen.branch_batch == b and chosen.fits
+    just_below = choose_branch_batch(shape, 300, pols, sizes, peaks[6] - 1)
+    assert just_below.branch_batch == 6
+    with pytest.raises(MemoryPlanError, match=r"'d' \(300 prompt tokens\) needs .* at its peak"):
+        choose_branch_batch(shape, 300, pols, sizes, peaks[0] - 1, doc_id="d")
+
+
+def test_a_document_that_cannot_fit_is_refused_before_the_store_is_written(tmp_path):
+    from kvcouple.tracer.memory import MemoryPlanError, ModelShape
+
+    m = model("llama")
+    weights = ModelShape.of_model(m).weight_bytes
+    prompts = [
+        Prompt("short", tuple(range(1, 13))),
+        Prompt("long", tuple(i % 120 + 1 for i in range(400))),
+    ]
+    settings = TraceSettings(horizon=4, replicates=2, branches=2, window=2)
+    # Enough for the short document, not for the long one.
+    with pytest.raises(MemoryPlanError, match="'long' .* needs"):
+        trace(m, prompts, ["recent:retain=0.5"], settings, tmp_path / "s", memory=weights + 2**21)
+    assert not (tmp_path / "s").exists()
+    # With room for everything the same run traces (auto: every branch at once).
+    summary = trace(
+        m, prompts, ["recent:retain=0.5"], settings, tmp_path / "s", memory=2**30, progress=False
+    )
+    assert summary.traced == [0, 1]
+
+
+def test_dry_run_prints_the_plan_and_writes_nothing(tmp_path, capsys):
+    model_dir = tmp_path / "tiny"
+    model("llama").save_pretrained(model_dir)
+    prompts = _prompt_file(tmp_path / "p.jsonl", [40, 90])
+    out = tmp_path / "run.zarr"
+    base = ["trace", "--model", str(model_dir), "--prompts", str(prompts), "--out", str(out)]
+    base += ["--policy", "snapkv:retain=0.5", "--replicates", "4", "--branches", "2"]
+    base += ["--horizon", "8", "--window", "3", "--dry-run", "--device", "cpu"]
+    assert cli_main(base) == 0
+    text = capsys.readouterr().out
+    assert "memory plan: 2 layers x 2 KV heads x 16" in text and "0.5 KiB per cached token" in text
+    lines = {line.split()[0]: line.split() for line in text.splitlines() if line[:1] == "d"}
+    assert lines["d0"][1] == "40" and lines["d1"][1] == "90"
+    assert lines["d1"][-1] == "8/8"  # no limit on CPU: every branch at once
+    assert not out.exists()
+    # A budget too small for the longer prompt at one branch a time: refused, exit status 1.
+    assert cli_main([*base, "--memory", "0.001", "--branch-batch", "auto"]) == 1
+    text = capsys.readouterr().out
+    assert "DOES NOT FIT" in text and "refused: document 'd1'" in text
+    assert cli_main([*base, "--branch-batch", "0"]) == 2
+    assert "--branch-batch must be 'auto' or an integer >= 1" in capsys.readouterr().err
+    assert not out.exists()

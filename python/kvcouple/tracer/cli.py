@@ -58,9 +58,23 @@ def register(subparsers: Any) -> None:
     p.add_argument("--record", default="summary", help="summary | topk:K | full")
     p.add_argument(
         "--branch-batch",
-        type=int,
+        default="auto",
+        help="most branches traced at once (each holds two cache copies); auto (default): the "
+        "largest that fits the device's free memory (CUDA; on CPU every branch at once)",
+    )
+    p.add_argument(
+        "--memory",
+        type=float,
         default=None,
-        help="most branches traced at once (each holds two cache copies; default: all K x R)",
+        metavar="GIB",
+        help="device memory the run may use in all, weights included, in GiB "
+        "(default: the CUDA device's free memory)",
+    )
+    p.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="print the memory plan of every document (cache bytes for P, Q, branches, "
+        "activations; the chosen branch batch) and exit without loading weights or writing",
     )
     p.add_argument("--temperature", type=float, default=1.0)
     p.add_argument("--top-k", type=int, default=None)
@@ -95,16 +109,7 @@ def _load(load_model: Any, args: argparse.Namespace, extra: dict[str, Any]) -> t
     no tokenizer (its prompts must then be given as input_ids)."""
     from pathlib import Path
 
-    local = Path(args.model) if args.model is not None else None
-    has_tokenizer = (
-        local is None
-        or not local.is_dir()
-        or any(
-            (local / f).exists()
-            for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
-        )
-    )
-    if has_tokenizer:
+    if _has_tokenizer(args):
         return load_model(args.model, device=args.device, dtype=args.dtype, **extra)
     import torch
     from transformers import AutoModelForCausalLM
@@ -113,11 +118,96 @@ def _load(load_model: Any, args: argparse.Namespace, extra: dict[str, Any]) -> t
 
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     extra = {**extra, _dtype_keyword(): _resolve_dtype(args.dtype, device)}
-    assert local is not None
+    local = Path(args.model)
     model = AutoModelForCausalLM.from_pretrained(local, local_files_only=True, **extra)
     model.to(device)  # type: ignore[arg-type]
     model.eval()
     return model, None
+
+
+def _has_tokenizer(args: argparse.Namespace) -> bool:
+    """False for a local model directory without tokenizer files."""
+    from pathlib import Path
+
+    local = Path(args.model) if args.model is not None else None
+    return (
+        local is None
+        or not local.is_dir()
+        or any(
+            (local / f).exists()
+            for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+        )
+    )
+
+
+def _branch_batch(text: str) -> int | str:
+    if text == "auto":
+        return text
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise ValueError(f"--branch-batch must be 'auto' or an integer >= 1, got {text!r}")
+    return value
+
+
+def dry_run(args: argparse.Namespace, policies: list[Any], branch_batch: int | str) -> int:
+    """Print the memory plan of every document of this shard from the model's config and the
+    prompts' lengths (no weights loaded, nothing written); 1 if a document would be refused."""
+    from dataclasses import replace
+    from pathlib import Path
+
+    import torch
+    from transformers import AutoConfig, AutoTokenizer
+
+    from kvcouple.models import _resolve_dtype, default_model_path, default_prompts_path
+    from kvcouple.tracer.memory import (
+        GiB,
+        ModelShape,
+        Sizes,
+        document_budget,
+        format_plan,
+        plan_documents,
+        refusal,
+    )
+    from kvcouple.tracer.prompts import load_prompts
+    from kvcouple.tracer.run import parse_shard
+
+    source = Path(args.model).expanduser() if args.model else default_model_path()
+    kw: dict[str, Any] = {"local_files_only": True} if Path(source).exists() else {}
+    if args.revision:
+        kw["revision"] = args.revision
+    config = AutoConfig.from_pretrained(source, **kw)
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    shape = ModelShape.of_unloaded(config, _resolve_dtype(args.dtype, device))
+    shape = replace(shape, attn_implementation=args.attn)
+    tokenizer = AutoTokenizer.from_pretrained(source, **kw) if _has_tokenizer(args) else None
+    prompts = load_prompts(
+        args.prompts or default_prompts_path(),
+        tokenizer,
+        chat_template=args.chat_template,
+        vocab_size=shape.vocab,
+    )
+    index, count = parse_shard(args.shard)
+    mine = [p for d, p in enumerate(prompts) if d % count == index]
+    memory = None if args.memory is None else int(args.memory * GiB)
+    budget = document_budget(shape, device, memory, loaded=False)
+    where = (
+        f"{args.memory:g} GiB given"
+        if memory is not None
+        else f"free memory of {device}"
+        if budget is not None
+        else "unknown on CPU: no limit"
+    )
+    sizes = Sizes(args.horizon, args.replicates, args.branches, args.window)
+    documents = [(p.id, len(p.input_ids)) for p in mine]
+    plans = plan_documents(shape, documents, policies, sizes, branch_batch, budget, refuse=False)
+    print(format_plan(shape, plans, budget, where))
+    refused = [p for p in plans if not p.fits]
+    for plan in refused:
+        print("refused: " + refusal(plan))
+    return 1 if refused else 0
 
 
 def run(args: argparse.Namespace) -> int:
@@ -135,10 +225,15 @@ def run(args: argparse.Namespace) -> int:
             raise ValueError(f"--{name} must be >= 1, got {getattr(args, name)}")
     if args.window < 0:
         raise ValueError(f"--window must be >= 0, got {args.window}")
-    if args.branch_batch is not None and args.branch_batch < 1:
-        raise ValueError(f"--branch-batch must be >= 1, got {args.branch_batch}")
     if args.attn not in ("sdpa", "eager"):
         raise ValueError(f"--attn must be sdpa or eager, got {args.attn!r}")
+    branch_batch = _branch_batch(args.branch_batch)
+    if args.memory is not None and not args.memory > 0:
+        raise ValueError(f"--memory must be a positive number of GiB, got {args.memory}")
+    if args.dry_run:
+        if args.model is not None and args.prompts is None:
+            raise ValueError("--prompts is required with --model")
+        return dry_run(args, policies, branch_batch)
 
     from kvcouple.models import default_prompts_path, load_model
     from kvcouple.tracer.engine import Decoding, TraceSettings
@@ -168,7 +263,7 @@ def run(args: argparse.Namespace) -> int:
         decoding=decoding,
         record=record,
         eos_token_ids=eos,
-        branch_batch=args.branch_batch,
+        branch_batch=branch_batch,  # type: ignore[arg-type]
     )
     summary = trace(
         model,
@@ -182,6 +277,7 @@ def run(args: argparse.Namespace) -> int:
         shard=shard,
         max_docs=args.max_docs,
         progress=not args.quiet,
+        memory=None if args.memory is None else int(args.memory * 2**30),
     )
     print(summary.format())
     return 0

@@ -19,7 +19,7 @@ drawn in a fixed order, so a document's records depend on nothing else.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 import torch
@@ -69,15 +69,18 @@ class TraceSettings:
     # Absorbing EOS ids; None (the default) means the model's own, resolved by `trace`
     # exactly as `kvcouple trace` does; () means no absorbing EOS.
     eos_token_ids: tuple[int, ...] | None = None
-    # Most branches traced in one batch (each is two rows with a copy of the cache); None: all.
-    branch_batch: int | None = None
+    # Most branches traced in one batch (each is two rows with a copy of the cache); None: all;
+    # "auto": the largest that fits the device, chosen per document by the memory plan
+    # (kvcouple.tracer.memory) in trace/trace_document (every branch when memory is unknown).
+    branch_batch: int | Literal["auto"] | None = "auto"
 
     def __post_init__(self) -> None:
         for name in ("horizon", "replicates", "branches"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.branch_batch is not None and self.branch_batch < 1:
-            raise ValueError(f"branch_batch must be >= 1, got {self.branch_batch}")
+        if self.branch_batch != "auto" and self.branch_batch is not None:
+            if isinstance(self.branch_batch, str) or self.branch_batch < 1:
+                raise ValueError(f"branch_batch must be >= 1 or 'auto', got {self.branch_batch!r}")
         if self.window < 0:
             raise ValueError(f"window must be >= 0, got {self.window}")
 
@@ -333,7 +336,7 @@ def _branches(
     out = _empty_branch_arrays(settings, pre)
     out["branch_step"][:] = times
     rr, kk = np.nonzero(times > 0)
-    size = settings.branch_batch or max(rr.size, 1)
+    size = settings.branch_batch if isinstance(settings.branch_batch, int) else max(rr.size, 1)
     tokens = batches = 0
     for start in range(0, rr.size, size):
         batches += 1

@@ -23,7 +23,8 @@ from kvcouple.policies import Policy, parse_policy
 from kvcouple.store import StoreLayout, TraceStoreWriter
 from kvcouple.store.writer import VocabularyMismatchError as VocabularyMismatchError
 from kvcouple.tracer.engine import TraceSettings, trace_policy
-from kvcouple.tracer.prefill import attn_implementation, prefill, vocab_size
+from kvcouple.tracer.memory import plan_loaded
+from kvcouple.tracer.prefill import prefill, vocab_size
 from kvcouple.tracer.prompts import Prompt
 from kvcouple.tracer.provenance import provenance
 
@@ -54,6 +55,9 @@ def trace_document_records(
 
     pols = [parse_policy(p) if isinstance(p, str) else p for p in policies]
     ids = torch.as_tensor(list(input_ids), dtype=torch.long)
+    if settings.branch_batch == "auto":
+        (plan,) = plan_loaded(model, [(doc_id, len(ids))], pols, settings)
+        settings = replace(settings, branch_batch=plan.branch_batch)
     pre = prefill(model, ids, any(p.NEEDS_QUERIES for p in pols), doc=doc_id)
     traces = []
     for i, pol in enumerate(pols):
@@ -169,16 +173,19 @@ def trace(
     shard: tuple[int, int] = (0, 1),
     max_docs: int | None = None,
     progress: bool = True,
+    memory: int | None = None,
 ) -> RunSummary:
     """Trace every prompt under every policy into the store at ``out`` (created or resumed).
 
     ``max_docs`` stops after that many newly traced documents (the rest stay unfinished, to
-    be finished by the same call again).
+    be finished by the same call again). Before anything is traced every document is planned
+    (:mod:`kvcouple.tracer.memory`) against ``memory`` (bytes of device memory the run may use,
+    weights included; default: the CUDA device's free memory, unknown on CPU): a document that
+    cannot fit is refused up front, and ``branch_batch="auto"`` takes each document's largest
+    branch batch that fits.
     """
     import torch
     from tqdm import tqdm  # type: ignore[import-untyped]
-
-    from kvcouple import __version__
 
     eos_ids = model_eos_ids(model) if settings.eos_token_ids is None else settings.eos_token_ids
     settings = replace(settings, eos_token_ids=eos_ids)
@@ -193,7 +200,6 @@ def trace(
     out = Path(out)
     vocab = vocab_size(model)
     digest = prompts_digest(prompts)
-    dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
     layout = StoreLayout(
         doc_ids=[p.id for p in prompts],
         policies=specs,
@@ -205,24 +211,24 @@ def trace(
         record=settings.record,
     )
     attrs = {
-        "kvcouple_version": __version__,
         "model_id": model_id,
-        "model_revision": model_revision,
-        "dtype": dtype,
         "decoding": settings.decoding.as_dict(),
         "policies": [{"spec": p.spec(), "name": p.name, "params": p.params} for p in pols],
         "seed": seed,
         "eos_token_id": list(eos_ids),
         "prompts_sha256": digest,
-        "attn_implementation": attn_implementation(model),
         "estimator": "rb",
         "source": "model",
+        # Versions, device, dtype, attention implementation, the resolved model revision.
+        **provenance(model, model_revision),
     }
-    attrs.update(provenance(model, model_revision))  # versions, device, resolved revision
-    writer = TraceStoreWriter.open(out, layout, attrs)
-    done = writer.completed()
     index, count = shard
     mine = [d for d in range(len(prompts)) if d % count == index]
+    # Planned before the store is touched: a document that cannot fit is refused up front.
+    documents = [(prompts[d].id, len(prompts[d].input_ids)) for d in mine]
+    plans = dict(zip(mine, plan_loaded(model, documents, pols, settings, memory), strict=True))
+    writer = TraceStoreWriter.open(out, layout, attrs)
+    done = writer.completed()
     todo = [d for d in mine if not done[d]]
     if max_docs is not None:
         todo = todo[:max_docs]
@@ -241,7 +247,7 @@ def trace(
                 model,
                 prompt.input_ids,
                 pols,
-                settings,
+                replace(settings, branch_batch=plans[d].branch_batch),
                 seed=seed,
                 doc_index=d,
                 doc_id=prompt.id,

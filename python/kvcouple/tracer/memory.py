@@ -1,0 +1,433 @@
+"""The memory plan: the peak device memory of tracing one document, known before tracing it.
+
+From the model's shape (layers, KV heads, head size, hidden and MLP widths, vocabulary), the
+dtype, the prompt length, the policies and ``R, K, L, T`` and the branch batch, the plan adds up
+what the tracer holds in each phase of a document and takes the largest:
+
+- **prefill**: the prompt's prefix cache (batch 1), the captured query inputs of attention-scored
+  policies, and the prefill's activations;
+- **select**: the prefix cache, the capture and the costliest scorer's attention buffers;
+- **path**: the prefix cache, the largest kept cache of one policy, the overlap path's P rows
+  and Q rows at their final length ``n - 1 + T``, and one decoding step's activations;
+- **branches**: the path phase plus one batch of branches (each branch is a P row and a Q row
+  copied from its replicate, grown by up to ``L + 1`` steps); decode-time policies replay every
+  branch from the prompt cache at once, after the path's cache is freed.
+
+Cache bytes follow the tracer's layout exactly (they are what the instrumented test checks);
+activations are estimates with some headroom. Weights are not part of a document's peak: they
+are resident already, and the free memory the batch is chosen against excludes them.
+
+``branch_batch="auto"`` picks the largest batch of branches whose peak fits the budget (free
+device memory less a margin); a document that does not fit even at batch 1 raises
+:class:`MemoryPlanError` with the figures, before anything is traced.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvcouple.errors import InvalidInputError
+from kvcouple.policies import Policy, SnapKV
+
+GiB = 2**30
+
+# Share of the budget kept free for the allocator's fragmentation and what the plan does not
+# model (CUDA context, library workspaces).
+DEFAULT_MARGIN = 0.1
+
+# float64 (rows, vocab) temporaries alive at once in one decoding step: the decoding
+# transform, the coupling sampler and the per-step metrics (see torch_coupling, engine).
+_VOCAB_TEMPORARIES = 12
+
+
+class MemoryPlanError(InvalidInputError):
+    """A document whose trace cannot fit the device memory, even one branch at a time."""
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """What of a model decides the tracer's memory."""
+
+    layers: int
+    kv_heads: int
+    head_dim: int
+    query_heads: int
+    hidden: int
+    intermediate: int
+    vocab: int
+    itemsize: int
+    weight_bytes: int
+    attn_implementation: str = "sdpa"
+
+    @property
+    def token_bytes(self) -> int:
+        """One cached token of one row: keys and values of every layer and KV head."""
+        return 2 * self.layers * self.kv_heads * self.head_dim * self.itemsize
+
+    @classmethod
+    def of_config(cls, config: Any, itemsize: int, weight_bytes: int) -> ModelShape:
+        cfg = config.get_text_config() if hasattr(config, "get_text_config") else config
+        heads = int(cfg.num_attention_heads)
+        hidden = int(cfg.hidden_size)
+        head_dim = getattr(cfg, "head_dim", None) or hidden // heads
+        return cls(
+            layers=int(cfg.num_hidden_layers),
+            kv_heads=int(getattr(cfg, "num_key_value_heads", None) or heads),
+            head_dim=int(head_dim),
+            query_heads=heads,
+            hidden=hidden,
+            intermediate=int(getattr(cfg, "intermediate_size", None) or 4 * hidden),
+            vocab=int(cfg.vocab_size),
+            itemsize=itemsize,
+            weight_bytes=weight_bytes,
+            attn_implementation=str(getattr(config, "_attn_implementation", None) or "eager"),
+        )
+
+    @classmethod
+    def of_model(cls, model: Any) -> ModelShape:
+        """The shape of a loaded model; its weights are counted as they are held."""
+        from kvcouple.tracer.prefill import vocab_size
+
+        tensors = [*model.parameters(), *model.buffers()]
+        weight_bytes = sum(t.numel() * t.element_size() for t in tensors)
+        itemsize = next(model.parameters()).element_size()
+        shape = cls.of_config(model.config, itemsize, weight_bytes)
+        # The logits' width can exceed config.vocab_size (padded embeddings).
+        return _replace(shape, vocab=vocab_size(model))
+
+    @classmethod
+    def of_unloaded(cls, config: Any, dtype: Any) -> ModelShape:
+        """The shape of a model from its config alone: weights counted on the meta device."""
+        import torch
+        from transformers import AutoModelForCausalLM
+
+        with torch.device("meta"):
+            meta = AutoModelForCausalLM.from_config(config)
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        numel = sum(t.numel() for t in [*meta.parameters(), *meta.buffers()])
+        shape = cls.of_config(config, itemsize, numel * itemsize)
+        head = meta.get_output_embeddings() if hasattr(meta, "get_output_embeddings") else None
+        if head is not None and hasattr(head, "weight"):
+            shape = _replace(shape, vocab=int(head.weight.shape[0]))
+        return shape
+
+
+def _replace(shape: ModelShape, **changes: Any) -> ModelShape:
+    from dataclasses import replace
+
+    return replace(shape, **changes)
+
+
+@dataclass(frozen=True)
+class Sizes:
+    """The run's sizes a plan depends on (a subset of ``TraceSettings``)."""
+
+    horizon: int
+    replicates: int
+    branches: int
+    window: int
+
+
+@dataclass
+class DocumentPlan:
+    """The planned peak of one document, in bytes, by component."""
+
+    doc_id: str
+    prompt_length: int
+    branch_batch: int  # branches traced at once (decode-time policies replay all at once)
+    branch_count: int  # R x K
+    prompt_cache: int  # the prefix cache, batch 1
+    kept_cache: int  # the largest evicted cache of one policy, batch 1
+    capture: int  # captured query inputs of attention-scored policies
+    scoring: int  # the costliest scorer's attention buffers (while selecting)
+    path_p: int  # P rows of the overlap path at their final length
+    path_q: int  # Q rows of the overlap path at their final length
+    branches: int  # one batch of branches at its final length
+    activations: int  # the largest of the prefill's and one decoding step's
+    peak: int
+    phase: str  # the phase where the peak is
+    budget: int | None = None  # bytes the document may use (None: unknown)
+    phases: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def fits(self) -> bool:
+        return self.budget is None or self.peak <= self.budget
+
+    @property
+    def cache_bytes(self) -> int:
+        """Cache bytes held at the peak of the branch phase (the instrumented quantity)."""
+        return self.prompt_cache + self.kept_cache + self.path_p + self.path_q + self.branches
+
+
+def human(b: int | None) -> str:
+    """Bytes as GiB or MiB."""
+    if b is None:
+        return "unknown"
+    return f"{b / GiB:.2f} GiB" if abs(b) >= GiB else f"{b / 2**20:.1f} MiB"
+
+
+def _kept_counts(policies: Sequence[Policy], n: int) -> list[int]:
+    return [p.kept_count(n) for p in policies]
+
+
+def _scoring_bytes(shape: ModelShape, policy: Policy, n: int) -> int:
+    """Attention buffers a policy's scorer holds while selecting (float32)."""
+    if not policy.NEEDS_QUERIES:
+        return 0
+    n1 = n - 1
+    heads = shape.query_heads
+    keys = heads * n1 * shape.head_dim * 4  # keys repeated over the group, in float32
+    if isinstance(policy, SnapKV):
+        w = min(int(policy.params["window"]), n1)
+        # Every layer's window attention is kept until selection ends, plus the transients
+        # (logits, masked logits) of the layer being scored.
+        return shape.layers * heads * w * n1 * 4 + 2 * heads * w * n1 * 4 + keys
+    # Accumulated attention (H2O and plug-in scorers): chunks of 256 queries.
+    chunk = min(256, n1)
+    return 3 * heads * chunk * n1 * 4 + shape.layers * heads * n1 * 4 + keys
+
+
+def _prefill_activations(shape: ModelShape, n: int) -> int:
+    per_token = (
+        4 * shape.hidden
+        + 4 * shape.intermediate
+        + 2 * (shape.query_heads + 2 * shape.kv_heads) * shape.head_dim
+    )
+    act = n * per_token * shape.itemsize
+    if shape.attn_implementation == "eager":
+        act += 2 * shape.query_heads * n * n * 4  # the full attention matrix, float32
+    return act
+
+
+def _decode_activations(shape: ModelShape, rows: int, length: int) -> int:
+    """One decoding step of ``rows`` rows over a cache of ``length`` entries."""
+    vocab = rows * shape.vocab * (shape.itemsize + 8 * _VOCAB_TEMPORARIES)
+    attention = rows * length * (shape.query_heads * 4 + shape.itemsize + 1)
+    # The dynamic cache grows by concatenation: one layer's keys and values exist twice.
+    regrow = rows * length * shape.token_bytes // shape.layers
+    return vocab + attention + regrow
+
+
+def plan_document(
+    shape: ModelShape,
+    prompt_length: int,
+    policies: Sequence[Policy],
+    sizes: Sizes,
+    branch_batch: int | None,
+    *,
+    doc_id: str = "",
+    budget: int | None = None,
+) -> DocumentPlan:
+    """The planned peak of one document at a given branch batch (None: every branch at once)."""
+    n, T, R, L = prompt_length, sizes.horizon, sizes.replicates, sizes.window
+    n1 = n - 1
+    c = shape.token_bytes
+    count = R * sizes.branches
+    decode_time = any(p.decode_time for p in policies)
+    one_shot = any(not p.decode_time for p in policies)
+    batch = count if branch_batch is None else min(branch_batch, count)
+    lags = min(L, T - 1) + 1  # steps a branch runs: re-fed t* plus up to L lags inside T
+
+    def evictor(rows: int, length: int) -> int:
+        # Decode-time eviction keeps a float32 score and an int64 position per entry and head.
+        return rows * shape.layers * shape.kv_heads * length * 12 if decode_time else 0
+
+    prompt = n1 * c
+    kept = max(k - 1 for k in _kept_counts(policies, n)) * c
+    needs_queries = any(p.NEEDS_QUERIES for p in policies)
+    capture = shape.layers * n1 * shape.hidden * shape.itemsize if needs_queries else 0
+    scoring = max(_scoring_bytes(shape, p, n) for p in policies)
+    # The Q rows are left-padded to the prefix length so that P and Q rows batch together.
+    path_p = R * (n1 + T) * c
+    path_q = R * (n1 + T) * c
+    held = prompt + kept + capture
+    activations = [_prefill_activations(shape, n1), _decode_activations(shape, 2 * R, n1 + T)]
+    phases = {
+        "prefill": prompt + capture + activations[0],
+        "select": prompt + capture + scoring,
+        "path": held + path_p + path_q + activations[1] + evictor(R, n1 + T),
+    }
+    branches = 0
+    if one_shot:
+        # A batch is copied from the path's rows (the copies and the cache built from them
+        # live together while the batch runs), then grows by `lags` steps.
+        length = n1 + T + lags
+        branches = 2 * batch * (n1 + T) * c + 2 * batch * length * c
+        activations.append(_decode_activations(shape, 2 * batch, length))
+        phases["branches"] = held + path_p + path_q + branches + activations[-1]
+    if decode_time:
+        # Decode-time policies replay every branch from the prompt cache at once, after the
+        # path's cache is freed (the branch batch does not apply).
+        replay = 2 * count * (n1 + T) * c
+        activations.append(_decode_activations(shape, 2 * count, n1 + T))
+        phases["replay"] = held + replay + evictor(count, n1 + T) + activations[-1]
+        branches = max(branches, replay)
+    phase = max(phases, key=lambda k: phases[k])
+    return DocumentPlan(
+        doc_id=doc_id,
+        prompt_length=n,
+        branch_batch=batch,
+        branch_count=count,
+        prompt_cache=prompt,
+        kept_cache=kept,
+        capture=capture,
+        scoring=scoring,
+        path_p=path_p,
+        path_q=path_q,
+        branches=branches,
+        activations=max(activations),
+        peak=phases[phase],
+        phase=phase,
+        budget=budget,
+        phases=phases,
+    )
+
+
+def choose_branch_batch(
+    shape: ModelShape,
+    prompt_length: int,
+    policies: Sequence[Policy],
+    sizes: Sizes,
+    budget: int,
+    *,
+    doc_id: str = "",
+) -> DocumentPlan:
+    """The plan at the largest branch batch whose peak fits ``budget``; raises
+    :class:`MemoryPlanError` when even one branch at a time does not fit."""
+    plan = lambda b: plan_document(  # noqa: E731
+        shape, prompt_length, policies, sizes, b, doc_id=doc_id, budget=budget
+    )
+    lo_plan = plan(1)
+    if not lo_plan.fits:
+        raise MemoryPlanError(refusal(lo_plan))
+    count = sizes.replicates * sizes.branches
+    lo, hi = 1, count
+    while lo < hi:  # the peak grows with the batch: bisect for the largest that fits
+        mid = (lo + hi + 1) // 2
+        if plan(mid).fits:
+            lo = mid
+        else:
+            hi = mid - 1
+    return plan(lo)
+
+
+def refusal(plan: DocumentPlan) -> str:
+    """Why a document cannot be traced, with the figures."""
+    return (
+        f"document {plan.doc_id!r} ({plan.prompt_length} prompt tokens) needs "
+        f"{human(plan.peak)} of device memory at its peak ({plan.phase}, branch batch "
+        f"{plan.branch_batch}) but {human(plan.budget)} are available to it: prompt cache "
+        f"{human(plan.prompt_cache)}, P rows {human(plan.path_p)}, Q rows {human(plan.path_q)}, "
+        f"branches {human(plan.branches)}, query capture {human(plan.capture)}, activations "
+        f"{human(plan.activations)}. Use fewer --replicates, a shorter --horizon, a shorter "
+        "prompt, or more --memory"
+    )
+
+
+def device_budget(device: Any, margin: float = DEFAULT_MARGIN, reserve: int = 0) -> int | None:
+    """Bytes a document may use on ``device``: free memory (plus what torch's allocator holds
+    unused) less ``reserve`` (weights not loaded yet), less a ``margin`` share. None off CUDA."""
+    import torch
+
+    device = torch.device(device)
+    if device.type != "cuda" or not torch.cuda.is_available():
+        return None
+    free, _ = torch.cuda.mem_get_info(device)
+    free += torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+    return int((free - reserve) * (1 - margin))
+
+
+def document_budget(
+    shape: ModelShape,
+    device: Any,
+    memory: int | None = None,
+    *,
+    loaded: bool = True,
+    margin: float = DEFAULT_MARGIN,
+) -> int | None:
+    """Bytes one document may use: of ``memory`` (the device memory the run may use in all,
+    weights included) when given, else of the device's free memory (weights already resident
+    when ``loaded``); None when unknown (CPU without ``memory``)."""
+    if memory is not None:
+        return int(memory * (1 - margin)) - shape.weight_bytes
+    return device_budget(device, margin, reserve=0 if loaded else shape.weight_bytes)
+
+
+def plan_documents(
+    shape: ModelShape,
+    documents: Sequence[tuple[str, int]],
+    policies: Sequence[Policy],
+    sizes: Sizes,
+    branch_batch: int | str | None,
+    budget: int | None,
+    *,
+    refuse: bool = True,
+) -> list[DocumentPlan]:
+    """A plan per ``(doc_id, prompt_length)``. ``branch_batch="auto"`` chooses the batch
+    against ``budget`` (every branch at once when the budget is unknown). A document that does
+    not fit raises :class:`MemoryPlanError` (``refuse=False``: its plan says so instead)."""
+    plans = []
+    for doc_id, n in documents:
+        if branch_batch == "auto" and budget is not None:
+            try:
+                plans.append(choose_branch_batch(shape, n, policies, sizes, budget, doc_id=doc_id))
+                continue
+            except MemoryPlanError:
+                if refuse:
+                    raise
+                batch: int | None = 1
+        else:
+            batch = None if branch_batch == "auto" else int(branch_batch) if branch_batch else None
+        plan = plan_document(shape, n, policies, sizes, batch, doc_id=doc_id, budget=budget)
+        if refuse and not plan.fits:
+            raise MemoryPlanError(refusal(plan))
+        plans.append(plan)
+    return plans
+
+
+def format_plan(
+    shape: ModelShape, plans: Sequence[DocumentPlan], budget: int | None, where: str
+) -> str:
+    """The plan as a table, one document a line (GiB, or MiB when every peak is below 1 GiB)."""
+    unit, name = (GiB, "GiB") if max((p.peak for p in plans), default=0) >= GiB else (2**20, "MiB")
+
+    def f(b: int) -> str:
+        return f"{b / unit:.2f}" if unit == GiB else f"{b / unit:.1f}"
+
+    lines = [
+        f"memory plan: {shape.layers} layers x {shape.kv_heads} KV heads x {shape.head_dim}, "
+        f"{shape.itemsize}-byte dtype: {shape.token_bytes / 1024:.1f} KiB per cached token; "
+        f"weights {human(shape.weight_bytes)}",
+        f"available to a document: {human(budget)} ({where}); figures in {name}",
+        f"{'doc':<16}{'tokens':>8}{'prompt':>9}{'kept':>8}{'P rows':>9}{'Q rows':>9}"
+        f"{'branches':>10}{'capture':>9}{'activ.':>9}{'peak':>9}  {'phase':<9}{'batch':>9}",
+    ]
+    for p in plans:
+        lines.append(
+            f"{p.doc_id[:15]:<16}{p.prompt_length:>8}{f(p.prompt_cache):>9}"
+            f"{f(p.kept_cache):>8}{f(p.path_p):>9}{f(p.path_q):>9}"
+            f"{f(p.branches):>10}{f(p.capture):>9}{f(p.activations):>9}"
+            f"{f(p.peak):>9}  {p.phase:<9}{f'{p.branch_batch}/{p.branch_count}':>9}"
+            + ("" if p.fits else "  DOES NOT FIT")
+        )
+    return "\n".join(lines)
+
+
+def plan_loaded(
+    model: Any,
+    documents: Sequence[tuple[str, int]],
+    policies: Sequence[Policy],
+    settings: Any,
+    memory: int | None = None,
+    *,
+    refuse: bool = True,
+) -> list[DocumentPlan]:
+    """:func:`plan_documents` for a loaded model on its device, with a run's ``TraceSettings``."""
+    shape = ModelShape.of_model(model)
+    budget = document_budget(shape, next(model.parameters()).device, memory)
+    sizes = Sizes(settings.horizon, settings.replicates, settings.branches, settings.window)
+    return plan_documents(
+        shape, documents, policies, sizes, settings.branch_batch, budget, refuse=refuse
+    )
