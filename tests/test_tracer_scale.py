@@ -189,5 +189,5 @@ def test_dry_run_prints_the_plan_and_writes_nothing(tmp_path, capsys):
     text = capsys.readouterr().out
     assert "DOES NOT FIT" in text and "refused: document 'd1'" in text
     assert cli_main([*base, "--branch-batch", "0"]) == 2
-    assert "--branch-batch must be 'auto' or an integer >= 1" in capsys.readouterr().err
+    assert "--branch-batch must be >= 1, got 0 (or 'auto')" in capsys.readouterr().err
     assert not out.exists()

@@ -148,7 +148,7 @@ def _branch_batch(text: str) -> int | str:
     except ValueError:
         value = 0
     if value < 1:
-        raise ValueError(f"--branch-batch must be 'auto' or an integer >= 1, got {text!r}")
+        raise ValueError(f"--branch-batch must be >= 1, got {text} (or 'auto')")
     return value
 
 
