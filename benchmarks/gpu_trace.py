@@ -1,29 +1,35 @@
-"""One prepared GPU check: trace an 8B-shaped Llama (random bf16 weights) on a 4k-token prompt
-with SnapKV, and compare with ``model.generate`` at the same total batch.
+"""The tracer at paper scale on one GPU: an 8B-shaped Llama (random bf16 weights) on 4k, 16k
+and 32k-token prompts with SnapKV, R=8, K=4, L=32, T=256, against ``model.generate``.
 
-    python benchmarks/gpu_trace.py                 # on a CUDA machine (about 20 GB + caches)
-    python benchmarks/gpu_trace.py --tiny          # the same code path on CPU, in seconds
+    python benchmarks/gpu_trace.py --out gpu_trace.json     # one CUDA device (H200: < 10 min)
+    python benchmarks/gpu_trace.py --tiny                   # the same code on CPU, in seconds
 
-Prints generated tokens per second (both sides counted) for the coupled trace and for
-``generate`` with batch ``2R``, their ratio, the trace's forward steps per second, and peak
-GPU memory. Weights are random (no download): distributions are nearly uniform, which does not
-change the cost of a step.
+For every prompt length: the memory plan (kvcouple.tracer.memory, branch batch ``auto``), the
+coupled trace's generated tokens per second (both sides counted, prefill and selection
+included), ``generate``'s at the same batch ``2R`` and the same prompt, their ratio, and the
+trace's peak device memory (less the weights) against the plan's peak. Everything goes into
+one JSON (printed, and written to ``--out``) with the run's wall time. Weights are random (no
+download): distributions are nearly uniform, which does not change the cost of a step.
+``generate`` running out of memory is recorded, not fatal; lengths left when ``--budget-s`` is
+spent are recorded as skipped.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import time
+from typing import Any
 
 import numpy as np
 import torch
 
 
-def build_model(tiny: bool, device: torch.device, dtype: torch.dtype):
+def build_model(tiny: bool, device: torch.device, dtype: torch.dtype) -> Any:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     if tiny:
-        shape = dict(
+        shape: dict[str, Any] = dict(
             vocab_size=512,
             hidden_size=128,
             intermediate_size=256,
@@ -66,58 +72,62 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def main(argv: list[str] | None = None) -> dict[str, float]:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def _ints(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x]
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    doc = __doc__ or ""
+    ap = argparse.ArgumentParser(description=doc.splitlines()[0])
     ap.add_argument("--tiny", action="store_true", help="small config on CPU (a quick check)")
-    ap.add_argument("--prompt", type=int, default=None, help="prompt tokens (default 4096)")
-    ap.add_argument("--horizon", type=int, default=None, help="T (default 128)")
-    ap.add_argument("--replicates", type=int, default=8, help="R; generate runs batch 2R")
-    ap.add_argument("--branches", type=int, default=1)
-    ap.add_argument("--window", type=int, default=32)
+    ap.add_argument("--prompts", type=_ints, default=None, help="prompt lengths, comma-separated")
+    ap.add_argument("--horizon", type=int, default=None, help="T (default 256; tiny 8)")
+    ap.add_argument("--replicates", type=int, default=None, help="R (default 8; tiny 2)")
+    ap.add_argument("--branches", type=int, default=4, help="K")
+    ap.add_argument("--window", type=int, default=None, help="L (default 32; tiny 4)")
     ap.add_argument("--policy", default="snapkv:retain=0.5")
+    ap.add_argument("--budget-s", type=float, default=540.0, help="skip lengths after this")
+    ap.add_argument("--out", default=None, help="also write the JSON here")
     args = ap.parse_args(argv)
 
-    from kvcouple.tracer import TraceSettings, compat, trace_document
+    from kvcouple.policies import parse_policy
+    from kvcouple.tracer import TraceSettings, trace_document
+    from kvcouple.tracer.memory import ModelShape, plan_loaded
+    from kvcouple.tracer.provenance import device_name
 
+    wall = time.perf_counter()
     tiny = args.tiny
     device = torch.device("cpu" if tiny else "cuda")
-    dtype = torch.float32 if tiny else torch.bfloat16
-    n = args.prompt or (96 if tiny else 4096)
-    T = args.horizon or (8 if tiny else 128)
-    R = args.replicates if not tiny else min(args.replicates, 2)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise SystemExit("no CUDA device: run with --tiny for the CPU-size check")
+    dtype = torch.float32 if tiny else torch.bfloat16
+    lengths = args.prompts or ([64, 128] if tiny else [4096, 16384, 32768])
+    T = args.horizon or (8 if tiny else 256)
+    R = args.replicates or (2 if tiny else 8)
+    L = args.window if args.window is not None else (4 if tiny else 32)
+    settings = TraceSettings(horizon=T, replicates=R, branches=args.branches, window=L)
+    policy = parse_policy(args.policy)
 
-    start = time.perf_counter()
     model = build_model(tiny, device, dtype)
+    shape = ModelShape.of_model(model)
     vocab = model.config.vocab_size
-    prompt = np.random.default_rng(0).integers(2, vocab, n).tolist()
+    rng = np.random.default_rng(0)
+    built_s = time.perf_counter() - wall
     print(
-        f"model built in {time.perf_counter() - start:.1f} s: "
-        f"{sum(p.numel() for p in model.parameters()) / 1e9:.2f} B parameters, {dtype}, {device}"
+        f"model built in {built_s:.1f} s: {shape.weight_bytes / 2**30:.2f} GiB of weights, "
+        f"{dtype}, {device_name(device)}",
+        flush=True,
     )
 
-    steps = [0]
-    forward = compat.forward
-
-    def counting_forward(*a, **kw):
-        steps[0] += 1
-        return forward(*a, **kw)
-
-    compat.forward = counting_forward
-
-    def run_trace(horizon: int, reps: int) -> tuple[float, int]:
-        settings = TraceSettings(
-            horizon=horizon, replicates=reps, branches=args.branches, window=args.window
-        )
+    def run_trace(prompt: list[int], run: TraceSettings) -> tuple[float, int]:
         synchronize(device)
         t0 = time.perf_counter()
-        arrays, tokens = trace_document(model, prompt, [args.policy], settings, seed=1)
+        _, tokens = trace_document(model, prompt, [policy], run, seed=1)
         synchronize(device)
         return time.perf_counter() - t0, tokens
 
-    def run_generate(horizon: int, reps: int) -> float:
-        ids = torch.tensor([prompt] * (2 * reps), device=device)
+    def run_generate(prompt: list[int], horizon: int) -> float:
+        ids = torch.tensor([prompt] * (2 * R), device=device)
         synchronize(device)
         t0 = time.perf_counter()
         with torch.inference_mode():
@@ -133,38 +143,81 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         synchronize(device)
         return time.perf_counter() - t0
 
-    run_trace(2, R)  # warm-up: kernels, allocator
-    run_generate(2, R)
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
-    steps[0] = 0
-    trace_s, trace_tokens = run_trace(T, R)
-    trace_steps = steps[0]
-    gen_s = run_generate(T, R)
-    compat.forward = forward
+    warm = rng.integers(2, vocab, min(lengths)).tolist()
+    run_trace(warm, TraceSettings(horizon=2, replicates=R, branches=1, window=1))  # kernels
+    run_generate(warm, 2)
 
-    trace_tps = trace_tokens / trace_s
-    gen_tps = 2 * R * T / gen_s
-    result = {
-        "trace_tokens_per_s": trace_tps,
-        "generate_tokens_per_s": gen_tps,
-        "ratio": trace_tps / gen_tps,
-        "trace_steps_per_s": trace_steps / trace_s,
+    results: list[dict[str, Any]] = []
+    for n in lengths:
+        if time.perf_counter() - wall > args.budget_s:
+            results.append({"prompt_tokens": n, "skipped": "time budget spent"})
+            continue
+        prompt = rng.integers(2, vocab, n).tolist()
+        (plan,) = plan_loaded(model, [(f"n{n}", n)], [policy], settings)
+        row: dict[str, Any] = {
+            "prompt_tokens": n,
+            "branch_batch": plan.branch_batch,
+            "plan_peak_bytes": plan.peak,
+            "plan_phase": plan.phase,
+            "plan_budget_bytes": plan.budget,
+        }
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+            base = torch.cuda.memory_allocated(device)
+            torch.cuda.reset_peak_memory_stats(device)
+        try:
+            trace_s, tokens = run_trace(prompt, settings)
+        except torch.cuda.OutOfMemoryError:  # the plan was wrong: record it, go on
+            row["trace_error"] = "out of memory"
+            results.append(row)
+            torch.cuda.empty_cache()
+            continue
+        row.update(trace_s=trace_s, trace_tokens=tokens, trace_tokens_per_s=tokens / trace_s)
+        if device.type == "cuda":
+            peak = torch.cuda.max_memory_allocated(device) - base
+            row.update(peak_bytes=peak, peak_over_plan=peak / plan.peak)
+        else:
+            row.update(peak_bytes=None, peak_over_plan=None)
+        try:
+            gen_s = run_generate(prompt, T)
+            row.update(generate_s=gen_s, generate_tokens_per_s=2 * R * T / gen_s)
+            row["ratio"] = row["trace_tokens_per_s"] / row["generate_tokens_per_s"]
+        except torch.cuda.OutOfMemoryError:
+            row.update(generate_s=None, generate_tokens_per_s=None, ratio=None)
+            row["generate_error"] = f"out of memory at batch {2 * R}"
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        results.append(row)
+        ratio = "-" if row["ratio"] is None else f"{row['ratio']:.2f}x"
+        over = "-" if row["peak_over_plan"] is None else f"{row['peak_over_plan']:.2f}"
+        print(
+            f"prompt {n}: trace {row['trace_tokens_per_s']:.0f} tokens/s, ratio to generate "
+            f"{ratio}, peak/plan {over}, branch batch {plan.branch_batch}",
+            flush=True,
+        )
+
+    report = {
+        "device": device_name(device),
+        "dtype": str(dtype).removeprefix("torch."),
+        "torch_version": torch.__version__,
+        "model": {
+            "layers": shape.layers,
+            "kv_heads": shape.kv_heads,
+            "head_dim": shape.head_dim,
+            "vocab": shape.vocab,
+            "weight_bytes": shape.weight_bytes,
+        },
+        "settings": {"R": R, "K": args.branches, "L": L, "T": T, "policy": policy.spec()},
+        "model_build_s": built_s,
+        "results": results,
+        "wall_s": time.perf_counter() - wall,
     }
-    print(
-        f"prompt {n} tokens, T={T}, R={R} (batch {2 * R}), K={args.branches}, "
-        f"L={args.window}, policy {args.policy}"
-    )
-    print(
-        f"trace:    {trace_tokens} tokens in {trace_s:.2f} s = {trace_tps:.1f} tokens/s, "
-        f"{trace_steps} forward steps = {result['trace_steps_per_s']:.2f} steps/s "
-        f"(includes prefill and SnapKV selection)"
-    )
-    print(f"generate: {2 * R * T} tokens in {gen_s:.2f} s = {gen_tps:.1f} tokens/s")
-    print(f"ratio trace/generate: {result['ratio']:.2f}x")
-    if device.type == "cuda":
-        print(f"peak GPU memory: {torch.cuda.max_memory_allocated(device) / 2**30:.1f} GiB")
-    return result
+    text = json.dumps(report, indent=1)
+    print(text)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(text + "\n")
+    return report
 
 
 if __name__ == "__main__":

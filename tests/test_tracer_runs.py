@@ -209,19 +209,6 @@ def test_cli_end_to_end_and_errors(tmp_path, capsys):
     assert "line 2" in capsys.readouterr().err
 
 
-def test_gpu_script_cpu_size_path(capsys):
-    import importlib.util
-    from pathlib import Path
-
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu_trace.py"
-    spec = importlib.util.spec_from_file_location("gpu_trace", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    result = module.main(["--tiny", "--horizon", "4", "--prompt", "40", "--window", "2"])
-    assert result["trace_tokens_per_s"] > 0 and result["generate_tokens_per_s"] > 0
-    assert "ratio trace/generate" in capsys.readouterr().out
-
-
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
 def test_decode_time_h2o_sliding_window_equals_masked_forward(arch):
     """With recent=1 decode-time H2O is a sliding window: the path and every branch (replayed

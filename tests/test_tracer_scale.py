@@ -191,3 +191,36 @@ def test_dry_run_prints_the_plan_and_writes_nothing(tmp_path, capsys):
     assert cli_main([*base, "--branch-batch", "0"]) == 2
     assert "--branch-batch must be >= 1, got 0 (or 'auto')" in capsys.readouterr().err
     assert not out.exists()
+
+
+def test_gpu_script_cpu_size_path(tmp_path, capsys):
+    """benchmarks/gpu_trace.py --tiny: the GPU check's code on CPU, one JSON with a row per
+    prompt length (plan, trace and generate throughput, their ratio)."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu_trace.py"
+    spec = importlib.util.spec_from_file_location("gpu_trace", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    out = tmp_path / "gpu.json"
+    args = ["--tiny", "--prompts", "24,40", "--horizon", "4", "--window", "2", "--out", str(out)]
+    report = module.main(args)
+    assert json.loads(out.read_text()) == json.loads(json.dumps(report))
+    assert report["device"] == "cpu" and report["settings"] == {
+        "R": 2,
+        "K": 4,
+        "L": 2,
+        "T": 4,
+        "policy": "snapkv:retain=0.5,window=32,kernel=7,pool=avg",
+    }
+    rows = report["results"]
+    assert [r["prompt_tokens"] for r in rows] == [24, 40]
+    for r in rows:
+        # The overlap path alone generates 2RT tokens; branches add more.
+        assert r["trace_tokens"] > 2 * 2 * 4
+        assert r["ratio"] == pytest.approx(r["trace_tokens_per_s"] / r["generate_tokens_per_s"])
+        assert r["branch_batch"] == 8 and r["plan_peak_bytes"] > 0
+        assert r["peak_bytes"] is None  # no device memory counter on CPU
+    assert rows[1]["plan_peak_bytes"] > rows[0]["plan_peak_bytes"]
+    assert report["wall_s"] > 0 and "ratio to generate" in capsys.readouterr().out
