@@ -224,3 +224,45 @@ def test_gpu_script_cpu_size_path(tmp_path, capsys):
         assert r["peak_bytes"] is None  # no device memory counter on CPU
     assert rows[1]["plan_peak_bytes"] > rows[0]["plan_peak_bytes"]
     assert report["wall_s"] > 0 and "ratio to generate" in capsys.readouterr().out
+
+
+# Caches that grow in place ---------------------------------------------------------------------
+def test_preallocated_cache_equals_the_dynamic_cache_and_writes_in_place():
+    """Decoding on a preallocated cache gives the dynamic cache's logits bit for bit, with a
+    per-row mask; within capacity the buffer never moves, beyond it the cache grows."""
+    from kvcouple.tracer import compat
+    from kvcouple.tracer.kvcache import PreallocatedLayer, cache_bytes, cache_with_capacity
+
+    if PreallocatedLayer is None:
+        pytest.skip("transformers without cache layers: the plain dynamic cache is used")
+    m = model("llama")
+    prompt = torch.as_tensor(np.random.default_rng(5).integers(1, 120, (1, 30)))
+    with torch.inference_mode():
+        prefix = compat.new_cache()
+        compat.forward(m, prompt, prefix, torch.arange(30)[None])
+        kv = [
+            (k.expand(3, -1, -1, -1).contiguous(), v.expand(3, -1, -1, -1).contiguous())
+            for k, v in compat.cache_tensors(prefix)
+        ]
+        plain = compat.cache_from_tensors(kv)
+        grown = cache_with_capacity(iter(kv), 35)
+        buffer = grown.layers[0]._k.data_ptr()
+        assert cache_bytes(grown) == 2 * 2 * 3 * 2 * 35 * 16 * 4  # layers, K+V, rows, heads
+        valid = torch.ones(3, 30, dtype=torch.bool)
+        valid[1, :5] = False  # a row with hidden columns, as evicted rows have
+        positions = torch.full((3,), 30)
+        tokens = torch.tensor([5, 6, 7])
+        for step in range(8):
+            valid = torch.cat([valid, torch.ones(3, 1, dtype=torch.bool)], 1)
+            mask = compat.additive_mask(valid, torch.float32)
+            want = compat.forward(m, tokens[:, None], plain, positions[:, None], mask)
+            got = compat.forward(m, tokens[:, None], grown, positions[:, None], mask)
+            assert torch.equal(want, got)
+            assert compat.cache_length(grown) == 31 + step
+            moved = grown.layers[0]._k.data_ptr() != buffer
+            assert moved == (31 + step > 35)
+            positions, tokens = positions + 1, want.argmax(-1)
+        for (k0, v0), (k1, v1) in zip(
+            compat.cache_tensors(plain), compat.cache_tensors(grown), strict=True
+        ):
+            assert torch.equal(k0, k1) and torch.equal(v0, v1)
