@@ -266,3 +266,48 @@ def test_preallocated_cache_equals_the_dynamic_cache_and_writes_in_place():
             compat.cache_tensors(plain), compat.cache_tensors(grown), strict=True
         ):
             assert torch.equal(k0, k1) and torch.equal(v0, v1)
+
+
+def test_split_layout_equals_a_masked_full_forward():
+    """P rows on the full prefix and Q rows on the kept entries only, as two batches: the path
+    and a fork at t* give the distributions of a full forward with the evicted prompt entries
+    hidden; the Q rows' cache holds about half of the P rows' at retain=0.5."""
+    from kvcouple.policies import parse_policy
+    from kvcouple.torch_coupling import apply_decoding
+    from kvcouple.tracer.kvcache import cache_bytes
+    from kvcouple.tracer.layout import SplitRows
+    from kvcouple.tracer.prefill import gather_kept, prefill, select
+    from tracer_helpers import PROMPT, kept_positions, masked_forward
+
+    m = model("llama")
+    n, T, spec = len(PROMPT), 6, "recent:retain=0.5"
+    pre = prefill(m, torch.tensor(PROMPT), need_queries=False)
+    kept = gather_kept(pre.kv, select(parse_policy(spec), pre))
+    everything, evicted = set(range(n)), kept_positions(spec, n)
+    rows = SplitRows.start(m, pre.kv, kept, copies=2, steps=T)
+    assert cache_bytes(rows.q.cache) / cache_bytes(rows.p.cache) == pytest.approx(
+        (len(evicted) - 1 + T) / (n - 1 + T)
+    )
+    path = [int(x) for x in np.random.default_rng(2).integers(1, 120, T)]
+    fed = [PROMPT[-1], *path[:-1]]
+    with torch.inference_mode():
+        got = [apply_decoding(rows.step(torch.tensor([t] * 4))).numpy() for t in fed]
+    for side, keep in ((slice(0, 2), everything), (slice(2, 4), evicted)):
+        want = masked_forward(m, PROMPT + path[:-1], n, keep)
+        np.testing.assert_allclose(np.stack([g[side] for g in got], 1)[0], want, atol=1e-5)
+        np.testing.assert_allclose(np.stack([g[side] for g in got], 1)[1], want, atol=1e-5)
+
+    # Fork replicate 1 at t* = 3 and replicate 0 at t* = 5: re-feed step t*'s token, go on.
+    ts = torch.tensor([3, 5])
+    column = n - 1 + torch.cat([ts, ts]) - 1
+    branch = rows.fork(torch.tensor([1, 0, 3, 2]), column, steps=3)
+    own = [[7, 9], [11, 13]]  # tokens after the re-fed one, per branch
+    with torch.inference_mode():
+        steps = [torch.tensor([fed[2], fed[4]] * 2)]
+        steps += [torch.tensor(o * 2) for o in own]
+        got = [apply_decoding(branch.step(s)).numpy() for s in steps]
+    for b, t_star in enumerate((3, 5)):
+        tokens = PROMPT + path[: t_star - 1] + [own[0][b], own[1][b]]
+        for side, keep in ((b, everything), (2 + b, evicted)):
+            want = masked_forward(m, tokens, n, keep)[t_star - 1 :]
+            np.testing.assert_allclose(np.stack([g[side] for g in got]), want, atol=1e-5)

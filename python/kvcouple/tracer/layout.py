@@ -1,0 +1,123 @@
+"""The split cache layout: P rows and Q rows as two batches, each on a cache of its own.
+
+In the joint layout (:class:`~kvcouple.tracer.trajectories.Trajectories`) P rows and Q rows
+share one cache tensor per layer, so the evicted Q rows are left-padded back to the prompt's
+length and the padding masked: eviction saves neither memory nor attention work. Here the P
+rows hold the full prefix and the Q rows only the kept entries; each step runs the two batches
+one after the other (two forward passes, the weights read twice) and returns their logits as
+one ``(2B, vocab)`` batch, P rows first, exactly like the joint layout. Neither batch needs an
+attention mask on the overlap path (every cached entry is visible); forks mask the path's
+columns from ``t*`` on, per row.
+
+Caches are preallocated for the columns they will reach (:mod:`kvcouple.tracer.kvcache`), and
+a fork copies only the columns its rows can see. Decode-time eviction changes the Q rows'
+cache while decoding and keeps the joint layout.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from kvcouple.tracer import compat
+from kvcouple.tracer.kvcache import cache_with_capacity
+
+
+class _Batch:
+    """Rows sharing one cache: per-row visibility (None: every column) and positions."""
+
+    def __init__(self, model: Any, cache: Any, valid: torch.Tensor | None, positions: torch.Tensor):
+        self.model = model
+        self.cache = cache
+        self.valid = valid
+        self.positions = positions
+
+    def step(self, tokens: torch.Tensor) -> torch.Tensor:
+        mask = None
+        if self.valid is not None:
+            ones = torch.ones(self.valid.shape[0], 1, dtype=torch.bool, device=self.valid.device)
+            self.valid = torch.cat([self.valid, ones], dim=1)
+            dtype = compat.cache_tensors(self.cache)[0][0].dtype
+            mask = compat.additive_mask(self.valid, dtype)
+        logits = compat.forward(
+            self.model, tokens[:, None], self.cache, self.positions[:, None], mask
+        )
+        self.positions = self.positions + 1
+        return logits
+
+    def fork(self, index: torch.Tensor, limit: torch.Tensor, steps: int) -> _Batch:
+        """Copies of rows ``index`` seeing columns ``< limit`` (per new row), with room for
+        ``steps`` more; only the columns some new row can see are copied."""
+        columns = int(limit.max())
+        layers = (
+            (k[:, :, :columns].index_select(0, index), v[:, :, :columns].index_select(0, index))
+            for k, v in compat.cache_tensors(self.cache)
+        )
+        cache = cache_with_capacity(layers, columns + steps)
+        seen = torch.arange(columns, device=limit.device)[None, :] < limit[:, None]
+        if self.valid is not None:
+            seen &= self.valid.index_select(0, index)[:, :columns]
+        return _Batch(self.model, cache, seen, torch.zeros_like(limit))
+
+
+class SplitRows:
+    """``B`` P rows then ``B`` Q rows, stepped as two batches (see the module docstring).
+
+    ``gap``: how many columns the Q rows' cache has fewer than the P rows' before the
+    generated tokens (prefix length minus kept entries), to map path columns between them.
+    """
+
+    def __init__(self, p: _Batch, q: _Batch, gap: int):
+        self.p, self.q, self.gap = p, q, gap
+
+    @classmethod
+    def start(
+        cls,
+        model: Any,
+        prefix: list[tuple[torch.Tensor, torch.Tensor]],
+        kept: list[tuple[torch.Tensor, torch.Tensor]],
+        copies: int,
+        steps: int,
+    ) -> SplitRows:
+        """``copies`` P rows on the ``prefix`` cache and ``copies`` Q rows on the ``kept``
+        entries (both ``(1, kv_heads, length, head_dim)`` per layer), with room for ``steps``
+        tokens, about to feed the last prompt token at position ``n - 1``."""
+        n1, keep = int(prefix[0][0].shape[2]), int(kept[0][0].shape[2])
+        device = prefix[0][0].device
+        positions = torch.full((copies,), n1, device=device)
+
+        def rows(kv: list[tuple[torch.Tensor, torch.Tensor]], length: int) -> _Batch:
+            layers = ((k.expand(copies, -1, -1, -1), v.expand(copies, -1, -1, -1)) for k, v in kv)
+            return _Batch(model, cache_with_capacity(layers, length + steps), None, positions)
+
+        return cls(rows(prefix, n1), rows(kept, keep), n1 - keep)
+
+    @property
+    def rows(self) -> int:
+        return int(self.p.positions.shape[0])
+
+    def step(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Feed one token per row (``2B``: P rows then Q rows); returns ``(2B, vocab)``."""
+        half = tokens.shape[0] // 2
+        return torch.cat([self.p.step(tokens[:half]), self.q.step(tokens[half:])])
+
+    def fork(self, index: torch.Tensor, visible_before: torch.Tensor, steps: int) -> SplitRows:
+        """Copies of rows ``index`` (``B`` P rows, then the ``B`` matching Q rows, numbered as
+        in the joint layout: Q row ``i`` is ``B + i``) seeing only the path columns before
+        ``visible_before`` (in P's columns, which are positions), positioned to feed the token
+        of that column, with room for ``steps`` tokens."""
+        half = index.shape[0] // 2
+        p_index, q_index = index[:half], index[half:] - self.rows
+        if bool((p_index >= self.rows).any()) or bool((q_index < 0).any()):
+            raise ValueError("fork index must list P rows, then Q rows")
+        p = self.p.fork(p_index, visible_before[:half], steps)
+        q = self.q.fork(q_index, visible_before[half:] - self.gap, steps)
+        p.positions = visible_before[:half].clone()
+        q.positions = visible_before[half:].clone()
+        return SplitRows(p, q, self.gap)
+
+    def cache_bytes(self) -> int:
+        from kvcouple.tracer.kvcache import cache_bytes
+
+        return cache_bytes(self.p.cache) + cache_bytes(self.q.cache)
