@@ -200,7 +200,7 @@ def test_tiny_model_is_deterministic_in_seed(arch):
 
 def test_tiny_model_rejects_unknown_arch():
     with pytest.raises(ValueError, match="unknown tiny architecture"):
-        tiny_model("gpt2")
+        tiny_model("no_such_arch")
 
 
 def test_package_imports_without_torch():

@@ -56,6 +56,11 @@ class PolicyContext:
     ``keys[l]`` and ``values[l]``: ``(kv_heads, length, head_dim)``. ``query_fn(l, start)``
     returns the post-RoPE queries of prefix positions ``start..length-1`` of layer ``l`` as
     ``(query_heads, length - start, head_dim)``; ``scaling`` is the attention scale.
+    ``attention_fn(l, start, stop)``, when given, returns the layer's own attention
+    probabilities of prefix queries ``start..stop-1`` onto every prefix key,
+    ``(query_heads, stop - start, length)`` (the tracer computes them with the layer's eager
+    attention, so windows, soft-capping and sinks are included); without it attention is
+    recomputed from ``query_fn``, ``keys`` and ``scaling`` as plain causal softmax attention.
     ``generator`` is a seeded CPU generator for randomised policies.
     """
 
@@ -65,6 +70,7 @@ class PolicyContext:
     scaling: float | None = None
     num_query_heads: int | None = None
     generator: torch.Generator | None = None
+    attention_fn: Callable[[int, int, int], torch.Tensor] | None = None
     _cache: dict[Any, torch.Tensor] = field(default_factory=dict, repr=False)
 
     @property
@@ -98,6 +104,8 @@ class PolicyContext:
         ``(query_heads, stop - start, length)`` in float32."""
         import torch
 
+        if self.attention_fn is not None:
+            return self.attention_fn(layer, start, stop).float()
         q = self._queries(layer, start)[:, : stop - start].float()
         k = self.keys[layer].float().repeat_interleave(self.group_size, dim=0)
         scale = self.scaling if self.scaling is not None else q.shape[-1] ** -0.5

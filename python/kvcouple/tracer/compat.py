@@ -9,29 +9,37 @@
 - A 4-D float attention mask ``(batch, 1, query, key)`` (0 = attend, dtype minimum = hidden)
   is used as given (transformers returns prepared 4-D masks untouched). This needs the
   ``sdpa`` or ``eager`` attention implementation (flash-attention takes no 4-D masks).
-- Attention modules expose ``q_proj``, ``head_dim``, ``layer_idx``, optionally ``scaling``
-  and ``q_norm`` (Qwen3), and receive ``hidden_states`` and ``position_embeddings=(cos, sin)``
-  as keywords (or, in older releases such as Mistral in 4.45, ``position_ids`` and their own
-  ``rotary_emb``); their modeling module defines ``apply_rotary_pos_emb(q, k, cos, sin)``.
-  This holds for Llama, Mistral, Qwen2 and Qwen3 (and most Llama-like models).
-- Every layer is full attention over a plain dynamic cache: sliding-window layers (Mistral with
-  ``sliding_window`` set, Qwen2 with ``use_sliding_window``) and hybrid caches (Gemma 2/3) are
-  not emulated; the tracer's masks give those layers full attention.
+- Attention that dispatches through ``ALL_ATTENTION_FUNCTIONS`` (transformers 4.48+) runs
+  through :mod:`kvcouple.tracer.attention`'s wrapper during every tracer forward pass: it adds
+  each layer's sliding window (by original position) to the mask and records what
+  attention-scored policies need. Models that do not dispatch through it (Falcon) run as they
+  are; :mod:`kvcouple.tracer.support` refuses what that cannot serve exactly.
+- Every layer keeps every entry in a plain dynamic cache (no sliding-window layers that drop
+  entries): the tracer tracks each entry's original position per row, layer and KV head
+  (:func:`cache_positions`), and windows are applied by position.
 """
 
 from __future__ import annotations
 
 import inspect
-import sys
 from typing import Any
 
 import torch
 
-from kvcouple.errors import InvalidInputError
+from kvcouple.tracer import attention
+from kvcouple.tracer.attention import QueryCapture, UnsupportedModelError
 
-
-class UnsupportedModelError(InvalidInputError):
-    """A model whose cache or attention the tracer does not know how to handle."""
+__all__ = [
+    "QueryCapture",
+    "UnsupportedModelError",
+    "additive_mask",
+    "cache_from_tensors",
+    "cache_length",
+    "cache_positions",
+    "cache_tensors",
+    "forward",
+    "new_cache",
+]
 
 
 def _forward_parameters(model: Any) -> set[str]:
@@ -49,15 +57,49 @@ def new_cache() -> Any:
     """An empty dynamic cache whose layers are created as they are filled."""
     from transformers.cache_utils import DynamicCache
 
-    return DynamicCache()
+    cache: Any = DynamicCache()
+    cache.kvcouple_positions = []  # nothing cached yet: every position is known
+    return cache
 
 
-def cache_from_tensors(kv: list[tuple[torch.Tensor, torch.Tensor]]) -> Any:
-    """A dynamic cache holding the given per-layer ``(keys, values)``."""
+def cache_from_tensors(
+    kv: list[tuple[torch.Tensor, torch.Tensor]], positions: list[torch.Tensor] | None = None
+) -> Any:
+    """A dynamic cache holding the given per-layer ``(keys, values)``.
+
+    ``positions``: per layer, the original position of every entry, ``(batch, kv_heads or 1,
+    length)`` (hidden padding may hold anything); ``None`` where they are not known (then
+    sliding-window layers refuse to run on this cache).
+    """
     cache = new_cache()
     for layer, (k, v) in enumerate(kv):
         cache.update(k, v, layer)
+    cache.kvcouple_positions = positions
     return cache
+
+
+def cache_positions(cache: Any) -> list[torch.Tensor] | None:
+    """Per layer, the original position of each entry of a cache the tracer built or filled:
+    ``(batch, kv_heads or 1, length)``; ``None`` if unknown."""
+    return getattr(cache, "kvcouple_positions", None)
+
+
+def _extend_positions(
+    cache: Any, position_ids: torch.Tensor, layers: int
+) -> list[torch.Tensor] | None:
+    """Append the fed tokens' positions to every layer's entry positions."""
+    known = cache_positions(cache)
+    if known is None:
+        return None
+    new = position_ids[:, None, :]
+    if not known:
+        out = [new for _ in range(layers)]
+    else:
+        out = [
+            torch.cat([p, new.to(p.device).expand(p.shape[0], p.shape[1], -1)], -1) for p in known
+        ]
+    cache.kvcouple_positions = out
+    return out
 
 
 def cache_tensors(cache: Any) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -102,8 +144,17 @@ def forward(
             kw["logits_to_keep"] = 1
         elif "num_logits_to_keep" in params:
             kw["num_logits_to_keep"] = 1
-    logits = model(**kw).logits
+    positions = _extend_positions(cache, position_ids, _num_layers(model))
+    with attention.active(model, position_ids, positions):
+        logits = model(**kw).logits
     return logits[:, -1] if last_only else logits
+
+
+def _num_layers(model: Any) -> int:
+    cfg = (
+        model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    )
+    return int(cfg.num_hidden_layers)
 
 
 def _has_entries(cache: Any) -> bool:
@@ -118,97 +169,3 @@ def additive_mask(valid: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     mask = torch.zeros(valid.shape, dtype=dtype, device=valid.device)
     mask = mask.masked_fill(~valid, torch.finfo(dtype).min)
     return mask[:, None, None, :]
-
-
-def attention_modules(model: Any) -> list[Any]:
-    """The self-attention modules of a decoder, in layer order."""
-    found = [
-        m
-        for m in model.modules()
-        if hasattr(m, "q_proj") and hasattr(m, "k_proj") and hasattr(m, "layer_idx")
-    ]
-    found.sort(key=lambda m: m.layer_idx)
-    if not found:
-        raise UnsupportedModelError(
-            f"{type(model).__name__}: no attention modules with q_proj/k_proj/layer_idx found; "
-            "policies that need attention (snapkv, h2o, tova) cannot run on this model"
-        )
-    return found
-
-
-class QueryCapture:
-    """Record each attention module's input during a forward pass, then rebuild its post-RoPE
-    queries on demand (for policies that score entries by attention)."""
-
-    def __init__(self, model: Any):
-        self.modules = attention_modules(model)
-        self.hidden: dict[int, torch.Tensor] = {}
-        self.rope: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-        self._handles: list[Any] = []
-
-    def __enter__(self) -> QueryCapture:
-        for i, module in enumerate(self.modules):
-            self._handles.append(module.register_forward_pre_hook(self._hook(i), with_kwargs=True))
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        for h in self._handles:
-            h.remove()
-        self._handles.clear()
-
-    def _hook(self, index: int) -> Any:
-        def hook(module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-            hidden = kwargs.get("hidden_states", args[0] if args else None)
-            rope = kwargs.get("position_embeddings")
-            if rope is None and len(args) > 1 and isinstance(args[1], tuple):
-                rope = args[1]
-            rotary = getattr(module, "rotary_emb", None)
-            position_ids = kwargs.get("position_ids")
-            if (
-                rope is None
-                and rotary is not None
-                and position_ids is not None
-                and hidden is not None
-            ):
-                rope = rotary(hidden, position_ids)  # older models rotate inside attention
-            if hidden is None or rope is None:
-                raise UnsupportedModelError(
-                    f"{type(module).__name__} did not receive hidden_states and "
-                    "position_embeddings; attention-scored policies need them"
-                )
-            self.hidden[index] = hidden.detach()
-            self.rope[index] = (rope[0].detach(), rope[1].detach())
-
-        return hook
-
-    @torch.inference_mode()
-    def queries(self, layer: int, start: int = 0) -> torch.Tensor:
-        """Post-RoPE queries of positions ``start..`` of batch row 0: ``(heads, len, head_dim)``."""
-        return self.batch_queries(layer, start, rows=slice(0, 1))[0]
-
-    @torch.inference_mode()
-    def batch_queries(self, layer: int, start: int = 0, rows: slice | None = None) -> torch.Tensor:
-        """Post-RoPE queries of the captured batch rows: ``(rows, heads, len, head_dim)``."""
-        module = self.modules[layer]
-        rows = rows if rows is not None else slice(None)
-        hidden = self.hidden[layer][rows, start:]
-        cos, sin = (t[:, start:] for t in self.rope[layer])
-        if cos.shape[0] > 1:
-            cos, sin = cos[rows], sin[rows]
-        head_dim = module.head_dim
-        q = module.q_proj(hidden).view(hidden.shape[0], hidden.shape[1], -1, head_dim)
-        if getattr(module, "q_norm", None) is not None:
-            q = module.q_norm(q)
-        q = q.transpose(1, 2)
-        rotate = getattr(sys.modules[type(module).__module__], "apply_rotary_pos_emb", None)
-        if rotate is None:
-            raise UnsupportedModelError(
-                f"{type(module).__module__} has no apply_rotary_pos_emb; cannot rebuild queries"
-            )
-        q, _ = rotate(q, q, cos, sin)
-        return q
-
-    @property
-    def scaling(self) -> float:
-        module = self.modules[0]
-        return float(getattr(module, "scaling", module.head_dim**-0.5))

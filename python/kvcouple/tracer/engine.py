@@ -107,9 +107,10 @@ class _Rows:
         positions: torch.Tensor,
         padded: bool,
         evictor: Any = None,
+        key_positions: list[torch.Tensor] | None = None,
     ):
         self.model = model
-        self.cache = compat.cache_from_tensors(kv)
+        self.cache = compat.cache_from_tensors(kv, key_positions)
         self.valid = valid
         self.positions = positions
         self.padded = padded or evictor is not None
@@ -223,10 +224,12 @@ def initial_rows(
     kept: list[tuple[torch.Tensor, torch.Tensor]],
     copies: int,
     evictor: Any = None,
+    idx: torch.Tensor | None = None,
 ) -> _Rows:
     """``copies`` P rows on the full prefix cache, then ``copies`` Q rows on the kept entries
     (left-padded to the prefix length, the padding hidden), all about to feed the last prompt
-    token at position ``n - 1``."""
+    token at position ``n - 1``. ``idx``: the kept positions ``(layers, kv_heads, keep)``,
+    which sliding-window layers need."""
     n1 = pre.prefix_length
     keep = kept[0][0].shape[2]
     device = pre.input_ids.device
@@ -246,7 +249,21 @@ def initial_rows(
     valid = torch.ones(2 * copies, n1, dtype=torch.bool, device=device)
     valid[copies:, : n1 - keep] = False
     positions = torch.full((2 * copies,), n1, device=device)
-    return _Rows(model, kv, valid, positions, keep < n1, evictor)
+    key_positions = None
+    if idx is not None:
+        full_pos = torch.arange(n1, device=device).expand(copies, idx.shape[1], n1)
+        key_positions = [
+            torch.cat(
+                [
+                    full_pos,
+                    torch.nn.functional.pad(kept_pos.to(device), (n1 - keep, 0)).expand(
+                        copies, -1, -1
+                    ),
+                ]
+            )
+            for kept_pos in idx
+        ]
+    return _Rows(model, kv, valid, positions, keep < n1, evictor, key_positions)
 
 
 def _overlap_path(
@@ -256,10 +273,11 @@ def _overlap_path(
     settings: TraceSettings,
     path_u: torch.Tensor,
     evictor: Any = None,
+    idx: torch.Tensor | None = None,
 ) -> _Path:
     R, T = settings.replicates, settings.horizon
     device = pre.input_ids.device
-    rows = initial_rows(model, pre, kept, R, evictor)
+    rows = initial_rows(model, pre, kept, R, evictor, idx)
 
     eos = torch.tensor(settings.eos_token_ids or (), dtype=torch.long, device=device)
     alive = torch.ones(R, dtype=torch.bool, device=device)
@@ -387,7 +405,10 @@ def _branch_group(
     first_hidden = (n1 + torch.cat([ts_t, ts_t]) - 1)[:, None]  # path column of step t*
     valid = valid & (columns[None, :] < first_hidden)
     positions = torch.cat([ts_t, ts_t]) + n1 - 1
-    rows = _Rows(model, kv, valid, positions, padded=True)
+    key_positions = compat.cache_positions(path.rows.cache)
+    if key_positions is not None:
+        key_positions = [p.index_select(0, index) for p in key_positions]
+    rows = _Rows(model, kv, valid, positions, padded=True, key_positions=key_positions)
     tokens = path.fed[rr_t, ts_t - 1]
     tokens = torch.cat([tokens, tokens])
 
@@ -503,7 +524,7 @@ def trace_policy(
             branch_tokens += tokens
             batches += 1
     else:
-        path = _overlap_path(model, pre, kept, settings, path_u)
+        path = _overlap_path(model, pre, kept, settings, path_u, idx=idx)
         times = branch_times(path.hazard, streams["branch_time"])
         branch_arrays, branch_tokens, batches = _branches(
             model, pre, path, settings, times, branch_u

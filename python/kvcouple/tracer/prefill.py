@@ -9,7 +9,6 @@ the original ones: the first generated token sits at position ``n`` whatever was
 
 from __future__ import annotations
 
-import warnings
 from dataclasses import dataclass
 from typing import Any
 
@@ -17,7 +16,7 @@ import torch
 
 from kvcouple.errors import InvalidInputError
 from kvcouple.policies import Policy, PolicyContext
-from kvcouple.tracer import compat
+from kvcouple.tracer import compat, support
 
 
 class PromptTooShortError(InvalidInputError):
@@ -51,14 +50,12 @@ class Prefill:
             scaling=None if cap is None else cap.scaling,
             num_query_heads=self.num_query_heads,
             generator=generator,
+            attention_fn=None if cap is None else cap.attention,
         )
 
 
 def num_query_heads(model: Any) -> int:
-    cfg = (
-        model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
-    )
-    return int(cfg.num_attention_heads)
+    return int(support.text_config(model).num_attention_heads)
 
 
 @torch.inference_mode()
@@ -71,7 +68,7 @@ def prefill(model: Any, input_ids: torch.Tensor, need_queries: bool, doc: str = 
             f"prompt {doc!r} has {n} token(s); the tracer needs at least 2 (the last prompt "
             "token is re-fed after eviction)"
         )
-    check_model(model, n)
+    support.check_support(model, [_ScoredPolicy()] if need_queries else [])
     device = next(model.parameters()).device
     ids = ids.to(device)
     cache = compat.new_cache()
@@ -87,27 +84,10 @@ def prefill(model: Any, input_ids: torch.Tensor, need_queries: bool, doc: str = 
     )
 
 
-def check_model(model: Any, prompt_length: int) -> None:
-    """Refuse attention implementations that take no 4-D masks; warn where the tracer's full
-    attention departs from a model's sliding window."""
-    impl = attn_implementation(model)
-    if impl not in ("sdpa", "eager"):
-        raise compat.UnsupportedModelError(
-            f"attention implementation {impl!r} takes no 4-D attention masks; load the model "
-            "with attn_implementation='sdpa' (or 'eager')"
-        )
-    cfg = (
-        model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
-    )
-    window = getattr(cfg, "sliding_window", None)
-    uses_window = getattr(cfg, "use_sliding_window", window is not None)
-    if window and uses_window and prompt_length > window:
-        warnings.warn(
-            f"the model has a {window}-token sliding window but the prompt has {prompt_length} "
-            "tokens; the tracer attends over the whole cache, so both kernels differ from the "
-            "model's own sliding-window attention",
-            stacklevel=3,
-        )
+class _ScoredPolicy:
+    """Stands for "some policy scored by attention" in the support check."""
+
+    NEEDS_QUERIES = True
 
 
 def attn_implementation(model: Any) -> str:
@@ -145,6 +125,11 @@ def gather_kept(
     """The kept entries per layer and KV head: ``(1, kv_heads, keep, head_dim)`` each."""
     out = []
     for layer, (k, v) in enumerate(kv):
-        index = idx[layer].to(k.device)[None, :, :, None].expand(1, -1, -1, k.shape[-1])
-        out.append((torch.gather(k, 2, index), torch.gather(v, 2, index)))
+        index = idx[layer].to(k.device)[None, :, :, None]
+        out.append(
+            (
+                torch.gather(k, 2, index.expand(1, -1, -1, k.shape[-1])),
+                torch.gather(v, 2, index.expand(1, -1, -1, v.shape[-1])),
+            )
+        )
     return out

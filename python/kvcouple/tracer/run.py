@@ -27,6 +27,7 @@ from kvcouple.tracer.memory import plan_loaded
 from kvcouple.tracer.prefill import prefill, vocab_size
 from kvcouple.tracer.prompts import Prompt
 from kvcouple.tracer.provenance import provenance
+from kvcouple.tracer.support import check_support
 
 
 @dataclass
@@ -54,6 +55,7 @@ def trace_document_records(
     import torch
 
     pols = [parse_policy(p) if isinstance(p, str) else p for p in policies]
+    check_support(model, pols)  # cached per model: refuses before any work
     ids = torch.as_tensor(list(input_ids), dtype=torch.long)
     if settings.branch_batch == "auto":
         (plan,) = plan_loaded(model, [(doc_id, len(ids))], pols, settings)
@@ -197,6 +199,7 @@ def trace(
         raise InvalidInputError(f"a policy is given twice: {specs}")
     if not prompts:
         raise InvalidInputError("no prompts to trace")
+    check_support(model, pols)  # before the store exists: never a store with a crashed document
     out = Path(out)
     vocab = vocab_size(model)
     digest = prompts_digest(prompts)

@@ -1,0 +1,347 @@
+"""The tracer's view of attention, through transformers' attention interface.
+
+Every forward pass the tracer runs goes through :func:`active`: while it is entered, models
+whose attention modules dispatch through ``ALL_ATTENTION_FUNCTIONS`` (transformers 4.48+)
+run a registered wrapper (``kvcouple_sdpa`` / ``kvcouple_eager``) around their own
+implementation. The wrapper sees what the model really attends with: post-RoPE, post-norm
+queries and keys (so no-RoPE layers, partial rotary and per-layer norms need no special
+case), the layer's ``sliding_window``, ``softcap`` and sinks. It does two things:
+
+- **Sliding windows.** A layer with a window only sees keys at original positions
+  ``> query position - window`` (transformers' own rule). The tracer's caches hold every
+  entry at its original position (per row, layer and KV head, see :mod:`compat`), so the
+  wrapper adds that constraint to whatever mask it is given: eviction and the window combine
+  per layer, and the full policy equals the model.
+- **Capture.** Inside a :class:`QueryCapture` it records each layer's queries, keys, values
+  and call, so that policies get attention probabilities computed by the layer's own eager
+  function (the same numbers as ``output_attentions=True``), soft-cap, sinks and window
+  included.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from kvcouple.errors import InvalidInputError
+
+
+class UnsupportedModelError(InvalidInputError):
+    """A model whose cache or attention the tracer cannot serve exactly."""
+
+
+_PREFIX = "kvcouple_"
+_STATE = threading.local()
+
+
+@dataclass
+class ForwardState:
+    """What the wrapper needs to know about the forward pass in flight."""
+
+    query_positions: torch.Tensor  # (batch, q) original positions of the fed tokens
+    key_positions: list[torch.Tensor] | None  # per layer (batch, kv_heads or 1, keys), or None
+
+
+def _current() -> ForwardState | None:
+    return getattr(_STATE, "forward", None)
+
+
+def _captures() -> list[QueryCapture]:
+    return list(getattr(_STATE, "captures", ()))
+
+
+def uses_interface(model: Any) -> bool:
+    """Whether the model's attention dispatches through transformers' attention interface
+    (its modeling module imports ``ALL_ATTENTION_FUNCTIONS`` and defines
+    ``eager_attention_forward``)."""
+    module = sys.modules.get(type(model).__module__)
+    names = vars(module) if module is not None else {}
+    return "ALL_ATTENTION_FUNCTIONS" in names and "eager_attention_forward" in names
+
+
+def _registered() -> bool:
+    try:
+        from transformers.masking_utils import AttentionMaskInterface  # noqa: F401
+        from transformers.modeling_utils import AttentionInterface  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def _register() -> None:
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, AttentionInterface
+
+    if _PREFIX + "sdpa" in ALL_ATTENTION_FUNCTIONS:
+        return
+    for base in ("sdpa", "eager"):
+        AttentionInterface.register(_PREFIX + base, _make_wrapper(base))
+        AttentionMaskInterface.register(_PREFIX + base, ALL_MASK_ATTENTION_FUNCTIONS[base])
+
+
+def interface_available() -> bool:
+    """Whether the installed transformers has the attention and mask interfaces."""
+    return _registered()
+
+
+def _eager_function(module: Any) -> Any:
+    fn = getattr(sys.modules[type(module).__module__], "eager_attention_forward", None)
+    if fn is None:
+        raise UnsupportedModelError(
+            f"{type(module).__module__} has no eager_attention_forward for the tracer to score with"
+        )
+    return fn
+
+
+def _make_wrapper(base: str) -> Any:
+    def wrapper(
+        module: Any,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        *args: Any,
+        **kwargs: Any,
+    ) -> Any:
+        state = _current()
+        if base == "sdpa":
+            from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+            inner = ALL_ATTENTION_FUNCTIONS["sdpa"]
+        else:
+            inner = _eager_function(module)
+        if state is None:
+            return inner(module, query, key, value, attention_mask, *args, **kwargs)
+        if args:
+            raise UnsupportedModelError(
+                f"{type(module).__name__} passes positional arguments to its attention function"
+            )
+        layer = int(module.layer_idx)
+        window = kwargs.get("sliding_window")
+        key_pos = None
+        if state.key_positions is not None:
+            key_pos = state.key_positions[layer][..., : key.shape[-2]]
+        if window is not None:
+            if key_pos is None:
+                raise UnsupportedModelError(
+                    f"layer {layer} has a {window}-token sliding window but the tracer does not "
+                    "know the original positions of this cache's entries"
+                )
+            attention_mask = _with_window(
+                attention_mask, state.query_positions, key_pos, int(window), query, base
+            )
+        for capture in _captures():
+            capture.record(layer, module, query, key, value, kwargs, state.query_positions, key_pos)
+        return inner(module, query, key, value, attention_mask, **kwargs)
+
+    wrapper.__name__ = f"kvcouple_{base}_attention"
+    return wrapper
+
+
+def allowed_keys(
+    query_positions: torch.Tensor, key_positions: torch.Tensor, window: int | None
+) -> torch.Tensor:
+    """Causal (and sliding-window) visibility by original position:
+    ``(batch, kv_heads or 1, q, keys)`` bool."""
+    q = query_positions[:, None, :, None]
+    k = key_positions[:, :, None, :]
+    ok = k <= q
+    if window is not None:
+        ok = ok & (k > q - window)  # transformers' sliding_window_overlay
+    return ok
+
+
+def _with_window(
+    mask: torch.Tensor | None,
+    query_positions: torch.Tensor,
+    key_positions: torch.Tensor,
+    window: int,
+    query: torch.Tensor,
+    base: str,
+) -> torch.Tensor:
+    """``mask`` further restricted to the window, per query head: ``(batch, heads, q, keys)``."""
+    heads = query.shape[1]
+    ok = allowed_keys(query_positions.to(key_positions.device), key_positions, window)
+    if ok.shape[1] > 1:  # per KV head -> per query head (head h uses KV head h // group)
+        ok = ok.repeat_interleave(heads // ok.shape[1], dim=1)
+    keys = key_positions.shape[-1]
+    if mask is None:
+        if base == "sdpa":
+            return ok.expand(-1, heads, -1, -1)
+        zero = torch.zeros((), dtype=query.dtype, device=query.device)
+        return torch.where(ok, zero, torch.finfo(query.dtype).min).expand(-1, heads, -1, -1)
+    mask = mask[..., :keys]
+    if mask.dtype == torch.bool:
+        return (mask & ok).expand(-1, heads, -1, -1)
+    return mask.masked_fill(~ok, torch.finfo(mask.dtype).min).expand(-1, heads, -1, -1)
+
+
+@contextlib.contextmanager
+def active(
+    model: Any, query_positions: torch.Tensor, key_positions: list[torch.Tensor] | None
+) -> Iterator[ForwardState]:
+    """Run the enclosed forward pass through the wrapper (where the model allows it)."""
+    outer = _current()
+    state = ForwardState(query_positions, key_positions)
+    switched = _switch(model)
+    _STATE.forward = state
+    try:
+        yield state
+    finally:
+        _STATE.forward = outer
+        if switched is not None:
+            _set_impl(model, switched)
+
+
+def _set_impl(model: Any, impl: str) -> None:
+    model.config._attn_implementation = impl
+
+
+def _switch(model: Any) -> str | None:
+    """Point the model at the wrapper; returns the implementation to restore, or None."""
+    impl = getattr(model.config, "_attn_implementation", None) or "eager"
+    if impl.startswith(_PREFIX) or impl not in ("sdpa", "eager") or not uses_interface(model):
+        return None
+    if not _registered():
+        return None
+    _register()
+    _set_impl(model, _PREFIX + impl)
+    return impl
+
+
+def _module_scaling(model: Any) -> float:
+    for m in model.modules():
+        if hasattr(m, "layer_idx") and isinstance(getattr(m, "scaling", None), (int, float)):
+            return float(m.scaling)
+    cfg = (
+        model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    )
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    return float(head_dim**-0.5)
+
+
+@dataclass
+class _Call:
+    module: Any
+    query: torch.Tensor  # (batch, heads, q, head_dim)
+    key: torch.Tensor  # (batch, kv_heads, keys, head_dim) as the layer attends with
+    value: torch.Tensor
+    kwargs: dict[str, Any]
+    query_positions: torch.Tensor
+    key_positions: torch.Tensor | None
+
+
+class QueryCapture:
+    """Records each layer's attention call during the forward passes it encloses.
+
+    ``with capture: ...`` makes every tracer forward pass inside record into it. Then
+    :meth:`attention` gives the layer's own attention probabilities, :meth:`queries` its
+    queries (post-RoPE where the layer rotates them).
+    """
+
+    def __init__(self, model: Any):
+        impl = getattr(model.config, "_attn_implementation", None) or "eager"
+        if not uses_interface(model) or not _registered():
+            raise UnsupportedModelError(
+                f"{type(model).__name__} ({model.config.model_type}): its attention does not go "
+                "through transformers' attention interface, so policies scored by attention "
+                "(snapkv, h2o, tova) cannot see what it attends to"
+            )
+        self.impl = impl
+        self.calls: dict[int, _Call] = {}
+        self._default_scaling = _module_scaling(model)
+
+    def __enter__(self) -> QueryCapture:
+        _STATE.captures = _captures() + [self]
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        _STATE.captures = [c for c in _captures() if c is not self]
+
+    def record(
+        self,
+        layer: int,
+        module: Any,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kwargs: dict[str, Any],
+        query_positions: torch.Tensor,
+        key_positions: torch.Tensor | None,
+    ) -> None:
+        self.calls[layer] = _Call(
+            module,
+            query.detach(),
+            key.detach(),
+            value.detach(),
+            dict(kwargs),
+            query_positions,
+            key_positions,
+        )
+
+    def _call(self, layer: int) -> _Call:
+        if layer not in self.calls:
+            raise UnsupportedModelError(
+                f"layer {layer}'s attention was not seen by the tracer's attention wrapper"
+            )
+        return self.calls[layer]
+
+    @torch.inference_mode()
+    def queries(self, layer: int, start: int = 0) -> torch.Tensor:
+        """Queries of positions ``start..`` of batch row 0: ``(heads, len, head_dim)``."""
+        return self._call(layer).query[0, :, start:]
+
+    @torch.inference_mode()
+    def batch_queries(self, layer: int, start: int = 0, rows: slice | None = None) -> torch.Tensor:
+        """Queries of the captured batch rows: ``(rows, heads, len, head_dim)``."""
+        q = self._call(layer).query
+        return q[rows if rows is not None else slice(None), :, start:]
+
+    @property
+    def scaling(self) -> float:
+        """The first layer's attention scale (known before any forward pass)."""
+        if not self.calls:
+            return self._default_scaling
+        call = self._call(min(self.calls))
+        s = call.kwargs.get("scaling")
+        return float(s) if s is not None else float(call.query.shape[-1] ** -0.5)
+
+    @torch.inference_mode()
+    def attention(self, layer: int, start: int, stop: int) -> torch.Tensor:
+        """Attention probabilities of batch row 0's queries ``start..stop-1`` onto every key,
+        computed by the layer's own eager function in float32 (causal mask by position, the
+        layer's window, soft-cap and sinks): ``(heads, stop - start, keys)``."""
+        call = self._call(layer)
+        q = call.query[:1, :, start:stop].float()
+        k, v = call.key[:1].float(), call.value[:1].float()
+        qpos = call.query_positions[:1, start:stop].to(q.device)
+        if call.key_positions is not None:
+            kpos = call.key_positions[:1]
+        else:  # a fresh cache: keys sit at the query positions
+            kpos = call.query_positions[:1, None, :].to(q.device)
+        ok = allowed_keys(qpos, kpos, call.kwargs.get("sliding_window"))
+        heads = q.shape[1]
+        if ok.shape[1] > 1:
+            ok = ok.repeat_interleave(heads // ok.shape[1], dim=1)
+        mask = torch.zeros(ok.shape, dtype=torch.float32, device=q.device)
+        mask = mask.masked_fill(~ok, torch.finfo(torch.float32).min)
+        kwargs = {k: v for k, v in call.kwargs.items() if k not in ("dropout", "is_causal")}
+        module = call.module
+        training = module.training
+        module.training = False
+        try:
+            out = _eager_function(module)(module, q, k, v, mask, dropout=0.0, **kwargs)
+        finally:
+            module.training = training
+        weights = out[1]
+        if weights is None or weights.shape[-1] != k.shape[-2]:
+            raise UnsupportedModelError(
+                f"{type(module).__name__}'s eager attention returned no usable weights"
+            )
+        return weights[0].float()
