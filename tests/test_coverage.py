@@ -60,6 +60,7 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(old)
+    model.cache_clear()  # later tests count live tensors (tests/test_tracer_scale.py)
 
 
 @functools.cache
