@@ -2,7 +2,7 @@
 PYTHON ?= python3
 PYTEST_ARGS ?=
 
-.PHONY: help install develop fmt lint stubtest test test-rust test-python bench wheel wheel-aarch64 wheel-check sdist sdist-check wheel-smoke compat-py310 docs docs-test demo clean
+.PHONY: help install develop fmt lint stubtest test test-rust test-python bench wheel wheel-aarch64 wheel-check sdist sdist-check wheel-smoke compat-py310 docs docs-test demo mutants clean
 
 help:
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-12s %s\n", $$1, $$2}'
@@ -90,6 +90,24 @@ compat-py310: wheel ## The wheel and torch-free suites on Python 3.10 (zarr 2)
 		pytest hypothesis scipy; \
 	build/venv-py310/bin/python -c "import sys, zarr; print('python', sys.version.split()[0], 'zarr', zarr.__version__)"; \
 	build/venv-py310/bin/python -m pytest -q -p no:cacheprovider $(COMPAT_TESTS)
+
+# Mutation testing (slow; not in CI). cargo-mutants (`cargo install cargo-mutants`) mutates the
+# Rust core and runs its unit tests against each mutant; scripts/mutants.py applies curated
+# Python mutants one at a time against the pytest files that should notice. A full Rust run
+# takes hours on two cores: scope it, e.g.
+#   make mutants MUTANTS_RUST_ARGS="--file rust/core/src/couple.rs --file 'rust/core/src/stats/*'"
+MUTANTS_RUST_ARGS ?=
+MUTANTS_PY_ARGS ?=
+
+mutants: ## Mutation testing (slow, not in CI): cargo-mutants on rust/core, then scripts/mutants.py
+	@command -v cargo-mutants >/dev/null || { echo "needs cargo-mutants: cargo install cargo-mutants"; exit 2; }
+	cargo mutants -p kvcouple-core -o target/mutants $(MUTANTS_RUST_ARGS) || true
+	@echo "cargo-mutants: caught $$(cat target/mutants/mutants.out/caught.txt 2>/dev/null | wc -l)," \
+		"missed $$(cat target/mutants/mutants.out/missed.txt 2>/dev/null | wc -l)," \
+		"timeout $$(cat target/mutants/mutants.out/timeout.txt 2>/dev/null | wc -l)," \
+		"unviable $$(cat target/mutants/mutants.out/unviable.txt 2>/dev/null | wc -l)" \
+		"(missed ones: target/mutants/mutants.out/missed.txt)"
+	$(PYTHON) scripts/mutants.py $(MUTANTS_PY_ARGS)
 
 demo: ## The main job on the embedded default model
 	kvcouple demo
