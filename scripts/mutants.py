@@ -140,16 +140,6 @@ MUTANTS = [
         ANALYSIS,
         ("tv_lag_den = (reached.mean(1) * weight)", "tv_lag_den = (reached.sum(1) * weight)"),
     ),
-    m(
-        "E11",
-        "analysis/estimates.py",
-        "TV estimator ignores the unobserved-branch mask",
-        ANALYSIS,
-        (
-            "per_lag = np.where(has_branch[:, :, None], per_lag, 0.0)",
-            "per_lag = per_lag",
-        ),
-    ),
     # --- across-document statistics (analysis/stats.py) -------------------------------------
     m(
         "S1",

@@ -190,3 +190,43 @@ def test_plugin_scorer():
         assert idx[0, 0].tolist() == sorted(want.tolist())
     finally:
         POLICIES.pop("test-keymean")
+
+
+def _plain_attention(ctx: PolicyContext, layer: int) -> torch.Tensor:
+    """Causal softmax attention of every prefix query: ``(query_heads, length, length)``."""
+    n = ctx.length
+    q = ctx.query_fn(layer, 0)
+    k = ctx.keys[layer].repeat_interleave(GROUP, dim=0)
+    causal = torch.ones(n, n, dtype=torch.bool).tril()
+    logits = (q @ k.transpose(-1, -2) * DIM**-0.5).masked_fill(~causal, float("-inf"))
+    return torch.softmax(logits, dim=-1)
+
+
+def test_accumulated_and_window_attention_are_causal():
+    """Independent recomputation of the attention that SnapKV, H2O and TOVA score with."""
+    ctx = make_context(37)
+    for layer in range(LAYERS):
+        att = _plain_attention(ctx, layer)
+        torch.testing.assert_close(ctx.accumulated_attention(layer), att.sum(1))
+        torch.testing.assert_close(ctx.window_attention(layer, 5), att[:, -5:])
+
+
+def test_tova_keeps_what_the_last_query_attends_to():
+    ctx = make_context(30)
+    idx = parse_policy("tova:budget=8").select(ctx, 7)
+    for layer in range(LAYERS):
+        last = _plain_attention(ctx, layer)[:, -1].reshape(KV_HEADS, GROUP, 30).mean(1)
+        want = torch.sort(torch.topk(last, 7, dim=-1).indices, dim=-1).values
+        assert torch.equal(idx[layer], want), layer
+
+
+def test_h2o_recent_share_rounds_half_up():
+    policy = parse_policy("h2o:budget=10,recent=0.5")
+    assert [policy.recent_count(k) for k in (9, 5, 4, 1)] == [5, 3, 2, 1]
+    ctx = make_context(40)
+    idx = policy.select(ctx, 9)
+    assert idx[1, 0, -5:].tolist() == [35, 36, 37, 38, 39]
+    acc = ctx.group_mean(ctx.accumulated_attention(1))[:, :35]
+    for head in range(KV_HEADS):
+        want = torch.sort(torch.topk(acc[head], 4).indices).values
+        assert idx[1, head, :4].tolist() == want.tolist()

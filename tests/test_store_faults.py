@@ -17,6 +17,8 @@ import zarr
 
 from kvcouple.analysis import analyze
 from kvcouple.cli import main
+from kvcouple.errors import StoreError
+from kvcouple.store import StoreLayout, TraceStoreWriter, variables
 from kvcouple.synth.trace_store import write_synthetic_trace_store
 
 PAIRS = {
@@ -116,3 +118,54 @@ def test_fault_at_the_first_writes_of_the_first_document(tmp_path, monkeypatch, 
     write_synthetic_trace_store(cut, PAIRS, **{**SETTINGS, "docs": 2})
     write_synthetic_trace_store(whole, PAIRS, **{**SETTINGS, "docs": 2})
     assert_same_store(cut, whole)
+
+
+def test_resume_refuses_other_settings(tmp_path):
+    """A rerun with other run-defining settings would mix two runs in one store: refused,
+    naming the setting, and nothing is written."""
+    path = tmp_path / "s.zarr"
+    write_synthetic_trace_store(path, PAIRS, **{**SETTINGS, "stop_after": 1})
+    before = tree_bytes(path)
+    for key, value in (("seed", 3), ("replicates", 7), ("horizon", 5), ("record", "summary")):
+        with pytest.raises(StoreError, match=key):
+            write_synthetic_trace_store(path, PAIRS, **{**SETTINGS, key: value})
+    assert tree_bytes(path) == before
+    write_synthetic_trace_store(path, PAIRS, **SETTINGS)
+    assert np.asarray(zarr.open_group(str(path), mode="r")["completed"][...]).all()
+
+
+def test_write_doc_refuses_wrong_shapes(tmp_path):
+    """A document whose arrays do not fit the layout is refused before anything is written."""
+    layout = StoreLayout(
+        doc_ids=["a", "b"],
+        policies=["full"],
+        horizon=3,
+        window=1,
+        branches=1,
+        replicates=2,
+        vocab_size=5,
+    )
+    path = tmp_path / "w.zarr"
+    writer = TraceStoreWriter.open(path, layout, {"model_id": "m", "seed": 0})
+    sizes = layout.sizes()
+    arrays = {
+        name: np.zeros(tuple(sizes[d] for d in var[0][1:]), var[1])
+        for name, var in variables(layout.record).items()
+        if name != "completed"
+    }
+    before = tree_bytes(path)
+    for name in ("hazard", "branch_tv", "kept_length"):
+        bad = dict(arrays)
+        bad[name] = np.zeros((*arrays[name].shape[:-1], arrays[name].shape[-1] + 1))
+        with pytest.raises(StoreError, match=name):
+            writer.write_doc(1, bad)
+        bad[name] = np.zeros(arrays[name].shape[:-1])  # an axis missing
+        with pytest.raises(StoreError, match=name):
+            writer.write_doc(1, bad)
+    missing = {k: v for k, v in arrays.items() if k != "tokens"}
+    with pytest.raises(StoreError, match="tokens"):
+        writer.write_doc(1, missing)
+    assert tree_bytes(path) == before
+    assert not writer.completed().any()
+    writer.write_doc(1, arrays)
+    assert writer.completed().tolist() == [False, True]

@@ -169,6 +169,9 @@ def _create_array(
             fill_value=None,
             compressors=_compressor() if compress else None,
             attributes=attrs,
+            # Also chunks equal to the fill value (the doc coordinate [0] of a one-document
+            # store): readers take a missing chunk for damage.
+            config={"write_empty_chunks": True},
         )
     else:  # zarr 2
         arr = group.create_dataset(
