@@ -14,14 +14,23 @@ works without them.
 from __future__ import annotations
 
 import json
+import os
+import re
 from pathlib import Path
 from typing import Any
 
-from kvcouple.errors import InvalidInputError
+from kvcouple.errors import InvalidInputError, require
 
 _DATA = Path(__file__).resolve().parent / "data"
 
-__all__ = ["default_model_path", "default_prompts", "default_prompts_path", "load_model"]
+__all__ = [
+    "default_model_path",
+    "default_prompts",
+    "default_prompts_path",
+    "load_model",
+    "model_source",
+    "offline_mode",
+]
 
 
 def default_model_path() -> Path:
@@ -66,6 +75,56 @@ def _resolve_dtype(dtype: Any, device: Any) -> Any:
     raise InvalidInputError(f"dtype must be a floating torch.dtype or its name, got {dtype!r}")
 
 
+# Hub ids: "name" or "owner/name" of letters, digits, "-", "_", "." (at most 96 characters).
+_HUB_ID = re.compile(r"^(?:[A-Za-z0-9][\w.-]{0,95}/)?[A-Za-z0-9][\w.-]{0,95}$")
+
+
+def offline_mode() -> str | None:
+    """The environment variable that puts Hugging Face in offline mode (``None``: online)."""
+    for name in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"):
+        if os.environ.get(name, "").strip().lower() in ("1", "true", "yes", "on"):
+            return f"{name}={os.environ[name]}"
+    return None
+
+
+def model_source(name_or_path: str | os.PathLike[str] | None) -> tuple[str | Path, bool]:
+    """``(source, is_local)`` for :func:`load_model`, checked without loading anything: a
+    local directory must hold a ``config.json``; a name that is neither an existing path nor
+    a valid Hub id (``owner/name``) fails at once instead of after Hub retries."""
+    if name_or_path is None:
+        source = default_model_path()
+        if not (source / "config.json").is_file():
+            raise FileNotFoundError(
+                f"the embedded default model is missing from {source}; "
+                "run scripts/train_default_model.py or reinstall kvcouple"
+            )
+        return source, True
+    if not isinstance(name_or_path, str | os.PathLike) or not os.fspath(name_or_path):
+        raise InvalidInputError(
+            f"model must be a Hub id or a local directory, got {name_or_path!r}"
+        )
+    text = os.fspath(name_or_path)
+    path = Path(text).expanduser()
+    if path.exists():
+        if not path.is_dir():
+            raise InvalidInputError(f"model {text}: a file, not a model directory")
+        if not (path / "config.json").is_file():
+            raise InvalidInputError(
+                f"model {text}: the directory has no config.json (not a Hugging Face model)"
+            )
+        return path, True
+    if not _HUB_ID.match(text) or ".." in text or "--" in text:
+        raise InvalidInputError(
+            f"model {text}: no such local directory (and not a Hub id such as owner/name)"
+        )
+    return text, False
+
+
+def _first_line(e: BaseException) -> str:
+    lines = str(e).strip().splitlines()
+    return lines[0] if lines else type(e).__name__
+
+
 def load_model(
     name_or_path: str | Path | None = None,
     *,
@@ -88,35 +147,40 @@ def load_model(
         Passed to ``AutoModelForCausalLM.from_pretrained`` (e.g. ``attn_implementation``,
         ``revision``).
     """
+    source, local = model_source(name_or_path)
+    require("torch", "loading a model")
+    require("transformers", "loading a model")
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    if name_or_path is None:
-        source: str | Path = default_model_path()
-        local = True
-        if not (source / "config.json").is_file():
-            raise FileNotFoundError(
-                f"the embedded default model is missing from {source}; "
-                "run scripts/train_default_model.py or reinstall kvcouple"
-            )
-    else:
-        path = Path(name_or_path).expanduser()
-        local = path.exists()
-        source = path if local else str(name_or_path)
 
     dev = torch.device(
         device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu")
     )
     torch_dtype = _resolve_dtype(dtype, dev)
     kwargs = dict(from_pretrained_kwargs)
-    if local:
+    offline = offline_mode()
+    if local or offline:
         kwargs["local_files_only"] = True
-    tokenizer = AutoTokenizer.from_pretrained(
-        source,
-        **{k: v for k, v in kwargs.items() if k in ("local_files_only", "revision", "token")},
-    )
-    kwargs[_dtype_keyword()] = torch_dtype
-    model = AutoModelForCausalLM.from_pretrained(source, **kwargs)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(
+            source,
+            **{k: v for k, v in kwargs.items() if k in ("local_files_only", "revision", "token")},
+        )
+        kwargs[_dtype_keyword()] = torch_dtype
+        model = AutoModelForCausalLM.from_pretrained(source, **kwargs)
+    except OSError as e:
+        if local:
+            raise InvalidInputError(
+                f"model {os.fspath(source)} cannot be loaded: {_first_line(e)}"
+            ) from e
+        if offline:
+            raise InvalidInputError(
+                f"model {source!r} is not in the local Hugging Face cache and offline mode is on "
+                f"({offline}): download it while online, pass a local directory, or unset it"
+            ) from e
+        raise InvalidInputError(
+            f"model {source!r} could not be loaded from the Hugging Face Hub: {_first_line(e)}"
+        ) from e
     model.to(dev)
     model.eval()
     return model, tokenizer

@@ -11,7 +11,10 @@ cumulative boundary.
 
 from __future__ import annotations
 
+import numbers
 from typing import TYPE_CHECKING
+
+from kvcouple.errors import InvalidInputError
 
 if TYPE_CHECKING:
     import torch
@@ -31,20 +34,27 @@ def apply_decoding(
        whose preceding mass is ``< top_p`` (so at least one entry survives);
     4. softmax over the survivors (in float64).
 
-    ``-inf`` logits are masked entries. Raises ``ValueError`` for bad parameters.
+    ``-inf`` logits are masked entries. Raises :class:`~kvcouple.InvalidInputError` (a ``ValueError``) for bad parameters.
     """
     import torch
 
-    if not (temperature > 0 and temperature < float("inf")):
-        raise ValueError(
-            f"temperature must be a finite number > 0, got {temperature} "
+    if not (temperature > 0 and temperature < float("inf")) or 1.0 / temperature == float("inf"):
+        raise InvalidInputError(
+            f"temperature must be a finite number > 0 whose inverse is finite, got {temperature} "
             "(use top_k=1 for greedy decoding)"
         )
-    if top_k is not None and top_k < 1:
-        raise ValueError(f"top_k must be >= 1, got {top_k}")
+    if top_k is not None and (
+        isinstance(top_k, bool) or not isinstance(top_k, numbers.Integral) or top_k < 1
+    ):
+        raise InvalidInputError(f"top_k must be an integer >= 1, got {top_k!r}")
     if top_p is not None and not (0 < top_p <= 1):
-        raise ValueError(f"top_p must be in (0, 1], got {top_p}")
-    z = logits.to(torch.float64) * (1.0 / temperature)
+        raise InvalidInputError(f"top_p must be in (0, 1], got {top_p}")
+    inv_t = 1.0 / temperature
+    z = logits.to(torch.float64)
+    # As in Rust: where z / t would overflow, scale z - max instead (softmax is shift-invariant).
+    top = z.amax(dim=-1, keepdim=True)
+    shift = torch.where(torch.isfinite(top) & ~torch.isfinite(top * inv_t), top, 0.0)
+    z = (z - shift) * inv_t
     vocab = z.shape[-1]
     if top_k is not None and top_k < vocab:
         kth = torch.topk(z, top_k, dim=-1).values[..., -1:]

@@ -33,11 +33,13 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar
 
+from kvcouple.errors import InvalidInputError
+
 if TYPE_CHECKING:
     import torch
 
 
-class PolicyError(ValueError):
+class PolicyError(InvalidInputError):
     """A policy spec that cannot be used: unknown policy, unknown or bad parameter."""
 
 

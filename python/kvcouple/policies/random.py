@@ -6,7 +6,7 @@ command gives the same subsets.
 
 from __future__ import annotations
 
-from kvcouple.policies.base import Policy, PolicyContext
+from kvcouple.policies.base import Policy, PolicyContext, PolicyParameterError
 
 
 class Random(Policy):
@@ -14,6 +14,13 @@ class Random(Policy):
 
     name = "random"
     PARAMS = {"seed": (int, 0)}
+
+    def validate(self) -> None:
+        # Mixed with the per-document stream as seed * 1_000_003 + r (r < 2**31) into a
+        # torch generator seed (< 2**63): checked here, before any model is loaded.
+        seed = self.params["seed"]
+        if not 0 <= seed < 2**32:
+            raise PolicyParameterError(f"policy 'random': seed must be in [0, 2**32), got {seed}")
 
     def select(self, ctx: PolicyContext, keep: int):
         import torch

@@ -149,6 +149,11 @@ class TraceStoreReader:
             raise StoreError(
                 f"{self.path} is a Zarr store but not a kvcouple trace store (no schema_version)"
             )
+        if not isinstance(version, int) or isinstance(version, bool):
+            raise StoreError(
+                f"{self.path}: attribute schema_version is {version!r} "
+                f"({type(version).__name__}), not an integer: the store's attributes are damaged"
+            )
         if version != SCHEMA_VERSION:
             raise SchemaVersionError(
                 f"{self.path} was written with trace-store schema version {version}; this "

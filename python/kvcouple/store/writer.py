@@ -245,6 +245,11 @@ class TraceStoreWriter:
         )
         if not path.exists():
             cls._create(path, layout, full_attrs)
+        elif not path.is_dir() or not any((path / m).exists() for m in (".zgroup", "zarr.json")):
+            what = "a file" if not path.is_dir() else "a directory without a Zarr group"
+            raise StoreError(
+                f"{path} exists and is {what}, not a kvcouple trace store: write to a new path"
+            )
         group = _open_group(path, "r+")
         existing = dict(group.attrs)
         if "schema_version" not in existing:
@@ -252,8 +257,14 @@ class TraceStoreWriter:
         if existing["schema_version"] != SCHEMA_VERSION:
             from kvcouple.errors import SchemaVersionError
 
+            found = existing["schema_version"]
+            if not isinstance(found, int) or isinstance(found, bool):
+                raise StoreError(
+                    f"{path}: attribute schema_version is {found!r} ({type(found).__name__}), "
+                    "not an integer: the store's attributes are damaged"
+                )
             raise SchemaVersionError(
-                f"{path} has schema version {existing['schema_version']}; this kvcouple writes "
+                f"{path} has schema version {found}; this kvcouple writes "
                 f"version {SCHEMA_VERSION}. Write to a new store."
             )
         check_resume(path, existing, full_attrs)

@@ -217,6 +217,7 @@ def run(args: argparse.Namespace) -> int:
     from kvcouple.store import Record
     from kvcouple.tracer.run import parse_shard
 
+    check_arguments(args)
     policies = [parse_policy(s) for s in args.policy]
     record = Record.parse(args.record)
     shard = parse_shard(args.shard)
@@ -238,7 +239,7 @@ def run(args: argparse.Namespace) -> int:
     from kvcouple.models import default_prompts_path, load_model
     from kvcouple.tracer.engine import Decoding, TraceSettings
     from kvcouple.tracer.prefill import vocab_size
-    from kvcouple.tracer.prompts import load_prompts
+    from kvcouple.tracer.prompts import check_prompt_file, load_prompts
     from kvcouple.tracer.run import trace
 
     decoding = Decoding(args.temperature, args.top_k, args.top_p)
@@ -250,7 +251,9 @@ def run(args: argparse.Namespace) -> int:
     extra = {"attn_implementation": args.attn}
     if args.revision:
         extra["revision"] = args.revision
+    check_prompt_file(prompts_path)  # before the model is loaded
     model, tokenizer = _load(load_model, args, extra)
+    check_eos(args.eos, vocab_size(model), "the model's")
     prompts = load_prompts(
         prompts_path, tokenizer, chat_template=args.chat_template, vocab_size=vocab_size(model)
     )
@@ -281,3 +284,94 @@ def run(args: argparse.Namespace) -> int:
     )
     print(summary.format())
     return 0
+
+
+def check_arguments(args: argparse.Namespace) -> None:
+    """The checks of ``kvcouple trace`` arguments that need no model (run before loading one);
+    each error names the option."""
+    import math
+    from pathlib import Path
+
+    from kvcouple.cliargs import MAX_COUNT
+    from kvcouple.errors import InvalidInputError
+    from kvcouple.models import model_source
+
+    for name in ("horizon", "replicates", "branches", "window"):
+        v = getattr(args, name)
+        if v is not None and v > MAX_COUNT:
+            raise InvalidInputError(f"--{name} = {v} is beyond {MAX_COUNT}")
+    t = args.temperature
+    if not (math.isfinite(t) and t > 0 and math.isfinite(1 / t)):
+        raise InvalidInputError(
+            f"--temperature must be a finite number > 0 whose inverse is finite, got {t} "
+            "(use --top-k 1 for greedy decoding)"
+        )
+    if args.top_k is not None and args.top_k < 1:
+        raise InvalidInputError(f"--top-k must be >= 1, got {args.top_k}")
+    if args.top_p is not None and not 0 < args.top_p <= 1:
+        raise InvalidInputError(f"--top-p must be in (0, 1], got {args.top_p}")
+    if not 0 <= args.seed < 2**64:
+        raise InvalidInputError(f"--seed must be in [0, 2**64), got {args.seed}")
+    if args.max_docs is not None and args.max_docs < 0:
+        raise InvalidInputError(f"--max-docs must be >= 0, got {args.max_docs}")
+    if args.eos and args.no_eos:
+        raise InvalidInputError("--eos and --no-eos contradict each other")
+    out = Path(args.out)
+    if out.exists():
+        if not out.is_dir():
+            raise InvalidInputError(f"--out {args.out} is an existing file, not a trace store")
+        if not any((out / m).exists() for m in (".zgroup", "zarr.json")):
+            what = "an existing directory" if any(out.iterdir()) else "an empty directory"
+            raise InvalidInputError(
+                f"--out {args.out} is {what}, not a trace store: give a new path"
+            )
+    source, local = model_source(args.model)
+    # The vocabulary bounds --eos before the model loads where the config says it.
+    vocab = _config_vocab(Path(source)) if local else None
+    check_eos(args.eos, vocab, "the model config's")
+    if args.device is not None or args.dtype is not None:
+        _check_device(args.device, args.dtype)
+
+
+def check_eos(eos: list[int] | None, vocab: int | None, whose: str) -> None:
+    """``--eos`` ids must be token ids of the vocabulary (else EOS would never fire)."""
+    from kvcouple.errors import InvalidInputError
+
+    for e in eos or ():
+        if e < 0 or (vocab is not None and e >= vocab):
+            bound = f"[0, {vocab}) ({whose} vocabulary)" if vocab is not None else ">= 0"
+            raise InvalidInputError(f"--eos {e} is not a token id: must be in {bound}")
+
+
+def _config_vocab(model_dir: Any) -> int | None:
+    import json
+
+    try:
+        config = json.loads((model_dir / "config.json").read_text())
+        vocab = config.get("vocab_size") or config.get("text_config", {}).get("vocab_size")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return vocab if isinstance(vocab, int) and vocab > 0 else None
+
+
+def _check_device(device: str | None, dtype: str | None) -> None:
+    from kvcouple.errors import InvalidInputError, require
+
+    torch = require("torch", "kvcouple trace")
+    from kvcouple.models import _resolve_dtype
+
+    try:
+        dev = torch.device(device if device is not None else "cpu")
+    except (RuntimeError, TypeError) as e:
+        raise InvalidInputError(f"--device {device!r}: {e}") from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise InvalidInputError(f"--device {device}: CUDA is not available on this machine")
+    if dev.type == "cuda" and dev.index is not None and dev.index >= torch.cuda.device_count():
+        raise InvalidInputError(
+            f"--device {device}: this machine has {torch.cuda.device_count()} CUDA device(s)"
+        )
+    if dtype is not None:
+        try:
+            _resolve_dtype(dtype, dev)
+        except InvalidInputError as e:
+            raise InvalidInputError(f"--dtype: {e}") from None

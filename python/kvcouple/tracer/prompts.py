@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -48,55 +49,83 @@ def load_prompts(
 ) -> list[Prompt]:
     """Read a prompt file; texts are tokenised with ``tokenizer`` (optionally through its chat
     template). ``vocab_size`` bounds the token ids of ``input_ids`` lines."""
-    path = Path(path)
+    prompts: list[Prompt] = []
+    for where, doc_id, text, ids in _records(Path(path), vocab_size):
+        if text is not None:
+            if tokenizer is None:
+                raise PromptFileError(
+                    f"{where}: a text prompt needs a tokenizer (the model has none); "
+                    'give "input_ids" instead'
+                )
+            ids = _tokenize(tokenizer, text, chat_template)
+        if not ids:
+            raise PromptFileError(f"{where}: empty prompt (document {doc_id!r})")
+        prompts.append(Prompt(doc_id, tuple(ids)))
+    return prompts
+
+
+def check_prompt_file(path: str | os.PathLike[str]) -> int:
+    """Validate a prompt file without tokenising it (before a model is loaded); returns the
+    number of prompts. Raises :class:`PromptFileError` naming the line."""
+    return sum(1 for _ in _records(Path(path), None))
+
+
+def _records(
+    path: Path, vocab_size: int | None
+) -> Iterator[tuple[str, str, str | None, list[int] | None]]:
+    """``(where, id, text, input_ids)`` of each line, one of text and input_ids set."""
     if not path.exists():
         raise FileNotFoundError(f"prompt file {path} does not exist")
-    prompts: list[Prompt] = []
+    if path.is_dir():
+        raise PromptFileError(f"{path} is a directory, not a prompt file (JSON lines)")
     seen: dict[str, int] = {}
-    with path.open(encoding="utf-8") as f:
-        for number, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            where = f"{path} line {number}"
-            try:
-                obj = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise PromptFileError(f"{where}: not valid JSON ({e.msg})") from None
-            if not isinstance(obj, dict):
-                raise PromptFileError(f"{where}: expected a JSON object, got {type(obj).__name__}")
-            if "id" not in obj or not isinstance(obj["id"], (str, int)) or obj["id"] == "":
-                raise PromptFileError(f'{where}: missing or empty "id" (a string)')
-            doc_id = str(obj["id"])
-            if doc_id in seen:
-                raise PromptFileError(f"{where}: id {doc_id!r} already used on line {seen[doc_id]}")
-            seen[doc_id] = number
-            if "input_ids" in obj:
-                ids = obj["input_ids"]
-                if not isinstance(ids, list) or not all(
-                    isinstance(i, int) and not isinstance(i, bool) for i in ids
-                ):
-                    raise PromptFileError(f'{where}: "input_ids" must be a list of integers')
-                bad = [i for i in ids if i < 0 or (vocab_size is not None and i >= vocab_size)]
-                if bad:
-                    raise PromptFileError(
-                        f"{where}: token id {bad[0]} is outside the vocabulary [0, {vocab_size})"
-                    )
-            elif "text" in obj:
-                if not isinstance(obj["text"], str):
-                    raise PromptFileError(f'{where}: "text" must be a string')
-                if not obj["text"].strip():
-                    raise PromptFileError(f"{where}: empty prompt (document {doc_id!r})")
-                if tokenizer is None:
-                    raise PromptFileError(
-                        f"{where}: a text prompt needs a tokenizer (the model has none); "
-                        'give "input_ids" instead'
-                    )
-                ids = _tokenize(tokenizer, obj["text"], chat_template)
-            else:
-                raise PromptFileError(f'{where}: needs "text" or "input_ids"')
+    with path.open(encoding="utf-8", errors="strict") as f:
+        try:
+            lines = list(enumerate(f, start=1))
+        except UnicodeDecodeError as e:
+            raise PromptFileError(f"{path}: not UTF-8 text ({e.reason})") from None
+    for number, line in lines:
+        if not line.strip():
+            continue
+        where = f"{path} line {number}"
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise PromptFileError(f"{where}: not valid JSON ({e.msg})") from None
+        if not isinstance(obj, dict):
+            raise PromptFileError(f"{where}: expected a JSON object, got {type(obj).__name__}")
+        if (
+            "id" not in obj
+            or isinstance(obj["id"], bool)
+            or not isinstance(obj["id"], (str, int))
+            or obj["id"] == ""
+        ):
+            raise PromptFileError(f'{where}: missing or empty "id" (a string)')
+        doc_id = str(obj["id"])
+        if doc_id in seen:
+            raise PromptFileError(f"{where}: id {doc_id!r} already used on line {seen[doc_id]}")
+        seen[doc_id] = number
+        if "input_ids" in obj:
+            ids = obj["input_ids"]
+            if not isinstance(ids, list) or not all(
+                isinstance(i, int) and not isinstance(i, bool) for i in ids
+            ):
+                raise PromptFileError(f'{where}: "input_ids" must be a list of integers')
+            bad = [i for i in ids if i < 0 or (vocab_size is not None and i >= vocab_size)]
+            if bad:
+                raise PromptFileError(
+                    f"{where}: token id {bad[0]} is outside the vocabulary [0, {vocab_size})"
+                )
             if not ids:
                 raise PromptFileError(f"{where}: empty prompt (document {doc_id!r})")
-            prompts.append(Prompt(doc_id, tuple(ids)))
-    if not prompts:
+            yield where, doc_id, None, ids
+        elif "text" in obj:
+            if not isinstance(obj["text"], str):
+                raise PromptFileError(f'{where}: "text" must be a string')
+            if not obj["text"].strip():
+                raise PromptFileError(f"{where}: empty prompt (document {doc_id!r})")
+            yield where, doc_id, obj["text"], None
+        else:
+            raise PromptFileError(f'{where}: needs "text" or "input_ids"')
+    if not seen:
         raise PromptFileError(f"{path} holds no prompts")
-    return prompts

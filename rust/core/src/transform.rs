@@ -69,7 +69,11 @@ impl Transform {
         }
         // At small temperatures z / t can overflow; softmax is shift-invariant, so then scale
         // z - max (<= 0) instead, which cannot reach +inf.
-        let shift = if (max * inv_t).is_finite() { 0.0 } else { max };
+        let shift = if max.is_finite() && !(max * inv_t).is_finite() {
+            max
+        } else {
+            0.0
+        };
         for z in row.iter_mut() {
             *z = (*z - shift) * inv_t;
         }
