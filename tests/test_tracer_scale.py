@@ -104,11 +104,12 @@ def test_plan_matches_the_cache_bytes_held_at_the_peak(monkeypatch, spec):
 
     m = tiny_model("llama", seed=7, max_position_embeddings=4096)
     weights = {t.untyped_storage().data_ptr() for t in [*m.parameters(), *m.buffers()]}
+    before = _live_tensor_bytes(weights)  # whatever else is alive (other tests' models)
     peak = [0]
     forward = compat.forward
 
     def metered(*args, **kw):
-        peak[0] = max(peak[0], _live_tensor_bytes(weights))
+        peak[0] = max(peak[0], _live_tensor_bytes(weights) - before)
         return forward(*args, **kw)
 
     monkeypatch.setattr(compat, "forward", metered)
@@ -311,3 +312,43 @@ def test_split_layout_equals_a_masked_full_forward():
         for side, keep in ((b, everything), (2 + b, evicted)):
             want = masked_forward(m, tokens, n, keep)[t_star - 1 :]
             np.testing.assert_allclose(np.stack([g[side] for g in got]), want, atol=1e-5)
+
+
+# Capture only what a policy needs ----------------------------------------------------------------
+@pytest.mark.parametrize(
+    "spec, kept_queries",
+    [
+        ("snapkv:retain=0.5,window=4", 4),
+        ("tova:retain=0.5", 1),
+        ("h2o:retain=0.5", 0),
+        ("recent:retain=0.5", None),
+    ],
+)
+def test_prefill_captures_only_what_the_policy_reads(spec, kept_queries):
+    """SnapKV keeps its window's queries, TOVA the last one, H2O none (its accumulated
+    attention is summed while prefilling), recent nothing at all; the kept sets equal those
+    from a capture of every query."""
+    from kvcouple.policies import parse_policy
+    from kvcouple.tracer.prefill import prefill, select
+    from tracer_helpers import PROMPT
+
+    m = model("qwen3")
+    policy = parse_policy(spec)
+    ids = torch.tensor(PROMPT)
+    lean = prefill(m, ids, policy.NEEDS_QUERIES, policies=[policy])
+    if kept_queries is None:
+        assert lean.capture is None
+        return
+    full = prefill(m, ids, need_queries=True)
+    for layer in range(2):
+        assert lean.capture.calls[layer].query.shape[2] == kept_queries
+        assert full.capture.calls[layer].query.shape[2] == len(PROMPT) - 1
+    assert torch.equal(select(policy, lean), select(policy, full))
+    if kept_queries == 0:  # the sums are the same to the bit
+        ctx_lean, ctx_full = lean.context(), full.context()
+        for layer in range(2):
+            assert torch.equal(
+                ctx_lean.accumulated_attention(layer), ctx_full.accumulated_attention(layer)
+            )
+        with pytest.raises(RuntimeError, match="was not captured"):
+            lean.capture.attention(0, 0, 3)

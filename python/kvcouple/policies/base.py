@@ -73,6 +73,8 @@ class PolicyContext:
     num_query_heads: int | None = None
     generator: torch.Generator | None = None
     attention_fn: Callable[[int, int, int], torch.Tensor] | None = None
+    # The accumulated attention of layer l, when the tracer computed it during prefill.
+    accumulated_fn: Callable[[int], torch.Tensor] | None = None
     _cache: dict[Any, torch.Tensor] = field(default_factory=dict, repr=False)
 
     @property
@@ -130,6 +132,8 @@ class PolicyContext:
         import torch
 
         key = ("accumulated", layer)
+        if key not in self._cache and self.accumulated_fn is not None:
+            self._cache[key] = self.accumulated_fn(layer)
         if key not in self._cache:
             total = None
             for start in range(0, self.length, chunk):
@@ -215,6 +219,11 @@ class Policy:
 
     def validate(self) -> None:
         """Check parameter values; raise :class:`PolicyParameterError`."""
+
+    def prompt_queries(self) -> tuple[int | None, bool]:
+        """What selection reads of the prompt's queries: how many of the last ones (None: any)
+        and whether their accumulated attention. The tracer captures only that."""
+        return (None if self.NEEDS_QUERIES else 0), False
 
     def spec(self) -> str:
         """The canonical string form, e.g. ``snapkv:retain=0.5,window=32,kernel=7,pool=avg``."""

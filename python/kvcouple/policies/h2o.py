@@ -53,3 +53,8 @@ class H2O(Policy):
             score = ctx.group_mean(ctx.accumulated_attention(layer))[:, : n - n_recent]
             out.append(torch.cat([top_indices(score, keep - n_recent), tail], dim=-1))
         return torch.stack(out)
+
+    def prompt_queries(self) -> tuple[int | None, bool]:
+        # Accumulated attention only, computed while prefilling (decode-time rules may read
+        # the queries too).
+        return (None if self.decode_time else 0), True

@@ -60,3 +60,7 @@ class SnapKV(Policy):
             chosen = top_indices(self.scores(ctx, layer, window), keep - window)
             out.append(torch.cat([chosen, tail], dim=-1))
         return torch.stack(out)
+
+    def prompt_queries(self) -> tuple[int | None, bool]:
+        # The observation window's queries only (decode-time rules may read more).
+        return (None if self.decode_time else self.params["window"]), False

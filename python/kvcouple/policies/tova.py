@@ -17,3 +17,6 @@ class TOVA(ScorePolicy):
 
     def score(self, ctx: PolicyContext, layer: int):
         return ctx.group_mean(ctx.window_attention(layer, 1)[:, -1])
+
+    def prompt_queries(self) -> tuple[int | None, bool]:
+        return (None if self.decode_time else 1), False

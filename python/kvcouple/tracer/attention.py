@@ -235,6 +235,12 @@ class _Call:
     kwargs: dict[str, Any]
     query_positions: torch.Tensor
     key_positions: torch.Tensor | None
+    query_start: int = 0  # index of the first query kept (earlier ones were not captured)
+
+
+# Queries per chunk when attention is accumulated over a whole prompt (bounds the memory of
+# the (heads, chunk, keys) attention probabilities).
+ACCUMULATE_CHUNK = 256
 
 
 class QueryCapture:
@@ -245,7 +251,10 @@ class QueryCapture:
     queries (post-RoPE where the layer rotates them).
     """
 
-    def __init__(self, model: Any):
+    def __init__(self, model: Any, keep_queries: int | None = None, accumulate: bool = False):
+        """``keep_queries``: keep only each layer's last ``keep_queries`` queries (None: all);
+        ``accumulate``: sum each layer's attention over all its queries while recording (in
+        chunks of :data:`ACCUMULATE_CHUNK`), for :meth:`accumulated_attention`."""
         impl = getattr(model.config, "_attn_implementation", None) or "eager"
         if not uses_interface(model) or not _registered():
             raise UnsupportedModelError(
@@ -255,6 +264,9 @@ class QueryCapture:
             )
         self.impl = impl
         self.calls: dict[int, _Call] = {}
+        self.keep_queries = keep_queries
+        self.accumulate = accumulate
+        self.accumulated: dict[int, torch.Tensor] = {}
         self._default_scaling = _module_scaling(model)
 
     def __enter__(self) -> QueryCapture:
@@ -275,7 +287,7 @@ class QueryCapture:
         query_positions: torch.Tensor,
         key_positions: torch.Tensor | None,
     ) -> None:
-        self.calls[layer] = _Call(
+        call = _Call(
             module,
             query.detach(),
             key.detach(),
@@ -284,6 +296,41 @@ class QueryCapture:
             query_positions,
             key_positions,
         )
+        if call.key_positions is None and key.shape[-2] == query.shape[2]:
+            call.key_positions = query_positions[:, None, :]  # a fresh cache: at the queries
+        self.calls[layer] = call
+        if self.accumulate:
+            self.accumulated[layer] = self._accumulate(layer, int(query.shape[2]))
+        if self.keep_queries is not None:
+            # Keep a copy of the last queries only, so that the whole tensor can be freed.
+            start = max(0, int(query.shape[2]) - self.keep_queries)
+            call.query = call.query[:, :, start:].clone()
+            call.query_positions = call.query_positions[:, start:].clone()
+            call.query_start = start
+
+    def _accumulate(self, layer: int, length: int) -> torch.Tensor:
+        """Attention each key received, summed over every query, chunk by chunk, in float32
+        (the same sums as :meth:`kvcouple.policies.PolicyContext.accumulated_attention`)."""
+        total = None
+        for start in range(0, length, ACCUMULATE_CHUNK):
+            part = self.attention(layer, start, min(start + ACCUMULATE_CHUNK, length)).sum(dim=1)
+            total = part if total is None else total + part
+        assert total is not None
+        return total.to(torch.float32)
+
+    def accumulated_attention(self, layer: int) -> torch.Tensor:
+        """``(heads, keys)``: the attention each key received from every query of the
+        recorded pass (needs ``accumulate=True``)."""
+        if layer not in self.accumulated:
+            raise UnsupportedModelError(f"layer {layer}'s accumulated attention was not recorded")
+        return self.accumulated[layer]
+
+    def _kept(self, call: _Call, start: int) -> int:
+        if start < call.query_start:
+            raise RuntimeError(
+                f"query {start} was not captured (only the last {self.keep_queries} were kept)"
+            )
+        return start - call.query_start
 
     def _call(self, layer: int) -> _Call:
         if layer not in self.calls:
@@ -295,13 +342,14 @@ class QueryCapture:
     @torch.inference_mode()
     def queries(self, layer: int, start: int = 0) -> torch.Tensor:
         """Queries of positions ``start..`` of batch row 0: ``(heads, len, head_dim)``."""
-        return self._call(layer).query[0, :, start:]
+        call = self._call(layer)
+        return call.query[0, :, self._kept(call, start) :]
 
     @torch.inference_mode()
     def batch_queries(self, layer: int, start: int = 0, rows: slice | None = None) -> torch.Tensor:
         """Queries of the captured batch rows: ``(rows, heads, len, head_dim)``."""
-        q = self._call(layer).query
-        return q[rows if rows is not None else slice(None), :, start:]
+        call = self._call(layer)
+        return call.query[rows if rows is not None else slice(None), :, self._kept(call, start) :]
 
     @property
     def scaling(self) -> float:
@@ -318,12 +366,13 @@ class QueryCapture:
         computed by the layer's own eager function in float32 (causal mask by position, the
         layer's window, soft-cap and sinks): ``(heads, stop - start, keys)``."""
         call = self._call(layer)
-        q = call.query[:1, :, start:stop].float()
+        first, last = self._kept(call, start), stop - call.query_start
+        q = call.query[:1, :, first:last].float()
         k, v = call.key[:1].float(), call.value[:1].float()
-        qpos = call.query_positions[:1, start:stop].to(q.device)
+        qpos = call.query_positions[:1, first:last].to(q.device)
         if call.key_positions is not None:
-            kpos = call.key_positions[:1]
-        else:  # a fresh cache: keys sit at the query positions
+            kpos = call.key_positions[:1].to(q.device)
+        else:
             kpos = call.query_positions[:1, None, :].to(q.device)
         ok = allowed_keys(qpos, kpos, call.kwargs.get("sliding_window"))
         heads = q.shape[1]

@@ -4,8 +4,9 @@ From the model's shape (layers, KV heads, head size, hidden and MLP widths, voca
 dtype, the prompt length, the policies and ``R, K, L, T`` and the branch batch, the plan adds up
 what the tracer holds in each phase of a document and takes the largest:
 
-- **prefill**: the prompt's prefix cache (batch 1), the captured query inputs of attention-scored
-  policies, and the prefill's activations;
+- **prefill**: the prompt's prefix cache (batch 1), what attention-scored policies read of the
+  prompt (their last queries; accumulated attention, summed while prefilling), and the
+  prefill's activations;
 - **select**: the prefix cache, the capture and the costliest scorer's attention buffers;
 - **path**: the prefix cache, the largest kept cache of one policy, the overlap path's P rows
   and Q rows at their final length ``n - 1 + T``, and one decoding step's activations;
@@ -29,7 +30,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvcouple.errors import InvalidInputError
-from kvcouple.policies import Policy, SnapKV
+from kvcouple.policies import Policy
 
 GiB = 2**30
 
@@ -172,21 +173,38 @@ def _kept_counts(policies: Sequence[Policy], n: int) -> list[int]:
     return [p.kept_count(n) for p in policies]
 
 
-def _scoring_bytes(shape: ModelShape, policy: Policy, n: int) -> int:
-    """Attention buffers a policy's scorer holds while selecting (float32)."""
-    if not policy.NEEDS_QUERIES:
+def _capture_bytes(shape: ModelShape, policies: Sequence[Policy], n1: int) -> int:
+    """What the prefill's capture keeps: the last queries the policies read, and each
+    layer's accumulated attention (float32) where they read that."""
+    from kvcouple.tracer.prefill import query_needs
+
+    needed, keep, accumulate = query_needs(policies)
+    if not needed:
         return 0
-    n1 = n - 1
+    queries = n1 if keep is None else min(keep, n1)
+    per_layer = shape.query_heads * queries * shape.head_dim * shape.itemsize
+    if accumulate:
+        per_layer += shape.query_heads * n1 * 4
+    return shape.layers * per_layer
+
+
+def _scoring_bytes(shape: ModelShape, policies: Sequence[Policy], n1: int) -> tuple[int, int]:
+    """Attention buffers of scoring, float32: (while selecting, while prefilling). Window
+    scorers keep every layer's window attention until selection ends; accumulated attention
+    is summed during the prefill, 256 queries at a time."""
+    from kvcouple.tracer.prefill import query_needs
+
+    needed, keep, accumulate = query_needs(policies)
+    if not needed:
+        return 0, 0
     heads = shape.query_heads
-    keys = heads * n1 * shape.head_dim * 4  # keys repeated over the group, in float32
-    if isinstance(policy, SnapKV):
-        w = min(int(policy.params["window"]), n1)
-        # Every layer's window attention is kept until selection ends, plus the transients
-        # (logits, masked logits) of the layer being scored.
-        return shape.layers * heads * w * n1 * 4 + 2 * heads * w * n1 * 4 + keys
-    # Accumulated attention (H2O and plug-in scorers): chunks of 256 queries.
-    chunk = min(256, n1)
-    return 3 * heads * chunk * n1 * 4 + shape.layers * heads * n1 * 4 + keys
+    keys = 2 * heads * n1 * shape.head_dim * 4  # keys and values in float32
+    window = n1 if keep is None else min(keep, n1)
+    select = shape.layers * heads * window * n1 * 4 + 2 * heads * window * n1 * 4 + keys
+    if keep is None:  # some scorer may read every query: chunked like accumulated attention
+        select = max(select, 3 * heads * min(256, n1) * n1 * 4 + keys)
+    during_prefill = 3 * heads * min(256, n1) * n1 * 4 + keys if accumulate else 0
+    return select, during_prefill
 
 
 def _prefill_activations(shape: ModelShape, n: int) -> int:
@@ -236,14 +254,16 @@ def plan_document(
 
     prompt = n1 * c
     kept = max(k - 1 for k in _kept_counts(policies, n)) * c
-    needs_queries = any(p.NEEDS_QUERIES for p in policies)
-    capture = shape.layers * n1 * shape.hidden * shape.itemsize if needs_queries else 0
-    scoring = max(_scoring_bytes(shape, p, n) for p in policies)
+    capture = _capture_bytes(shape, policies, n1)
+    scoring, accumulating = _scoring_bytes(shape, policies, n1)
     # The Q rows are left-padded to the prefix length so that P and Q rows batch together.
     path_p = R * (n1 + T) * c
     path_q = R * (n1 + T) * c
     held = prompt + kept + capture
-    activations = [_prefill_activations(shape, n1), _decode_activations(shape, 2 * R, n1 + T)]
+    activations = [
+        _prefill_activations(shape, n1) + accumulating,
+        _decode_activations(shape, 2 * R, n1 + T),
+    ]
     phases = {
         "prefill": prompt + capture + activations[0],
         "select": prompt + capture + scoring,

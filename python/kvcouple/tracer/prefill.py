@@ -9,6 +9,7 @@ the original ones: the first generated token sits at position ``n`` whatever was
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -51,6 +52,9 @@ class Prefill:
             num_query_heads=self.num_query_heads,
             generator=generator,
             attention_fn=None if cap is None else cap.attention,
+            accumulated_fn=cap.accumulated_attention
+            if cap is not None and cap.accumulate
+            else None,
         )
 
 
@@ -58,9 +62,28 @@ def num_query_heads(model: Any) -> int:
     return int(support.text_config(model).num_attention_heads)
 
 
+def query_needs(policies: Sequence[Policy]) -> tuple[bool, int | None, bool]:
+    """What to capture for ``policies``: whether anything, how many of the last queries
+    (None: all), and whether accumulated attention (see ``Policy.prompt_queries``)."""
+    needs = [p.prompt_queries() for p in policies if p.NEEDS_QUERIES]
+    if not needs:
+        return False, None, False
+    windows = [w for w, _ in needs]
+    keep = None if any(w is None for w in windows) else max(int(w) for w in windows)
+    return True, keep, any(acc for _, acc in needs)
+
+
 @torch.inference_mode()
-def prefill(model: Any, input_ids: torch.Tensor, need_queries: bool, doc: str = "") -> Prefill:
-    """Run the prompt minus its last token through the model once."""
+def prefill(
+    model: Any,
+    input_ids: torch.Tensor,
+    need_queries: bool,
+    doc: str = "",
+    policies: Sequence[Policy] | None = None,
+) -> Prefill:
+    """Run the prompt minus its last token through the model once. With ``policies`` the
+    capture holds only what they read (their last queries, accumulated attention computed
+    while prefilling); otherwise every query when ``need_queries``."""
     ids = torch.as_tensor(input_ids, dtype=torch.long).reshape(-1)
     n = int(ids.shape[0])
     if n < 2:
@@ -73,7 +96,10 @@ def prefill(model: Any, input_ids: torch.Tensor, need_queries: bool, doc: str = 
     ids = ids.to(device)
     cache = compat.new_cache()
     positions = torch.arange(n - 1, device=device)[None]
-    capture = compat.QueryCapture(model) if need_queries else None
+    keep, accumulate = None, False
+    if policies is not None:
+        need_queries, keep, accumulate = query_needs(policies)
+    capture = compat.QueryCapture(model, keep, accumulate) if need_queries else None
     if capture is not None:
         with capture:
             compat.forward(model, ids[None, :-1], cache, positions)

@@ -60,7 +60,7 @@ def trace_document_records(
     if settings.branch_batch == "auto":
         (plan,) = plan_loaded(model, [(doc_id, len(ids))], pols, settings)
         settings = replace(settings, branch_batch=plan.branch_batch)
-    pre = prefill(model, ids, any(p.NEEDS_QUERIES for p in pols), doc=doc_id)
+    pre = prefill(model, ids, any(p.NEEDS_QUERIES for p in pols), doc=doc_id, policies=pols)
     traces = []
     for i, pol in enumerate(pols):
         traces.append(trace_policy(model, pre, pol, settings, seed, doc_index, i))
