@@ -15,7 +15,9 @@ import argparse
 import errno
 import importlib
 import os
+import re
 import sys
+from typing import Any
 
 # (module, what it adds) — each module defines register(subparsers).
 _AREAS = [
@@ -26,8 +28,39 @@ _AREAS = [
 ]
 
 
+class HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """Descriptions keep their line breaks (examples), lose reST markup (module docstrings
+    double as descriptions), and every option's help ends with its default when it has one."""
+
+    def _fill_text(self, text: str, width: int, indent: str) -> str:
+        text = re.sub(r":(?:class|func|mod|meth|attr|data):`~?([^`]+)`", r"\1", text)
+        text = re.sub(r"``([^`]+)``", r"\1", text)
+        text = re.sub(r"::\n", ":\n", text)
+        return super()._fill_text(text, width, indent)
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        help = action.help or ""
+        if (
+            "%(default)" in help
+            or "default" in help.lower()
+            or action.default in (None, False, argparse.SUPPRESS)
+            or action.required
+            or not action.option_strings
+        ):
+            return help
+        return f"{help} (default: %(default)s)"
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """Every (sub)command formats its help with :class:`HelpFormatter`."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs["formatter_class"] = HelpFormatter
+        super().__init__(*args, **kwargs)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = ArgumentParser(
         prog="kvcouple",
         description="Measure what a KV-cache eviction policy does to generation, token by token.",
     )
@@ -35,7 +68,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     parser.add_argument("--version", action="version", version=f"kvcouple {__version__}")
     parser.add_argument("--debug", action="store_true", help="show the full traceback of an error")
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=ArgumentParser)
     for name in _AREAS:
         try:
             module = importlib.import_module(name)

@@ -2,17 +2,56 @@
 
 Traces the shipped prompts with the small model kvcouple trains and ships, under the three
 policies the paper compares (SnapKV at 50% retention, SnapKV with a fixed budget, recent-token
-retention at 50%), then analyses the store and writes the report. Nothing is downloaded.
-Rerunning resumes an interrupted trace.
+retention at 50%), then analyses the store, prints the decomposition per policy (occurrence,
+first-mismatch contribution, exposure, mismatch rate, E[M]/T, with document-bootstrap CIs)
+and writes the report. Nothing is downloaded.
+
+Where it writes: OUT/<settings>/run.zarr and OUT/<settings>/report/, where OUT is --out, else
+$KVCOUPLE_DEMO_DIR, else $XDG_CACHE_HOME/kvcouple/demo (~/.cache/kvcouple/demo), and
+<settings> is a short hash of the trace settings, so rerunning the same command resumes an
+interrupted trace and other settings get their own folder.
+
+The documents are traced by --jobs processes at once (one per core by default), each filling
+its share of one store (kvcouple trace --shard i/N): the model is small, so one process keeps
+only one core busy.
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
+import json
+import os
+import subprocess
+import sys
+import time
 from pathlib import Path
 from typing import Any
 
 DEMO_POLICIES = ("snapkv:retain=0.5", "snapkv:budget=64", "recent:retain=0.5")
+
+
+def default_dir() -> Path:
+    """Where the demo writes unless ``--out`` says otherwise.
+
+    Returns
+    -------
+    pathlib.Path
+        ``$KVCOUPLE_DEMO_DIR`` if set, else ``$XDG_CACHE_HOME/kvcouple/demo`` (by default
+        ``~/.cache/kvcouple/demo``).
+    """
+    if os.environ.get("KVCOUPLE_DEMO_DIR"):
+        return Path(os.environ["KVCOUPLE_DEMO_DIR"])
+    cache = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(cache) / "kvcouple" / "demo"
+
+
+def cores() -> int:
+    """CPU cores this process may use (its affinity mask, not the machine's count)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
 
 
 def register(subparsers: Any) -> None:
@@ -20,9 +59,13 @@ def register(subparsers: Any) -> None:
         "demo",
         help="trace and analyse the embedded default model (no download)",
         description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("--out", default="kvcouple-demo", help="folder for the store and the report")
+    p.add_argument(
+        "--out",
+        default=None,
+        help="folder for the store and the report (default: $KVCOUPLE_DEMO_DIR, else "
+        "~/.cache/kvcouple/demo)",
+    )
     p.add_argument("--horizon", type=int, default=32, help="T: new tokens per trajectory")
     p.add_argument("--replicates", type=int, default=6, help="R: overlap paths per document")
     p.add_argument("--branches", type=int, default=2, help="K: residual branches per path")
@@ -33,45 +76,131 @@ def register(subparsers: Any) -> None:
         help="L: lags traced after a branch (default: to the horizon, so the decomposition "
         "is observed in full; a shorter window gives the sharp interval instead)",
     )
-    p.add_argument("--docs", type=int, default=None, help="trace only the first N prompts")
-    p.add_argument("--policy", action="append", default=None, help="override the policies")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--quiet", action="store_true")
+    p.add_argument(
+        "--docs", type=int, default=None, help="trace only the first N prompts (default: all 16)"
+    )
+    p.add_argument(
+        "--policy",
+        action="append",
+        default=None,
+        metavar="SPEC",
+        help=f"a policy to trace, repeatable (default: {', '.join(DEMO_POLICIES)})",
+    )
+    p.add_argument("--seed", type=int, default=0, help="random seed of the coupling")
+    p.add_argument(
+        "--jobs",
+        type=int,
+        default=None,
+        help="tracing processes (default: one per available core)",
+    )
+    p.add_argument("--quiet", action="store_true", help="no progress bars")
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
     from kvcouple.cli import main
 
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    store = out / "run.zarr"
-    prompts = _prompts(out, args.docs)
+    _require_tracer()
     trace_argv = [
-        "trace",
-        "--prompts", str(prompts),
         "--horizon", str(args.horizon),
         "--replicates", str(args.replicates),
         "--branches", str(args.branches),
         "--window", str(args.window if args.window is not None else args.horizon),
         "--record", "summary",
         "--seed", str(args.seed),
-        "--out", str(store),
     ]  # fmt: skip
     for spec in args.policy or DEMO_POLICIES:
         trace_argv += ["--policy", spec]
-    if args.quiet:
-        trace_argv.append("--quiet")
-    print(f"== kvcouple demo: tracing the embedded model into {store}")
-    code = main(trace_argv)
+    key = hashlib.sha256(json.dumps([trace_argv, args.docs]).encode()).hexdigest()[:8]
+    out = (Path(args.out) if args.out else default_dir()) / f"run-{key}"
+    out.mkdir(parents=True, exist_ok=True)
+    store = out / "run.zarr"
+    prompts = _prompts(out, args.docs)
+    trace_argv = ["trace", "--prompts", str(prompts), "--out", str(store), *trace_argv]
+    n_docs = sum(1 for line in prompts.read_text().splitlines() if line.strip())
+    jobs = max(1, min(args.jobs or cores(), n_docs))
+    print(f"== kvcouple demo: tracing the embedded model into {store} ({jobs} processes)")
+    start = time.perf_counter()
+    code = _trace(trace_argv, jobs, n_docs, store, args.quiet)
     if code:
         return code
+    print(f"== traced in {time.perf_counter() - start:.0f} s")
     report = out / "report"
     print(f"== kvcouple demo: analysing {store} into {report}")
-    code = main(["analyze", str(store), "--out", str(report), "--n-boot", "1000"])
+    argv = ["analyze", str(store), "--out", str(report)]
+    code = main(argv + (["--quiet"] if args.quiet else []))
     if code == 0:
         print(f"== done: open {report / 'report.html'}")
     return code
+
+
+def _require_tracer() -> None:
+    """Fail here, naming the extra, rather than in every tracing process."""
+    import importlib.util
+
+    from kvcouple.errors import missing_extra
+
+    for module in ("torch", "transformers"):
+        if importlib.util.find_spec(module) is None:
+            err = missing_extra(ModuleNotFoundError(f"No module named {module!r}", name=module))
+            assert err is not None
+            raise err
+
+
+def _trace(argv: list[str], jobs: int, n_docs: int, store: Path, quiet: bool) -> int:
+    """Run ``kvcouple trace`` as ``jobs`` shard processes filling one store; one progress bar
+    over documents, read from the store's completion flags."""
+    from tqdm import tqdm  # type: ignore[import-untyped]
+
+    # Each process gets its share of the cores for torch's intra-op threads.
+    threads = str(max(1, cores() // jobs))
+    env = {**os.environ, "OMP_NUM_THREADS": threads, "KVCOUPLE_NUM_THREADS": threads}
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-m", "kvcouple.cli", *argv, "--shard", f"{i}/{jobs}", "--quiet"],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for i in range(jobs)
+    ]
+    bar = tqdm(total=n_docs, unit="doc", desc="kvcouple demo: tracing", disable=quiet)
+    try:
+        while any(p.poll() is None for p in procs):
+            time.sleep(0.5)
+            done = _documents_done(store)
+            if done is not None and done != bar.n:
+                bar.update(done - bar.n)
+        done = _documents_done(store)
+        if done is not None and done != bar.n:
+            bar.update(done - bar.n)
+    except KeyboardInterrupt:
+        for p in procs:
+            p.terminate()
+        raise
+    finally:
+        bar.close()
+    code = 0
+    for i, p in enumerate(procs):
+        stdout, stderr = p.communicate()
+        if p.returncode:
+            print(f"-- shard {i}/{jobs} failed:\n{stderr}", file=sys.stderr)
+            code = code or p.returncode
+        elif not quiet and jobs == 1:
+            print(stdout, end="")
+    return code
+
+
+def _documents_done(store: Path) -> int | None:
+    """Finished documents in a store being written, or None while it is not readable yet."""
+    import numpy as np
+    import zarr
+
+    try:
+        return int(np.asarray(zarr.open_group(str(store), mode="r")["completed"][...]).sum())
+    except Exception:  # not created yet, or a flag chunk mid-write: ask again next tick
+        return None
 
 
 def _prompts(out: Path, limit: int | None) -> Path:

@@ -9,11 +9,13 @@ from pathlib import Path
 from typing import Any
 
 from kvcouple import cliargs
+from kvcouple.analysis.engine import DEFAULT_N_BOOT
 from kvcouple.errors import ResourceLimitError, StoreError
 from kvcouple.textsafe import terminal
 
 
 def _analyze(args: argparse.Namespace) -> int:
+    from kvcouple.analysis.console import format_decomposition
     from kvcouple.analysis.engine import analyze
     from kvcouple.analysis.plan import PlanError
     from kvcouple.analysis.report import write_report
@@ -46,6 +48,7 @@ def _analyze(args: argparse.Namespace) -> int:
             doc_set=args.docs,
             registry=args.registry,
             io_threads=args.io_threads,
+            progress=not args.quiet,
         )
     except (StoreError, PlanError, ResourceLimitError) as e:
         print(f"kvcouple analyze: error: {e}", file=sys.stderr)
@@ -63,20 +66,7 @@ def _analyze(args: argparse.Namespace) -> int:
             f"the tolerance; see {out / 'recompute_check.csv'}",
             file=sys.stderr,
         )
-    for m in result.models:
-        rows = {(r["policy"], r["quantity"]): r for r in m.tables["summary"]}
-        for pol in m.policies:
-            r, lo, hi = (
-                rows[(pol, k)] for k in ("mismatch_fraction", "interval_lower", "interval_upper")
-            )
-            if r["estimate"] == r["estimate"]:
-                what = f"E[M]/T = {r['estimate']:.4g} [{r['ci_low']:.4g}, {r['ci_high']:.4g}]"
-            else:  # branches traced only to L: the tail is unobserved
-                what = (
-                    f"E[M]/T in the sharp interval [{lo['estimate']:.4g}, "
-                    f"{hi['estimate']:.4g}] (CI [{lo['ci_low']:.4g}, {hi['ci_high']:.4g}])"
-                )
-            print(f"{terminal(m.model)} {terminal(pol)}: {what} over {r['n_docs']} docs")
+    print(format_decomposition(result), end="")
     print(f"plan hash {result.plan_hash}; wrote {out}")
     return 0
 
@@ -120,6 +110,16 @@ def store_summary(
     return out
 
 
+def human_size(n_bytes: int) -> str:
+    """``1234567`` -> ``"1.18 MiB"``: binary units, three significant digits."""
+    size = float(n_bytes)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if size < 1024 or unit == "TiB":
+            return f"{int(size)} B" if unit == "B" else f"{size:.3g} {unit}"
+        size /= 1024
+    raise AssertionError("unreachable")
+
+
 def _info(args: argparse.Namespace) -> int:
     try:
         info = store_summary(args.store, check=args.check)
@@ -139,7 +139,7 @@ def _info(args: argparse.Namespace) -> int:
         for k, v in info.items()
     }
     size = info["size_bytes"]
-    where = f"{size / 1e9:.3g} GB on disk" if size is not None else "object storage"
+    where = f"{human_size(size)} on disk" if size is not None else "object storage"
     print(
         f"{info['store']}: kvcouple trace store, schema v{info['schema_version']} "
         f"(written by kvcouple {info['kvcouple_version']}), {where}"
@@ -212,10 +212,23 @@ def register(subparsers: Any) -> None:
         "environment, else the worker's nthreads, so workers do not oversubscribe cores)",
     )
     p.add_argument(
-        "--n-boot", type=cliargs.positive, default=None, help="bootstrap resamples (2000)"
+        "--n-boot",
+        type=cliargs.positive,
+        default=None,
+        help=f"document bootstrap resamples (default: the plan's n_boot, else {DEFAULT_N_BOOT})",
     )
-    p.add_argument("--seed", type=cliargs.seed, default=None, help="bootstrap seed (0)")
-    p.add_argument("--ci", type=cliargs.unit_open, default=0.95, help="confidence level")
+    p.add_argument(
+        "--seed",
+        type=cliargs.seed,
+        default=None,
+        help="bootstrap seed (default: the plan's seed, else 0)",
+    )
+    p.add_argument(
+        "--ci",
+        type=cliargs.unit_open,
+        default=0.95,
+        help="confidence level of the percentile intervals",
+    )
     p.add_argument(
         "--tolerance",
         type=cliargs.nonnegative_float,
@@ -226,8 +239,14 @@ def register(subparsers: Any) -> None:
     p.add_argument(
         "--no-recompute", action="store_true", help="skip recomputing TVs from full/top-k records"
     )
-    p.add_argument("--io-threads", type=cliargs.positive, default=2, help="chunks decoded ahead")
+    p.add_argument(
+        "--io-threads",
+        type=cliargs.positive,
+        default=2,
+        help="threads reading and decoding chunks ahead of the computation",
+    )
     p.add_argument("--no-figures", action="store_true", help="tables only")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=_analyze)
 
     i = subparsers.add_parser(
@@ -235,12 +254,12 @@ def register(subparsers: Any) -> None:
         help="summarise a trace store",
         description="Schema version, model, policies, documents done, size.",
     )
-    i.add_argument("store")
+    i.add_argument("store", help="the trace store (.zarr folder or URL)")
     i.add_argument(
         "--check",
         action="store_true",
         help="also read every finished document: missing or undecodable chunks, values "
         "outside the schema's ranges",
     )
-    i.add_argument("--json", action="store_true")
+    i.add_argument("--json", action="store_true", help="print the summary as JSON")
     i.set_defaults(func=_info)

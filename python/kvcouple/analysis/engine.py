@@ -38,6 +38,9 @@ from kvcouple.analysis.reading import (
 from kvcouple.errors import InvalidInputError, StoreError, require
 from kvcouple.store.reader import TraceStoreReader, check_memory
 
+# Document bootstrap resamples when neither the caller nor a plan says (CLI, demo, API).
+DEFAULT_N_BOOT = 2000
+
 
 @dataclass(frozen=True)
 class Options:
@@ -163,14 +166,29 @@ def _run_docs(
     options: Options,
     client: Any,
     worker_threads: int | None,
+    progress: bool = False,
 ) -> list[DocResult]:
-    if client is None:
-        return [analyze_doc(info, d, options) for info, d in tasks]
-    client.run(_limit_worker_threads, worker_threads)
-    futures = client.map(
-        analyze_doc, [t[0] for t in tasks], [t[1] for t in tasks], options=options, pure=False
-    )
-    return list(client.gather(futures))
+    from tqdm import tqdm  # type: ignore[import-untyped]
+
+    bar = tqdm(total=len(tasks), unit="doc", desc="kvcouple analyze", disable=not progress)
+    try:
+        if client is None:
+            results = []
+            for info, d in tasks:
+                results.append(analyze_doc(info, d, options))
+                bar.update(1)
+            return results
+        from distributed import as_completed
+
+        client.run(_limit_worker_threads, worker_threads)
+        futures = client.map(
+            analyze_doc, [t[0] for t in tasks], [t[1] for t in tasks], options=options, pure=False
+        )
+        for _ in as_completed(futures):
+            bar.update(1)
+        return list(client.gather(futures))
+    finally:
+        bar.close()
 
 
 def _select_docs(info: TraceStoreReader, plan: Plan | None, doc_set: str) -> list[int]:
@@ -284,6 +302,7 @@ def analyze(
     registry: str | os.PathLike[str] | None = None,
     io_threads: int = 2,
     storage_options: dict[str, Any] | None = None,
+    progress: bool = False,
 ) -> AnalysisResult:
     """Analyse one or more trace stores (one per model). See ``kvcouple analyze --help``.
 
@@ -313,7 +332,7 @@ def analyze(
     estimator = estimator or (the_plan.estimator if the_plan else None) or "indicator"
     if estimator not in ESTIMATORS:
         raise ValueError(f"estimator must be one of {ESTIMATORS}, got {estimator!r}")
-    n_boot = int(n_boot or (the_plan.n_boot if the_plan else None) or 2000)
+    n_boot = int(n_boot or (the_plan.n_boot if the_plan else None) or DEFAULT_N_BOOT)
     seed = int(
         seed
         if seed is not None
@@ -337,7 +356,7 @@ def analyze(
     tasks = [(info, d) for info, sel in zip(infos, selected, strict=True) for d in sel]
     the_client, owned = _client(client, scheduler)
     try:
-        results = _run_docs(tasks, options, the_client, worker_threads)
+        results = _run_docs(tasks, options, the_client, worker_threads, progress)
     finally:
         if owned:
             the_client.close()

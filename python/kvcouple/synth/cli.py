@@ -136,7 +136,7 @@ def register(subparsers: Any) -> None:
     p = sub.add_parser("random-pair", help="write a seeded random pair file")
     p.add_argument("--vocab", type=positive, required=True, help="tokens V")
     p.add_argument("--states", type=positive, default=None, help="states S (default V)")
-    p.add_argument("--seed", type=seed, default=0)
+    p.add_argument("--seed", type=seed, default=0, help="random seed of the pair")
     p.add_argument("--closeness", type=finite_float, default=0.5, help="0: unrelated Q; 1: Q = P")
     p.add_argument("--sparsity", type=finite_float, default=0.0, help="chance an entry is zero")
     p.add_argument("--absorbing", action="store_true", help="token V-1 is an absorbing EOS")
@@ -153,10 +153,18 @@ def register(subparsers: Any) -> None:
 
     p = sub.add_parser("estimate", help="Monte Carlo means and standard errors")
     _common(p)
-    p.add_argument("--method", choices=("rb", "rb-tv", "naive"), default="rb")
-    p.add_argument("-N", "--replicates", type=positive, default=1000)
-    p.add_argument("-K", "--branches", type=positive, default=1)
-    p.add_argument("--seed", type=seed, default=0)
+    p.add_argument(
+        "--method",
+        choices=("rb", "rb-tv", "naive"),
+        default="rb",
+        help="rb: RB-CMC from branch mismatch indicators; rb-tv: RB-CMC from branch TVs; "
+        "naive: plain coupled simulation",
+    )
+    p.add_argument(
+        "-N", "--replicates", type=positive, default=1000, help="overlap paths simulated"
+    )
+    p.add_argument("-K", "--branches", type=positive, default=1, help="residual branches per path")
+    p.add_argument("--seed", type=seed, default=0, help="random seed of the simulation")
     p.add_argument(
         "--trace",
         choices=("horizon", "window"),

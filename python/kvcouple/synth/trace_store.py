@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from tqdm import tqdm  # type: ignore[import-untyped]
 
 from kvcouple import cliargs
 from kvcouple._core import __version__ as kvcouple_version
@@ -215,6 +216,7 @@ def write_synthetic_trace_store(
     seed: int = 0,
     stop_after: int | None = None,
     model_id: str = "synthetic",
+    progress: bool = False,
 ) -> Path:
     """Simulate every (document, policy) into a new or resumed store at ``path``.
 
@@ -223,7 +225,8 @@ def write_synthetic_trace_store(
     states, one per document: an int for Markov pairs (the start token) or ``(p_state,
     q_state)``. ``window`` defaults to ``horizon - 1`` (branches traced to the horizon).
     ``stop_after`` writes only that many documents (to make an interrupted run for tests);
-    ``model_id`` labels the store (analyses of several stores report per model).
+    ``model_id`` labels the store (analyses of several stores report per model);
+    ``progress`` shows a bar over documents.
     Each (document, policy) has its own random stream from ``(seed, doc, policy)``, so a
     resumed run writes exactly what an uninterrupted one would.
     """
@@ -275,7 +278,7 @@ def write_synthetic_trace_store(
     todo = [d for d in range(len(starts)) if not done[d]]
     if stop_after is not None:
         todo = todo[:stop_after]
-    for d in todo:
+    for d in tqdm(todo, unit="doc", desc="kvcouple synth trace-store", disable=not progress):
         out = empty_arrays(layout.record, layout.sizes(), float_dtype="float64")
         for pol, (_name, base) in enumerate(emitters.items()):
             pair = base if starts[d] is None else with_starts(base, *starts[d])
@@ -350,6 +353,7 @@ def _run(args: argparse.Namespace) -> int:
         docs=docs,
         record=args.record,
         seed=args.seed,
+        progress=not args.quiet,
     )
     print(f"wrote {path}")
     return 0
@@ -367,16 +371,26 @@ def register_trace_store(subparsers: Any) -> None:
         "pair", nargs="+", help="pair files (.npz), optionally NAME=FILE; one per policy"
     )
     p.add_argument("--out", required=True, help="the store to write (created or resumed)")
-    p.add_argument("-T", "--horizon", type=cliargs.positive, required=True)
+    p.add_argument(
+        "-T", "--horizon", type=cliargs.positive, required=True, help="T: steps per trajectory"
+    )
     p.add_argument(
         "-L",
         "--window",
         type=cliargs.nonnegative,
         default=None,
-        help="default: T-1 (to the horizon)",
+        help="L: lags traced after a branch (default: T-1, to the horizon)",
     )
-    p.add_argument("-K", "--branches", type=cliargs.positive, default=1)
-    p.add_argument("-R", "--replicates", type=cliargs.positive, default=64)
+    p.add_argument(
+        "-K", "--branches", type=cliargs.positive, default=1, help="K: residual branches per path"
+    )
+    p.add_argument(
+        "-R",
+        "--replicates",
+        type=cliargs.positive,
+        default=64,
+        help="R: overlap paths per document",
+    )
     p.add_argument(
         "--docs", type=cliargs.positive, default=1, help="documents from the pairs' start states"
     )
@@ -386,5 +400,6 @@ def register_trace_store(subparsers: Any) -> None:
         help="one start per document: 'a,b,c' (Markov) or 'sp:sq,...' (emitters)",
     )
     p.add_argument("--record", default="summary", help="summary, topk:K or full")
-    p.add_argument("--seed", type=cliargs.seed, default=0)
+    p.add_argument("--seed", type=cliargs.seed, default=0, help="random seed of the simulation")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=_run)

@@ -2,7 +2,8 @@
 
 Needs torch and transformers, imported lazily (so ``kvcouple --help`` and the CLI registration
 work without them). Entry points: :func:`trace` (a whole run into a store),
-:func:`trace_document` (one prompt, in memory), and the ``kvcouple trace`` command
+:func:`trace_document` (one prompt, in memory), :func:`first_step` (the first next-token
+distributions with the full and the evicted cache), and the ``kvcouple trace`` command
 (:mod:`kvcouple.tracer.cli`).
 """
 
@@ -13,6 +14,8 @@ from typing import Any
 
 _EXPORTS = {
     "Decoding": "kvcouple.tracer.engine",
+    "FirstStep": "kvcouple.tracer.onestep",
+    "first_step": "kvcouple.tracer.onestep",
     "PolicyTrace": "kvcouple.tracer.engine",
     "TraceSettings": "kvcouple.tracer.engine",
     "trace_policy": "kvcouple.tracer.engine",

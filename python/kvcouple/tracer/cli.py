@@ -76,9 +76,18 @@ def register(subparsers: Any) -> None:
         help="print the memory plan of every document (cache bytes for P, Q, branches, "
         "activations; the chosen branch batch) and exit without loading weights or writing",
     )
-    p.add_argument("--temperature", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=None)
-    p.add_argument("--top-p", type=float, default=None)
+    p.add_argument(
+        "--temperature", type=float, default=1.0, help="sampling temperature of both sides"
+    )
+    p.add_argument(
+        "--top-k", type=int, default=None, help="keep the k most likely tokens (default: all)"
+    )
+    p.add_argument(
+        "--top-p",
+        type=float,
+        default=None,
+        help="nucleus sampling: smallest set with this mass (default: off)",
+    )
     p.add_argument(
         "--eos",
         type=int,
@@ -87,7 +96,7 @@ def register(subparsers: Any) -> None:
         help="EOS token id (repeatable; default: the model's)",
     )
     p.add_argument("--no-eos", action="store_true", help="no absorbing EOS")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="random seed of the coupling")
     p.add_argument("--out", required=True, help="trace store (.zarr) to create or resume")
     p.add_argument("--shard", default="0/1", help="i/N: trace documents with index i mod N")
     p.add_argument(
@@ -100,7 +109,7 @@ def register(subparsers: Any) -> None:
         help="bfloat16, float16, float32 (default: bfloat16 on CUDA, float32 on CPU)",
     )
     p.add_argument("--attn", default="sdpa", help="attention implementation: sdpa or eager")
-    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.add_argument("--quiet", action="store_true", help="no progress bars")
     p.set_defaults(func=run)
 
 
@@ -252,6 +261,10 @@ def run(args: argparse.Namespace) -> int:
     if args.revision:
         extra["revision"] = args.revision
     check_prompt_file(prompts_path)  # before the model is loaded
+    if args.quiet:  # transformers' own "Loading weights" bar
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()
     model, tokenizer = _load(load_model, args, extra)
     check_eos(args.eos, vocab_size(model), "the model's")
     prompts = load_prompts(

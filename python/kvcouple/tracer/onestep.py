@@ -1,0 +1,106 @@
+"""One step of a policy: the first next-token distributions with the full and the evicted cache.
+
+The tracer's first coupled step, exposed on its own so that what eviction does to a single
+distribution can be looked at (and compared with :func:`kvcouple.divergences`) without tracing
+a store.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from kvcouple.policies import Policy, parse_policy
+
+
+@dataclass(frozen=True)
+class FirstStep:
+    """The first step of one prompt under one policy.
+
+    Attributes
+    ----------
+    policy : str
+        The policy's canonical spec.
+    logits_p : numpy.ndarray
+        ``(vocab,)`` float64 next-token logits with the full prompt cache (P).
+    logits_q : numpy.ndarray
+        ``(vocab,)`` float64 next-token logits after the policy evicted from the prompt cache (Q).
+    kept : int
+        Prompt tokens Q sees: the kept cache entries plus the last prompt token, re-fed.
+    prompt_length : int
+        Tokens in the prompt.
+    """
+
+    policy: str
+    logits_p: np.ndarray
+    logits_q: np.ndarray
+    kept: int
+    prompt_length: int
+
+
+def first_step(
+    model: Any,
+    input_ids: Sequence[int] | Any,
+    policies: Sequence[Policy | str],
+    *,
+    seed: int = 0,
+) -> list[FirstStep]:
+    """Next-token logits of the first generated token, full cache vs each policy's evicted cache.
+
+    The prompt minus its last token is prefilled once; each policy selects the entries to keep
+    (prompt-time eviction, exactly as :func:`kvcouple.tracer.trace` does), and the last prompt
+    token is fed to both caches. ``softmax(logits_p)`` and ``softmax(logits_q)`` are the
+    ``(p_1, q_1)`` the coupling starts from, before any decoding transform.
+
+    Parameters
+    ----------
+    model : transformers.PreTrainedModel
+        A causal LM (e.g. from :func:`kvcouple.models.load_model`), on any device.
+    input_ids : sequence of int or 1-D tensor
+        The prompt's token ids, at least 2.
+    policies : sequence of Policy or str
+        Policies or their specs (``"snapkv:retain=0.5"``).
+    seed : int, default 0
+        Seeds policies that draw at random (``random``).
+
+    Returns
+    -------
+    list of FirstStep
+        One per policy, in the order given; logits as float64 numpy arrays on the host.
+
+    Raises
+    ------
+    kvcouple.tracer.prefill.PromptTooShortError
+        The prompt has fewer than 2 tokens.
+    kvcouple.policies.PolicyError
+        A spec does not parse, or a policy's parameters are invalid.
+    """
+    import torch
+
+    from kvcouple.tracer.engine import initial_rows
+    from kvcouple.tracer.prefill import gather_kept, prefill, select
+
+    pols = [parse_policy(p) if isinstance(p, str) else p for p in policies]
+    ids = torch.as_tensor(input_ids, dtype=torch.long).reshape(-1)
+    pre = prefill(model, ids, any(p.NEEDS_QUERIES for p in pols))
+    last = pre.input_ids[-1:]
+    out = []
+    with torch.inference_mode():
+        for pol in pols:
+            generator = torch.Generator(device="cpu").manual_seed(int(seed))
+            kept = gather_kept(pre.kv, select(pol, pre, generator))
+            rows = initial_rows(model, pre, kept, copies=1)
+            logits = rows.step(torch.cat([last, last])).double().cpu().numpy()
+            out.append(
+                FirstStep(
+                    pol.spec(),
+                    logits[0],
+                    logits[1],
+                    int(kept[0][0].shape[2]) + 1,
+                    pre.prompt_length,
+                )
+            )
+    return out

@@ -1,0 +1,61 @@
+"""``kvcouple demo`` end to end on a small slice: it prints the decomposition per policy, the
+printed numbers obey the identity they decompose, it is silent with --quiet, and it writes
+under its documented directory rather than the current one."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+ROWS = ("occurrence", "first mismatch", "exposure", "mismatch rate", "E[M]/T")
+NUMBER = r"(\d\.\d{4}) \[(\d\.\d{4}), (\d\.\d{4})\]"
+
+
+@pytest.mark.torch
+def test_demo_prints_the_decomposition_quietly_into_its_directory(tmp_path: Path) -> None:
+    home, cwd = tmp_path / "demo-home", tmp_path / "cwd"
+    cwd.mkdir()
+    env = {**os.environ, "KVCOUPLE_DEMO_DIR": str(home), "HF_HUB_OFFLINE": "1"}
+    argv = ["demo", "--docs", "3", "--horizon", "6", "--replicates", "2", "--branches", "1"]
+    argv += ["--policy", "snapkv:retain=0.5", "--policy", "recent:retain=0.5", "--quiet"]
+    out = subprocess.run(
+        [sys.executable, "-m", "kvcouple.cli", *argv, "--jobs", "2"],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert out.returncode == 0, out.stderr
+    # --quiet: no progress bars, not even transformers' "Loading weights".
+    assert "Loading weights" not in out.stderr
+    assert "it/s" not in out.stderr and "doc/s" not in out.stderr, out.stderr
+    lines = {row: line for line in out.stdout.splitlines() for row in ROWS if line.startswith(row)}
+    assert set(lines) == set(ROWS), out.stdout
+    header = next(x for x in out.stdout.splitlines() if "snapkv:retain=0.5" in x)
+    assert "recent:retain=0.5" in header
+    values = {row: re.findall(NUMBER, line) for row, line in lines.items()}
+    for row, cells in values.items():
+        assert len(cells) == 2, (row, lines[row])  # one per policy
+        for est, lo, hi in cells:
+            assert float(lo) <= float(est) <= float(hi), (row, est, lo, hi)
+    for j in range(2):  # E[M]/T = P(tau<=T)/T + exposure * rho, to the printed digits
+        first, exposure, rho, total = (
+            float(values[r][j][0])
+            for r in ("first mismatch", "exposure", "mismatch rate", "E[M]/T")
+        )
+        assert total == pytest.approx(first + exposure * rho, abs=2e-4)
+    assert not any(cwd.iterdir()), "the demo wrote into the current directory"
+    runs = list(home.glob("run-*"))
+    assert len(runs) == 1
+    assert (runs[0] / "run.zarr" / "completed").exists()
+    assert (runs[0] / "report" / "report.html").is_file()
+    assert str(runs[0] / "report" / "report.html") in out.stdout
