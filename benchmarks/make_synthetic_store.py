@@ -91,7 +91,12 @@ def _doc_arrays(doc: int) -> dict[str, np.ndarray]:
     mismatch = (rng.random((P, R, K, L1)) < branch_tv).astype(np.int8)
     mismatch[..., 0] = 1
     path = (P, R, T)
+    from kvcouple.store.schema import empty_arrays
+
+    layout = _layout(1)
+    # Every schema variable (fill values), then the ones this benchmark fills.
     return {
+        **empty_arrays(layout.record, layout.sizes()),
         "prompt_length": np.int32(512),
         "kept_length": np.full(P, 256, np.int32),
         "tokens": rng.integers(0, VOCAB, path, dtype=np.int32),

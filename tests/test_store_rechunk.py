@@ -138,3 +138,44 @@ def test_missing_chunk_in_a_rechunked_store_names_every_document_it_holds(origin
     assert [d.doc_id for d in result.models[0].docs] == ["doc0000", "doc0001", "doc0002"]
     assert {s["doc_id"] for s in result.skipped} == {"doc0003", "doc0004"}
     assert all("hazard/1.0.0.0" in s["reason"] for s in result.skipped)
+
+
+def test_rust_engine_and_zarr_python_agree(original, expected, tmp_path, monkeypatch):
+    """The fused Rust pass and the zarr-python fallback give the same per-document results."""
+    monkeypatch.setenv("KVCOUPLE_STORE_ENGINE", "zarr")
+    assert_same(expected, per_doc(original))
+    dst = rewrite(original, tmp_path / "d3.zarr", {"doc": 3, "step": 4}, zarr_format=2)
+    assert_same(expected, per_doc(dst))
+
+
+def test_codec_zarrs_lacks_falls_back_with_a_notice(original, expected, tmp_path, capsys):
+    import numcodecs
+
+    ds = xr.open_zarr(str(original))
+    for v in ds.variables.values():
+        v.encoding = {}
+    dst = tmp_path / "lz4.zarr"
+    key, codec = ("compressors", (numcodecs.LZ4(),)) if ZARR3 else ("compressor", numcodecs.LZ4())
+    enc = {n: {key: codec} for n in ("p", "q", "branch_p", "branch_q")}
+    ds.to_zarr(str(dst), mode="w", encoding=enc, consolidated=True, zarr_format=2)
+    capsys.readouterr()
+    assert_same(expected, per_doc(dst))
+    notices = [line for line in capsys.readouterr().err.splitlines() if "Rust store engine" in line]
+    assert len(notices) == 1 and "zarr-python" in notices[0]
+
+
+def test_corrupt_distribution_chunk_is_named_by_the_engine(original, tmp_path):
+    from kvcouple.errors import StoreError
+
+    dst = rewrite(original, tmp_path / "d1.zarr", {"doc": 1}, zarr_format=2)
+    (dst / "q" / "3.1.0.0.0").write_bytes(b"\x00" * 40)
+    with pytest.raises(
+        StoreError,
+        match=r"chunk q/3\.1\.0\.0\.0 of variable 'q' \(document 'doc0003'\) cannot be decoded",
+    ):
+        analyze(dst, n_boot=20)
+    (dst / "q" / "3.1.0.0.0").unlink()
+    with pytest.raises(
+        StoreError, match=r"chunk q/3\.1\.0\.0\.0 of variable 'q' \(document 'doc0003'\) is missing"
+    ):
+        analyze(dst, n_boot=20)

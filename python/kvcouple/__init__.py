@@ -20,6 +20,7 @@ from kvcouple.kernels import (
     get_num_threads,
     plain_pass,
     set_num_threads,
+    total_variation,
 )
 
 __all__ = [
@@ -36,4 +37,5 @@ __all__ = [
     "get_num_threads",
     "plain_pass",
     "set_num_threads",
+    "total_variation",
 ]

@@ -45,6 +45,17 @@ def bootstrap_means(
 ) -> npt.NDArray[np.float64]: ...
 def row_tv(p: npt.NDArray[Any], q: npt.NDArray[Any], dtype: str) -> npt.NDArray[np.float64]: ...
 
+# --- store.rs ---
+def store_blocks_tv(
+    root: str,
+    p: str,
+    q: str,
+    blocks: npt.NDArray[np.int64],
+    dtype: str,
+    *,
+    decode_only: bool = False,
+) -> tuple[npt.NDArray[np.float64], tuple[str, str, str] | None]: ...
+
 # --- synth.rs ---
 _PairArrays = tuple[
     npt.NDArray[np.float64],

@@ -173,11 +173,18 @@ def _run_docs(
     bar = tqdm(total=len(tasks), unit="doc", desc="kvcouple analyze", disable=not progress)
     try:
         if client is None:
-            results = []
-            for info, d in tasks:
-                results.append(analyze_doc(info, d, options))
+            # A few documents in flight: a document may be one chunk per variable, and the Rust
+            # engine (GIL released) decodes the chunks of all documents in flight on every
+            # core. Memory: a few documents' summaries plus a block pair per engine thread.
+            from concurrent.futures import ThreadPoolExecutor
+
+            def one(task: tuple[TraceStoreReader, int]) -> DocResult:
+                r = analyze_doc(task[0], task[1], options)
                 bar.update(1)
-            return results
+                return r
+
+            with ThreadPoolExecutor(max(1, options.io_threads)) as pool:
+                return list(pool.map(one, tasks))
         from distributed import as_completed
 
         client.run(_limit_worker_threads, worker_threads)

@@ -21,6 +21,7 @@ from __future__ import annotations
 import itertools
 import math
 import os
+import sys
 from collections.abc import Iterator
 from typing import Any
 
@@ -79,7 +80,8 @@ def _zarr_major() -> int:
     return int(zarr.__version__.split(".")[0])
 
 
-def _is_url(path: str) -> bool:
+def is_url(path: str) -> bool:
+    """A store address for fsspec (``s3://bucket/run.zarr``) rather than a local path."""
     return "://" in path and not path.startswith("file://")
 
 
@@ -120,7 +122,7 @@ class TraceStoreReader:
     def _open_group(self) -> Any:
         import zarr
 
-        if not _is_url(self.path) and not os.path.exists(self.path):
+        if not is_url(self.path) and not os.path.exists(self.path):
             raise StoreError(f"no trace store at {self.path}")
         kw: dict[str, Any] = {"mode": "r"}
         if self.storage_options:
@@ -491,6 +493,67 @@ class TraceStoreReader:
             for st in itertools.product(*ranges)
         ]
 
+    def rows_tv(
+        self, p_name: str, q_name: str, sels: list[tuple[Any, ...]], *, decode_only: bool = False
+    ) -> np.ndarray | None:
+        """TV of every row (last axis: the distribution) of the blocks ``sels`` (each an index
+        or a slice per axis, the last axis whole) of ``p_name`` against ``q_name``, decoded and
+        computed by the Rust engine (zarrs, all cores, GIL released), the blocks' rows one after
+        another. None where the engine cannot read this store (object storage, a codec zarrs
+        lacks, ``KVCOUPLE_STORE_ENGINE=zarr``): the caller then reads with :meth:`read`."""
+        if self._engine_off:
+            return None
+        from kvcouple import _core
+
+        p = self.array(p_name)
+        kind = "bfloat16" if p.dtype.name == "bfloat16" else np.dtype(p.dtype).name
+        blocks = np.empty((len(sels), len(p.shape), 2), np.int64)
+        for i, sel in enumerate(sels):
+            for ax, (s, n) in enumerate(zip(sel, p.shape, strict=True)):
+                if isinstance(s, slice):
+                    start, stop, _ = s.indices(n)
+                else:
+                    start, stop = int(s), int(s) + 1
+                blocks[i, ax] = (start, stop)
+        tv, problem = _core.store_blocks_tv(
+            self.path, p.path, self.array(q_name).path, blocks, kind, decode_only=decode_only
+        )
+        if problem is None:
+            return np.asarray(tv)
+        what, key, message = problem
+        if what == "unsupported":
+            self._engine_off = True
+            print(
+                f"kvcouple: the Rust store engine cannot read {self.path} ({message}); "
+                f"reading with zarr-python instead",
+                file=sys.stderr,
+            )
+            return None
+        name = key.rsplit("/", 1)[0].split("/")[-1] if "/" in key else key
+        docs = {int(sel[0]) for sel in sels if not isinstance(sel[0], slice)}
+        label = f" (document {self.doc_ids[docs.pop()]!r})" if len(docs) == 1 else ""
+        if what == "missing":
+            raise StoreError(
+                f"{self.path}: chunk {key} of variable {name!r}{label} is missing; the store is "
+                f"damaged. Re-trace that document, or pass --allow-incomplete to analyse the others."
+            )
+        raise StoreError(
+            f"{self.path}: chunk {key} of variable {name!r}{label} cannot be decoded ({message}); "
+            f"the store is damaged."
+        )
+
+    @property
+    def _engine_off(self) -> bool:
+        return (
+            self.__dict__.get("_no_engine", False)
+            or is_url(self.path)
+            or os.environ.get("KVCOUPLE_STORE_ENGINE", "auto") == "zarr"
+        )
+
+    @_engine_off.setter
+    def _engine_off(self, value: bool) -> None:
+        self.__dict__["_no_engine"] = value
+
     def check(self, docs: list[int] | None = None, *, data: bool = False) -> list[str]:
         """Every problem of the given documents (default: the finished ones), one line each:
         missing chunks, undecodable chunks, values the schema does not allow. Distribution
@@ -520,7 +583,7 @@ class TraceStoreReader:
 
     def size_bytes(self) -> int | None:
         """Bytes on disk (local stores), else None."""
-        if _is_url(self.path):
+        if is_url(self.path):
             return None
         total = 0
         for root, _, files in os.walk(self.path):

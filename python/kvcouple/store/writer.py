@@ -19,6 +19,7 @@ import numpy as np
 import zarr
 
 from kvcouple.errors import StoreError
+from kvcouple.store.reader import is_url
 from kvcouple.store.schema import SCHEMA_VERSION, Record, variables
 
 # Aim for chunks of a few MB to tens of MB (SPEC section 8).
@@ -209,6 +210,77 @@ def _jsonable(v: Any) -> Any:
     return json.loads(json.dumps(v, default=str))
 
 
+def _build(tmp: Path, layout: StoreLayout, attrs: dict[str, Any]) -> None:
+    """Every array, coordinate and attribute of a new store, in the local folder ``tmp``."""
+    group = _open_group(tmp, "w")
+    sizes = layout.sizes()
+    for name, (dims, dtype, _) in variables(layout.record).items():
+        shape = tuple(sizes[d] for d in dims)
+        itemsize = np.dtype(dtype).itemsize
+        chunks = _chunks(dims, sizes, itemsize)
+        if name == "completed":
+            # Written in full now: zarr 2 returns unwritten chunks of an array without
+            # a fill value as uninitialised memory, and this flag must read False.
+            _create_array(group, name, np.zeros(shape, bool), chunks, dtype, dims)
+        else:
+            _create_array(group, name, shape, chunks, dtype, dims)
+    coords = {
+        "doc": np.arange(sizes["doc"], dtype=np.int32),
+        "policy": np.array(layout.policies, dtype=f"<U{max(map(len, layout.policies))}"),
+        "rep": np.arange(sizes["rep"], dtype=np.int32),
+        "step": np.arange(1, sizes["step"] + 1, dtype=np.int32),
+        "branch": np.arange(1, sizes["branch"] + 1, dtype=np.int32),
+        "lag": np.arange(sizes["lag"], dtype=np.int32),
+    }
+    for name, values in coords.items():
+        _create_array(group, name, values, values.shape, values.dtype.str, (name,), False)
+    ids = np.array(layout.doc_ids, dtype=f"<U{max(1, max(map(len, layout.doc_ids)))}")
+    _create_array(group, "doc_id", ids, ids.shape, ids.dtype.str, ("doc",), False)
+    group.attrs.update(attrs)
+    zarr.consolidate_metadata(str(tmp))
+
+
+# The group's own metadata: uploaded last, so a store on object storage exists (for readers
+# and for other shards) only once everything else is in place.
+_ROOT_METADATA = (".zgroup", ".zattrs", ".zmetadata")
+
+
+def _fs(url: str) -> tuple[Any, str]:
+    import fsspec
+
+    fs, root = fsspec.core.url_to_fs(url)
+    return fs, root.rstrip("/")
+
+
+def _remote_exists(url: str) -> bool:
+    fs, root = _fs(url)
+    fs.invalidate_cache()
+    return bool(fs.exists(f"{root}/.zmetadata"))
+
+
+def _create_remote(url: str, layout: StoreLayout, attrs: dict[str, Any]) -> None:
+    """Create a store on object storage: built locally, uploaded, the group metadata last.
+    Object stores have no atomic rename; shards racing to create the same run upload the same
+    bytes, and a run with other settings is refused on resume by :func:`check_resume`."""
+    fs, root = _fs(url)
+    tmp = Path(tempfile.mkdtemp(prefix=".kvcouple-store."))
+    try:
+        _build(tmp, layout, attrs)
+        files = sorted(p for p in tmp.rglob("*") if p.is_file())
+        late = [p for p in files if p.parent == tmp and p.name in _ROOT_METADATA]
+        early = [p for p in files if p not in late]
+        late.sort(key=lambda p: _ROOT_METADATA.index(p.name))
+        for batch in (early, late):
+            fs.put(
+                [str(p) for p in batch], [f"{root}/{p.relative_to(tmp).as_posix()}" for p in batch]
+            )
+        fs.invalidate_cache()
+    except Exception as e:
+        raise StoreError(f"cannot create the store {url}: {type(e).__name__}: {e}") from e
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
 class TraceStoreWriter:
     """Writes one run's store. Use :meth:`open` to create it or resume it."""
 
@@ -228,7 +300,7 @@ class TraceStoreWriter:
         exists with different values raises :class:`StoreError` naming the first difference.
         """
         layout.validate()
-        path = Path(path)
+        path = str(path) if is_url(str(path)) else Path(path)  # type: ignore[assignment]
         full_attrs = _jsonable(
             {
                 **attrs,
@@ -243,7 +315,10 @@ class TraceStoreWriter:
                 "policy_specs": list(layout.policies),
             }
         )
-        if not path.exists():
+        if isinstance(path, str):
+            if not _remote_exists(path):
+                _create_remote(path, layout, full_attrs)
+        elif not path.exists():
             cls._create(path, layout, full_attrs)
         elif not path.is_dir() or not any((path / m).exists() for m in (".zgroup", "zarr.json")):
             what = "a file" if not path.is_dir() else "a directory without a Zarr group"
@@ -275,32 +350,7 @@ class TraceStoreWriter:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent))
         try:
-            group = _open_group(tmp, "w")
-            sizes = layout.sizes()
-            for name, (dims, dtype, _) in variables(layout.record).items():
-                shape = tuple(sizes[d] for d in dims)
-                itemsize = np.dtype(dtype).itemsize
-                chunks = _chunks(dims, sizes, itemsize)
-                if name == "completed":
-                    # Written in full now: zarr 2 returns unwritten chunks of an array without
-                    # a fill value as uninitialised memory, and this flag must read False.
-                    _create_array(group, name, np.zeros(shape, bool), chunks, dtype, dims)
-                else:
-                    _create_array(group, name, shape, chunks, dtype, dims)
-            coords = {
-                "doc": np.arange(sizes["doc"], dtype=np.int32),
-                "policy": np.array(layout.policies, dtype=f"<U{max(map(len, layout.policies))}"),
-                "rep": np.arange(sizes["rep"], dtype=np.int32),
-                "step": np.arange(1, sizes["step"] + 1, dtype=np.int32),
-                "branch": np.arange(1, sizes["branch"] + 1, dtype=np.int32),
-                "lag": np.arange(sizes["lag"], dtype=np.int32),
-            }
-            for name, values in coords.items():
-                _create_array(group, name, values, values.shape, values.dtype.str, (name,), False)
-            ids = np.array(layout.doc_ids, dtype=f"<U{max(1, max(map(len, layout.doc_ids)))}")
-            _create_array(group, "doc_id", ids, ids.shape, ids.dtype.str, ("doc",), False)
-            group.attrs.update(attrs)
-            zarr.consolidate_metadata(str(tmp))
+            _build(tmp, layout, attrs)
             try:
                 os.rename(tmp, path)  # atomic: another shard may have won the race
             except OSError:

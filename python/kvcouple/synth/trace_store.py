@@ -32,6 +32,7 @@ from kvcouple import cliargs
 from kvcouple._core import __version__ as kvcouple_version
 from kvcouple.errors import InvalidInputError
 from kvcouple.kernels import couple, divergences
+from kvcouple.store.reader import is_url
 from kvcouple.store.schema import Record, empty_arrays
 from kvcouple.store.writer import StoreLayout, TraceStoreWriter
 from kvcouple.synth.pairs import KernelPair, check_seed, load_pair, pair_from_mapping
@@ -288,7 +289,7 @@ def write_synthetic_trace_store(
         out["kept_length"] = np.ones(len(emitters), np.int32)
         out["eviction_applied"][:] = True  # every synthetic Q is its own kernel
         writer.write_doc(d, out)
-    return Path(path)
+    return str(path) if is_url(str(path)) else Path(path)  # type: ignore[return-value]
 
 
 def _count(name: str, value: Any, least: int) -> int:

@@ -21,6 +21,7 @@ import numpy as np
 from kvcouple.errors import InvalidInputError
 from kvcouple.policies import Policy, parse_policy
 from kvcouple.store import StoreLayout, TraceStoreWriter
+from kvcouple.store.reader import is_url
 from kvcouple.store.writer import VocabularyMismatchError as VocabularyMismatchError
 from kvcouple.tracer.engine import TraceSettings, trace_policy
 from kvcouple.tracer.memory import plan_loaded
@@ -200,7 +201,7 @@ def trace(
     if not prompts:
         raise InvalidInputError("no prompts to trace")
     check_support(model, pols)  # before the store exists: never a store with a crashed document
-    out = Path(out)
+    out = str(out) if is_url(str(out)) else Path(out)  # object storage: s3://bucket/run.zarr
     vocab = vocab_size(model)
     digest = prompts_digest(prompts)
     layout = StoreLayout(

@@ -7,6 +7,7 @@ mod arrays;
 mod errors;
 mod kernels;
 mod stats;
+mod store;
 mod synth;
 
 #[pymodule]
@@ -16,5 +17,6 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     kernels::register(m)?;
     synth::register(m)?;
     stats::register(m)?;
+    store::register(m)?;
     Ok(())
 }

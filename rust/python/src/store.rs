@@ -1,0 +1,87 @@
+//! The trace-store engine (`kvcouple-store`): decode and recompute in one parallel pass.
+
+use std::ops::Range;
+use std::panic::{catch_unwind, AssertUnwindSafe};
+
+use kvcouple_core::rows::Dtype;
+use kvcouple_store::{blocks_tv, Problem, Variable};
+use numpy::{IntoPyArray, PyArray1, PyReadonlyArray3, PyUntypedArrayMethods};
+use pyo3::prelude::*;
+
+use crate::errors::{InternalError, InvalidInputError, ShapeError};
+
+/// `(kind, key, message)` of a failed read: kind is "missing", "decode" or "unsupported".
+type ProblemTuple = (String, String, String);
+
+fn as_tuple(p: Problem) -> ProblemTuple {
+    match p {
+        Problem::Missing { key } => ("missing".into(), key, String::new()),
+        Problem::Decode { key, message } => ("decode".into(), key, message),
+        Problem::Unsupported { message } => ("unsupported".into(), String::new(), message),
+    }
+}
+
+/// Row TVs of the blocks `blocks[i, axis] = (start, stop)` of arrays `p` and `q` in the local
+/// store `root`, decoded with zarrs in parallel; returns `(tvs, problem)` where `problem` is
+/// None or `(kind, key, message)` (nothing is raised for store damage: the reader names it).
+#[pyfunction]
+#[pyo3(signature = (root, p, q, blocks, dtype, *, decode_only=false))]
+pub fn store_blocks_tv<'py>(
+    py: Python<'py>,
+    root: &str,
+    p: &str,
+    q: &str,
+    blocks: PyReadonlyArray3<'py, i64>,
+    dtype: &str,
+    decode_only: bool,
+) -> PyResult<(Bound<'py, PyArray1<f64>>, Option<ProblemTuple>)> {
+    let kind = match dtype {
+        "float16" => Dtype::F16,
+        "bfloat16" => Dtype::BF16,
+        "float32" => Dtype::F32,
+        "float64" => Dtype::F64,
+        other => {
+            return Err(InvalidInputError::new_err(format!(
+                "unsupported dtype {other:?}: use float16, bfloat16, float32 or float64"
+            )))
+        }
+    };
+    let shape = blocks.shape().to_vec();
+    if shape[2] != 2 {
+        return Err(ShapeError::new_err("blocks must have shape (n, ndim, 2)"));
+    }
+    let flat = blocks
+        .as_slice()
+        .map_err(|_| ShapeError::new_err("blocks must be C-contiguous"))?;
+    if flat.iter().any(|&v| v < 0) {
+        return Err(InvalidInputError::new_err("block bounds must be >= 0"));
+    }
+    let ranges: Vec<Vec<Range<u64>>> = flat
+        .chunks_exact(shape[1] * 2)
+        .map(|b| {
+            b.chunks_exact(2)
+                .map(|r| r[0] as u64..r[1] as u64)
+                .collect()
+        })
+        .collect();
+    let (root, p, q) = (root.to_string(), p.to_string(), q.to_string());
+    let result = py.detach(move || {
+        catch_unwind(AssertUnwindSafe(|| {
+            let pv = Variable::open(&root, &p)?;
+            let qv = Variable::open(&root, &q)?;
+            blocks_tv(&pv, &qv, &ranges, kind, decode_only)
+        }))
+    });
+    match result {
+        Ok(Ok(tv)) => Ok((tv.into_pyarray(py), None)),
+        Ok(Err(problem)) => Ok((Vec::<f64>::new().into_pyarray(py), Some(as_tuple(problem)))),
+        Err(_) => Err(InternalError::new_err(
+            "the store engine panicked; please report this with the store's layout",
+        )),
+    }
+}
+
+pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_function(wrap_pyfunction!(store_blocks_tv, m)?)?;
+    Ok(())
+}
