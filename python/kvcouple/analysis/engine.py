@@ -36,7 +36,7 @@ from kvcouple.analysis.reading import (
     recompute_topk,
 )
 from kvcouple.errors import InvalidInputError, StoreError, require
-from kvcouple.store.reader import TraceStoreReader, check_memory
+from kvcouple.store.reader import TraceStoreReader, check_memory, is_url
 
 # Document bootstrap resamples when neither the caller nor a plan says (CLI, demo, API).
 DEFAULT_N_BOOT = 2000
@@ -352,6 +352,10 @@ def analyze(
     labels = _model_labels(infos)
     selected = [_select_docs(info, the_plan, doc_set) for info in infos]
     if doc_set == "confirmatory" and the_plan is not None:
+        if registry is None and is_url(str(paths[0])):
+            raise ValueError(
+                f"{paths[0]} is on object storage: give a local plan registry file (--registry)"
+            )
         reg = Path(registry) if registry else Path(paths[0]) / "kvcouple_plan_registry.json"
         ids = [
             f"{lab}/{info.doc_ids[d]}"

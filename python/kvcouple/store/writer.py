@@ -146,7 +146,9 @@ def _chunks(dims: tuple[str, ...], sizes: dict[str, int], itemsize: int) -> tupl
 def _compressor() -> Any:
     import numcodecs
 
-    return numcodecs.Zstd(level=3)
+    # Zstd level 1: on float16 distributions (128k-vocabulary rows and the embedded model's)
+    # it is as small as level 3 or smaller and decodes ~1.4x faster (docs/store.md, measured).
+    return numcodecs.Zstd(level=1)
 
 
 def _create_array(
