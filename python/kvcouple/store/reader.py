@@ -22,6 +22,7 @@ import itertools
 import math
 import os
 import sys
+import threading
 from collections.abc import Iterator
 from typing import Any
 
@@ -69,6 +70,10 @@ for _side in ("p", "q"):
         RULES[f"{_pre}topk_probs_{_side}"] = "unit"
         RULES[f"{_pre}tail_mass_{_side}"] = "unit"
         RULES[f"{_pre}{_side}"] = "unit"
+
+# Stores the engine fell back on (the notice is printed once per store and process).
+_NOTICED: set[str] = set()
+_NOTICE_LOCK = threading.Lock()
 
 # Probabilities and TVs computed in float arithmetic may leave [0, 1] by rounding only.
 UNIT_SLACK = 1e-5
@@ -523,11 +528,15 @@ class TraceStoreReader:
         what, key, message = problem
         if what == "unsupported":
             self._engine_off = True
-            print(
-                f"kvcouple: the Rust store engine cannot read {self.path} ({message}); "
-                f"reading with zarr-python instead",
-                file=sys.stderr,
-            )
+            with _NOTICE_LOCK:  # one line per store, however many threads hit it
+                first = self.path not in _NOTICED
+                _NOTICED.add(self.path)
+            if first:
+                print(
+                    f"kvcouple: the Rust store engine cannot read {self.path} ({message}); "
+                    f"reading with zarr-python instead",
+                    file=sys.stderr,
+                )
             return None
         name = key.rsplit("/", 1)[0].split("/")[-1] if "/" in key else key
         docs = {int(sel[0]) for sel in sels if not isinstance(sel[0], slice)}
