@@ -8,11 +8,16 @@ the rounding of kept counts, and how to plug in a scorer of your own.
 from __future__ import annotations
 
 from kvcouple.policies.base import (
+    DecodeCache,
+    DecodeContext,
+    DecodeRule,
     Policy,
     PolicyContext,
     PolicyError,
     PolicyParameterError,
+    RescoreRule,
     ScorePolicy,
+    SlotScoreRule,
     UnknownPolicyError,
     kept_count,
     top_indices,
@@ -68,6 +73,9 @@ def parse_policy(spec: str) -> Policy:
 
 
 __all__ = [
+    "DecodeCache",
+    "DecodeContext",
+    "DecodeRule",
     "H2O",
     "KNorm",
     "POLICIES",
@@ -79,7 +87,9 @@ __all__ = [
     "PolicyParameterError",
     "Random",
     "Recent",
+    "RescoreRule",
     "ScorePolicy",
+    "SlotScoreRule",
     "SnapKV",
     "Streaming",
     "UnknownPolicyError",

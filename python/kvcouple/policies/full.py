@@ -1,8 +1,24 @@
-"""``full``: keep every entry (q equals p; the sanity baseline: every hazard must be ~0)."""
+"""``full``: keep every entry (q equals p; the sanity baseline: every hazard must be ~0).
+
+``mode=decode`` runs the decode-time machinery (branches replayed from the prompt, the cache
+inspected after every step) without evicting anything: a check that it changes nothing.
+"""
 
 from __future__ import annotations
 
-from kvcouple.policies.base import Policy, PolicyContext, recent_indices
+from typing import TYPE_CHECKING
+
+from kvcouple.policies.base import DecodeCache, DecodeRule, Policy, PolicyContext, recent_indices
+
+if TYPE_CHECKING:
+    import torch
+
+
+class KeepAllRule(DecodeRule):
+    """Never evicts (its budget is never reached)."""
+
+    def keep(self, caches: list[DecodeCache]) -> list[torch.Tensor]:
+        raise AssertionError("full keeps every entry")
 
 
 class Full(Policy):
@@ -13,3 +29,6 @@ class Full(Policy):
 
     def select(self, ctx: PolicyContext, keep: int):
         return recent_indices(ctx, keep)
+
+    def decode_rule(self, budget: int, seed: int = 0) -> DecodeRule | None:
+        return KeepAllRule(self, 2**62) if self.decode_time else None

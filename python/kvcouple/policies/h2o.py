@@ -9,14 +9,59 @@ fixed budget ``k`` (the kept count) during generation too, as in H2O's Algorithm
 token attends to the at most ``k`` cached entries plus itself, its attention is added to the
 accumulated scores, and then every layer and KV head evicts its entry of lowest accumulated
 score, never one of the ``recent`` share of most recent positions. With ``recent=1`` this is a
-sliding window of ``k + 1`` tokens. Decode-time tracing replays each branch's path from the
-prompt cache (see :mod:`kvcouple.tracer.decode_eviction`), so it costs more than one-shot
-policies.
+sliding window of ``k`` tokens. ``every=N`` evicts the ``N`` lowest every ``N`` steps. Decode-time
+tracing replays each branch's path from the prompt cache (see :mod:`kvcouple.tracer.branches`),
+so it costs more than one-shot policies.
 """
 
 from __future__ import annotations
 
-from kvcouple.policies.base import Policy, PolicyContext, PolicyParameterError, top_indices
+from typing import TYPE_CHECKING
+
+from kvcouple.policies.base import (
+    DecodeCache,
+    DecodeRule,
+    Policy,
+    PolicyContext,
+    PolicyParameterError,
+    SlotScoreRule,
+    top_indices,
+)
+
+if TYPE_CHECKING:
+    import torch
+
+# Above any accumulated attention: the protected recent share outranks every candidate, and
+# among protected entries the oldest goes first.
+_PROTECTED = 2.0**40
+
+
+class H2ORule(SlotScoreRule):
+    """H2O's Algorithm 1: accumulate every new query's attention; evict the lowest score
+    outside the ``recent`` share of newest positions (the oldest entry if all are protected)."""
+
+    needs_attention = True
+
+    def __init__(self, policy: H2O, budget: int):
+        super().__init__(policy, budget)
+        self.n_recent = policy.recent_count(budget)
+
+    def start(self, ctx: PolicyContext, idx: torch.Tensor) -> dict[str, list[torch.Tensor]]:
+        scores = [
+            ctx.group_mean(ctx.accumulated_attention(layer)).gather(1, idx[layer])
+            for layer in range(ctx.num_layers)
+        ]
+        return {"h2o_score": scores}
+
+    def observe(self, cache: DecodeCache) -> None:
+        assert cache.attention is not None
+        cache.state["h2o_score"] += cache.attention
+
+    def score(self, cache: DecodeCache) -> torch.Tensor:
+        pos = cache.positions
+        protected = pos > (cache.current - self.n_recent)[:, None, None]
+        score = cache.state["h2o_score"].double()
+        return score.where(~protected, _PROTECTED + pos.double())
 
 
 class H2O(Policy):
@@ -24,18 +69,16 @@ class H2O(Policy):
 
     name = "h2o"
     NEEDS_QUERIES = True
-    PARAMS = {"recent": (float, 0.5), "mode": (str, "prefill")}
+    PARAMS = {"recent": (float, 0.5)}
 
     def validate(self) -> None:
         if not 0 <= self.params["recent"] <= 1:
             raise PolicyParameterError(
                 f"h2o: recent must be in [0, 1], got {self.params['recent']}"
             )
-        if self.params["mode"] not in ("prefill", "decode"):
-            raise PolicyParameterError(
-                f"h2o: mode must be 'prefill' or 'decode', got {self.params['mode']!r}"
-            )
-        self.decode_time = self.params["mode"] == "decode"
+
+    def decode_rule(self, budget: int, seed: int = 0) -> DecodeRule | None:
+        return H2ORule(self, budget) if self.decode_time else None
 
     def recent_count(self, keep: int) -> int:
         """Entries of a ``keep`` budget reserved for the most recent tokens."""

@@ -1,8 +1,31 @@
-"""``recent``: keep the most recent prompt tokens (a sliding window over the prompt)."""
+"""``recent``: keep the most recent prompt tokens (a sliding window over the prompt).
+
+``mode=decode``: a sliding window while generating too; each eviction keeps the ``kept``
+newest entries.
+"""
 
 from __future__ import annotations
 
-from kvcouple.policies.base import Policy, PolicyContext, recent_indices
+from typing import TYPE_CHECKING
+
+from kvcouple.policies.base import (
+    DecodeCache,
+    DecodeRule,
+    Policy,
+    PolicyContext,
+    SlotScoreRule,
+    recent_indices,
+)
+
+if TYPE_CHECKING:
+    import torch
+
+
+class RecentRule(SlotScoreRule):
+    """Keep the newest entries."""
+
+    def score(self, cache: DecodeCache) -> torch.Tensor:
+        return cache.positions.double()
 
 
 class Recent(Policy):
@@ -12,3 +35,6 @@ class Recent(Policy):
 
     def select(self, ctx: PolicyContext, keep: int):
         return recent_indices(ctx, keep)
+
+    def decode_rule(self, budget: int, seed: int = 0) -> DecodeRule | None:
+        return RecentRule(self, budget) if self.decode_time else None

@@ -34,6 +34,9 @@ class SnapKV(Policy):
         if p["pool"] not in ("avg", "max"):
             raise PolicyParameterError(f"snapkv: pool must be 'avg' or 'max', got {p['pool']!r}")
 
+    def decode_query_window(self) -> int:
+        return int(self.params["window"])
+
     def scores(self, ctx: PolicyContext, layer: int, window: int):
         """Pooled, group-averaged votes ``(kv_heads, length - window)`` of one layer."""
         import torch.nn.functional as F

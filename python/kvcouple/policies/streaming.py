@@ -2,11 +2,39 @@
 
 Keeps the first ``sinks`` prompt tokens and the most recent ones, ``kept`` in all. When the
 budget is smaller than ``sinks`` (plus the re-fed last token) only the first tokens fit.
+
+``mode=decode`` is StreamingLLM as published: the sinks plus a rolling window while
+generating; each eviction keeps the sinks (positions ``< sinks``) and the newest entries.
 """
 
 from __future__ import annotations
 
-from kvcouple.policies.base import Policy, PolicyContext, PolicyParameterError, recent_indices
+from typing import TYPE_CHECKING
+
+from kvcouple.policies.base import (
+    DecodeCache,
+    DecodeRule,
+    Policy,
+    PolicyContext,
+    PolicyParameterError,
+    SlotScoreRule,
+    recent_indices,
+)
+
+if TYPE_CHECKING:
+    import torch
+
+# Above any position: sinks outrank every other entry, older sinks first among themselves.
+_SINK = 2.0**40
+
+
+class StreamingRule(SlotScoreRule):
+    """Sinks first, then the newest entries."""
+
+    def score(self, cache: DecodeCache) -> torch.Tensor:
+        pos = cache.positions.double()
+        sink = cache.positions < self.policy.params["sinks"]
+        return pos + sink * (_SINK - 2 * pos)
 
 
 class Streaming(Policy):
@@ -21,3 +49,6 @@ class Streaming(Policy):
 
     def select(self, ctx: PolicyContext, keep: int):
         return recent_indices(ctx, keep, first=self.params["sinks"])
+
+    def decode_rule(self, budget: int, seed: int = 0) -> DecodeRule | None:
+        return StreamingRule(self, budget) if self.decode_time else None

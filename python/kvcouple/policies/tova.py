@@ -15,6 +15,9 @@ class TOVA(ScorePolicy):
     name = "tova"
     NEEDS_QUERIES = True
 
+    def decode_query_window(self) -> int:
+        return 1
+
     def score(self, ctx: PolicyContext, layer: int):
         return ctx.group_mean(ctx.window_attention(layer, 1)[:, -1])
 

@@ -82,7 +82,7 @@ class Variable(NamedTuple):
 
     dims: tuple[str, ...]
     dtype: str
-    fill: object
+    fill: float | int | bool
 
 
 _NAN = float("nan")

@@ -13,11 +13,11 @@ import importlib
 from typing import Any
 
 _EXPORTS = {
-    "Decoding": "kvcouple.tracer.engine",
+    "Decoding": "kvcouple.tracer.settings",
     "FirstStep": "kvcouple.tracer.onestep",
     "first_step": "kvcouple.tracer.onestep",
     "PolicyTrace": "kvcouple.tracer.engine",
-    "TraceSettings": "kvcouple.tracer.engine",
+    "TraceSettings": "kvcouple.tracer.settings",
     "trace_policy": "kvcouple.tracer.engine",
     "Prompt": "kvcouple.tracer.prompts",
     "PromptFileError": "kvcouple.tracer.prompts",

@@ -246,10 +246,10 @@ def run(args: argparse.Namespace) -> int:
         return dry_run(args, policies, branch_batch)
 
     from kvcouple.models import default_prompts_path, load_model
-    from kvcouple.tracer.engine import Decoding, TraceSettings
     from kvcouple.tracer.prefill import vocab_size
     from kvcouple.tracer.prompts import check_prompt_file, load_prompts
     from kvcouple.tracer.run import trace
+    from kvcouple.tracer.settings import Decoding, TraceSettings
 
     decoding = Decoding(args.temperature, args.top_k, args.top_p)
     prompts_path = args.prompts

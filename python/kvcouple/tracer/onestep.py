@@ -80,8 +80,8 @@ def first_step(
     """
     import torch
 
-    from kvcouple.tracer.engine import initial_rows
     from kvcouple.tracer.prefill import gather_kept, prefill, select
+    from kvcouple.tracer.trajectories import Trajectories
 
     pols = [parse_policy(p) if isinstance(p, str) else p for p in policies]
     ids = torch.as_tensor(input_ids, dtype=torch.long).reshape(-1)
@@ -92,7 +92,7 @@ def first_step(
         for pol in pols:
             generator = torch.Generator(device="cpu").manual_seed(int(seed))
             kept = gather_kept(pre.kv, select(pol, pre, generator))
-            rows = initial_rows(model, pre, kept, copies=1)
+            rows = Trajectories.start(model, pre, kept, copies=1)
             logits = rows.step(torch.cat([last, last])).double().cpu().numpy()
             out.append(
                 FirstStep(

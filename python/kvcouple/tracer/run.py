@@ -23,11 +23,12 @@ from kvcouple.policies import Policy, parse_policy
 from kvcouple.store import StoreLayout, TraceStoreWriter
 from kvcouple.store.reader import is_url
 from kvcouple.store.writer import VocabularyMismatchError as VocabularyMismatchError
-from kvcouple.tracer.engine import TraceSettings, trace_policy
+from kvcouple.tracer.engine import trace_policy
 from kvcouple.tracer.memory import plan_loaded
 from kvcouple.tracer.prefill import prefill, vocab_size
 from kvcouple.tracer.prompts import Prompt
 from kvcouple.tracer.provenance import provenance
+from kvcouple.tracer.settings import TraceSettings
 from kvcouple.tracer.support import check_support
 
 

@@ -1,0 +1,166 @@
+"""Residual branches (SPEC section 4): from ``t*`` both sides continue on their own prefixes.
+
+One loop runs every branch of a batch (:func:`run_branch_group`); a :class:`BranchStrategy`
+only says how the batch's rows get the path's cache up to ``t*``:
+
+- :class:`ForkBranches` copies each replicate's final path cache and hides the path from
+  ``t*`` on (the cache never changes during decoding, so it holds the prefix as it was).
+- :class:`ReplayBranches` starts from the prompt cache and re-feeds the path's tokens up to
+  ``t*`` (evicting as the path did), needed when the cache changes while decoding.
+
+Each row of the batch has an ``offset``: at loop iteration ``i`` it computes lag
+``i - offset`` (forks: offset 0; replays: ``t* - 1``). A row is fed the path token while its
+lag is ``<= 0`` (the token of step ``t*`` at lag 0), its own coupled draw afterwards, and
+records lags ``0..min(L, T - t*)``; at lag 0 the residuals are drawn (``u0 = 0``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import numpy as np
+import torch
+
+from kvcouple.store.schema import empty_arrays
+from kvcouple.tracer.prefill import Prefill
+from kvcouple.tracer.records import branch_record
+from kvcouple.tracer.settings import TraceSettings
+from kvcouple.tracer.trajectories import EosState, StepHook, Trajectories, coupled_step
+
+
+@dataclass
+class Path:
+    """What the branches need of the overlap path."""
+
+    arrays: dict[str, np.ndarray]
+    hazard: np.ndarray  # (R, T) float64
+    fed: torch.Tensor  # (R, T) token fed at each step (step 1: the last prompt token)
+    rows: Trajectories | None  # the path's batch with its final cache (None once not needed)
+
+
+class BranchStrategy(Protocol):
+    """How a batch of branches ``(replicate rr[i], time ts[i])`` gets the path's prefix."""
+
+    def start(self, rr: torch.Tensor, ts: torch.Tensor) -> tuple[Trajectories, torch.Tensor]:
+        """The batch's rows (``B`` P rows, then ``B`` Q rows) and each row's offset."""
+        ...
+
+
+class ForkBranches:
+    """Copy each replicate's path cache; hide the path from ``t*`` on."""
+
+    def __init__(self, path: Path, prefix_length: int):
+        self.path = path
+        self.prefix_length = prefix_length
+
+    def start(self, rr: torch.Tensor, ts: torch.Tensor) -> tuple[Trajectories, torch.Tensor]:
+        if self.path.rows is None:
+            raise ValueError("forking branches needs the path's final cache")
+        replicates = self.path.fed.shape[0]
+        index = torch.cat([rr, rr + replicates])
+        column = self.prefix_length + torch.cat([ts, ts]) - 1  # path column of step t*
+        return self.path.rows.fork(index, column), torch.zeros_like(ts)
+
+
+class ReplayBranches:
+    """Start from the prompt cache and re-feed the path up to ``t*``; ``make_hook(rr)`` builds
+    the decode-time evictor of rows following replicates ``rr``."""
+
+    def __init__(
+        self,
+        model: Any,
+        pre: Prefill,
+        kept: list[tuple[torch.Tensor, torch.Tensor]],
+        make_hook: Callable[[torch.Tensor], StepHook],
+    ):
+        self.model, self.pre, self.kept, self.make_hook = model, pre, kept, make_hook
+
+    def start(self, rr: torch.Tensor, ts: torch.Tensor) -> tuple[Trajectories, torch.Tensor]:
+        rows = Trajectories.start(
+            self.model, self.pre, self.kept, int(rr.shape[0]), self.make_hook(rr)
+        )
+        return rows, ts - 1
+
+
+def run_branches(
+    strategy: BranchStrategy,
+    path: Path,
+    settings: TraceSettings,
+    times: np.ndarray,
+    branch_u: torch.Tensor,
+    vocab_size: int,
+) -> tuple[dict[str, np.ndarray], int, int]:
+    """Every branch of every replicate, ``settings.branch_batch`` at a time. Returns the
+    branch arrays of one (document, policy), the tokens generated and the batches run."""
+    out = empty_arrays(
+        settings.record, settings.sizes(vocab_size), ("doc", "policy"), having="branch"
+    )
+    out["branch_step"][:] = times
+    rr, kk = np.nonzero(times > 0)
+    size = settings.branch_batch if isinstance(settings.branch_batch, int) else max(rr.size, 1)
+    tokens = batches = 0
+    for first in range(0, rr.size, size):
+        group = slice(first, first + size)
+        tokens += run_branch_group(
+            strategy, path, settings, rr[group], kk[group], times, branch_u, out
+        )
+        batches += 1
+    return out, tokens, batches
+
+
+def run_branch_group(
+    strategy: BranchStrategy,
+    path: Path,
+    settings: TraceSettings,
+    rr: np.ndarray,
+    kk: np.ndarray,
+    times: np.ndarray,
+    branch_u: torch.Tensor,
+    out: dict[str, np.ndarray],
+) -> int:
+    """Branches ``(rr[i], kk[i])`` in one batch; writes into ``out``, returns tokens fed."""
+    T, L = settings.horizon, settings.window
+    device = path.fed.device
+    ts_np = times[rr, kk]
+    B = rr.size
+    rr_t, kk_t = torch.as_tensor(rr, device=device), torch.as_tensor(kk, device=device)
+    ts = torch.as_tensor(ts_np, device=device)
+    rows, offset = strategy.start(rr_t, ts)
+    lags = (T - ts).clamp(max=L)  # last lag each branch records
+    iterations = int((offset + lags).max()) + 1
+    fed = path.fed[rr_t]  # (B, T)
+    arange = torch.arange(B, device=device)
+    names = [n for n in out if n != "branch_step"]
+    rec = {}
+    for name in names:
+        initial = torch.from_numpy(np.ascontiguousarray(out[name][rr, kk]))
+        # Whole distributions stay on the host (they are big); the rest on the device.
+        rec[name] = initial if name in ("branch_p", "branch_q") else initial.to(device)
+    eos = EosState(settings.eos_token_ids, 2 * B, device)
+    own = torch.zeros(2 * B, dtype=torch.long, device=device)
+    for i in range(iterations):
+        lag = i - offset
+        teacher = torch.cat([lag <= 0, lag <= 0])
+        path_token = fed[arange, (ts + lag - 1).clamp(0, T - 1)]
+        tokens = torch.where(teacher, torch.cat([path_token, path_token]), own)
+        lag_c = lag.clamp(0, L)
+        u = branch_u[lag_c, rr_t, kk_t].clone()
+        u[:, 0] = torch.where(lag == 0, 0.0, u[:, 0])  # lag 0: the residuals
+        step = coupled_step(rows, tokens, settings.decoding, eos, u)
+        active = (lag >= 0) & (lag <= lags)
+        both = torch.cat([active, active])
+        drawn = torch.cat([step.x, step.y])
+        own = torch.where(both, drawn, own)
+        values = branch_record(settings.record, step.p, step.q, step.x, step.y, step.tv)
+        for name, value in values.items():
+            target = rec[name]
+            index = (arange.to(target.device), lag_c.to(target.device))
+            keep = active.to(target.device).reshape((-1,) + (1,) * (value.dim() - 1))
+            target[index] = torch.where(keep, value.to(target.dtype), target[index])
+        eos.advance(drawn, both)
+    for name, value in rec.items():
+        out[name][rr, kk] = value.cpu().numpy()
+    out["branch_tv"][rr, kk, 0] = path.hazard[rr, ts_np - 1]
+    return 2 * B * iterations

@@ -1,0 +1,172 @@
+"""Decode-time eviction in the tracer: a policy's :class:`~kvcouple.policies.DecodeRule`
+applied to the Q rows of a :class:`~kvcouple.tracer.trajectories.Trajectories` batch.
+
+The cache tensor keeps one shape for the whole batch. After each step the evictor appends the
+new entry's slot state, shows the rule the Q rows' cache (:class:`DecodeCache`), and once a row
+holds ``every`` entries more than the budget, asks the rule which ``budget`` entries each KV
+head keeps. It then compacts: the row's first ``budget`` visible columns ("home") end up holding
+the kept entries (kept entries from later columns move into the home slots of evicted ones, per
+KV head), and the later columns are hidden for that row, so the usual per-row attention mask
+does the rest. Slot state (original positions, the rule's scores) moves with its entry.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from contextlib import AbstractContextManager
+from typing import Any
+
+import torch
+
+from kvcouple.policies import DecodeCache, DecodeRule
+from kvcouple.tracer import compat
+from kvcouple.tracer.prefill import Prefill
+from kvcouple.tracer.trajectories import Trajectories
+
+
+class DecodeEvictor:
+    """Keeps ``copies`` Q rows (those after the first ``copies`` rows of a batch) at the
+    rule's budget. ``replicates[i]``: the path replicate Q row ``i`` follows (so randomised
+    rules draw the same on the path and on its replayed branches)."""
+
+    def __init__(
+        self,
+        model: Any,
+        pre: Prefill,
+        idx: torch.Tensor,
+        rule: DecodeRule,
+        replicates: torch.Tensor,
+    ):
+        copies = int(replicates.shape[0])
+        self.rule = rule
+        self.rows = slice(copies, 2 * copies)
+        self.replicates = replicates
+        window = rule.query_window
+        needs_queries = rule.needs_attention or window > 0
+        self._capture = compat.QueryCapture(model) if needs_queries else None
+        ctx = pre.context()
+        self.group = ctx.group_size
+        self.num_query_heads = pre.num_query_heads
+        self.scaling = self._capture.scaling if self._capture is not None else 1.0
+        n1, keep = pre.prefix_length, idx.shape[-1]
+        pad = n1 - keep
+        started = rule.start(ctx, idx)
+        self.state: list[dict[str, torch.Tensor]] = []
+        for layer in range(ctx.num_layers):
+            layer_state = {
+                "position": torch.nn.functional.pad(idx[layer], (pad, 0), value=-1),
+                **{
+                    name: torch.nn.functional.pad(values[layer].float(), (pad, 0))
+                    for name, values in started.items()
+                },
+            }
+            self.state.append({k: v.expand(copies, -1, -1).clone() for k, v in layer_state.items()})
+        # The most recent queries (prompt queries first), for rules with a query window.
+        self.window = window
+        self.queries: list[torch.Tensor] = []
+        self.query_positions: torch.Tensor | None = None
+        if window > 0:
+            if pre.capture is None:
+                raise ValueError(
+                    f"policy {rule.policy.spec()} needs the prompt's queries while decoding"
+                )
+            first = max(0, n1 - (window - 1))
+            for layer in range(ctx.num_layers):
+                if first < n1:
+                    q = pre.capture.queries(layer, first)  # (heads, n1 - first, head_dim)
+                else:  # a window of one: only the newest query, captured at the next step
+                    head_dim = pre.capture.modules[layer].head_dim
+                    q = pre.kv[layer][0].new_zeros(pre.num_query_heads, 0, head_dim)
+                self.queries.append(q.expand(copies, -1, -1, -1).clone())
+            device = idx.device
+            self.query_positions = torch.arange(first, n1, device=device).expand(copies, -1)
+
+    def capture(self) -> AbstractContextManager[Any]:
+        return self._capture if self._capture is not None else contextlib.nullcontext()
+
+    @torch.inference_mode()
+    def after_step(self, rows: Trajectories) -> None:
+        valid = rows.valid[self.rows]  # (Bq, S) including the new column
+        current = rows.positions[self.rows]  # position of the token just fed
+        caches = []
+        for layer, (keys, values) in enumerate(compat.cache_tensors(rows.cache)):
+            kq, vq = keys[self.rows], values[self.rows]  # views into the cache
+            state = self.state[layer]
+            for name, tensor in state.items():
+                new = (
+                    current if name == "position" else torch.zeros_like(current, dtype=torch.float)
+                )
+                new = new.to(tensor.dtype)[:, None, None].expand(-1, tensor.shape[1], 1)
+                state[name] = torch.cat([tensor, new], dim=-1)
+            q = None
+            if self._capture is not None:
+                q = self._capture.batch_queries(layer, rows=self.rows)  # (Bq, H, 1, D)
+            attention = None
+            if self.rule.needs_attention:
+                assert q is not None
+                k = kq.float().repeat_interleave(self.group, dim=1)
+                logits = torch.matmul(q.float(), k.transpose(-1, -2))[:, :, 0] * self.scaling
+                logits = logits.masked_fill(~valid[:, None, :], float("-inf"))
+                probs = torch.softmax(logits, dim=-1)
+                attention = probs.reshape(probs.shape[0], -1, self.group, probs.shape[-1]).mean(2)
+            queries = query_positions = None
+            if self.window > 0:
+                assert q is not None and self.query_positions is not None
+                queries = torch.cat([self.queries[layer], q.to(self.queries[layer].dtype)], 2)
+                queries = queries[:, :, -self.window :]
+                self.queries[layer] = queries
+                if layer == 0:
+                    positions = torch.cat([self.query_positions, current[:, None]], dim=1)
+                    self.query_positions = positions[:, -self.window :]
+                query_positions = self.query_positions
+            cache = DecodeCache(
+                layer=layer,
+                keys=kq,
+                values=vq,
+                visible=valid,
+                state=state,
+                current=current,
+                rows=self.replicates,
+                scaling=self.scaling,
+                num_query_heads=self.num_query_heads,
+                attention=attention,
+                queries=queries,
+                query_positions=query_positions,
+            )
+            self.rule.observe(cache)
+            caches.append(cache)
+        over = valid.sum(-1) - self.rule.budget >= self.rule.every
+        if not bool(over.any()):
+            return
+        kept = self.rule.keep(caches)
+        home = valid & (valid.cumsum(-1) <= self.rule.budget)
+        tail = valid & ~home
+        for cache, keep in zip(caches, kept, strict=True):
+            _compact(cache, keep, home, tail, over)
+        rows.valid[self.rows] = valid & ~(tail & over[:, None])
+
+
+def _compact(
+    cache: DecodeCache,
+    keep: torch.Tensor,
+    home: torch.Tensor,
+    tail: torch.Tensor,
+    over: torch.Tensor,
+) -> None:
+    """Move the kept entries of ``tail`` columns into the ``home`` slots of evicted entries,
+    per row and KV head, in place (rows not ``over`` stay as they are)."""
+    shape = cache.state["position"].shape  # (B, kv_heads, S)
+    kept = torch.zeros(shape, dtype=torch.bool, device=keep.device).scatter_(2, keep, True)
+    hole = home[:, None, :] & ~kept
+    mover = tail[:, None, :] & kept
+    holes = torch.argsort((~hole).to(torch.int8), dim=-1, stable=True)  # holes first
+    movers = torch.argsort((~mover).to(torch.int8), dim=-1, stable=True)
+    count = hole.sum(-1, keepdim=True)
+    rank = torch.arange(shape[-1], device=keep.device)
+    source = torch.where((rank < count) & over[:, None, None], movers, holes)
+    for tensor in (cache.keys, cache.values, *cache.state.values()):
+        src, dst = source, holes
+        if tensor.dim() == 4:
+            src = src[..., None].expand(-1, -1, -1, tensor.shape[-1])
+            dst = dst[..., None].expand(-1, -1, -1, tensor.shape[-1])
+        tensor.scatter_(2, dst, tensor.gather(2, src))

@@ -1,0 +1,69 @@
+"""What one tracing run is asked to do: sizes, the decoding transform, the record level."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import torch
+
+from kvcouple.store.schema import Record
+from kvcouple.torch_coupling import apply_decoding
+
+
+@dataclass(frozen=True)
+class Decoding:
+    """The decoding transform shared by both kernels."""
+
+    temperature: float = 1.0
+    top_k: int | None = None
+    top_p: float | None = None
+
+    def __post_init__(self) -> None:
+        apply_decoding(torch.zeros(1, 2), self.temperature, self.top_k, self.top_p)  # validates
+
+    def probs(self, logits: torch.Tensor) -> torch.Tensor:
+        return apply_decoding(logits, self.temperature, self.top_k, self.top_p)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"temperature": self.temperature, "top_k": self.top_k, "top_p": self.top_p}
+
+
+@dataclass(frozen=True)
+class TraceSettings:
+    """Sizes of one run: horizon T, replicates R, branches K, window L (lags traced)."""
+
+    horizon: int
+    replicates: int = 1
+    branches: int = 1
+    window: int = 0
+    decoding: Decoding = field(default_factory=Decoding)
+    record: Record = field(default_factory=Record)
+    # Absorbing EOS ids; None (the default) means the model's own, resolved by `trace`
+    # exactly as `kvcouple trace` does; () means no absorbing EOS.
+    eos_token_ids: tuple[int, ...] | None = None
+    # Most branches traced in one batch (each is two rows with a copy of the cache); None: all;
+    # "auto": the largest that fits the device, chosen per document by the memory plan
+    # (kvcouple.tracer.memory) in trace/trace_document (every branch when memory is unknown).
+    branch_batch: int | Literal["auto"] | None = "auto"
+
+    def __post_init__(self) -> None:
+        for name in ("horizon", "replicates", "branches"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.branch_batch != "auto" and self.branch_batch is not None:
+            if isinstance(self.branch_batch, str) or self.branch_batch < 1:
+                raise ValueError(f"branch_batch must be >= 1 or 'auto', got {self.branch_batch!r}")
+        if self.window < 0:
+            raise ValueError(f"window must be >= 0, got {self.window}")
+
+    def sizes(self, vocab_size: int) -> dict[str, int]:
+        """The store's dimension sizes for this run (see :mod:`kvcouple.store.schema`)."""
+        return {
+            "rep": self.replicates,
+            "step": self.horizon,
+            "branch": self.branches,
+            "lag": self.window + 1,
+            "k": max(self.record.k, 1),
+            "vocab": vocab_size,
+        }

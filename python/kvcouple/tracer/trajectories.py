@@ -1,0 +1,194 @@
+"""The one coupled step every part of the tracer runs.
+
+A :class:`Trajectories` batch holds ``2B`` rows (``B`` P rows, then ``B`` Q rows) on one cache
+tensor per layer; each row has its own visibility mask over the cache's columns and its own
+position. :func:`coupled_step` is the step: feed one token per row, apply the decoding
+transform, make finished rows a point mass on their EOS (:class:`EosState`), and couple row
+``i`` of P with row ``i`` of Q with the maximal coupling. The overlap path, the branches forked
+from the path's cache and the branches replayed from the prompt all call it; what differs is
+only which token each row is fed, which uniforms it gets, and what is recorded.
+"""
+
+from __future__ import annotations
+
+from contextlib import AbstractContextManager
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+
+from kvcouple.torch_coupling import couple_rows
+from kvcouple.tracer import compat
+from kvcouple.tracer.prefill import Prefill
+from kvcouple.tracer.settings import Decoding
+
+
+class StepHook(Protocol):
+    """Something that watches every step of a batch and may change its cache (decode-time
+    eviction): ``capture()`` wraps the forward pass, ``after_step`` runs after it."""
+
+    def capture(self) -> AbstractContextManager[Any]: ...
+
+    def after_step(self, rows: Trajectories) -> None: ...
+
+
+class Trajectories:
+    """A batch of trajectories sharing one cache tensor per layer, with per-row visibility
+    ``valid`` ``(rows, columns)`` and per-row ``positions`` (of the next token fed)."""
+
+    def __init__(
+        self,
+        model: Any,
+        kv: list[tuple[torch.Tensor, torch.Tensor]],
+        valid: torch.Tensor,
+        positions: torch.Tensor,
+        padded: bool,
+        hook: StepHook | None = None,
+        key_positions: list[torch.Tensor] | None = None,
+    ):
+        self.model = model
+        # Entry positions (per layer, (rows, kv_heads or 1, columns)) let sliding-window layers
+        # run; None where eviction while decoding moves entries (those layers then refuse).
+        self.cache = compat.cache_from_tensors(kv, key_positions)
+        self.valid = valid
+        self.positions = positions
+        # Without padding or eviction every row sees every column: no mask needed.
+        self.padded = padded or hook is not None
+        self.dtype = kv[0][0].dtype
+        self.hook = hook
+
+    @classmethod
+    def start(
+        cls,
+        model: Any,
+        pre: Prefill,
+        kept: list[tuple[torch.Tensor, torch.Tensor]],
+        copies: int,
+        hook: StepHook | None = None,
+        idx: torch.Tensor | None = None,
+    ) -> Trajectories:
+        """``copies`` P rows on the full prefix cache, then ``copies`` Q rows on the kept entries
+        (left-padded to the prefix length, the padding hidden), all about to feed the last
+        prompt token at position ``n - 1``. ``idx``: the kept positions ``(layers, kv_heads,
+        keep)``, which sliding-window layers need."""
+        n1 = pre.prefix_length
+        keep = kept[0][0].shape[2]
+        device = pre.input_ids.device
+        pad = (0, 0, n1 - keep, 0)
+        kv: list[tuple[torch.Tensor, torch.Tensor]] = []
+        for (kp, vp), (kq, vq) in zip(pre.kv, kept, strict=True):
+            k, v = (
+                torch.cat(
+                    [
+                        full.expand(copies, -1, -1, -1),
+                        torch.nn.functional.pad(part, pad).expand(copies, -1, -1, -1),
+                    ]
+                )
+                for full, part in ((kp, kq), (vp, vq))
+            )
+            kv.append((k, v))
+        valid = torch.ones(2 * copies, n1, dtype=torch.bool, device=device)
+        valid[copies:, : n1 - keep] = False
+        positions = torch.full((2 * copies,), n1, device=device)
+        key_positions = None
+        if idx is not None:
+            full_pos = torch.arange(n1, device=device).expand(copies, idx.shape[1], n1)
+            key_positions = [
+                torch.cat(
+                    [
+                        full_pos,
+                        torch.nn.functional.pad(kept_pos.to(device), (n1 - keep, 0)).expand(
+                            copies, -1, -1
+                        ),
+                    ]
+                )
+                for kept_pos in idx
+            ]
+        return cls(model, kv, valid, positions, keep < n1, hook, key_positions)
+
+    def fork(self, index: torch.Tensor, visible_before: torch.Tensor) -> Trajectories:
+        """Copies of rows ``index`` that see only columns ``< visible_before`` (per new row),
+        positioned to feed the token of column ``visible_before``."""
+        kv = [
+            (k.index_select(0, index), v.index_select(0, index))
+            for k, v in compat.cache_tensors(self.cache)
+        ]
+        valid = self.valid.index_select(0, index)
+        columns = torch.arange(valid.shape[1], device=valid.device)
+        valid = valid & (columns[None, :] < visible_before[:, None])
+        key_positions = compat.cache_positions(self.cache)
+        if key_positions is not None:
+            key_positions = [p.index_select(0, index) for p in key_positions]
+        return Trajectories(
+            self.model, kv, valid, visible_before.clone(), True, key_positions=key_positions
+        )
+
+    def step(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Feed one token per row; returns ``(rows, vocab)`` logits."""
+        ones = torch.ones(self.valid.shape[0], 1, dtype=torch.bool, device=self.valid.device)
+        self.valid = torch.cat([self.valid, ones], dim=1)
+        mask = compat.additive_mask(self.valid, self.dtype) if self.padded else None
+        if self.hook is None:
+            logits = compat.forward(
+                self.model, tokens[:, None], self.cache, self.positions[:, None], mask
+            )
+        else:
+            with self.hook.capture():
+                logits = compat.forward(
+                    self.model, tokens[:, None], self.cache, self.positions[:, None], mask
+                )
+            self.hook.after_step(self)
+        self.positions = self.positions + 1
+        return logits
+
+
+class EosState:
+    """Absorbing EOS per row: once a row emits one of ``ids`` its kernel is a point mass on it."""
+
+    def __init__(self, ids: tuple[int, ...] | None, rows: int, device: torch.device):
+        self.ids = torch.tensor(ids or (), dtype=torch.long, device=device)
+        self.done = torch.zeros(rows, dtype=torch.bool, device=device)
+        self.last = torch.zeros(rows, dtype=torch.long, device=device)
+
+    def absorb(self, probs: torch.Tensor) -> torch.Tensor:
+        if not self.ids.numel():
+            return probs
+        point = torch.nn.functional.one_hot(self.last, probs.shape[-1]).to(probs.dtype)
+        return torch.where(self.done[:, None], point, probs)
+
+    def advance(self, tokens: torch.Tensor, active: torch.Tensor) -> None:
+        """Rows where ``active`` emitted ``tokens``; those that hit an EOS id are done."""
+        if not self.ids.numel():
+            return
+        newly = active & ~self.done & torch.isin(tokens, self.ids)
+        self.last = torch.where(newly, tokens, self.last)
+        self.done = self.done | newly
+
+
+@dataclass
+class CoupledStep:
+    """One coupled step of ``B`` row pairs: both kernels, the coupled draws, TV and overlap."""
+
+    p: torch.Tensor  # (B, vocab)
+    q: torch.Tensor
+    x: torch.Tensor  # (B,) P's token
+    y: torch.Tensor  # (B,) Q's token
+    tv: torch.Tensor  # (B,) float64
+    overlap: torch.Tensor  # (B,) float64, sum min(p, q)
+
+
+def coupled_step(
+    rows: Trajectories,
+    tokens: torch.Tensor,
+    decoding: Decoding,
+    eos: EosState,
+    u: torch.Tensor,
+) -> CoupledStep:
+    """Feed ``tokens`` ``(2B,)`` (P rows then Q rows), transform, absorb EOS, couple with the
+    uniforms ``u`` ``(B, 3)`` (``u0 = 1``: the overlap; ``u0 = 0``: the residuals). The caller
+    records what it needs and then calls ``eos.advance``."""
+    probs = eos.absorb(decoding.probs(rows.step(tokens)))
+    half = probs.shape[0] // 2
+    p, q = probs[:half], probs[half:]
+    x, y, tv, overlap = couple_rows(p, q, u)
+    return CoupledStep(p, q, x, y, tv, overlap)
