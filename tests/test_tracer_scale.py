@@ -113,6 +113,7 @@ def test_plan_matches_the_cache_bytes_held_at_the_peak(monkeypatch, spec):
         return forward(*args, **kw)
 
     monkeypatch.setattr(compat, "forward", metered)
+    before = _live_tensor_bytes(weights)  # what other tests left alive is not the trace's
     n, R, K, T, L = 2048, 4, 2, 6, 3
     prompt = np.random.default_rng(0).integers(1, 127, n).tolist()
     settings = TraceSettings(horizon=T, replicates=R, branches=K, window=L, branch_batch=None)
@@ -122,7 +123,7 @@ def test_plan_matches_the_cache_bytes_held_at_the_peak(monkeypatch, spec):
     )
     planned = plan.cache_bytes + plan.capture
     assert plan.phase == "branches"
-    assert abs(peak[0] - planned) <= 0.1 * planned, (peak[0], planned)
+    assert abs(peak[0] - before - planned) <= 0.1 * planned, (peak[0], before, planned)
 
 
 def test_auto_branch_batch_is_the_largest_that_fits():
@@ -161,7 +162,7 @@ def test_a_document_that_cannot_fit_is_refused_before_the_store_is_written(tmp_p
     settings = TraceSettings(horizon=4, replicates=2, branches=2, window=2)
     # Enough for the short document, not for the long one.
     with pytest.raises(MemoryPlanError, match="'long' .* needs"):
-        trace(m, prompts, ["recent:retain=0.5"], settings, tmp_path / "s", memory=weights + 2**21)
+        trace(m, prompts, ["recent:retain=0.5"], settings, tmp_path / "s", memory=weights + 2**20)
     assert not (tmp_path / "s").exists()
     # With room for everything the same run traces (auto: every branch at once).
     summary = trace(

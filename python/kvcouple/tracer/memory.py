@@ -11,8 +11,8 @@ what the tracer holds in each phase of a document and takes the largest:
 - **path**: the prefix cache, the largest kept cache of one policy, the overlap path's P rows
   and Q rows at their final length ``n - 1 + T``, and one decoding step's activations;
 - **branches**: the path phase plus one batch of branches (each branch is a P row and a Q row
-  copied from its replicate, grown by up to ``L + 1`` steps); decode-time policies replay every
-  branch from the prompt cache at once, after the path's cache is freed.
+  copied from its replicate, grown by up to ``L + 1`` steps); decode-time policies replay their
+  branches from the prompt cache, a batch at a time, after the path's cache is freed.
 
 Cache bytes follow the tracer's layout exactly (they are what the instrumented test checks);
 activations are estimates with some headroom. Weights are not part of a document's peak: they
@@ -137,7 +137,7 @@ class DocumentPlan:
 
     doc_id: str
     prompt_length: int
-    branch_batch: int  # branches traced at once (decode-time policies replay all at once)
+    branch_batch: int  # branches traced (or replayed) at once
     branch_count: int  # R x K
     prompt_cache: int  # the prefix cache, batch 1
     kept_cache: int  # the largest evicted cache of one policy, batch 1
@@ -271,18 +271,18 @@ def plan_document(
     }
     branches = 0
     if one_shot:
-        # A batch is copied from the path's rows (the copies and the cache built from them
-        # live together while the batch runs), then grows by `lags` steps.
+        # A batch is copied from the path's rows (the cache takes the copies over: they are
+        # freed at its first step), then grows by `lags` steps.
         length = n1 + T + lags
-        branches = 2 * batch * (n1 + T) * c + 2 * batch * length * c
+        branches = 2 * batch * length * c
         activations.append(_decode_activations(shape, 2 * batch, length))
         phases["branches"] = held + path_p + path_q + branches + activations[-1]
     if decode_time:
-        # Decode-time policies replay every branch from the prompt cache at once, after the
-        # path's cache is freed (the branch batch does not apply).
-        replay = 2 * count * (n1 + T) * c
-        activations.append(_decode_activations(shape, 2 * count, n1 + T))
-        phases["replay"] = held + replay + evictor(count, n1 + T) + activations[-1]
+        # Decode-time policies replay their branches from the prompt cache, `batch` at a time,
+        # after the path's cache is freed.
+        replay = 2 * batch * (n1 + T) * c
+        activations.append(_decode_activations(shape, 2 * batch, n1 + T))
+        phases["replay"] = held + replay + evictor(batch, n1 + T) + activations[-1]
         branches = max(branches, replay)
     phase = max(phases, key=lambda k: phases[k])
     return DocumentPlan(
