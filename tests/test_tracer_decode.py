@@ -90,7 +90,10 @@ def traced(m, spec):
 def masked_step(eager, seq, n1, visible_rows):
     """One eager forward of ``seq``; query rows ``r >= n1`` see ``visible_rows[r][l][h]``."""
     size = len(seq)
-    modules = compat.attention_modules(eager)
+    modules = sorted(
+        (m for m in eager.modules() if hasattr(m, "q_proj") and hasattr(m, "layer_idx")),
+        key=lambda m: m.layer_idx,
+    )
     kv_heads = len(visible_rows[n1][0])
     group = eager.config.num_attention_heads // kv_heads
     masks = []

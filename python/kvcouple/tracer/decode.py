@@ -75,7 +75,7 @@ class DecodeEvictor:
                 if first < n1:
                     q = pre.capture.queries(layer, first)  # (heads, n1 - first, head_dim)
                 else:  # a window of one: only the newest query, captured at the next step
-                    head_dim = pre.capture.modules[layer].head_dim
+                    head_dim = pre.kv[layer][0].shape[-1]
                     q = pre.kv[layer][0].new_zeros(pre.num_query_heads, 0, head_dim)
                 self.queries.append(q.expand(copies, -1, -1, -1).clone())
             device = idx.device
