@@ -308,3 +308,20 @@ def test_cli_gemma3_sliding_window_full_hazard_zero_and_same_p1(tmp_path, capsys
     err = capsys.readouterr().err
     assert "deepseek_v3" in err and "latent attention" in err
     assert not out2.exists()
+
+
+def test_engine_that_loses_positions_is_refused_up_front(monkeypatch, tmp_path):
+    """If the engine built a cache without the entries' original positions, a sliding-window
+    model could not be traced: the probe run in the support check finds that before the store
+    exists (never a document crashed mid-store)."""
+    from kvcouple.tracer import compat
+
+    build = compat.cache_from_tensors
+    monkeypatch.setattr(compat, "cache_from_tensors", lambda kv, positions=None: build(kv))
+    m = tiny_model("gemma3_text", seed=7)  # fresh: no cached support verdict
+    out = tmp_path / "s.zarr"
+    with pytest.raises(UnsupportedModelError, match="original positions"):
+        trace(m, [Prompt("d", tuple(PROMPT))], ["full"], TraceSettings(horizon=2), out)
+    assert not out.exists()
+    ok = tiny_model("llama", seed=7)  # no window: positions are not needed
+    check_support(ok, [parse_policy("recent:budget=3")])

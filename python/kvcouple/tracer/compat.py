@@ -80,8 +80,19 @@ def cache_from_tensors(
 
 def cache_positions(cache: Any) -> list[torch.Tensor] | None:
     """Per layer, the original position of each entry of a cache the tracer built or filled:
-    ``(batch, kv_heads or 1, length)``; ``None`` if unknown."""
-    return getattr(cache, "kvcouple_positions", None)
+    ``(batch, kv_heads or 1, length)``; ``None`` if unknown (a cache built without them, or
+    whose entries no longer match them)."""
+    known = getattr(cache, "kvcouple_positions", None)
+    if known is None:
+        return None
+    lengths = [int(k.shape[-2]) for k, _ in cache_tensors(cache)] if _has_entries(cache) else []
+    if not known:
+        return known if not lengths else None
+    if len(known) != len(lengths) or any(
+        int(p.shape[-1]) != n for p, n in zip(known, lengths, strict=True)
+    ):
+        return None
+    return known
 
 
 def _extend_positions(
@@ -89,10 +100,10 @@ def _extend_positions(
 ) -> list[torch.Tensor] | None:
     """Append the fed tokens' positions to every layer's entry positions."""
     known = cache_positions(cache)
-    if known is None:
-        return None
     new = position_ids[:, None, :]
-    if not known:
+    if known is None:
+        out = None
+    elif not known:
         out = [new for _ in range(layers)]
     else:
         out = [

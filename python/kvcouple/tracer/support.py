@@ -135,10 +135,13 @@ def check_support(model: Any, policies: Sequence[Any] = ()) -> ModelSupport:
     needs_scores = any(getattr(p, "NEEDS_QUERIES", False) for p in policies)
     decode = any(getattr(p, "decode_time", False) for p in policies)
     impl = getattr(model.config, "_attn_implementation", None)
-    key = (impl, needs_scores, decode)
+    specs = tuple(sorted(p.spec() for p in policies if hasattr(p, "spec")))
+    key = (impl, needs_scores, decode, specs)
     cached = getattr(model, "_kvcouple_support", {})
     if key in cached:
         return cached[key]
+    if getattr(model, "_kvcouple_probing", False):  # the probe's own trace
+        return _PROBING
     name = _name(model)
     why = _model_refusal(model)
     if why:
@@ -155,6 +158,7 @@ def check_support(model: Any, policies: Sequence[Any] = ()) -> ModelSupport:
                 "mode=prefill"
             )
     _probe(model, name, needs_scores)
+    _probe_engine(model, name, [p for p in policies if hasattr(p, "spec")])
     windows = tuple(sorted({w for w in layer_windows(text_config(model)) if w is not None}))
     result = ModelSupport(
         str(getattr(text_config(model), "model_type", "")), windows, not scores_why, scores_why
@@ -226,6 +230,40 @@ def _probe(model: Any, name: str, needs_scores: bool) -> None:
             f"{name}: the tracer's cached, masked forward differs from a plain masked forward "
             f"(max logit difference {diff:.2e}); this architecture is not supported"
         )
+
+
+_PROBING = ModelSupport("", (), True, "")
+
+
+def _probe_engine(model: Any, name: str, policies: list[Any]) -> None:
+    """Every given policy once through the real tracer (prefill, selection, overlap path and a
+    branch) on a short prompt, plus an evicting one: whatever would fail mid-store fails here."""
+    import torch
+
+    from kvcouple.policies import parse_policy
+    from kvcouple.tracer.engine import TraceSettings
+    from kvcouple.tracer.run import trace_document
+
+    cfg = text_config(model)
+    vocab = int(getattr(cfg, "vocab_size", 2))
+    prompt = [(3 * i + 1) % max(vocab, 1) for i in range(8)]
+    probes = [parse_policy("recent:budget=3"), *policies]
+    settings = TraceSettings(horizon=2, replicates=1, branches=1, window=1, eos_token_ids=())
+    model._kvcouple_probing = True
+    try:
+        with torch.inference_mode():
+            for policy in probes:  # one at a time: a failure names its policy
+                try:
+                    trace_document(model, prompt, [policy], settings)
+                except UnsupportedModelError as e:
+                    raise UnsupportedModelError(f"{name}: {policy.spec()}: {e}") from None
+                except Exception as e:
+                    raise UnsupportedModelError(
+                        f"{name}: the tracer's probe run of {policy.spec()} failed "
+                        f"({type(e).__name__}: {e}); this architecture is not supported"
+                    ) from None
+    finally:
+        model._kvcouple_probing = False
 
 
 def _check_layout(kv: list[tuple[Any, Any]], layers: int, name: str) -> None:
