@@ -38,8 +38,17 @@ __all__ = [
     "cache_positions",
     "cache_tensors",
     "forward",
+    "needs_positions",
     "new_cache",
 ]
+
+
+def needs_positions(model: Any) -> bool:
+    """Whether some layer has a sliding window, so caches must track entry positions (they
+    are dropped otherwise: they would only cost memory)."""
+    from kvcouple.tracer.support import layer_windows, text_config
+
+    return any(w is not None for w in layer_windows(text_config(model)))
 
 
 def _forward_parameters(model: Any) -> set[str]:
@@ -100,7 +109,7 @@ def _extend_positions(
 ) -> list[torch.Tensor] | None:
     """Append the fed tokens' positions to every layer's entry positions."""
     known = cache_positions(cache)
-    new = position_ids[:, None, :]
+    new = position_ids[:, None, :].to(torch.int32)
     if known is None:
         out = None
     elif not known:
@@ -155,7 +164,10 @@ def forward(
             kw["logits_to_keep"] = 1
         elif "num_logits_to_keep" in params:
             kw["num_logits_to_keep"] = 1
-    positions = _extend_positions(cache, position_ids, _num_layers(model))
+    if needs_positions(model):
+        positions = _extend_positions(cache, position_ids, _num_layers(model))
+    else:
+        positions = cache.kvcouple_positions = None
     with attention.active(model, position_ids, positions):
         logits = model(**kw).logits
     return logits[:, -1] if last_only else logits

@@ -91,15 +91,16 @@ class Trajectories:
         valid[copies:, : n1 - keep] = False
         positions = torch.full((2 * copies,), n1, device=device)
         key_positions = None
-        if idx is not None:
-            full_pos = torch.arange(n1, device=device).expand(copies, idx.shape[1], n1)
+        if idx is not None and compat.needs_positions(model):  # only windows need them
+            full_pos = torch.arange(n1, device=device, dtype=torch.int32)
+            full_pos = full_pos.expand(copies, idx.shape[1], n1)
             key_positions = [
                 torch.cat(
                     [
                         full_pos,
-                        torch.nn.functional.pad(kept_pos.to(device), (n1 - keep, 0)).expand(
-                            copies, -1, -1
-                        ),
+                        torch.nn.functional.pad(
+                            kept_pos.to(device, torch.int32), (n1 - keep, 0)
+                        ).expand(copies, -1, -1),
                     ]
                 )
                 for kept_pos in idx
