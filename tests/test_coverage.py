@@ -325,3 +325,25 @@ def test_engine_that_loses_positions_is_refused_up_front(monkeypatch, tmp_path):
     assert not out.exists()
     ok = tiny_model("llama", seed=7)  # no window: positions are not needed
     check_support(ok, [parse_policy("recent:budget=3")])
+
+
+@pytest.mark.parametrize(
+    ("arch", "spec", "reason"),
+    [
+        ("gemma3_text", "recent:budget=6,mode=decode", "sliding-window"),
+        ("gemma2", "h2o:budget=6,mode=decode", "sliding-window"),
+    ],
+)
+def test_decode_time_eviction_refused_where_inexact(arch, spec, reason):
+    with pytest.raises(UnsupportedModelError, match=reason):
+        check_support(model(arch), [parse_policy(spec)])
+
+
+def test_decode_time_eviction_refused_with_sinks_or_softcap():
+    capped = tiny_model("gemma2", seed=7, layer_types=["full_attention"] * 2)
+    with pytest.raises(UnsupportedModelError, match="soft-capping"):
+        check_support(capped, [parse_policy("h2o:budget=6,mode=decode")])
+    check_support(capped, [parse_policy("recent:budget=6,mode=decode")])  # no scores: exact
+    sinks = tiny_model("gpt_oss", seed=7, layer_types=["full_attention"] * 2)
+    with pytest.raises(UnsupportedModelError, match="sinks"):
+        check_support(sinks, [parse_policy("h2o:budget=6,mode=decode")])

@@ -13,8 +13,9 @@ architecture and the reason, any model (and policy kind) the tracer cannot trace
 - sliding-window layers on a model whose attention does not dispatch through transformers'
   attention interface (the window could not be applied per layer), or on old transformers;
 - policies scored by attention (snapkv, h2o, tova) on such models too (nothing to score with);
-- decode-time eviction (``h2o:mode=decode``) on models with sliding windows, attention
-  soft-capping or attention sinks (its per-step scores are plain softmax attention).
+- decode-time eviction (``mode=decode``) on models with sliding windows (entries move within
+  the cache), and attention-scored decode-time eviction on models with attention
+  soft-capping or sinks (its per-step scores are plain softmax attention).
 
 Then a three-token probe runs the tracer's own forward passes (prefill, a re-fed token on an
 evicted cache, and the attention capture when a policy needs it) and compares them with a
@@ -118,14 +119,17 @@ def _scores_refusal(model: Any) -> str:
     return ""
 
 
-def _decode_refusal(model: Any) -> str:
+def _decode_refusal(model: Any, scored: bool) -> str:
+    """Why decode-time eviction cannot run exactly on this model ("" when it can)."""
     cfg = text_config(model)
     if any(w is not None for w in layer_windows(cfg)):
+        # Evicting while decoding moves entries within the cache, so their positions, which
+        # the sliding-window masks are built from, are not tracked.
         return "sliding-window layers"
-    if getattr(cfg, "attn_logit_softcapping", None):
-        return "attention soft-capping"
-    if any(name.endswith("sinks") for name, _ in model.named_parameters()):
-        return "attention sinks"
+    if scored and getattr(cfg, "attn_logit_softcapping", None):
+        return "attention soft-capping (its per-step scores are plain softmax attention)"
+    if scored and any(name.endswith("sinks") for name, _ in model.named_parameters()):
+        return "attention sinks (its per-step scores are plain softmax attention)"
     return ""
 
 
@@ -150,12 +154,15 @@ def check_support(model: Any, policies: Sequence[Any] = ()) -> ModelSupport:
     if needs_scores and scores_why:
         raise UnsupportedModelError(f"{name}: {scores_why}")
     if decode:
-        decode_why = _decode_refusal(model)
+        scored = any(
+            getattr(p, "decode_time", False) and getattr(p, "NEEDS_QUERIES", False)
+            for p in policies
+        )
+        decode_why = _decode_refusal(model, scored)
         if decode_why:
             raise UnsupportedModelError(
-                f"{name}: decode-time eviction (h2o mode=decode) scores each step with plain "
-                f"softmax attention, which this model's {decode_why} would make inexact; use "
-                "mode=prefill"
+                f"{name}: decode-time eviction (mode=decode) is not exact with this model's "
+                f"{decode_why}; use mode=prefill"
             )
     _probe(model, name, needs_scores)
     _probe_engine(model, name, [p for p in policies if hasattr(p, "spec")])
