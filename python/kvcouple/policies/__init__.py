@@ -8,6 +8,8 @@ the rounding of kept counts, and how to plug in a scorer of your own.
 from __future__ import annotations
 
 from kvcouple.policies.base import (
+    POLICIES,
+    Admission,
     DecodeCache,
     DecodeContext,
     DecodeRule,
@@ -20,11 +22,13 @@ from kvcouple.policies.base import (
     SlotScoreRule,
     UnknownPolicyError,
     kept_count,
+    register_policy,
     top_indices,
 )
 from kvcouple.policies.full import Full
 from kvcouple.policies.h2o import H2O
 from kvcouple.policies.knorm import KNorm
+from kvcouple.policies.page import PAGE
 from kvcouple.policies.random import Random
 from kvcouple.policies.recent import Recent
 from kvcouple.policies.snapkv import SnapKV
@@ -32,18 +36,7 @@ from kvcouple.policies.streaming import Streaming
 from kvcouple.policies.tova import TOVA
 from kvcouple.policies.valuediff import ValueDiff
 
-POLICIES: dict[str, type[Policy]] = {}
-
-
-def register_policy(cls: type[Policy]) -> type[Policy]:
-    """Class decorator: make a :class:`Policy` subclass available by its ``name``."""
-    if not cls.name or ":" in cls.name or "," in cls.name:
-        raise ValueError(f"a policy needs a name without ':' or ',', got {cls.name!r}")
-    POLICIES[cls.name] = cls
-    return cls
-
-
-for _cls in (Full, SnapKV, Recent, Streaming, H2O, Random, KNorm, TOVA, ValueDiff):
+for _cls in (Full, SnapKV, Recent, Streaming, H2O, Random, KNorm, TOVA, ValueDiff, PAGE):
     register_policy(_cls)
 
 
@@ -73,6 +66,8 @@ def parse_policy(spec: str) -> Policy:
 
 
 __all__ = [
+    "PAGE",
+    "Admission",
     "DecodeCache",
     "DecodeContext",
     "DecodeRule",

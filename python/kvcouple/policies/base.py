@@ -369,6 +369,16 @@ def _parse_value(policy: str, name: str, kind: type, text: str) -> Any:
         ) from None
 
 
+@dataclass(frozen=True)
+class Admission:
+    """What a policy applies to one input: itself, or (for a gated policy such as ``page``)
+    the decision of its gate: ``capacity_bound`` (None: no gate) and the gate's ``score``."""
+
+    policy: Policy
+    score: float = math.nan
+    capacity_bound: bool | None = None
+
+
 class Policy:
     """Base class: a named eviction policy with typed parameters.
 
@@ -446,6 +456,10 @@ class Policy:
             return None
         return RescoreRule(self, budget, seed)
 
+    def admit(self, ctx: PolicyContext) -> Admission:
+        """The policy to apply to this input (an ungated policy: itself)."""
+        return Admission(self)
+
     def decode_query_window(self) -> int:
         """Recent queries :meth:`select` needs while decoding (its window attention): 32 for
         query-scored policies unless they say otherwise, 0 for the rest."""
@@ -477,6 +491,17 @@ class Policy:
 
     def __repr__(self) -> str:
         return f"<policy {self.spec()}>"
+
+
+POLICIES: dict[str, type[Policy]] = {}
+
+
+def register_policy(cls: type[Policy]) -> type[Policy]:
+    """Class decorator: make a :class:`Policy` subclass available by its ``name``."""
+    if not cls.name or ":" in cls.name or "," in cls.name:
+        raise ValueError(f"a policy needs a name without ':' or ',', got {cls.name!r}")
+    POLICIES[cls.name] = cls
+    return cls
 
 
 def top_indices(scores: torch.Tensor, keep: int) -> torch.Tensor:

@@ -26,7 +26,13 @@ import numpy as np
 import torch
 
 from kvcouple.policies import Policy
-from kvcouple.store.schema import NO_GATE, NO_TOKEN, distribution_variables
+from kvcouple.store.schema import (
+    CAPACITY_BOUND,
+    DILUTION_PRONE,
+    NO_GATE,
+    NO_TOKEN,
+    distribution_variables,
+)
 from kvcouple.tracer.branches import (
     BranchStrategy,
     ForkBranches,
@@ -157,6 +163,9 @@ def trace_policy(
     streams = random_streams(seed, doc_index, policy_index, settings)
     device = pre.input_ids.device
     policy_seed = int(streams["policy_seed"][0])
+    # A gated policy (page) decides per input what it applies; others apply themselves.
+    admission = policy.admit(pre.context())
+    policy = admission.policy
     idx = select(policy, pre, torch.Generator().manual_seed(policy_seed))
     kept = gather_kept(pre.kv, idx)
     kept_length = idx.shape[-1] + 1
@@ -187,8 +196,15 @@ def trace_policy(
         **path.arrays,
         **branch_arrays,
         "kept_length": np.asarray(kept_length, dtype=np.int32),
-        "gate_score": np.asarray(np.nan, dtype=np.float32),
-        "gate_class": np.asarray(NO_GATE, dtype=np.int8),
+        "gate_score": np.asarray(admission.score, dtype=np.float32),
+        "gate_class": np.asarray(
+            NO_GATE
+            if admission.capacity_bound is None
+            else CAPACITY_BOUND
+            if admission.capacity_bound
+            else DILUTION_PRONE,
+            dtype=np.int8,
+        ),
         "eviction_applied": np.asarray(
             kept_length < pre.prompt_length or (rule is not None and policy.BUDGETED),
             dtype=bool,
