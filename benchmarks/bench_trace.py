@@ -3,7 +3,9 @@
 Throughput is generated tokens per second with both sides counted: a coupled step of ``R``
 replicates produces ``2R`` tokens (P and Q rows), exactly like ``generate`` with batch ``2R``.
 Both include the prompt's prefill. The trace is timed twice: overlap path only (``window=0``:
-one branch step per replicate) and with ``K`` branches traced for ``L`` lags.
+one branch step per replicate) and with ``K`` branches traced for ``L`` lags; then the same
+for a decode-time policy (``--decode-policy``, evicting after every generated token; its
+branches are replayed from the prompt).
 
     python benchmarks/bench_trace.py                # small Llama-shaped model, 1 thread
     python benchmarks/bench_trace.py --threads 2 --replicates 8
@@ -63,6 +65,7 @@ def main() -> None:
     ap.add_argument("--branches", type=int, default=1)
     ap.add_argument("--window", type=int, default=16)
     ap.add_argument("--policy", default="snapkv:retain=0.5")
+    ap.add_argument("--decode-policy", default="h2o:retain=0.5,mode=decode")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--repeats", type=int, default=3)
     args = ap.parse_args()
@@ -89,8 +92,8 @@ def main() -> None:
 
     tokens = {}
 
-    def run_trace(settings: TraceSettings, key: str) -> None:
-        _, tokens[key] = trace_document(model, prompt, [args.policy], settings, seed=1)
+    def run_trace(settings: TraceSettings, key: str, policy: str = args.policy) -> None:
+        _, tokens[key] = trace_document(model, prompt, [policy], settings, seed=1)
 
     path_only = TraceSettings(horizon=T, replicates=R, branches=1, window=0)
     with_branches = TraceSettings(
@@ -98,12 +101,15 @@ def main() -> None:
     )
     run_generate()  # warm-up
     run_trace(path_only, "path")
-    gen_s, path_s, branch_s = best_of_interleaved(
+    run_trace(path_only, "decode path", args.decode_policy)
+    gen_s, path_s, branch_s, dpath_s, dbranch_s = best_of_interleaved(
         args.repeats,
         [
             run_generate,
             lambda: run_trace(path_only, "path"),
             lambda: run_trace(with_branches, "branches"),
+            lambda: run_trace(path_only, "decode path", args.decode_policy),
+            lambda: run_trace(with_branches, "decode branches", args.decode_policy),
         ],
     )
 
@@ -113,13 +119,16 @@ def main() -> None:
         f"prompt {args.prompt}, T={T}, R={R} (batch {2 * R}), policy {args.policy}, "
         f"{args.threads} thread(s)"
     )
-    print(f"generate:              {gen_tps:9.1f} tokens/s ({gen_s:.2f} s)")
+    print(f"generate:                  {gen_tps:9.1f} tokens/s ({gen_s:.2f} s)")
+    print(f"decode-time policy: {args.decode_policy}")
     for name, secs, key in [
         ("trace, overlap path", path_s, "path"),
         (f"trace, K={args.branches} L={args.window}", branch_s, "branches"),
+        ("decode-time, path", dpath_s, "decode path"),
+        (f"decode-time, K={args.branches} L={args.window}", dbranch_s, "decode branches"),
     ]:
         tps = tokens[key] / secs
-        print(f"{name:22s} {tps:9.1f} tokens/s ({secs:.2f} s)   ratio {tps / gen_tps:.2f}x")
+        print(f"{name:26s} {tps:9.1f} tokens/s ({secs:.2f} s)   ratio {tps / gen_tps:.2f}x")
 
 
 if __name__ == "__main__":

@@ -144,3 +144,37 @@ def test_branch_batch_reaches_the_tracer_and_changes_only_float_noise(tmp_path, 
         == 2
     )
     assert "--branch-batch must be >= 1, got -5" in capsys.readouterr().err
+
+
+def test_issue_command_on_the_embedded_model_and_analyze_reads_it(tmp_path, capsys):
+    """The command of the tracer-core issue (decode-time streaming and SnapKV, PAGE over
+    SnapKV, one branch per batch) on the embedded model and two of its shipped prompts; then
+    ``kvcouple analyze`` reads the store and reports every policy."""
+    from kvcouple.models import default_prompts_path
+
+    lines = default_prompts_path().read_text().splitlines()[:2]
+    prompts = tmp_path / "two.jsonl"
+    prompts.write_text("\n".join(lines) + "\n")
+    out = tmp_path / "issue.zarr"
+    policies = [
+        "streaming:budget=12,mode=decode",
+        "snapkv:retain=0.5,mode=decode",
+        "page:base=snapkv,retain=0.5",
+    ]
+    args = ["trace", "--prompts", str(prompts), "--out", str(out), "--quiet", "--device", "cpu"]
+    for spec in policies:
+        args += ["--policy", spec]
+    args += ["--branch-batch", "1", "--horizon", "4", "--replicates", "2", "--branches", "2"]
+    args += ["--window", "2"]
+    assert cli_main(args) == 0
+    assert "2 traced" in capsys.readouterr().out
+    ds = xr.open_zarr(out)
+    assert bool(ds["completed"].all())
+    gate = ds["gate_class"].values
+    assert (gate[:, :2] == -1).all() and set(gate[:, 2].tolist()) <= {0, 1}
+    assert np.isfinite(ds["gate_score"].values[:, 2]).all()
+    report = tmp_path / "report"
+    assert cli_main(["analyze", str(out), "--out", str(report), "--n-boot", "20", "--quiet"]) == 0
+    summary = (report / "summary.csv").read_text()
+    for name in ("streaming", "snapkv", "page"):
+        assert name in summary
