@@ -318,9 +318,9 @@ def main(argv: list[str] | None = None) -> int:
     kernels_in_memory(a)
     if a.codecs:
         codecs(a)
-    sizes_table(a)
     if a.s3_gb > 0:
         s3_vs_local(a)
+    sizes_table(a)
     if not a.keep:
         shutil.rmtree(a.dir, ignore_errors=True)
     return 0
