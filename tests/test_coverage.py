@@ -1,6 +1,6 @@
 """The model-coverage matrix: every architecture is traced exactly or refused up front.
 
-Tiny random models (float32, CPU) of each architecture in ``COVERAGE_ARCHS``, with sliding
+Tiny random models (float32, CPU) of each architecture (the issue's twenty and eight more) in ``COVERAGE_ARCHS``, with sliding
 windows shorter than the prompt where the family has them. For each:
 
 - refused: the support check names the architecture and the reason, and ``trace`` refuses
@@ -50,6 +50,9 @@ SCORED = ["snapkv:retain=0.5,window=4,kernel=3", "h2o:budget=9,recent=0.3", "tov
 # What the matrix must find: the refusal reason's key words, or None for exact.
 EXPECTED_REFUSALS = {
     "deepseek_v3": "latent attention",
+    "falcon_alibi": "ALiBi",
+    "bloom": "ALiBi",
+    "lfm2": "convolution state",
 }
 SCORES_REFUSED = {"falcon": "attention interface"}
 

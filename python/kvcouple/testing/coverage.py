@@ -38,6 +38,14 @@ FEATURES = {
     "deepseek_v3": "multi-head latent attention",
     "gpt_oss": "hybrid layers, attention sinks, MoE (eager)",
     "falcon": "multi-query attention outside the attention interface",
+    "falcon_alibi": "Falcon with ALiBi",
+    "bloom": "ALiBi",
+    "gptj": "interleaved partial rotary, MHA",
+    "opt": "learned positions with an offset, MHA",
+    "phi": "partial rotary (50%), MHA",
+    "exaone4": "hybrid layers, no RoPE on full layers, q/k norm",
+    "olmo3": "hybrid sliding/full layers, q/k norm over all heads",
+    "lfm2": "hybrid convolution/attention layers",
 }
 
 

@@ -48,6 +48,15 @@ COVERAGE_ARCHS = (
     "deepseek_v3",
     "gpt_oss",
     "falcon",
+    # Beyond the twenty: the other families its survey found failing.
+    "falcon_alibi",
+    "bloom",
+    "gptj",
+    "opt",
+    "phi",
+    "exaone4",
+    "olmo3",
+    "lfm2",
 )
 
 # Sliding window of the tiny windowed models: shorter than the test prompts.
@@ -139,6 +148,26 @@ _SPECS: dict[str, tuple[str, str, dict[str, Any]]] = {
         "mha",
         {"alibi": False, "multi_query": True, "new_decoder_architecture": False},
     ),
+    "falcon_alibi": (
+        "FalconConfig",
+        "mha",
+        {"alibi": True, "multi_query": True, "new_decoder_architecture": False},
+    ),
+    "bloom": ("BloomConfig", "mha", {"n_head": 4, "n_layer": 2}),
+    "gptj": ("GPTJConfig", "gpt2", {"rotary_dim": 8}),
+    "opt": ("OPTConfig", "mha", {"ffn_dim": 128, "word_embed_proj_dim": 64}),
+    "phi": ("PhiConfig", "mha", {"partial_rotary_factor": 0.5}),
+    "exaone4": (
+        "Exaone4Config",
+        "gqa",
+        {"sliding_window": TINY_WINDOW, "layer_types": _HYBRID},
+    ),
+    "olmo3": (
+        "Olmo3Config",
+        "gqa",
+        {"sliding_window": TINY_WINDOW, "layer_types": _HYBRID},
+    ),
+    "lfm2": ("Lfm2Config", "gqa", {"layer_types": ["conv", "full_attention"]}),
 }
 
 # Architectures whose attention transformers runs only with the eager implementation.
