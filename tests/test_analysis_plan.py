@@ -9,6 +9,7 @@ import pytest
 import kvcouple
 from kvcouple import _core
 from kvcouple.analysis import PlanError, analyze, load_plan
+from kvcouple.analysis.plan import register_plan
 from kvcouple.analysis.stats import bootstrap_p_value, holm
 from kvcouple.cli import main
 from kvcouple.synth.trace_store import write_synthetic_trace_store
@@ -82,59 +83,67 @@ def test_plan_hash_ignores_layout_but_not_content(tmp_path):
     assert load_plan(a).hash == load_plan(b).hash != load_plan(c).hash
 
 
-def test_confirmatory_refuses_a_changed_plan(store, tmp_path):
+def test_confirmatory_refuses_a_changed_plan(tmp_path):
+    store = write_synthetic_trace_store(
+        tmp_path / "run.zarr", PAIRS, horizon=8, replicates=100, docs=DOCS, seed=1
+    )
     plan, changed = tmp_path / "plan.toml", tmp_path / "changed.toml"
     plan.write_text(PLAN)
     changed.write_text(PLAN.replace('direction = "two-sided"', 'direction = "less"'))
-    registry = tmp_path / "registry.json"
-    first = analyze(store, plan=plan, doc_set="confirmatory", registry=registry)
+    register_plan(load_plan(plan), store)
+    first = analyze(store, plan=plan, doc_set="confirmatory", allow_unregistered=True)
     assert [d.doc_id for d in first.models[0].docs] == [f"doc000{i}" for i in range(3, 8)]
     assert first.plan_hash == load_plan(plan).hash
-    again = analyze(store, plan=plan, doc_set="confirmatory", registry=registry)
+    # Registered after its confirmatory documents were traced: stamped, refused by default.
+    assert first.preregistration.startswith("not preregistered: plan")
+    with pytest.raises(PlanError, match="after 5 of its confirmatory documents"):
+        analyze(store, plan=plan, doc_set="confirmatory")
+    again = analyze(store, plan=plan, doc_set="confirmatory", allow_unregistered=True)
     assert again.tests == first.tests
-    with pytest.raises(PlanError, match="plan changed after it was first run"):
-        analyze(store, plan=changed, doc_set="confirmatory", registry=registry)
+    with pytest.raises(PlanError, match="not this plan"):
+        analyze(store, plan=changed, doc_set="confirmatory")
+    with pytest.raises(PlanError, match="already has plan"):
+        register_plan(load_plan(changed), store)
     # Exploratory analyses may change the plan freely.
-    explo = analyze(store, plan=changed, doc_set="exploratory", registry=registry)
+    explo = analyze(store, plan=changed, doc_set="exploratory")
     assert [d.doc_id for d in explo.models[0].docs] == ["doc0000", "doc0001", "doc0002"]
     # The command line says why it refuses.
     out = tmp_path / "out"
-    args = [
-        "analyze",
-        str(store),
-        "--out",
-        str(out),
-        "--docs",
-        "confirmatory",
-        "--registry",
-        str(registry),
-        "--no-figures",
-    ]
-    assert main([*args, "--plan", str(plan)]) == 0
+    args = ["analyze", str(store), "--out", str(out), "--docs", "confirmatory", "--no-figures"]
+    assert main([*args, "--plan", str(plan), "--not-preregistered"]) == 0
     assert load_plan(plan).hash in (out / "tests.csv").read_text()
-    assert main([*args, "--plan", str(changed)]) == 2
+    assert "not preregistered" in (out / "tests.csv").read_text()
+    assert main([*args, "--plan", str(plan)]) == 2
+    assert main([*args, "--plan", str(changed), "--not-preregistered"]) == 0
+    assert "not this plan" in (out / "report.md").read_text()
 
 
 def test_tests_are_corrected_and_recorded(store, tmp_path):
     plan = tmp_path / "plan.toml"
-    plan.write_text(PLAN)
+    plan.write_text(PLAN.replace("n_boot = 300", 'n_boot = 300\nci_method = "percentile"'))
     result = analyze(store, plan=plan, doc_set="exploratory")
     assert len(result.tests) == 2
     t = result.tests[0]
     assert t["comparison"] == "harsh loses more" and t["correction"] == "holm"
     assert t["p_value"] <= t["p_adjusted"] <= 1
-    assert t["difference"] > 0 and t["reject_h0"]
+    assert t["estimate"] > 0 and t["reject_h0"]
     assert result.tests[1]["p_adjusted"] >= result.tests[1]["p_value"]
+    # Three documents under the default (expanded, t with 2 df): the bootstrap cannot resolve
+    # a 95% end, so the CI is unbounded there and the p-value agrees that it cannot reject.
+    plan.write_text(PLAN)
+    t = analyze(store, plan=plan, doc_set="exploratory").tests[0]
+    assert t["ci_method"] == "expanded-bca" and t["ci_low"] == -np.inf
+    assert t["p_value"] >= 0.025 and not t["reject_h0"]
 
 
 def test_plan_errors_name_the_problem(tmp_path, store):
     bad = tmp_path / "bad.toml"
     bad.write_text(PLAN.replace('metric = "occurrence"', 'metric = "vibes"'))
-    with pytest.raises(PlanError, match="unknown metric 'vibes'"):
+    with pytest.raises(PlanError, match="metric must be one of .*got 'vibes'"):
         load_plan(bad)
     bad.write_text(PLAN.replace('"doc0003", ', '"nope", '))
     with pytest.raises(PlanError, match="not in the store.*nope"):
-        analyze(store, plan=bad, doc_set="confirmatory", registry=tmp_path / "r.json")
+        analyze(store, plan=bad, doc_set="confirmatory")
     bad.write_text(PLAN.replace('b = "harsh"\ndirection = "greater"', 'b = "h2o"\n'))
     with pytest.raises(ValueError, match="policy 'h2o' is not in"):
         analyze(store, plan=bad, doc_set="exploratory")

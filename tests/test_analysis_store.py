@@ -192,7 +192,7 @@ def test_report_files(full_store, tmp_path):
     assert html.count("data:image/png;base64,") == 6
     assert "<script" not in html and 'src="http' not in html
     summary = (out / "summary.csv").read_text().splitlines()
-    assert "plan_hash" in summary[0] and summary[1].endswith("none,indicator,all")
+    assert "plan_hash" in summary[0] and "none,indicator,all,not preregistered" in summary[1]
     data = json.loads((out / "results.json").read_text())
     assert data["meta"]["plan_hash"] == "none"
     assert {r["policy"] for r in data["summary"]} == {"a", "b"}

@@ -43,6 +43,14 @@ def get_num_threads() -> int: ...
 def bootstrap_means(
     values: npt.NDArray[np.float64], n_boot: int, seed: int
 ) -> npt.NDArray[np.float64]: ...
+def bootstrap_intervals(
+    reps: npt.NDArray[np.float64],
+    point: npt.NDArray[np.float64],
+    jack: npt.NDArray[np.float64],
+    z_lower: float,
+    z_upper: float,
+    bca: bool,
+) -> npt.NDArray[np.float64]: ...
 def row_tv(p: npt.NDArray[Any], q: npt.NDArray[Any], dtype: str) -> npt.NDArray[np.float64]: ...
 
 # --- store.rs ---

@@ -10,6 +10,7 @@ from typing import Any
 
 from kvcouple import cliargs
 from kvcouple.analysis.engine import DEFAULT_N_BOOT
+from kvcouple.analysis.stats import CI_METHODS, DEFAULT_CI_METHOD
 from kvcouple.errors import ResourceLimitError, StoreError
 from kvcouple.textsafe import terminal
 
@@ -44,9 +45,13 @@ def _analyze(args: argparse.Namespace) -> int:
             n_boot=args.n_boot,
             seed=args.seed,
             ci=args.ci,
+            ci_method=args.ci_method,
+            early_late_split=args.early_late_split,
+            reference=args.reference,
+            pool_models=True if args.pool_models else None,
             plan=args.plan,
             doc_set=args.docs,
-            registry=args.registry,
+            allow_unregistered=args.not_preregistered,
             io_threads=args.io_threads,
             progress=not args.quiet,
         )
@@ -67,7 +72,7 @@ def _analyze(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
     print(format_decomposition(result), end="")
-    print(f"plan hash {result.plan_hash}; wrote {out}")
+    print(f"plan hash {result.plan_hash}; {terminal(result.preregistration)}; wrote {out}")
     return 0
 
 
@@ -166,7 +171,60 @@ def _info(args: argparse.Namespace) -> int:
     return 0
 
 
+def _plan(args: argparse.Namespace) -> int:
+    from kvcouple.analysis.plan import PlanError, load_plan, register_plan, registration_status
+    from kvcouple.store.registry import RegistryError
+
+    try:
+        plan = load_plan(args.plan)
+        if args.action == "hash":
+            print(plan.hash)
+            return 0
+        if args.action == "register":
+            if not args.store:
+                raise PlanError("plan register needs --store STORE (the store to trace into)")
+            for store in args.store:
+                entry = register_plan(plan, store)
+                when = "before the store exists" if not entry.get("store_existed") else ""
+                print(
+                    f"{store}: plan {plan.name!r} {plan.hash} registered {entry['registered']}"
+                    + (f" ({when})" if when else "")
+                    + (
+                        f"; warning: {entry['confirmatory_done']} confirmatory documents were "
+                        "already traced, so analyses will say 'not preregistered'"
+                        if entry.get("confirmatory_done")
+                        else ""
+                    )
+                )
+            return 0
+        # show: the completed plan (every setting, defaults filled in) and its hash
+        print(json.dumps({"hash": plan.hash, "plan": plan.content}, indent=1))
+        for store in args.store or []:
+            if not Path(store).exists():
+                print(f"{store}: not created yet")
+                continue
+            print(f"{store}: {registration_status(plan, store)[1]}")
+        return 0
+    except (PlanError, RegistryError, StoreError) as e:
+        print(f"kvcouple plan {args.action}: error: {e}", file=sys.stderr)
+        return 2
+
+
 def register(subparsers: Any) -> None:
+    pl = subparsers.add_parser(
+        "plan",
+        help="prespecified analysis plans: hash, register in a store, show",
+        description="hash: print the plan's hash (SHA-256 of the completed plan in canonical "
+        "JSON; not sha256sum of the file). register: record the plan's hash, content and time "
+        "in each store's registry, before tracing its confirmatory documents (a store that "
+        "does not exist yet takes the registration over when it is created). show: the plan "
+        "with every setting filled in, and its registration status in each --store.",
+    )
+    pl.add_argument("action", choices=["hash", "register", "show"])
+    pl.add_argument("plan", help="the plan (TOML)")
+    pl.add_argument("--store", action="append", default=None, help="a trace store (repeatable)")
+    pl.set_defaults(func=_plan)
+
     p = subparsers.add_parser(
         "analyze",
         help="analyse trace stores: estimates, bootstrap CIs, tests, report",
@@ -196,7 +254,20 @@ def register(subparsers: Any) -> None:
         help="document set (exploratory/confirmatory need --plan)",
     )
     p.add_argument(
-        "--registry", default=None, help="plan registry file (default: inside the first store)"
+        "--not-preregistered",
+        action="store_true",
+        help="run a confirmatory analysis whose plan is not registered in the store (or was "
+        "registered after its documents were traced); every output says so",
+    )
+    p.add_argument(
+        "--reference",
+        default=None,
+        help="gap attribution and differences as POLICY - reference (default: every pair)",
+    )
+    p.add_argument(
+        "--pool-models",
+        action="store_true",
+        help="also pool gap attribution across the stores (models), equal weight per model",
     )
     p.add_argument(
         "--allow-incomplete",
@@ -211,23 +282,38 @@ def register(subparsers: Any) -> None:
         help="Rust threads per Dask worker (default: KVCOUPLE_NUM_THREADS in the workers' "
         "environment, else the worker's nthreads, so workers do not oversubscribe cores)",
     )
+    sealed = " (a plan fixes it: a different value is refused)"
     p.add_argument(
         "--n-boot",
         type=cliargs.positive,
         default=None,
-        help=f"document bootstrap resamples (default: the plan's n_boot, else {DEFAULT_N_BOOT})",
+        help=f"document bootstrap resamples (default: the plan's n_boot, else {DEFAULT_N_BOOT})"
+        + sealed,
     )
     p.add_argument(
         "--seed",
         type=cliargs.seed,
         default=None,
-        help="bootstrap seed (default: the plan's seed, else 0)",
+        help="bootstrap seed (default: the plan's seed, else 0)" + sealed,
     )
     p.add_argument(
         "--ci",
         type=cliargs.unit_open,
-        default=0.95,
-        help="confidence level of the percentile intervals",
+        default=None,
+        help="confidence level (default: the plan's ci_level, else 0.95)" + sealed,
+    )
+    p.add_argument(
+        "--ci-method",
+        choices=list(CI_METHODS),
+        default=None,
+        help=f"bootstrap interval (default: the plan's, else {DEFAULT_CI_METHOD}; see "
+        "docs/statistics.md)" + sealed,
+    )
+    p.add_argument(
+        "--early-late-split",
+        type=cliargs.positive,
+        default=None,
+        help="early lags 1..S, late S+1..L_w (default: the plan's, else L_w // 2)" + sealed,
     )
     p.add_argument(
         "--tolerance",

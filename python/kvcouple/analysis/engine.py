@@ -21,14 +21,13 @@ from __future__ import annotations
 import math
 import os
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from kvcouple.analysis import stats as st
 from kvcouple.analysis.estimates import ESTIMATORS, UnitEstimate, estimate_unit
-from kvcouple.analysis.plan import Plan, check_registry, documents_key, load_plan
+from kvcouple.analysis.plan import DEFAULTS, Plan, PlanError, load_plan, registration_status
 from kvcouple.analysis.reading import (
     SUMMARY_READ,
     RecomputeCheck,
@@ -36,10 +35,10 @@ from kvcouple.analysis.reading import (
     recompute_topk,
 )
 from kvcouple.errors import InvalidInputError, StoreError, require
-from kvcouple.store.reader import TraceStoreReader, check_memory, is_url
+from kvcouple.store.reader import TraceStoreReader, check_memory
 
 # Document bootstrap resamples when neither the caller nor a plan says (CLI, demo, API).
-DEFAULT_N_BOOT = 2000
+DEFAULT_N_BOOT = DEFAULTS["n_boot"]  # one default, the plan's
 
 
 @dataclass(frozen=True)
@@ -106,6 +105,7 @@ class ModelResult:
     docs: list[DocResult]
     tables: dict[str, list[dict[str, Any]]]
     bootstrap: st.Bootstrap | None = None
+    table: st.Table | None = None
 
 
 @dataclass
@@ -118,6 +118,9 @@ class AnalysisResult:
     tests: list[dict[str, Any]] = field(default_factory=list)
     skipped: list[dict[str, str]] = field(default_factory=list)
     settings: dict[str, Any] = field(default_factory=dict)
+    # "preregistered: ..." or "not preregistered: <why>", stamped on every output.
+    preregistration: str = "not preregistered: no plan"
+    pooled: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
 
     def checks(self) -> list[dict[str, Any]]:
         """Recomputation summary per model and the disagreements themselves."""
@@ -290,6 +293,32 @@ def _check_scheduler(scheduler: Any) -> None:
         ) from None
 
 
+# Options that change a number: with a plan each is fixed by it (a contradicting value is
+# refused); without a plan the defaults of kvcouple.analysis.plan.DEFAULTS apply.
+SEALED = ("window", "estimator", "n_boot", "seed", "ci_level", "ci_method", "early_late_split",
+          "reference", "pool_models")  # fmt: skip
+
+
+def resolve_settings(plan: Plan | None, given: dict[str, Any]) -> dict[str, Any]:
+    """The analysis settings: the plan's (refusing any given option that contradicts it), or
+    the given options over the defaults."""
+    base = plan.settings() if plan is not None else {**DEFAULTS, "reference": None}
+    out = dict(base)
+    for key in SEALED:
+        v = given.get(key)
+        if v is None:
+            continue
+        planned = base.get(key)
+        if plan is not None and v != planned:
+            raise PlanError(
+                f"{key} = {v!r} contradicts the plan's {key} = {planned!r} (plan "
+                f"{plan.hash[:12]}): a plan fixes every setting that changes a number; "
+                "edit the plan (its hash changes) or drop the option"
+            )
+        out[key] = v
+    return out
+
+
 def analyze(
     stores: str | os.PathLike[str] | list[str | os.PathLike[str]],
     *,
@@ -303,22 +332,30 @@ def analyze(
     tolerance: float | None = None,
     n_boot: int | None = None,
     seed: int | None = None,
-    ci: float = 0.95,
+    ci: float | None = None,
+    ci_method: str | None = None,
+    early_late_split: int | None = None,
+    reference: str | None = None,
+    pool_models: bool | None = None,
     plan: str | os.PathLike[str] | Plan | None = None,
     doc_set: str = "all",
-    registry: str | os.PathLike[str] | None = None,
+    allow_unregistered: bool = False,
     io_threads: int = 2,
     storage_options: dict[str, Any] | None = None,
     progress: bool = False,
 ) -> AnalysisResult:
     """Analyse one or more trace stores (one per model). See ``kvcouple analyze --help``.
 
-    ``doc_set`` is ``"all"``, or with a ``plan`` ``"exploratory"`` or ``"confirmatory"``; a
-    confirmatory run checks and records the plan's hash in ``registry`` (default: a file
-    inside the first store) and raises :class:`~kvcouple.analysis.plan.PlanError` if the plan
-    changed since its first confirmatory run on the same documents. Damaged or unfinished
-    documents raise :class:`~kvcouple.errors.StoreError` unless ``allow_incomplete``, which
-    skips them (listed in ``result.skipped``).
+    With a ``plan`` every number-changing setting (window, estimator, n_boot, seed, CI level
+    and method, early/late split, gap reference and pooling) comes from the plan; an argument
+    that contradicts it raises :class:`~kvcouple.analysis.plan.PlanError`. ``doc_set`` is
+    ``"all"``, or with a plan ``"exploratory"`` or ``"confirmatory"``. A confirmatory analysis
+    needs the plan registered in every store before its confirmatory documents were traced
+    (``kvcouple plan register``); otherwise it is refused, or with ``allow_unregistered`` run
+    and stamped "not preregistered" in every output (``result.preregistration``). Damaged or
+    unfinished documents raise :class:`~kvcouple.errors.StoreError` unless
+    ``allow_incomplete``, which skips them (listed in ``result.skipped``); a confirmatory set
+    is never analysed partially.
     """
     check_options(
         window=window,
@@ -326,7 +363,7 @@ def analyze(
         tolerance=tolerance,
         n_boot=n_boot,
         seed=seed,
-        ci=ci,
+        ci=0.95 if ci is None else ci,
         io_threads=io_threads,
         scheduler=scheduler,
     )
@@ -336,34 +373,47 @@ def analyze(
     the_plan = load_plan(plan) if isinstance(plan, str | os.PathLike) else plan
     if doc_set not in ("all", "exploratory", "confirmatory"):
         raise ValueError(f"doc_set must be all, exploratory or confirmatory, got {doc_set!r}")
-    estimator = estimator or (the_plan.estimator if the_plan else None) or "indicator"
-    if estimator not in ESTIMATORS:
-        raise ValueError(f"estimator must be one of {ESTIMATORS}, got {estimator!r}")
-    n_boot = int(n_boot or (the_plan.n_boot if the_plan else None) or DEFAULT_N_BOOT)
-    seed = int(
-        seed
-        if seed is not None
-        else (the_plan.seed if the_plan and the_plan.seed is not None else 0)
+    cfg = resolve_settings(
+        the_plan,
+        {
+            "window": window,
+            "estimator": estimator,
+            "n_boot": n_boot,
+            "seed": seed,
+            "ci_level": ci,
+            "ci_method": ci_method,
+            "early_late_split": early_late_split,
+            "reference": reference,
+            "pool_models": pool_models,
+        },
     )
+    if cfg["estimator"] not in ESTIMATORS:
+        raise ValueError(f"estimator must be one of {ESTIMATORS}, got {cfg['estimator']!r}")
     infos = [TraceStoreReader(p, storage_options) for p in paths]
     for info in infos:
         if not allow_incomplete:
             info.require_complete()
     labels = _model_labels(infos)
     selected = [_select_docs(info, the_plan, doc_set) for info in infos]
-    if doc_set == "confirmatory" and the_plan is not None:
-        if registry is None and is_url(str(paths[0])):
-            raise ValueError(
-                f"{paths[0]} is on object storage: give a local plan registry file (--registry)"
+    stamps = []
+    for info, p in zip(infos, paths, strict=True):
+        ok, stamp = registration_status(the_plan, p)
+        if doc_set == "confirmatory" and not ok and not allow_unregistered:
+            raise PlanError(
+                f"refusing a confirmatory analysis of {info.path}: {stamp}. Register the plan "
+                "before tracing (kvcouple plan register PLAN --store STORE), or run with "
+                "--not-preregistered to have every output stamped as such"
             )
-        reg = Path(registry) if registry else Path(paths[0]) / "kvcouple_plan_registry.json"
-        ids = [
-            f"{lab}/{info.doc_ids[d]}"
-            for lab, info, sel in zip(labels, infos, selected, strict=True)
-            for d in sel
-        ]
-        check_registry(reg, the_plan, documents_key(labels, ids), len(ids))
-    options = Options(window, estimator, recompute, tolerance, io_threads)
+        if doc_set != "confirmatory" and ok:
+            ok, stamp = False, f"not preregistered: {doc_set} documents (exploratory analysis)"
+        stamps.append(stamp)
+    preregistration = (
+        stamps[0]
+        if len(set(stamps)) == 1
+        else "; ".join(f"{lab}: {st_}" for lab, st_ in zip(labels, stamps, strict=True))
+    )
+    window_opt = None if cfg["window"] == "stored" else int(cfg["window"])
+    options = Options(window_opt, cfg["estimator"], recompute, tolerance, io_threads)
     tasks = [(info, d) for info, sel in zip(infos, selected, strict=True) for d in sel]
     the_client, owned = _client(client, scheduler)
     try:
@@ -383,7 +433,7 @@ def analyze(
         docs = results[pos : pos + len(sel)]
         pos += len(sel)
         bad = [d for d in docs if d.error is not None]
-        if bad and not allow_incomplete:
+        if bad and (not allow_incomplete or doc_set == "confirmatory"):
             more = f" (and {len(bad) - 1} more damaged documents)" if len(bad) > 1 else ""
             raise StoreError(bad[0].error + more)
         for d in bad:
@@ -391,26 +441,55 @@ def analyze(
         good = [d for d in docs if d.error is None]
         if not good:
             raise StoreError(f"{info.path}: no finished, undamaged documents to analyse")
-        models.append(_model_result(label, info, good, window, n_boot, seed, ci))
+        models.append(_model_result(label, info, good, cfg))
     result = AnalysisResult(
         models,
-        estimator,
+        cfg["estimator"],
         doc_set,
         the_plan.hash if the_plan else "none",
         the_plan.name if the_plan else None,
         skipped=skipped,
+        preregistration=preregistration,
     )
     result.settings = {
-        "n_boot": n_boot,
-        "seed": seed,
-        "ci": ci,
+        **{k: cfg[k] for k in SEALED},
+        "ci": cfg["ci_level"],
         "recompute": recompute,
         "tolerance": tolerance,
         "stores": [str(p) for p in paths],
     }
+    if cfg["pool_models"]:
+        result.pooled = pool_gaps(result.models, cfg)
     if the_plan is not None:
         result.tests = run_tests(result, the_plan)
     return result
+
+
+def pool_gaps(models: list[ModelResult], cfg: dict[str, Any]) -> dict[str, list[dict[str, Any]]]:
+    """Gap attribution pooled across models (equal weight per model), bootstrapped over the
+    union of documents aligned by id (documents shared by models are resampled together)."""
+    if len(models) < 2:
+        raise ValueError("pooling gaps across models needs at least two stores")
+    common = [p for p in models[0].policies if all(p in m.policies for m in models)]
+    ids = sorted({d.doc_id for m in models for d in m.docs})
+    row = {d: i for i, d in enumerate(ids)}
+    joint = st.Table(ids)
+    for m in models:
+        assert m.table is not None
+        at = np.array([row[d] for d in m.table.doc_ids])
+        for name, col in m.table.cols.items():
+            full = np.full(len(ids), np.nan)
+            full[at] = col
+            joint.cols[f"{m.model}::{name}"] = full
+    bs = st.bootstrap_table(joint, cfg["n_boot"], cfg["seed"], cfg["ci_level"], cfg["ci_method"])
+    rows: list[dict[str, Any]] = []
+    for a, b in st.policy_pairs(common, cfg["reference"]):
+        fns = st.pooled_gap_fns(a, b, [(f"{m.model}::", m.horizon) for m in models])
+        rows += st.gap_rows(
+            bs, fns, {"model": "pooled: " + " + ".join(m.model for m in models),
+                      "policy_a": a, "policy_b": b}
+        )  # fmt: skip
+    return {"gap_attribution": rows}
 
 
 def _model_labels(infos: list[TraceStoreReader]) -> list[str]:
@@ -419,66 +498,67 @@ def _model_labels(infos: list[TraceStoreReader]) -> list[str]:
 
 
 def _model_result(
-    label: str,
-    info: TraceStoreReader,
-    docs: list[DocResult],
-    window: int | None,
-    n_boot: int,
-    seed: int,
-    ci: float,
+    label: str, info: TraceStoreReader, docs: list[DocResult], cfg: dict[str, Any]
 ) -> ModelResult:
     T, L = info.horizon, info.window
-    obs = L if window is None else int(window)
+    obs = L if cfg["window"] == "stored" else int(cfg["window"])
+    split = None if cfg["early_late_split"] == "half" else int(cfg["early_late_split"])
     units = [d.units for d in docs if d.units is not None]
-    table = st.build_table([d.doc_id for d in docs], units, info.policies, T, obs)
+    table = st.build_table([d.doc_id for d in docs], units, info.policies, T, obs, split)
     names, _ = table.matrix()
-    # The resamples are n_boot x quantities doubles: refuse before allocating, not abort.
-    check_memory(f"--n-boot {n_boot} ({len(names)} quantities)", 8 * n_boot * len(names))
-    bs = st.bootstrap_table(table, n_boot, seed, ci)
-    tables = st.summarise(bs, info.policies, T, L + 1)
-    return ModelResult(label, info.path, info.policies, T, L, obs, docs, tables, bs)
+    n_boot = cfg["n_boot"]
+    # The resamples (n_boot x quantities) and the jackknife (documents x quantities) are
+    # doubles: refuse before allocating, not abort.
+    check_memory(
+        f"--n-boot {n_boot} ({len(names)} quantities)", 8 * (n_boot + len(docs)) * len(names)
+    )
+    bs = st.bootstrap_table(table, n_boot, cfg["seed"], cfg["ci_level"], cfg["ci_method"])
+    tables = st.summarise(bs, info.policies, T, L + 1, cfg["reference"])
+    return ModelResult(label, info.path, info.policies, T, L, obs, docs, tables, bs, table)
 
 
 def run_tests(result: AnalysisResult, plan: Plan) -> list[dict[str, Any]]:
-    """The plan's comparisons: estimate, CI at level 1 - alpha, bootstrap p-value, corrected."""
+    """The plan's comparisons: estimate, CI at level 1 - alpha, bootstrap p-value (of the
+    interval's method), corrected for multiplicity over every test (paired and within-policy)."""
     rows = []
     for c in plan.comparisons:
         models = [m for m in result.models if c.model in (None, m.model)]
         if not models:
-            raise ValueError(
+            raise PlanError(
                 f"comparison {c.name!r}: no model {c.model!r} among "
                 f"{[m.model for m in result.models]}"
             )
         for m in models:
-            for pol in (c.a, c.b):
+            for pol in c.policies:
                 if pol not in m.policies:
-                    raise ValueError(
+                    raise PlanError(
                         f"comparison {c.name!r}: policy {pol!r} is not in "
                         f"{m.store} (policies: {', '.join(m.policies)})"
                     )
             assert m.bootstrap is not None
-            fa = st.quantity_fn(c.a, c.metric, m.horizon)
-            fb = st.quantity_fn(c.b, c.metric, m.horizon)
-            bs = st.Bootstrap(
-                m.bootstrap.names,
-                m.bootstrap.point,
-                m.bootstrap.reps,
-                1.0 - plan.alpha,
-                m.bootstrap.n_docs,
-            )
-            est, lo, hi, boot = bs.evaluate(lambda g, fa=fa, fb=fb: fb(g) - fa(g))
+            bs = m.bootstrap.at_level(1.0 - plan.alpha)
+            if c.policy is not None:
+                fn = st.quantity_fn(c.policy, c.metric, m.horizon)
+            else:
+                fa = st.quantity_fn(str(c.a), c.metric, m.horizon)
+                fb = st.quantity_fn(str(c.b), c.metric, m.horizon)
+                fn = lambda g, fa=fa, fb=fb: fb(g) - fa(g)  # noqa: E731
+            est = bs.evaluate(fn, c.metric in st.DISCRETE)
             rows.append(
                 {
                     "comparison": c.name,
                     "model": m.model,
                     "metric": c.metric,
-                    "policy_a": c.a,
-                    "policy_b": c.b,
+                    "policy_a": c.a or "",
+                    "policy_b": c.b or "",
+                    "policy": c.policy or "",
+                    "value": c.value,
                     "direction": c.direction,
-                    "difference": est,
-                    "ci_low": lo,
-                    "ci_high": hi,
-                    "p_value": st.bootstrap_p_value(boot, c.direction),
+                    "estimate": est.estimate,
+                    "ci_low": est.ci_low,
+                    "ci_high": est.ci_high,
+                    "ci_method": est.method,
+                    "p_value": bs.p_value(est, c.direction, c.value),
                     "n_docs": bs.n_docs,
                     "doc_set": result.doc_set,
                 }

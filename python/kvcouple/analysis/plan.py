@@ -1,14 +1,20 @@
-"""Prespecified analysis plans (TOML): comparisons, directions, alpha, multiplicity correction,
-and the split of documents into exploratory and confirmatory sets.
+"""Prespecified analysis plans (TOML): every setting that changes a number, the comparisons, and
+the split of documents into exploratory and confirmatory sets. See docs/statistics.md.
 
 Example::
 
     name = "snapkv vs recent"
     alpha = 0.05
     correction = "holm"          # "holm", "bonferroni" or "none"
-    estimator = "indicator"      # optional: "indicator" or "tv"
-    n_boot = 2000                # optional
-    seed = 0                     # optional: the bootstrap seed
+    estimator = "indicator"      # "indicator" or "tv"
+    window = "stored"            # observation window L_w: "stored" (the store's L) or a lag
+    early_late_split = "half"    # early lags 1..s, late s+1..L_w: "half" (L_w // 2) or s
+    n_boot = 2000
+    seed = 0                     # the bootstrap seed
+    ci_level = 0.95              # level of the summary tables' CIs
+    ci_method = "expanded-bca"   # "percentile", "bca" or "expanded-bca"
+    reference = "recent"         # optional: gaps are policy - reference
+    pool_models = false          # also pool gaps across the stores (models)
 
     [documents]                  # either explicit lists ...
     exploratory = ["doc0000", "doc0001"]
@@ -16,29 +22,37 @@ Example::
     # ... or a deterministic split by hashed document id:
     # split = { exploratory_fraction = 0.25, seed = 1 }
 
-    [[comparisons]]
+    [[comparisons]]              # paired: metric(b) - metric(a) against value (default 0)
     name = "snapkv loses more tokens than recent"
     metric = "mismatch_fraction" # any quantity of the summary table
-    a = "recent"                 # policies (names as in the store)
+    a = "recent"
     b = "snapkv"
-    direction = "greater"        # b > a; "less": b < a; "two-sided"
+    direction = "greater"        # b - a > value; "less"; "two-sided"
 
-The plan's hash is SHA-256 of its parsed content in canonical JSON (so comments and layout do
-not change it). A confirmatory analysis records the hash in a registry keyed by the
-confirmatory documents and refuses, later, any plan with another hash on those documents.
+    [[comparisons]]              # within one policy: metric(policy) against value
+    metric = "late_minus_early_tv"
+    policy = "snapkv"
+    value = 0.0
+    direction = "greater"
+
+Every key is checked: an unknown key, a value of the wrong type or out of range is a
+:class:`PlanError` naming the key and what is allowed. Omitted settings take their defaults,
+and the plan's hash is SHA-256 of the completed content in canonical JSON, so the hash covers
+every setting (comments and layout do not change it). The analysis takes its settings from the
+plan and refuses options that contradict it.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 from dataclasses import dataclass
-from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from kvcouple.analysis.stats import QUANTITIES
+from kvcouple.analysis.stats import CI_METHODS, DEFAULT_CI_METHOD, QUANTITIES
 
 try:
     import tomllib
@@ -47,34 +61,65 @@ except ModuleNotFoundError:  # Python 3.10
 
 DIRECTIONS = ("greater", "less", "two-sided")
 CORRECTIONS = ("holm", "bonferroni", "none")
-REGISTRY_NAME = "kvcouple_plan_registry.json"
+ESTIMATORS = ("indicator", "tv")
 
 
 class PlanError(ValueError):
-    """A plan that is malformed, or that changed after its confirmatory run."""
+    """A plan that is malformed, unregistered, or contradicted by the analysis settings."""
+
+
+# Settings that change a number, with their defaults (the analysis without a plan uses them).
+DEFAULTS: dict[str, Any] = {
+    "alpha": 0.05,
+    "correction": "holm",
+    "estimator": "indicator",
+    "window": "stored",
+    "early_late_split": "half",
+    "n_boot": 2000,
+    "seed": 0,
+    "ci_level": 0.95,
+    "ci_method": DEFAULT_CI_METHOD,
+    "pool_models": False,
+}
+_TOP_KEYS = {*DEFAULTS, "name", "description", "reference", "documents", "comparisons"}
+_COMPARISON_KEYS = {"name", "metric", "a", "b", "policy", "value", "direction", "model"}
 
 
 @dataclass(frozen=True)
 class Comparison:
+    """``policy`` set: a within-policy test of ``metric(policy)`` against ``value``; else a
+    paired test of ``metric(b) - metric(a)`` against ``value``."""
+
     name: str
     metric: str
-    a: str
-    b: str
+    a: str | None
+    b: str | None
     direction: str
+    value: float = 0.0
+    policy: str | None = None
     model: str | None = None
+
+    @property
+    def policies(self) -> tuple[str, ...]:
+        return (self.policy,) if self.policy is not None else (str(self.a), str(self.b))
 
 
 @dataclass(frozen=True)
 class Plan:
-    content: dict[str, Any]
+    content: dict[str, Any]  # completed with defaults: what the hash covers
     hash: str
     name: str
-    alpha: float
-    correction: str
     comparisons: tuple[Comparison, ...]
-    estimator: str | None
-    n_boot: int | None
-    seed: int | None
+
+    def __getattr__(self, key: str) -> Any:
+        # The settings: plan.alpha, plan.n_boot, ... read from the completed content.
+        if key in DEFAULTS or key == "reference":
+            return self.__dict__["content"].get(key)
+        raise AttributeError(key)
+
+    def settings(self) -> dict[str, Any]:
+        """Every number-changing setting (the plan fixes each one)."""
+        return {k: self.content.get(k) for k in (*DEFAULTS, "reference")}
 
     def documents(self, doc_ids: list[str], which: str) -> list[str]:
         """The exploratory or confirmatory documents among ``doc_ids`` (in store order)."""
@@ -83,13 +128,10 @@ class Plan:
             raise PlanError(f"document set must be exploratory or confirmatory, got {which!r}")
         if "split" in docs:
             split = docs["split"]
-            frac = float(split.get("exploratory_fraction", 0.5))
-            seed = str(split.get("seed", 0))
-            chosen = [
-                d for d in doc_ids if (_unit_hash(seed, d) < frac) == (which == "exploratory")
-            ]
-            return chosen
-        listed = set(map(str, docs.get(which, [])))
+            frac = float(split["exploratory_fraction"])
+            seed = str(split["seed"])
+            return [d for d in doc_ids if (_unit_hash(seed, d) < frac) == (which == "exploratory")]
+        listed = set(docs.get(which, []))
         if not listed:
             raise PlanError(
                 f"the plan lists no {which} documents ([documents] {which} = [...] "
@@ -113,6 +155,162 @@ def plan_hash(content: dict[str, Any]) -> str:
     return hashlib.sha256(canonical.encode()).hexdigest()
 
 
+class _Checker:
+    def __init__(self, where: str):
+        self.where = where
+
+    def fail(self, key: str, problem: str) -> PlanError:
+        return PlanError(f"{self.where}: {key} {problem}")
+
+    def unknown(self, table: dict[str, Any], allowed: set[str], prefix: str = "") -> None:
+        extra = sorted(set(table) - allowed)
+        if extra:
+            raise self.fail(
+                prefix + extra[0],
+                f"is not a plan key; allowed{' in ' + prefix.rstrip('.') if prefix else ''}: "
+                f"{', '.join(sorted(allowed))}",
+            )
+
+    def string(self, key: str, v: Any, choices: tuple[str, ...] | None = None) -> str:
+        if not isinstance(v, str) or (choices is not None and v not in choices):
+            allowed = f"one of {', '.join(map(repr, choices))}" if choices else "a string"
+            raise self.fail(key, f"must be {allowed}, got {v!r}")
+        return v
+
+    def number(self, key: str, v: Any, lo: float, hi: float, what: str) -> float:
+        if isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v):
+            raise self.fail(key, f"must be a number {what}, got {v!r}")
+        if not lo < v < hi:
+            raise self.fail(key, f"must be {what}, got {v!r}")
+        return float(v)
+
+    def integer(self, key: str, v: Any, lo: int, hi: int) -> int:
+        if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi:
+            raise self.fail(key, f"must be an integer in [{lo}, {hi}], got {v!r}")
+        return int(v)
+
+
+def parse_plan(content: dict[str, Any], where: str = "plan") -> Plan:
+    """Check a parsed plan completely and complete it with the defaults."""
+    c = _Checker(where)
+    if not isinstance(content, dict):
+        raise PlanError(f"{where}: a plan is a TOML table")
+    c.unknown(content, _TOP_KEYS)
+    out: dict[str, Any] = {}
+    for key in ("name", "description"):
+        if key in content:
+            out[key] = c.string(key, content[key])
+    get = lambda k: content.get(k, DEFAULTS[k])  # noqa: E731
+    out["alpha"] = c.number("alpha", get("alpha"), 0, 1, "in (0, 1)")
+    out["correction"] = c.string("correction", get("correction"), CORRECTIONS)
+    out["estimator"] = c.string("estimator", get("estimator"), ESTIMATORS)
+    window = get("window")
+    out["window"] = (
+        window
+        if window == "stored"
+        else c.integer("window", window, 0, 10**9)
+        if not isinstance(window, str)
+        else c.string("window", window, ("stored",))
+    )
+    split = get("early_late_split")
+    out["early_late_split"] = (
+        split
+        if split == "half"
+        else c.integer("early_late_split", split, 1, 10**9)
+        if not isinstance(split, str)
+        else c.string("early_late_split", split, ("half",))
+    )
+    out["n_boot"] = c.integer("n_boot", get("n_boot"), 100, 10**7)
+    out["seed"] = c.integer("seed", get("seed"), 0, 2**63 - 1)
+    out["ci_level"] = c.number("ci_level", get("ci_level"), 0, 1, "in (0, 1)")
+    out["ci_method"] = c.string("ci_method", get("ci_method"), CI_METHODS)
+    if not isinstance(get("pool_models"), bool):
+        raise c.fail("pool_models", f"must be true or false, got {get('pool_models')!r}")
+    out["pool_models"] = get("pool_models")
+    if "reference" in content:
+        out["reference"] = c.string("reference", content["reference"])
+
+    docs = content.get("documents", {})
+    if not isinstance(docs, dict):
+        raise c.fail("documents", "must be a table ([documents])")
+    c.unknown(docs, {"exploratory", "confirmatory", "split"}, "documents.")
+    if "split" in docs and ({"exploratory", "confirmatory"} & set(docs)):
+        raise c.fail("documents", "takes either split or the exploratory/confirmatory lists")
+    out_docs: dict[str, Any] = {}
+    if "split" in docs:
+        split_t = docs["split"]
+        if not isinstance(split_t, dict):
+            raise c.fail("documents.split", "must be a table { exploratory_fraction, seed }")
+        c.unknown(split_t, {"exploratory_fraction", "seed"}, "documents.split.")
+        out_docs["split"] = {
+            "exploratory_fraction": c.number(
+                "documents.split.exploratory_fraction",
+                split_t.get("exploratory_fraction", 0.5),
+                0,
+                1,
+                "in (0, 1)",
+            ),
+            "seed": c.integer("documents.split.seed", split_t.get("seed", 0), 0, 2**63 - 1),
+        }
+    for which in ("exploratory", "confirmatory"):
+        if which in docs:
+            ids = docs[which]
+            if not isinstance(ids, list) or not all(isinstance(d, str) for d in ids):
+                raise c.fail(f"documents.{which}", f"must be a list of document ids, got {ids!r}")
+            out_docs[which] = sorted(set(ids))
+    if "exploratory" in out_docs and "confirmatory" in out_docs:
+        both = set(out_docs["exploratory"]) & set(out_docs["confirmatory"])
+        if both:
+            raise c.fail("documents", f"lists documents in both sets: {', '.join(sorted(both))}")
+    out["documents"] = out_docs
+
+    comps_in = content.get("comparisons", [])
+    if not isinstance(comps_in, list) or not all(isinstance(x, dict) for x in comps_in):
+        raise c.fail("comparisons", "must be an array of tables ([[comparisons]])")
+    if not comps_in:
+        raise PlanError(f"{where}: a plan needs at least one [[comparisons]] entry")
+    comps, out_comps = [], []
+    for i, comp in enumerate(comps_in):
+        cc = _Checker(f"{where}: comparison {i + 1}")
+        cc.unknown(comp, _COMPARISON_KEYS)
+        metric = cc.string("metric", comp.get("metric"), tuple(QUANTITIES))
+        direction = cc.string("direction", comp.get("direction", "two-sided"), DIRECTIONS)
+        value = cc.number("value", comp.get("value", 0.0), -math.inf, math.inf, "(finite)")
+        model = cc.string("model", comp["model"]) if "model" in comp else None
+        entry: dict[str, Any] = {"metric": metric, "direction": direction, "value": value}
+        if "policy" in comp:
+            if "a" in comp or "b" in comp:
+                raise cc.fail("policy", "names one policy: give either policy or a and b")
+            policy = cc.string("policy", comp["policy"])
+            a = b = None
+            entry["policy"] = policy
+            default_name = f"{policy}: {metric} {_SIGN[direction]} {value:g}"
+        else:
+            if "a" not in comp or "b" not in comp:
+                raise cc.fail("a/b", "are required: a comparison names a and b (paired) or policy")
+            a, b = cc.string("a", comp["a"]), cc.string("b", comp["b"])
+            if a == b:
+                raise cc.fail(
+                    "b",
+                    f"is the same policy as a ({a!r}): a paired difference would be 0; "
+                    "for a test within one policy write policy = ... (and value)",
+                )
+            policy = None
+            entry.update(a=a, b=b)
+            default_name = f"{b} vs {a}: {metric}"
+        name = cc.string("name", comp.get("name", default_name))
+        entry["name"] = name
+        if model is not None:
+            entry["model"] = model
+        out_comps.append(entry)
+        comps.append(Comparison(name, metric, a, b, direction, value, policy, model))
+    out["comparisons"] = out_comps
+    return Plan(out, plan_hash(out), out.get("name", "plan"), tuple(comps))
+
+
+_SIGN = {"greater": ">", "less": "<", "two-sided": "!="}
+
+
 def load_plan(path: str | os.PathLike[str]) -> Plan:
     """Parse and check a plan file; raise :class:`PlanError` naming what is wrong."""
     path = Path(path)
@@ -122,82 +320,122 @@ def load_plan(path: str | os.PathLike[str]) -> Plan:
         raise PlanError(f"no plan file at {path}") from None
     except tomllib.TOMLDecodeError as e:
         raise PlanError(f"{path} is not valid TOML: {e}") from e
-    alpha = float(content.get("alpha", 0.05))
-    if not 0 < alpha < 1:
-        raise PlanError(f"{path}: alpha must be in (0, 1), got {alpha}")
-    correction = str(content.get("correction", "holm"))
-    if correction not in CORRECTIONS:
-        raise PlanError(f"{path}: correction must be one of {CORRECTIONS}, got {correction!r}")
-    comps = []
-    for i, c in enumerate(content.get("comparisons", [])):
-        missing = [k for k in ("metric", "a", "b") if k not in c]
-        if missing:
-            raise PlanError(f"{path}: comparison {i + 1} lacks {', '.join(missing)}")
-        if c["metric"] not in QUANTITIES:
-            raise PlanError(
-                f"{path}: comparison {i + 1} has unknown metric {c['metric']!r}; "
-                f"choose from {', '.join(QUANTITIES)}"
-            )
-        direction = str(c.get("direction", "two-sided"))
-        if direction not in DIRECTIONS:
-            raise PlanError(f"{path}: comparison {i + 1} direction must be one of {DIRECTIONS}")
-        comps.append(
-            Comparison(
-                str(c.get("name", f"{c['b']} vs {c['a']}: {c['metric']}")),
-                str(c["metric"]),
-                str(c["a"]),
-                str(c["b"]),
-                direction,
-                c.get("model"),
-            )
+    plan = parse_plan(content, str(path))
+    if "name" not in plan.content:
+        object.__setattr__(plan, "name", path.stem)
+    return plan
+
+
+# ---- registration (the registry file itself: kvcouple.store.registry) ----
+
+
+def _store_state(store: Path) -> tuple[dict[str, Any], list[str], list[bool]]:
+    import numpy as np
+    import zarr
+
+    group = zarr.open_group(str(store), mode="r")
+    attrs = dict(group.attrs)
+    ids = [str(x) for x in attrs.get("doc_ids", [])] or [
+        str(x) for x in np.asarray(group["doc_id"][...])
+    ]
+    return attrs, ids, [bool(x) for x in np.asarray(group["completed"][...])]
+
+
+def _registered(content: dict[str, Any], plan: Plan, where: str) -> dict[str, Any] | None:
+    regs = content["registrations"]
+    if not regs:
+        return None
+    first = regs[0]
+    if first["plan_hash"] != plan.hash:
+        raise PlanError(
+            f"{where} already has plan {first['plan_name']!r} (hash {first['plan_hash'][:12]}, "
+            f"registered {first['registered']}) registered; this plan has hash "
+            f"{plan.hash[:12]}. A store's confirmatory documents are tested under one plan, "
+            "registered once, before they are traced"
         )
-    if not comps:
-        raise PlanError(f"{path}: a plan needs at least one [[comparisons]] entry")
-    return Plan(
-        content,
-        plan_hash(content),
-        str(content.get("name", path.stem)),
-        alpha,
-        correction,
-        tuple(comps),
-        content.get("estimator"),
-        content.get("n_boot"),
-        content.get("seed"),
-    )
+    return dict(first)
 
 
-def check_registry(registry: Path, plan: Plan, doc_key: str, doc_count: int) -> dict[str, Any]:
-    """Confirmatory runs: the first run on a set of documents records the plan's hash; a later
-    run with another hash on the same documents raises :class:`PlanError`."""
-    entries: dict[str, Any] = {}
-    if registry.exists():
-        try:
-            entries = json.loads(registry.read_text())
-        except json.JSONDecodeError as e:
-            raise PlanError(f"the plan registry {registry} is unreadable: {e}") from e
-    entry = entries.get(doc_key)
-    if entry is not None:
-        if entry["plan_hash"] != plan.hash:
-            raise PlanError(
-                f"refusing a confirmatory analysis: the plan changed after it was first run on "
-                f"these {doc_count} confirmatory documents (first run {entry['first_run']} with "
-                f"plan {entry['plan_name']!r}, hash {entry['plan_hash'][:12]}; this plan has "
-                f"hash {plan.hash[:12]}). Registry: {registry}"
-            )
-        return dict(entry)
-    entry = {
+def register_plan(plan: Plan, store: str | os.PathLike[str]) -> dict[str, Any]:
+    """Record ``plan``'s hash, content and time in ``store``'s registry (or, if the store does
+    not exist yet, in the registration the writer takes over when it creates it). Registering
+    the same plan again returns the first registration; another plan is refused."""
+    from kvcouple.store import registry as reg
+
+    store = Path(store)
+    entry: dict[str, Any] = {
         "plan_hash": plan.hash,
         "plan_name": plan.name,
-        "documents": doc_count,
-        "first_run": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "plan": plan.content,
+        "registered": reg.now(),
     }
-    entries[doc_key] = entry
-    registry.parent.mkdir(parents=True, exist_ok=True)
-    tmp = registry.with_suffix(".tmp")
-    tmp.write_text(json.dumps(entries, indent=2, sort_keys=True))
-    os.replace(tmp, registry)
-    return entry
+    if not store.exists():
+        pending = reg.pending_path(store)
+        content = reg.read_registry_file(pending) if pending.exists() else reg.new_registry()
+        first = _registered(content, plan, str(store))
+        if first is not None:
+            return first
+        entry.update(store_existed=False, confirmatory_documents=None, confirmatory_done=0)
+        out = reg.append(content, entry)
+        reg.save_pending(store, content)
+        return out
+    attrs, ids, done = _store_state(store)
+    try:
+        content = reg.load(store, attrs)
+    except reg.RegistryError:
+        if attrs.get(reg.MARKER_ATTR) or reg.registry_path(store).exists():
+            raise
+        from kvcouple.store.writer import RUN_KEYS
+
+        content = reg.new_registry(reg.fingerprint(attrs, RUN_KEYS))  # an older store
+        content["fingerprint_keys"] = reg.fingerprint_keys(RUN_KEYS)
+    first = _registered(content, plan, str(store))
+    if first is not None:
+        return first
+    conf = set(plan.documents(ids, "confirmatory"))
+    entry.update(
+        store_existed=True,
+        confirmatory_documents=len(conf),
+        confirmatory_done=sum(1 for i, d in zip(ids, done, strict=True) if d and i in conf),
+    )
+    out = reg.append(content, entry)
+    reg.save(store, content)
+    return out
 
 
-def documents_key(models: list[str], doc_ids: list[str]) -> str:
-    return hashlib.sha256(json.dumps([sorted(models), sorted(doc_ids)]).encode()).hexdigest()
+def registration_status(plan: Plan | None, store: str | os.PathLike[str]) -> tuple[bool, str]:
+    """``(preregistered, what to stamp on every output)`` for analysing ``store`` under
+    ``plan``'s confirmatory documents (``plan=None``: without a plan)."""
+    from kvcouple.store import registry as reg
+
+    attrs, _, _ = _store_state(Path(store))
+    try:
+        content = reg.load(store, attrs)
+    except reg.RegistryError as e:
+        return False, f"not preregistered: {e}"
+    regs = content["registrations"]
+    if plan is None:
+        if regs:
+            return False, (
+                f"not preregistered: analysed without the store's registered plan "
+                f"{regs[0]['plan_name']!r} ({regs[0]['plan_hash'][:12]})"
+            )
+        return False, "not preregistered: no plan"
+    if not regs:
+        return False, f"not preregistered: plan {plan.hash[:12]} is not registered in {store}"
+    first = regs[0]
+    if first["plan_hash"] != plan.hash:
+        return False, (
+            f"not preregistered: {store} has plan {first['plan_name']!r} "
+            f"({first['plan_hash'][:12]}, registered {first['registered']}) registered, "
+            f"not this plan ({plan.hash[:12]})"
+        )
+    if first.get("confirmatory_done"):
+        return False, (
+            f"not preregistered: plan {plan.hash[:12]} was registered {first['registered']}, "
+            f"after {first['confirmatory_done']} of its confirmatory documents were traced"
+        )
+    return True, (
+        f"preregistered: plan {plan.hash[:12]} registered {first['registered']}, before its "
+        "confirmatory documents were traced"
+    )

@@ -34,7 +34,12 @@ from kvcouple.textsafe import markdown_cell, split_markdown_row, terminal
 
 
 def _meta(result: AnalysisResult) -> dict[str, Any]:
-    return {"plan_hash": result.plan_hash, "estimator": result.estimator, "doc_set": result.doc_set}
+    return {
+        "plan_hash": result.plan_hash,
+        "estimator": result.estimator,
+        "doc_set": result.doc_set,
+        "preregistration": result.preregistration,
+    }
 
 
 def tidy_tables(result: AnalysisResult) -> dict[str, list[dict[str, Any]]]:
@@ -48,13 +53,14 @@ def tidy_tables(result: AnalysisResult) -> dict[str, list[dict[str, Any]]]:
             "curves",
             "differences",
             "gap_attribution",
+            "survival_differences",
             "recompute_check",
             "recompute_summary",
         )
     }
     for m in result.models:
-        for name in ("summary", "curves", "differences", "gap_attribution"):
-            out[name] += [{"model": m.model, **row, **meta} for row in m.tables[name]]
+        for name in ("summary", "curves", "differences", "gap_attribution", "survival_differences"):
+            out[name] += [{"model": m.model, **row, **meta} for row in m.tables.get(name, [])]
         for d in m.docs:
             assert d.units is not None
             for pol, u in d.units.items():
@@ -81,6 +87,8 @@ def tidy_tables(result: AnalysisResult) -> dict[str, list[dict[str, Any]]]:
                     **meta,
                 }
             )
+    for name, rows in result.pooled.items():  # across models: "model" names the pool
+        out[name] += [{**row, **meta} for row in rows]
     out["recompute_check"] = [{**r, **meta} for r in result.checks()]
     out["tests"] = [{**r, **meta} for r in result.tests]
     out["skipped"] = [{**r, **meta} for r in result.skipped]
@@ -89,11 +97,11 @@ def tidy_tables(result: AnalysisResult) -> dict[str, list[dict[str, Any]]]:
 
 # Columns of the tables that can be empty: an empty table is written as its header alone, so
 # readers (pandas, R) get the right columns and no rows. Every row also carries _META_KEYS.
-_META_KEYS = ["plan_hash", "estimator", "doc_set"]
+_META_KEYS = ["plan_hash", "estimator", "doc_set", "preregistration"]
 EMPTY_COLUMNS: dict[str, list[str]] = {
     "tests": [
         "comparison", "model", "metric", "policy_a", "policy_b", "policy", "value",
-        "direction", "estimate", "ci_low", "ci_high", "p_value", "n_docs", "doc_set",
+        "direction", "estimate", "ci_low", "ci_high", "ci_method", "p_value", "n_docs", "doc_set",
         "p_adjusted", "correction", "alpha", "reject_h0",
     ],
     "skipped": ["store", "doc_id", "reason"],
@@ -144,12 +152,13 @@ def _json_safe(v: Any) -> Any:
 def markdown_report(result: AnalysisResult, tables: dict[str, list[dict[str, Any]]]) -> str:
     lines = [
         "# kvcouple analysis\n",
+        f"- **{terminal(result.preregistration)}**",
         f"- plan: {terminal(result.plan_name or 'none')} (hash `{result.plan_hash}`)",
         f"- documents: {result.doc_set}; estimator: {result.estimator} "
         f"({'mismatch indicators, Rao-Blackwellised' if result.estimator == 'indicator' else 'branch-aligned TVs'})",
         f"- bootstrap: {result.settings.get('n_boot')} document resamples, seed "
         f"{result.settings.get('seed')}, {100 * result.settings.get('ci', 0.95):.0f}% "
-        f"percentile intervals",
+        f"{result.settings.get('ci_method', 'percentile')} intervals",
         "- stores: "
         + ", ".join(
             f"`{terminal(m.store)}` ({terminal(m.model)}: T={m.horizon}, L={m.window}, "
@@ -175,6 +184,8 @@ def markdown_report(result: AnalysisResult, tables: dict[str, list[dict[str, Any
                     "early_tv",
                     "late_tv",
                     "late_minus_early_tv",
+                    "median_tau",
+                    "rmst",
                 )
             ],
             ["model", "policy", "quantity", "estimate", "ci_low", "ci_high", "n_docs"],
@@ -188,37 +199,19 @@ def markdown_report(result: AnalysisResult, tables: dict[str, list[dict[str, Any
                     r
                     for r in tables["differences"]
                     if r["quantity"]
-                    in ("mismatch_fraction", "occurrence", "exposure", "rho", "late_minus_early_tv")
+                    in (
+                        "mismatch_fraction",
+                        "occurrence",
+                        "exposure",
+                        "rho",
+                        "rmst",
+                        "late_minus_early_tv",
+                    )
                 ],
                 ["model", "policy_a", "policy_b", "quantity", "difference", "ci_low", "ci_high"],
             ),
         ]
-        lines += [
-            "\n## Gap attribution: m_B - m_A = df + rho_bar de + e_bar drho\n",
-            markdown_table(
-                tables["gap_attribution"],
-                ["model", "policy_a", "policy_b", "term", "estimate", "ci_low", "ci_high"],
-            ),
-        ]
-    if tables["tests"]:
-        lines += [
-            f"\n## Prespecified tests ({result.doc_set} documents)\n",
-            markdown_table(
-                tables["tests"],
-                [
-                    "comparison",
-                    "model",
-                    "metric",
-                    "direction",
-                    "difference",
-                    "ci_low",
-                    "ci_high",
-                    "p_value",
-                    "p_adjusted",
-                    "reject_h0",
-                ],
-            ),
-        ]
+    lines += statistics_sections(result, tables)
     if tables["recompute_summary"]:
         lines += [
             "\n## Recorded vs recomputed TVs\n",
@@ -242,6 +235,101 @@ def _output(out: Path, name: str) -> Path:
     if path.is_symlink():
         path.unlink()
     return path
+
+
+def statistics_sections(
+    result: AnalysisResult, tables: dict[str, list[dict[str, Any]]]
+) -> list[str]:
+    """The confirmatory-statistics sections: gap attribution (with the exposure-share flag),
+    survival comparisons (RMST, survival difference with its simultaneous band) and the
+    plan's tests. Self-contained so the report's layout can change around it."""
+    lines: list[str] = []
+    if tables["gap_attribution"]:
+        ref = result.settings.get("reference")
+        lines += [
+            "\n## Gap attribution: m_B - m_A = df + rho_bar de + e_bar drho\n",
+            f"Gaps are b - a{f' with a = the reference {ref!r}' if ref else ' for every pair'}."
+            " An exposure share whose gap CI includes 0 is flagged *not interpretable*.\n",
+            markdown_table(
+                tables["gap_attribution"],
+                ["model", "policy_a", "policy_b", "term", "estimate", "ci_low", "ci_high", "note"],
+            ),
+        ]
+    surv = tables.get("survival_differences", [])
+    if surv:
+        rmst = [r for r in tables["differences"] if r["quantity"] == "rmst"]
+        lines += [
+            "\n## Survival comparisons\n",
+            "Restricted mean time to divergence E[min(tau, T)] (tokens), paired difference b - a:",
+            "",
+            markdown_table(
+                rmst, ["model", "policy_a", "policy_b", "difference", "ci_low", "ci_high"]
+            ),
+            "Survival difference S_b(t) - S_a(t): largest |difference| and whether the "
+            "simultaneous band (all steps at once) excludes 0 anywhere:",
+            "",
+        ]
+        summary = []
+        keys = sorted({(r["model"], r["policy_a"], r["policy_b"]) for r in surv}, key=str)
+        for key in keys:
+            rows = [r for r in surv if (r["model"], r["policy_a"], r["policy_b"]) == key]
+            top = max(
+                rows,
+                key=lambda r: abs(r["difference"]) if r["difference"] == r["difference"] else -1,
+            )
+            apart = [r["step"] for r in rows if r["band_low"] > 0 or r["band_high"] < 0]
+            summary.append(
+                {
+                    "model": key[0],
+                    "policy_a": key[1],
+                    "policy_b": key[2],
+                    "max_step": top["step"],
+                    "max_difference": top["difference"],
+                    "band_low": top["band_low"],
+                    "band_high": top["band_high"],
+                    "steps_band_excludes_0": f"{len(apart)} of {len(rows)}",
+                }
+            )
+        lines.append(
+            markdown_table(
+                summary,
+                [
+                    "model",
+                    "policy_a",
+                    "policy_b",
+                    "max_step",
+                    "max_difference",
+                    "band_low",
+                    "band_high",
+                    "steps_band_excludes_0",
+                ],
+            )  # fmt: skip
+        )
+    if tables["tests"]:
+        lines += [
+            f"\n## Prespecified tests ({result.doc_set} documents; {terminal(result.preregistration)})\n",
+            markdown_table(
+                [
+                    {**r, "tested": r["policy"] or f"{r['policy_b']} - {r['policy_a']}"}
+                    for r in tables["tests"]
+                ],
+                [
+                    "comparison",
+                    "model",
+                    "metric",
+                    "tested",
+                    "direction",
+                    "value",
+                    "estimate",
+                    "ci_low",
+                    "ci_high",
+                    "p_value",
+                    "p_adjusted",
+                    "reject_h0",
+                ],
+            ),
+        ]
+    return lines
 
 
 def write_report(
@@ -297,7 +385,10 @@ def write_report(
     if figures:
         from kvcouple.analysis.figures import make_figures
 
-        stamp = f"plan {result.plan_hash[:12]} | {result.estimator} | docs: {result.doc_set}"
+        stamp = (
+            f"plan {result.plan_hash[:12]} | {result.estimator} | docs: {result.doc_set} | "
+            + result.preregistration.split(":")[0]
+        )
         folder = _output(out, "figures")
         folder.mkdir(exist_ok=True)
         for f in folder.iterdir():  # links planted inside too

@@ -19,6 +19,7 @@ import numpy as np
 import zarr
 
 from kvcouple.errors import StoreError
+from kvcouple.store import registry
 from kvcouple.store.reader import is_url
 from kvcouple.store.schema import SCHEMA_VERSION, Record, variables
 
@@ -212,8 +213,11 @@ def _jsonable(v: Any) -> Any:
     return json.loads(json.dumps(v, default=str))
 
 
-def _build(tmp: Path, layout: StoreLayout, attrs: dict[str, Any]) -> None:
-    """Every array, coordinate and attribute of a new store, in the local folder ``tmp``."""
+def _build(
+    tmp: Path, layout: StoreLayout, attrs: dict[str, Any], store: Path | None = None
+) -> None:
+    """Every array, coordinate and attribute of a new store, in the local folder ``tmp``; the
+    plan registry too (taking over a registration waiting beside a local ``store``)."""
     group = _open_group(tmp, "w")
     sizes = layout.sizes()
     for name, (dims, dtype, _) in variables(layout.record).items():
@@ -238,8 +242,11 @@ def _build(tmp: Path, layout: StoreLayout, attrs: dict[str, Any]) -> None:
         _create_array(group, name, values, values.shape, values.dtype.str, (name,), False)
     ids = np.array(layout.doc_ids, dtype=f"<U{max(1, max(map(len, layout.doc_ids)))}")
     _create_array(group, "doc_id", ids, ids.shape, ids.dtype.str, ("doc",), False)
-    group.attrs.update(attrs)
+    # The plan registry is born with the store (kvcouple.store.registry); written after
+    # consolidating, which warns about files that are not zarr nodes.
+    group.attrs.update({**attrs, registry.MARKER_ATTR: registry.REGISTRY_NAME})
     zarr.consolidate_metadata(str(tmp))
+    registry.create_registry(tmp, store, registry.fingerprint(attrs, RUN_KEYS), RUN_KEYS)
 
 
 # The group's own metadata: uploaded last, so a store on object storage exists (for readers
@@ -352,12 +359,13 @@ class TraceStoreWriter:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent))
         try:
-            _build(tmp, layout, attrs)
+            _build(tmp, layout, attrs, path)
             try:
                 os.rename(tmp, path)  # atomic: another shard may have won the race
             except OSError:
                 if not path.exists():
                     raise
+            registry.discard_pending(path)
         finally:
             if tmp.exists():
                 shutil.rmtree(tmp, ignore_errors=True)

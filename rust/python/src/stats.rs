@@ -1,8 +1,11 @@
 //! Wrappers of the analysis kernels (`kvcouple-core::stats`): bootstrap of column means and
 //! TV recomputed from stored distributions.
 
-use kvcouple_core::stats::{bootstrap, recompute};
-use numpy::{IntoPyArray, PyArray2, PyArrayMethods, PyReadonlyArray2, PyUntypedArrayMethods};
+use kvcouple_core::stats::{bootstrap, intervals, recompute};
+use numpy::{
+    IntoPyArray, PyArray2, PyArrayMethods, PyReadonlyArray1, PyReadonlyArray2,
+    PyUntypedArrayMethods,
+};
 use pyo3::prelude::*;
 
 use crate::arrays::MatrixPair;
@@ -27,6 +30,49 @@ pub fn bootstrap_means<'py>(
     flat.reshape([n_boot, cols])
 }
 
+/// Percentile or BCa intervals of k statistics: `reps` (n_boot x k), `point` (k), `jack`
+/// (n_jack x k, leave-one-document-out values; used by BCa). Returns (k x 4): lower, upper,
+/// z0, acceleration.
+#[pyfunction]
+#[pyo3(signature = (reps, point, jack, z_lower, z_upper, bca))]
+pub fn bootstrap_intervals<'py>(
+    py: Python<'py>,
+    reps: PyReadonlyArray2<'py, f64>,
+    point: PyReadonlyArray1<'py, f64>,
+    jack: PyReadonlyArray2<'py, f64>,
+    z_lower: f64,
+    z_upper: f64,
+    bca: bool,
+) -> PyResult<Bound<'py, PyArray2<f64>>> {
+    let (n_boot, n_jack) = (reps.shape()[0], jack.shape()[0]);
+    let contiguous = |ok: bool, name: &str| {
+        if ok {
+            Ok(())
+        } else {
+            Err(ShapeError::new_err(format!("{name} must be C-contiguous")))
+        }
+    };
+    contiguous(reps.is_c_contiguous(), "reps")?;
+    contiguous(jack.is_c_contiguous(), "jack")?;
+    let (r, p, j) = (reps.as_slice()?, point.as_slice()?, jack.as_slice()?);
+    if reps.shape()[1] != p.len() || (n_jack > 0 && jack.shape()[1] != p.len()) {
+        return Err(ShapeError::new_err(format!(
+            "reps {:?}, point ({},) and jack {:?} must share the number of statistics",
+            reps.shape(),
+            p.len(),
+            jack.shape()
+        )));
+    }
+    let rows = py.detach(|| {
+        guard(|| intervals::bootstrap_intervals(r, n_boot, p, j, n_jack, z_lower, z_upper, bca))
+    })?;
+    let flat: Vec<f64> = rows
+        .iter()
+        .flat_map(|x| [x.lower, x.upper, x.z0, x.accel])
+        .collect();
+    flat.into_pyarray(py).reshape([rows.len(), 4])
+}
+
 /// Per-row TV between stored distributions; NaN for rows that hold NaN (never recorded).
 #[pyfunction]
 pub fn row_tv<'py>(
@@ -44,6 +90,7 @@ pub fn row_tv<'py>(
 
 pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(bootstrap_means, m)?)?;
+    m.add_function(wrap_pyfunction!(bootstrap_intervals, m)?)?;
     m.add_function(wrap_pyfunction!(row_tv, m)?)?;
     Ok(())
 }

@@ -2,8 +2,10 @@
 //!
 //! - [`bootstrap`]: document-level bootstrap of column means, seeded per replicate so that
 //!   results do not depend on the number of threads;
+//! - [`intervals`]: percentile and BCa intervals of many statistics from their replicates;
 //! - [`recompute`]: per-row total variation recomputed from stored distributions (rows that
 //!   were never recorded hold NaN and give NaN).
 
 pub mod bootstrap;
+pub mod intervals;
 pub mod recompute;
