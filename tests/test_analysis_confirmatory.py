@@ -303,3 +303,23 @@ def test_plan_command_hash_and_show(tmp_path, capsys, store):
 def test_parse_plan_refuses_a_non_table():
     with pytest.raises(PlanError, match="a plan is a TOML table"):
         parse_plan([1, 2])  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("method", ["percentile", "bca", "expanded-bca"])
+def test_p_values_agree_with_the_intervals(method):
+    """A one-sided test at alpha rejects exactly when the (1 - 2 alpha) interval's lower end
+    lies above the tested value, for every interval method (p-values invert the intervals)."""
+    from kvcouple.analysis import stats as st
+
+    rng = np.random.default_rng(5)
+    table = st.Table([f"d{i}" for i in range(16)], {"x|v": rng.lognormal(0, 0.8, 16)})
+    bs = st.bootstrap_table(table, 4000, 3, 0.90, method)
+    est = bs.evaluate(lambda g: g("x|v"))
+    values = np.linspace(est.ci_low - 0.3, est.ci_high + 0.3, 41)
+    agree = [
+        (bs.p_value(est, "greater", v) < 0.05) == (est.ci_low > v)
+        and (bs.p_value(est, "less", v) < 0.05) == (est.ci_high < v)
+        for v in values
+    ]
+    assert sum(agree) >= len(values) - 2  # up to the replicates' granularity at the ends
+    assert bs.p_value(est, "greater", est.ci_low - 1.0) < 0.01

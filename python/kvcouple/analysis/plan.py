@@ -329,6 +329,12 @@ def load_plan(path: str | os.PathLike[str]) -> Plan:
 # ---- registration (the registry file itself: kvcouple.store.registry) ----
 
 
+def _store_attrs(store: Path) -> dict[str, Any]:
+    import zarr
+
+    return dict(zarr.open_group(str(store), mode="r").attrs)
+
+
 def _store_state(store: Path) -> tuple[dict[str, Any], list[str], list[bool]]:
     import numpy as np
     import zarr
@@ -408,7 +414,9 @@ def registration_status(plan: Plan | None, store: str | os.PathLike[str]) -> tup
     ``plan``'s confirmatory documents (``plan=None``: without a plan)."""
     from kvcouple.store import registry as reg
 
-    attrs, _, _ = _store_state(Path(store))
+    if not Path(store).is_dir():
+        return False, f"not preregistered: the registry of {store} is not checked (not local)"
+    attrs = _store_attrs(Path(store))
     try:
         content = reg.load(store, attrs)
     except reg.RegistryError as e:

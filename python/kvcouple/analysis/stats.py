@@ -20,7 +20,8 @@ Intervals (``ci_method``; docs/statistics.md has the coverage study that chose t
   about 0.92 at 16 documents for a nominal 0.95).
 
 The interval ends of all statistics are computed in one Rust call (``bootstrap_intervals``).
-``median_tau`` (discrete) always gets a percentile interval.
+``median_tau`` (discrete) and the exposure share (a ratio whose denominator can be near 0)
+always get percentile intervals.
 """
 
 from __future__ import annotations
@@ -63,6 +64,7 @@ QUANTITIES: dict[str, str] = {
     "late_minus_early_tv": "late - early branch-aligned TV (paired)",
 }
 DISCRETE = ("median_tau",)  # integer-valued: percentile intervals only
+PERCENTILE_TERMS = ("exposure_share",)  # gap terms with percentile intervals only
 GAP_TERMS = ("gap", "delta_first_mismatch", "exposure_term", "rate_term", "exposure_share")
 NOT_INTERPRETABLE = "not interpretable: the gap's CI includes 0"
 
@@ -395,7 +397,8 @@ def bootstrap_table(
 def survival_band(bs: Bootstrap, a: str, b: str, horizon: int) -> list[dict[str, Any]]:
     """Paired survival difference ``S^b_t - S^a_t`` (t = 1..T) with pointwise CIs and a
     simultaneous band: ``D_t +- c sd_t`` with ``c`` the ``level`` quantile over replicates of
-    ``max_t |D*_t - D_t| / sd_t`` (a sup-t band: it covers the whole curve at once)."""
+    ``max_t |D*_t - D_t| / sd_t`` (a sup-t band: it covers the whole curve at once), widened
+    like the pointwise intervals by ``sqrt(n/(n-1)) t_{n-1} / z`` under ``expanded-bca``."""
     fns = [(lambda g, t=t: g(f"{b}|S|{t}") - g(f"{a}|S|{t}")) for t in range(1, horizon + 1)]
     ests = bs.evaluate_many(fns)
     boot = np.column_stack([e.boot for e in ests])
@@ -408,6 +411,12 @@ def survival_band(bs: Bootstrap, a: str, b: str, horizon: int) -> list[dict[str,
         c = float(np.quantile(np.nanmax(dev, axis=1), bs.level))
     else:
         c = 0.0
+    if bs.method == "expanded-bca":
+        # The same small-sample expansion as the pointwise intervals (t_{n-1} over normal).
+        c *= (
+            normal_scores(bs.level, "expanded-bca", bs.n_docs)[1]
+            / normal_scores(bs.level, "percentile", bs.n_docs)[1]
+        )
     half = np.where(varying, c * np.nan_to_num(sd), 0.0)
     return [
         {
@@ -427,7 +436,10 @@ def survival_band(bs: Bootstrap, a: str, b: str, horizon: int) -> list[dict[str,
 
 def gap_rows(bs: Bootstrap, fns: dict[str, StatFn], base: dict[str, Any]) -> list[dict[str, Any]]:
     """Gap attribution rows; the exposure share is flagged when the gap's CI includes 0."""
-    ests = dict(zip(fns, bs.evaluate_many(list(fns.values())), strict=True))
+    # The share is a ratio whose denominator can be near 0: its jackknife acceleration is
+    # unstable (BCa covered 0.68 in the coverage study), so it gets a percentile interval.
+    flags = [t in PERCENTILE_TERMS for t in fns]
+    ests = dict(zip(fns, bs.evaluate_many(list(fns.values()), flags), strict=True))
     gap = ests["gap"]
     gap_clear = (
         math.isfinite(gap.ci_low)
@@ -539,6 +551,15 @@ def bootstrap_p_value(
         return float("nan")
     le = (1 + np.sum(b <= value)) / (b.size + 1)
     ge = (1 + np.sum(b >= value)) / (b.size + 1)
+    sd = float(np.std(b, ddof=1)) if b.size > 1 else 0.0
+    if sd > 0 and not b.min() <= value <= b.max():
+        # Beyond every replicate the intervals extrapolate their ends by the normal tail (never
+        # inside the replicates): the matching position of ``value`` is the smaller of the two.
+        below = float(sps.norm.cdf((value - b.mean()) / sd))
+        if value < b.min():
+            le = min(le, below)
+        else:
+            ge = min(ge, 1.0 - below)
 
     def level(frac: float) -> float:
         # The alpha whose lower one-sided end sits at the replicates' quantile ``frac``.

@@ -11,7 +11,8 @@
 //!   `Phi(z0 + (z0 + z) / (1 - a (z0 + z)))` (percentile: at `Phi(z)`).
 //!
 //! An end whose quantile level lies beyond the replicates' resolution (below `1/(B+1)` or above
-//! `B/(B+1)`) is reported as -inf / +inf. Non-finite replicates and jackknife values are left
+//! `B/(B+1)`) is extrapolated by the normal tail from the replicates' mean and standard
+//! deviation (and never inside the replicates' range). Non-finite replicates and jackknife values are left
 //! out. A statistic whose point estimate is
 //! not finite, or whose finite replicates are fewer than half, gets NaN bounds.
 
@@ -208,18 +209,25 @@ pub fn bootstrap_intervals(
             } else {
                 (norm_cdf(z_lower), norm_cdf(z_upper))
             };
-            // An end whose level the replicates cannot resolve (beyond 1/(B+1), the p-value
-            // floor) is unbounded at this n_boot: never the extreme replicate, which would
-            // claim more than the bootstrap knows.
+            // An end whose level the replicates cannot resolve (beyond 1/(B+1)) is extrapolated
+            // from the replicates' mean and standard deviation by the normal tail, never the
+            // extreme replicate, which would claim more than the bootstrap knows.
             let resolution = 1.0 / (v.len() as f64 + 1.0);
+            let tail = |p: f64| {
+                let m = v.iter().sum::<f64>() / v.len() as f64;
+                let var =
+                    v.iter().map(|x| (x - m) * (x - m)).sum::<f64>() / (v.len().max(2) - 1) as f64;
+                // BCa's level reaches 0 or 1 when a (z0 + z) >= 1: cap it at 8 sigma.
+                m + norm_ppf(p).clamp(-8.0, 8.0) * var.sqrt()
+            };
             *row = IntervalRow {
                 lower: if lo_p < resolution {
-                    f64::NEG_INFINITY
+                    tail(lo_p).min(v[0])
                 } else {
                     quantile(&v, lo_p)
                 },
                 upper: if hi_p > 1.0 - resolution {
-                    f64::INFINITY
+                    tail(hi_p).max(v[v.len() - 1])
                 } else {
                     quantile(&v, hi_p)
                 },
@@ -277,9 +285,13 @@ mod tests {
         let out = bootstrap_intervals(&reps, 100, &[1.0, f64::NAN], &[1.0; 4], 2, -2.0, 2.0, true)
             .unwrap();
         assert_eq!((out[0].lower, out[0].upper, out[0].z0), (1.0, 1.0, 0.0));
-        // Levels beyond what 100 replicates resolve: unbounded ends.
-        let wide = bootstrap_intervals(&reps, 200, &[1.0], &[], 0, -3.0, 3.0, false).unwrap();
-        assert!(wide[0].lower == f64::NEG_INFINITY && wide[0].upper == f64::INFINITY);
+        // Levels beyond what 200 replicates resolve: normal-tail extrapolation.
+        let spread: Vec<f64> = (0..200)
+            .map(|i| norm_ppf((i as f64 + 0.5) / 200.0))
+            .collect();
+        let wide = bootstrap_intervals(&spread, 200, &[0.0], &[], 0, -3.5, 3.5, false).unwrap();
+        assert!(wide[0].lower < spread[0] && wide[0].upper > spread[199]);
+        assert!((wide[0].lower + 3.5).abs() < 0.1 && (wide[0].upper - 3.5).abs() < 0.1);
         assert!(out[1].lower.is_nan());
         assert!(bootstrap_intervals(&reps, 100, &[1.0], &[], 0, -2.0, 2.0, true).is_err());
         assert!(bootstrap_intervals(&reps, 100, &[1.0, 1.0], &[], 0, 2.0, -2.0, false).is_err());
