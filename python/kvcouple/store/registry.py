@@ -82,12 +82,8 @@ def fingerprint(attrs: dict[str, Any], keys: Iterable[str]) -> str:
 
 
 def new_registry(uid: str | None = None) -> dict[str, Any]:
-    return {
-        "format": REGISTRY_FORMAT,
-        "uid": uid or new_uid(),
-        "created": now(),
-        "registrations": [],
-    }
+    # No creation time: identical runs write byte-identical stores, registry included.
+    return {"format": REGISTRY_FORMAT, "uid": uid or new_uid(), "registrations": []}
 
 
 def create_registry(
