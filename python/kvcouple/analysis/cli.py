@@ -220,7 +220,12 @@ def register(subparsers: Any) -> None:
         "does not exist yet takes the registration over when it is created). show: the plan "
         "with every setting filled in, and its registration status in each --store.",
     )
-    pl.add_argument("action", choices=["hash", "register", "show"])
+    pl.add_argument(
+        "action",
+        choices=["hash", "register", "show"],
+        help="hash: print the hash; register: record it in each --store; show: the completed "
+        "plan and its registration status",
+    )
     pl.add_argument("plan", help="the plan (TOML)")
     pl.add_argument("--store", action="append", default=None, help="a trace store (repeatable)")
     pl.set_defaults(func=_plan)

@@ -139,6 +139,23 @@ def _pooled_median(g: Getter, policy: str, horizon: int) -> np.ndarray:
     return np.where(total > 0, first, np.nan)
 
 
+def quantity_range(name: str, horizon: int) -> tuple[float, float]:
+    """The values a quantity can take: its CI is clipped to them (an interval end extrapolated
+    beyond the replicates, or a BCa end, can otherwise leave the parameter space)."""
+    T = float(horizon)
+    if name in ("occupation", "expected_mismatches", "window_contribution", "rmst"):
+        return 0.0, T
+    if name in ("tail_contribution", "tail_exposure"):
+        return 0.0, T
+    if name in ("mean_tau", "median_tau"):
+        return 1.0, T
+    if name == "first_mismatch":
+        return 0.0, 1.0 / T
+    if name == "late_minus_early_tv":
+        return -1.0, 1.0
+    return 0.0, 1.0  # probabilities, fractions of T, rates and TVs
+
+
 def quantity_fn(policy: str, name: str, horizon: int) -> StatFn:
     """The statistic ``name`` of ``policy`` as a function of column means."""
     T = float(horizon)
@@ -479,13 +496,17 @@ def summarise(
             [quantity_fn(pol, n, horizon) for n in names], [n in DISCRETE for n in names]
         )
         for name, e in zip(names, ests, strict=True):
+            lo, hi = quantity_range(name, horizon)
+            # A Monte Carlo estimate may itself lie outside (e.g. rho a little above 1).
+            if e.estimate == e.estimate:
+                lo, hi = min(lo, e.estimate), max(hi, e.estimate)
             summary.append(
                 {
                     "policy": pol,
                     "quantity": name,
                     "estimate": e.estimate,
-                    "ci_low": e.ci_low,
-                    "ci_high": e.ci_high,
+                    "ci_low": min(max(e.ci_low, lo), hi),
+                    "ci_high": max(min(e.ci_high, hi), lo),
                     "n_docs": bs.n_docs,
                 }
             )
