@@ -14,8 +14,8 @@ and a study replicate draws (document, simulation) pairs without replacement: re
 then slightly dependent, which widens the spread of the coverage estimate a little but does not
 bias it.
 
-    python scripts/coverage_study.py                 # default: ~2 minutes on 2 busy cores
-    python scripts/coverage_study.py --reps 1000 --pool 60 --n-boot 2000   # the docs table
+    python scripts/coverage_study.py                 # default: about a minute on 2 busy cores
+    python scripts/coverage_study.py --reps 400 --pool 20 --n-boot 1000    # the docs table
 """
 
 from __future__ import annotations
