@@ -306,6 +306,219 @@ mod tests {
     }
 
     #[test]
+    fn a_uniform_on_a_cdf_step_takes_the_next_token() {
+        // x is the first index whose running weight exceeds u1 * mass: F(i-1) <= u1 < F(i).
+        let p = [0.25, 0.25, 0.5];
+        for (u1, want) in [(0.0, 0), (0.2, 0), (0.25, 1), (0.5, 2), (0.75, 2)] {
+            let d = draw(&p, &p, [0.0, u1, 0.9]);
+            assert_eq!((d.x, d.y, d.diverged), (want, want, false), "u1 = {u1}");
+        }
+        // Disjoint rows: residuals are p and q themselves, with u1 and u2 on steps.
+        let (p, q) = ([0.5, 0.5, 0.0, 0.0], [0.0, 0.0, 0.5, 0.5]);
+        assert_eq!(
+            draw(&p, &q, [0.3, 0.5, 0.5]),
+            Draw {
+                x: 1,
+                y: 3,
+                diverged: true
+            }
+        );
+        assert_eq!(
+            draw(&p, &q, [0.3, 0.0, 0.25]),
+            Draw {
+                x: 0,
+                y: 2,
+                diverged: true
+            }
+        );
+    }
+
+    #[test]
+    fn a_target_never_exceeded_takes_the_last_positive_weight() {
+        // The rounding fallback: a target at or above the total mass returns the last index of
+        // positive weight (inside the support), never a zero-weight or out-of-range index.
+        let a = [0.0, 0.25, 0.0, 0.75, 0.0, 0.0];
+        let b = [0.5, 0.5, 0.0, 0.0, 0.0, 0.0];
+        let (pa, pb) = (Rows::F64(&a), Rows::F64(&b));
+        let pair = RowPair {
+            p: &pa,
+            q: &pb,
+            offset: 0,
+            vocab: a.len(),
+            scale_p: 1.0,
+            scale_q: 1.0,
+        };
+        assert_eq!(pair.inverse_cdf(Weight::P, 1.0), 3);
+        assert_eq!(pair.inverse_cdf(Weight::P, 7.0), 3);
+        assert_eq!(pair.inverse_cdf(Weight::Q, 1.0), 1);
+        assert_eq!(pair.inverse_cdf(Weight::Overlap, 0.25), 1);
+        assert_eq!(pair.inverse_cdf(Weight::ResidualP, 0.75), 3);
+        assert_eq!(pair.inverse_cdf(Weight::ResidualQ, 0.5), 1);
+        assert_eq!(pair.inverse_cdf(Weight::ResidualQ, 0.25), 0);
+        assert_eq!(pair.inverse_cdf(Weight::ResidualQ, 0.75), 1);
+        assert_eq!(pair.inverse_cdf(Weight::ResidualP, 0.1), 3);
+    }
+
+    #[test]
+    fn disjoint_rows_diverge_even_when_delta_rounds_below_one() {
+        // 1/2 sum |a - b| of these disjoint rows is 1 - 2^-53: a u0 at that value must not
+        // take the (empty) overlap.
+        let third = 1.0 / 3.0;
+        let p = [third, third, third, 0.0, 0.0, 0.0];
+        let q = [0.0, 0.0, 0.0, third, third, third];
+        let top = 1.0 - f64::EPSILON / 2.0;
+        for u in [[top, 0.5, 0.5], [top, 0.0, top], [0.0, top, 0.0]] {
+            let d = draw(&p, &q, u);
+            assert!(
+                d.diverged && (0..3).contains(&d.x) && (3..6).contains(&d.y),
+                "{u:?}"
+            );
+        }
+    }
+
+    #[test]
+    fn row_sums_and_atol() {
+        let p = [0.5, 0.5];
+        let twice = [1.0, 1.0];
+        let c = |p: &[f64], q: &[f64], renormalize, atol| {
+            couple(
+                Rows::F64(p),
+                Rows::F64(q),
+                &[0.1, 0.2, 0.3],
+                1,
+                2,
+                renormalize,
+                atol,
+            )
+        };
+        assert!(matches!(
+            c(&twice, &p, false, None),
+            Err(KvError::InvalidRow { row: 0, .. })
+        ));
+        assert!(matches!(
+            c(&p, &twice, false, None),
+            Err(KvError::InvalidRow { row: 0, .. })
+        ));
+        assert_eq!(
+            c(&twice, &p, true, None).unwrap(),
+            c(&p, &p, false, None).unwrap()
+        );
+        // Exactly 1 passes a zero tolerance; 1 + 2^-52 does not, but does under the default.
+        assert!(c(&p, &p, false, Some(0.0)).is_ok());
+        let over = [0.5, 0.5 + f64::EPSILON];
+        assert!(c(&over, &p, false, Some(0.0)).is_err());
+        assert!(c(&over, &p, false, None).is_ok());
+        for bad in [f64::NAN, -1e-3] {
+            assert!(matches!(
+                c(&p, &p, false, Some(bad)),
+                Err(KvError::InvalidArgument(_))
+            ));
+        }
+    }
+
+    /// The sampler restated on plain vectors, one row at a time (SPEC section 2).
+    fn naive(p: &[f64], q: &[f64], u: [f64; 3]) -> Draw {
+        let (sp, sq): (f64, f64) = (p.iter().sum(), q.iter().sum());
+        let a: Vec<f64> = p.iter().map(|x| x / sp).collect();
+        let b: Vec<f64> = q.iter().map(|x| x / sq).collect();
+        let walk = |w: &[f64], target: f64| -> i64 {
+            let (mut cum, mut last) = (0.0, 0);
+            for (i, &x) in w.iter().enumerate() {
+                if x > 0.0 {
+                    last = i as i64;
+                    cum += x;
+                    if cum > target {
+                        return i as i64;
+                    }
+                }
+            }
+            last
+        };
+        let ov: Vec<f64> = a.iter().zip(&b).map(|(x, y)| x.min(*y)).collect();
+        let rp: Vec<f64> = a.iter().zip(&b).map(|(x, y)| (x - y).max(0.0)).collect();
+        let rq: Vec<f64> = a.iter().zip(&b).map(|(x, y)| (y - x).max(0.0)).collect();
+        let o: f64 = ov.iter().sum();
+        let delta = (0.5 * a.iter().zip(&b).map(|(x, y)| (x - y).abs()).sum::<f64>()).min(1.0);
+        if u[0] >= delta && o > 0.0 {
+            let z = walk(&ov, u[1] * o);
+            return Draw {
+                x: z,
+                y: z,
+                diverged: false,
+            };
+        }
+        let (tp, tq): (f64, f64) = (rp.iter().sum(), rq.iter().sum());
+        let x = if tp > 0.0 {
+            walk(&rp, u[1] * tp)
+        } else {
+            walk(&a, u[1])
+        };
+        let y = if tq > 0.0 {
+            walk(&rq, u[2] * tq)
+        } else {
+            walk(&b, u[2])
+        };
+        Draw {
+            x,
+            y,
+            diverged: x != y,
+        }
+    }
+
+    #[test]
+    fn many_rows_over_several_blocks_match_the_naive_sampler() {
+        // Rows differ (each row must read its own offset) and span three blocks of the
+        // vocabulary, with mass in every block; both branches are exercised.
+        let (rows, vocab) = (4, 2 * BLOCK + 300);
+        let mut state = 7u64;
+        let mut next = || {
+            state = state
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            ((state >> 11) as f64) / ((1u64 << 53) as f64)
+        };
+        let mut p = vec![0.0; rows * vocab];
+        let mut q = vec![0.0; rows * vocab];
+        for r in 0..rows {
+            for v in 0..vocab {
+                // Row r puts extra weight on block r % 3 of p: TVs differ by row.
+                let boost = if v / BLOCK == r % 3 {
+                    1.0 + r as f64
+                } else {
+                    0.0
+                };
+                p[r * vocab + v] = next() + boost;
+                q[r * vocab + v] = next();
+            }
+        }
+        for m in [&mut p, &mut q] {
+            for row in m.chunks_mut(vocab) {
+                let s: f64 = row.iter().sum();
+                row.iter_mut().for_each(|x| *x /= s);
+            }
+        }
+        let mut diverged = 0;
+        for k in 0..25 {
+            let u: Vec<f64> = (0..rows * 3).map(|_| next()).collect();
+            let got = couple(Rows::F64(&p), Rows::F64(&q), &u, rows, vocab, false, None).unwrap();
+            for r in 0..rows {
+                let want = naive(
+                    &p[r * vocab..(r + 1) * vocab],
+                    &q[r * vocab..(r + 1) * vocab],
+                    [u[3 * r], u[3 * r + 1], u[3 * r + 2]],
+                );
+                assert_eq!(got[r], want, "draw {k}, row {r}");
+                diverged += want.diverged as usize;
+            }
+            // Unnormalised rows (scaled by 3) with renormalize give the same draws.
+            let p3: Vec<f64> = p.iter().map(|x| 3.0 * x).collect();
+            let again = couple(Rows::F64(&p3), Rows::F64(&q), &u, rows, vocab, true, None);
+            assert_eq!(again.unwrap(), got);
+        }
+        assert!(diverged > 5 && diverged < 95, "{diverged}");
+    }
+
+    #[test]
     fn bad_uniforms_and_shapes() {
         let p = [0.5, 0.5];
         let e = couple(
