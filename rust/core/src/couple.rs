@@ -357,6 +357,11 @@ mod tests {
         assert_eq!(pair.inverse_cdf(Weight::ResidualQ, 0.25), 0);
         assert_eq!(pair.inverse_cdf(Weight::ResidualQ, 0.75), 1);
         assert_eq!(pair.inverse_cdf(Weight::ResidualP, 0.1), 3);
+        // No positive weight at all (never asked by the sampler): index 0, still in range.
+        let zero = [0.0; 6];
+        let pz = Rows::F64(&zero);
+        let empty = RowPair { p: &pz, ..pair };
+        assert_eq!(empty.inverse_cdf(Weight::P, 0.5), 0);
     }
 
     #[test]
@@ -414,6 +419,26 @@ mod tests {
                 Err(KvError::InvalidArgument(_))
             ));
         }
+    }
+
+    #[test]
+    fn a_residual_lost_to_rounding_falls_back_to_the_row() {
+        // Rows that differ in one direction only (what renormalisation rounding can leave):
+        // the side with no residual mass draws from its own row.
+        let (even, more) = ([0.5, 0.5], [0.5, 0.5 + 1e-12]);
+        let (pe, pm) = (Rows::F64(&even), Rows::F64(&more));
+        let pair = |p, q| RowPair {
+            p,
+            q,
+            offset: 0,
+            vocab: 2,
+            scale_p: 1.0,
+            scale_q: 1.0,
+        };
+        let d = couple_row(&pair(&pe, &pm), [0.0, 0.7, 0.2]);
+        assert_eq!((d.x, d.y), (1, 1)); // x from p at 0.7; y from the residual of q
+        let d = couple_row(&pair(&pm, &pe), [0.0, 0.2, 0.7]);
+        assert_eq!((d.x, d.y), (1, 1)); // x from the residual of p; y from q at 0.7
     }
 
     /// The sampler restated on plain vectors, one row at a time (SPEC section 2).
