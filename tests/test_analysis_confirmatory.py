@@ -323,3 +323,18 @@ def test_p_values_agree_with_the_intervals(method):
     ]
     assert sum(agree) >= len(values) - 2  # up to the replicates' granularity at the ends
     assert bs.p_value(est, "greater", est.ci_low - 1.0) < 0.01
+
+
+def test_the_docs_example_plan_is_valid(tmp_path):
+    """docs/statistics.md's confirmatory plan parses and says what the paper claims."""
+    from pathlib import Path
+
+    text = (Path(__file__).parents[1] / "docs" / "statistics.md").read_text()
+    toml = text.split("```toml\n", 1)[1].split("```", 1)[0]
+    plan = load_plan(_plan(tmp_path, toml, "paper_plan.toml"))
+    within = [c for c in plan.comparisons if c.policy is not None]
+    assert [(c.metric, c.policy, c.direction) for c in within] == [
+        ("late_minus_early_tv", "snapkv:retain=0.5", "greater")
+    ]
+    assert len(plan.comparisons) == 3 and plan.reference == "recent:retain=0.5"
+    assert plan.settings()["ci_method"] == "expanded-bca" and plan.pool_models is True
