@@ -94,36 +94,58 @@ def _live_tensor_bytes(exclude: set[int]) -> int:
     return sum(seen.values())
 
 
-@pytest.mark.parametrize("spec", ["recent:retain=0.5", "snapkv:retain=0.5"])
-def test_plan_matches_the_cache_bytes_held_at_the_peak(monkeypatch, spec):
-    """Every tensor alive at each forward of the trace (caches, kept entries, captured query
-    inputs) is counted; the largest count is the plan's cache bytes within 10%."""
-    from kvcouple.policies import parse_policy
+def _traced_peak(monkeypatch, m, prompt, spec, settings) -> int:
+    """The most tensor bytes alive at any forward of one traced document (beyond what was
+    alive before it: weights, other tests' models)."""
     from kvcouple.tracer import compat, trace_document
-    from kvcouple.tracer.memory import ModelShape, Sizes, plan_document
 
-    m = tiny_model("llama", seed=7, max_position_embeddings=4096)
-    weights = {t.untyped_storage().data_ptr() for t in [*m.parameters(), *m.buffers()]}
-    before = _live_tensor_bytes(weights)  # whatever else is alive (other tests' models)
+    before = _live_tensor_bytes(set())
     peak = [0]
     forward = compat.forward
 
     def metered(*args, **kw):
-        peak[0] = max(peak[0], _live_tensor_bytes(weights) - before)
+        peak[0] = max(peak[0], _live_tensor_bytes(set()) - before)
         return forward(*args, **kw)
 
     monkeypatch.setattr(compat, "forward", metered)
-    before = _live_tensor_bytes(weights)  # what other tests left alive is not the trace's
+    trace_document(m, prompt, [spec], settings, seed=1)
+    monkeypatch.setattr(compat, "forward", forward)
+    return peak[0]
+
+
+@pytest.mark.parametrize("spec", ["recent:retain=0.5", "snapkv:retain=0.5"])
+def test_plan_matches_the_cache_bytes_held_at_the_peak(monkeypatch, spec):
+    """A 2,048-token prompt, R=4, K=2 on a tiny model: every tensor alive at each forward of
+    the trace (caches, kept entries, captured queries) is counted; the largest count is the
+    plan's within 10%, in both cache layouts, and the split layout's evicted side holds about
+    half of what the joint (padded) layout's does at retain=0.5."""
+    from kvcouple.policies import parse_policy
+    from kvcouple.tracer.memory import ModelShape, Sizes, plan_document
+
+    m = tiny_model("llama", seed=7, max_position_embeddings=4096)
     n, R, K, T, L = 2048, 4, 2, 6, 3
     prompt = np.random.default_rng(0).integers(1, 127, n).tolist()
-    settings = TraceSettings(horizon=T, replicates=R, branches=K, window=L, branch_batch=None)
-    trace_document(m, prompt, [spec], settings, seed=1)
-    plan = plan_document(
-        ModelShape.of_model(m), n, [parse_policy(spec)], Sizes(T, R, K, L), branch_batch=None
-    )
-    planned = plan.cache_bytes + plan.capture
-    assert plan.phase == "branches"
-    assert abs(peak[0] - before - planned) <= 0.1 * planned, (peak[0], before, planned)
+    shape = ModelShape.of_model(m)
+    measured, plans = {}, {}
+    for layout in ("split", "joint"):
+        settings = TraceSettings(
+            horizon=T, replicates=R, branches=K, window=L, branch_batch=None, cache_layout=layout
+        )
+        measured[layout] = _traced_peak(monkeypatch, m, prompt, spec, settings)
+        plan = plan_document(shape, n, [parse_policy(spec)], Sizes(T, R, K, L, layout), None)
+        assert plan.layout == layout and plan.phase == "branches"
+        planned = plan.cache_bytes + plan.capture
+        assert abs(measured[layout] - planned) <= 0.1 * planned, (layout, measured, planned)
+        plans[layout] = plan
+    # The evicted side: (1024 kept - 1 + T) vs (2047 + T) columns per row.
+    assert plans["split"].path_q / plans["joint"].path_q == pytest.approx(0.5, abs=0.01)
+    assert plans["split"].path_p <= plans["joint"].path_p  # (positions: one per entry)
+    # What the split layout saves, measured, is what the plan says it saves.
+    saved = plans["joint"].cache_bytes - plans["split"].cache_bytes
+    assert measured["joint"] - measured["split"] == pytest.approx(saved, rel=0.1)
+    # auto picks the split layout here (the padding outweighs this tiny model's weights).
+    auto = plan_document(shape, n, [parse_policy(spec)], Sizes(T, R, K, L), None)
+    assert auto.layout == "split"
 
 
 def test_auto_branch_batch_is_the_largest_that_fits():
@@ -184,7 +206,7 @@ def test_dry_run_prints_the_plan_and_writes_nothing(tmp_path, capsys):
     assert "memory plan: 2 layers x 2 KV heads x 16" in text and "0.5 KiB per cached token" in text
     lines = {line.split()[0]: line.split() for line in text.splitlines() if line[:1] == "d"}
     assert lines["d0"][1] == "40" and lines["d1"][1] == "90"
-    assert lines["d1"][-1] == "8/8"  # no limit on CPU: every branch at once
+    assert lines["d1"][-2:] == ["8/8", "joint"]  # CPU: no limit; padding < weights
     assert not out.exists()
     # A budget too small for the longer prompt at one branch a time: refused, exit status 1.
     assert cli_main([*base, "--memory", "0.001", "--branch-batch", "auto"]) == 1
@@ -247,7 +269,7 @@ def test_preallocated_cache_equals_the_dynamic_cache_and_writes_in_place():
             for k, v in compat.cache_tensors(prefix)
         ]
         plain = compat.cache_from_tensors(kv)
-        grown = cache_with_capacity(iter(kv), 35)
+        grown = cache_with_capacity(iter(kv), 5)  # room for 5 more columns
         buffer = grown.layers[0]._k.data_ptr()
         assert cache_bytes(grown) == 2 * 2 * 3 * 2 * 35 * 16 * 4  # layers, K+V, rows, heads
         valid = torch.ones(3, 30, dtype=torch.bool)

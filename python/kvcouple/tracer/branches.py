@@ -27,7 +27,13 @@ from kvcouple.store.schema import empty_arrays
 from kvcouple.tracer.prefill import Prefill
 from kvcouple.tracer.records import branch_record
 from kvcouple.tracer.settings import TraceSettings
-from kvcouple.tracer.trajectories import EosState, StepHook, Trajectories, coupled_step
+from kvcouple.tracer.trajectories import (
+    EosState,
+    Rows,
+    StepHook,
+    Trajectories,
+    coupled_step,
+)
 
 
 @dataclass
@@ -37,14 +43,17 @@ class Path:
     arrays: dict[str, np.ndarray]
     hazard: np.ndarray  # (R, T) float64
     fed: torch.Tensor  # (R, T) token fed at each step (step 1: the last prompt token)
-    rows: Trajectories | None  # the path's batch with its final cache (None once not needed)
+    rows: Rows | None  # the path's batch with its final cache (None once not needed)
 
 
 class BranchStrategy(Protocol):
     """How a batch of branches ``(replicate rr[i], time ts[i])`` gets the path's prefix."""
 
-    def start(self, rr: torch.Tensor, ts: torch.Tensor) -> tuple[Trajectories, torch.Tensor]:
-        """The batch's rows (``B`` P rows, then ``B`` Q rows) and each row's offset."""
+    def start(
+        self, rr: torch.Tensor, ts: torch.Tensor, lags: torch.Tensor
+    ) -> tuple[Rows, torch.Tensor]:
+        """The batch's rows (``B`` P rows, then ``B`` Q rows), with room for every step up to
+        each branch's last lag ``lags``, and each row's offset."""
         ...
 
 
@@ -55,13 +64,16 @@ class ForkBranches:
         self.path = path
         self.prefix_length = prefix_length
 
-    def start(self, rr: torch.Tensor, ts: torch.Tensor) -> tuple[Trajectories, torch.Tensor]:
+    def start(
+        self, rr: torch.Tensor, ts: torch.Tensor, lags: torch.Tensor
+    ) -> tuple[Rows, torch.Tensor]:
         if self.path.rows is None:
             raise ValueError("forking branches needs the path's final cache")
         replicates = self.path.fed.shape[0]
         index = torch.cat([rr, rr + replicates])
         column = self.prefix_length + torch.cat([ts, ts]) - 1  # path column of step t*
-        return self.path.rows.fork(index, column), torch.zeros_like(ts)
+        steps = int(lags.max()) + 1  # re-fed t*, then the lags
+        return self.path.rows.fork(index, column, steps), torch.zeros_like(ts)
 
 
 class ReplayBranches:
@@ -77,9 +89,12 @@ class ReplayBranches:
     ):
         self.model, self.pre, self.kept, self.make_hook = model, pre, kept, make_hook
 
-    def start(self, rr: torch.Tensor, ts: torch.Tensor) -> tuple[Trajectories, torch.Tensor]:
+    def start(
+        self, rr: torch.Tensor, ts: torch.Tensor, lags: torch.Tensor
+    ) -> tuple[Rows, torch.Tensor]:
+        steps = int((ts - 1 + lags).max()) + 1  # the path up to t*, then the lags
         rows = Trajectories.start(
-            self.model, self.pre, self.kept, int(rr.shape[0]), self.make_hook(rr)
+            self.model, self.pre, self.kept, int(rr.shape[0]), self.make_hook(rr), steps=steps
         )
         return rows, ts - 1
 
@@ -127,8 +142,8 @@ def run_branch_group(
     B = rr.size
     rr_t, kk_t = torch.as_tensor(rr, device=device), torch.as_tensor(kk, device=device)
     ts = torch.as_tensor(ts_np, device=device)
-    rows, offset = strategy.start(rr_t, ts)
     lags = (T - ts).clamp(max=L)  # last lag each branch records
+    rows, offset = strategy.start(rr_t, ts, lags)
     iterations = int((offset + lags).max()) + 1
     fed = path.fed[rr_t]  # (B, T)
     arange = torch.arange(B, device=device)

@@ -41,10 +41,12 @@ from kvcouple.tracer.branches import (
     run_branches,
 )
 from kvcouple.tracer.decode import DecodeEvictor
+from kvcouple.tracer.layout import SplitRows
+from kvcouple.tracer.memory import ModelShape, choose_layout
 from kvcouple.tracer.prefill import Prefill, gather_kept, select
 from kvcouple.tracer.records import SCHEMA, distribution_records, path_metrics, to_host
 from kvcouple.tracer.settings import Decoding, TraceSettings
-from kvcouple.tracer.trajectories import EosState, StepHook, Trajectories, coupled_step
+from kvcouple.tracer.trajectories import EosState, Rows, StepHook, Trajectories, coupled_step
 
 __all__ = [
     "Decoding",
@@ -71,7 +73,20 @@ def overlap_path(
     ``idx`` (the kept positions) lets sliding-window layers run."""
     R, T = settings.replicates, settings.horizon
     device = pre.input_ids.device
-    rows = Trajectories.start(model, pre, kept, R, hook, idx)
+    kept_length = int(kept[0][0].shape[2]) + 1
+    layout = choose_layout(
+        ModelShape.of_model(model),
+        pre.prompt_length,
+        kept_length,
+        R,
+        hook is not None,
+        settings.cache_layout,
+    )
+    rows: Rows
+    if layout == "split":
+        rows = SplitRows.start(model, pre.kv, kept, R, T, idx)
+    else:
+        rows = Trajectories.start(model, pre, kept, R, hook, idx, steps=T)
     eos = EosState(settings.eos_token_ids, 2 * R, device)
     alive = torch.ones(R, dtype=torch.bool, device=device)
     tokens = torch.full((R,), int(pre.input_ids[-1]), dtype=torch.long, device=device)

@@ -84,19 +84,44 @@ _BASE = _layer_class()
 PreallocatedLayer: Any = _make_layer_class(_BASE) if _BASE is not None else None
 
 
-def cache_with_capacity(layers: Iterable[tuple[torch.Tensor, torch.Tensor]], capacity: int) -> Any:
-    """A dynamic cache holding the given per-layer ``(keys, values)`` with room for
-    ``capacity`` columns per layer. ``layers`` may be a generator: each layer's tensors are
-    copied into their buffers and can be freed before the next layer is produced."""
+def cache_with_capacity(
+    layers: Iterable[tuple[torch.Tensor, torch.Tensor]],
+    room: int,
+    positions: list[torch.Tensor] | None = None,
+) -> Any:
+    """A dynamic cache holding the given per-layer ``(keys, values)`` with room for ``room``
+    more columns per layer. ``layers`` may be a generator: each layer's tensors are copied
+    into their buffers and can be freed before the next layer is produced. ``positions``: per
+    layer, each entry's original position (see :func:`kvcouple.tracer.compat.cache_from_tensors`)."""
     if PreallocatedLayer is None:
-        return compat.cache_from_tensors(list(layers))
+        return compat.cache_from_tensors(list(layers), positions)
     cache = compat.new_cache()
-    built = [PreallocatedLayer(k, v, capacity) for k, v in layers]
-    cache.layers = built
+    cache.layers = [PreallocatedLayer(k, v, int(k.shape[-2]) + room) for k, v in layers]
     # Layers are given, not created on first update.
     if hasattr(cache, "layer_class_to_replicate"):
         cache.layer_class_to_replicate = None
+    cache.kvcouple_positions = positions
     return cache
+
+
+def fork_cache(
+    cache: Any, valid: torch.Tensor | None, index: torch.Tensor, limit: torch.Tensor, steps: int
+) -> tuple[Any, torch.Tensor]:
+    """A cache of rows ``index`` of ``cache`` that see columns ``< limit`` (per new row, and
+    only those ``valid`` showed; None: all), with room for ``steps`` more columns, and the new
+    rows' visibility. Only the columns some new row can see are copied, a layer at a time."""
+    columns = int(limit.max())
+    layers = (
+        (k[:, :, :columns].index_select(0, index), v[:, :, :columns].index_select(0, index))
+        for k, v in compat.cache_tensors(cache)
+    )
+    positions = compat.cache_positions(cache)
+    if positions is not None:
+        positions = [p[..., :columns].index_select(0, index) for p in positions]
+    seen = torch.arange(columns, device=limit.device)[None, :] < limit[:, None]
+    if valid is not None:
+        seen &= valid.index_select(0, index)[:, :columns]
+    return cache_with_capacity(layers, steps, positions), seen
 
 
 def cache_bytes(cache: Any) -> int:

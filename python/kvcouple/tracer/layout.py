@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from kvcouple.tracer import compat
-from kvcouple.tracer.kvcache import cache_with_capacity
+from kvcouple.tracer.kvcache import cache_with_capacity, fork_cache
 
 
 class _Batch:
@@ -32,14 +32,14 @@ class _Batch:
         self.cache = cache
         self.valid = valid
         self.positions = positions
+        self.dtype = compat.cache_tensors(cache)[0][0].dtype
 
     def step(self, tokens: torch.Tensor) -> torch.Tensor:
         mask = None
         if self.valid is not None:
             ones = torch.ones(self.valid.shape[0], 1, dtype=torch.bool, device=self.valid.device)
             self.valid = torch.cat([self.valid, ones], dim=1)
-            dtype = compat.cache_tensors(self.cache)[0][0].dtype
-            mask = compat.additive_mask(self.valid, dtype)
+            mask = compat.additive_mask(self.valid, self.dtype)
         logits = compat.forward(
             self.model, tokens[:, None], self.cache, self.positions[:, None], mask
         )
@@ -48,16 +48,8 @@ class _Batch:
 
     def fork(self, index: torch.Tensor, limit: torch.Tensor, steps: int) -> _Batch:
         """Copies of rows ``index`` seeing columns ``< limit`` (per new row), with room for
-        ``steps`` more; only the columns some new row can see are copied."""
-        columns = int(limit.max())
-        layers = (
-            (k[:, :, :columns].index_select(0, index), v[:, :, :columns].index_select(0, index))
-            for k, v in compat.cache_tensors(self.cache)
-        )
-        cache = cache_with_capacity(layers, columns + steps)
-        seen = torch.arange(columns, device=limit.device)[None, :] < limit[:, None]
-        if self.valid is not None:
-            seen &= self.valid.index_select(0, index)[:, :columns]
+        ``steps`` more."""
+        cache, seen = fork_cache(self.cache, self.valid, index, limit, steps)
         return _Batch(self.model, cache, seen, torch.zeros_like(limit))
 
 
@@ -79,19 +71,26 @@ class SplitRows:
         kept: list[tuple[torch.Tensor, torch.Tensor]],
         copies: int,
         steps: int,
+        idx: torch.Tensor | None = None,
     ) -> SplitRows:
         """``copies`` P rows on the ``prefix`` cache and ``copies`` Q rows on the ``kept``
         entries (both ``(1, kv_heads, length, head_dim)`` per layer), with room for ``steps``
-        tokens, about to feed the last prompt token at position ``n - 1``."""
+        tokens, about to feed the last prompt token at position ``n - 1``. ``idx``: the kept
+        positions ``(layers, kv_heads, keep)``, which sliding-window layers need."""
         n1, keep = int(prefix[0][0].shape[2]), int(kept[0][0].shape[2])
         device = prefix[0][0].device
         positions = torch.full((copies,), n1, device=device)
+        p_pos = q_pos = None
+        if idx is not None:
+            every = torch.arange(n1, device=device).expand(copies, 1, n1)
+            p_pos = [every for _ in range(len(prefix))]
+            q_pos = [i.to(device).expand(copies, -1, -1) for i in idx]
 
-        def rows(kv: list[tuple[torch.Tensor, torch.Tensor]], length: int) -> _Batch:
+        def rows(kv: list[tuple[torch.Tensor, torch.Tensor]], pos: Any) -> _Batch:
             layers = ((k.expand(copies, -1, -1, -1), v.expand(copies, -1, -1, -1)) for k, v in kv)
-            return _Batch(model, cache_with_capacity(layers, length + steps), None, positions)
+            return _Batch(model, cache_with_capacity(layers, steps, pos), None, positions)
 
-        return cls(rows(prefix, n1), rows(kept, keep), n1 - keep)
+        return cls(rows(prefix, p_pos), rows(kept, q_pos), n1 - keep)
 
     @property
     def rows(self) -> int:
@@ -102,7 +101,7 @@ class SplitRows:
         half = tokens.shape[0] // 2
         return torch.cat([self.p.step(tokens[:half]), self.q.step(tokens[half:])])
 
-    def fork(self, index: torch.Tensor, visible_before: torch.Tensor, steps: int) -> SplitRows:
+    def fork(self, index: torch.Tensor, visible_before: torch.Tensor, steps: int = 0) -> SplitRows:
         """Copies of rows ``index`` (``B`` P rows, then the ``B`` matching Q rows, numbered as
         in the joint layout: Q row ``i`` is ``B + i``) seeing only the path columns before
         ``visible_before`` (in P's columns, which are positions), positioned to feed the token

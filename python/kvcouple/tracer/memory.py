@@ -8,15 +8,18 @@ what the tracer holds in each phase of a document and takes the largest:
   prompt (their last queries; accumulated attention, summed while prefilling), and the
   prefill's activations;
 - **select**: the prefix cache, the capture and the costliest scorer's attention buffers;
-- **path**: the prefix cache, the largest kept cache of one policy, the overlap path's P rows
-  and Q rows at their final length ``n - 1 + T``, and one decoding step's activations;
-- **branches**: the path phase plus one batch of branches (each branch is a P row and a Q row
-  copied from its replicate, grown by up to ``L + 1`` steps); decode-time policies replay their
-  branches from the prompt cache, a batch at a time, after the path's cache is freed.
+- **path** (per policy): the prefix cache, the policy's kept cache, the overlap path's P rows
+  and Q rows at their final length (P: ``n - 1 + T`` columns; Q: its kept entries plus ``T``
+  in the split layout, ``n - 1 + T`` in the joint one), and one decoding step's activations;
+- **branches**: the path phase plus one batch of forks (P and Q rows copied from their
+  replicates with room for their steps, at most ``L`` columns more); decode-time policies
+  **replay** each batch from the prompt cache after the path's cache is freed.
 
-Cache bytes follow the tracer's layout exactly (they are what the instrumented test checks);
-activations are estimates with some headroom. Weights are not part of a document's peak: they
-are resident already, and the free memory the batch is chosen against excludes them.
+Caches are preallocated (:mod:`kvcouple.tracer.kvcache`), so cache bytes follow the tracer's
+layout exactly (``tests/test_tracer_scale.py`` checks the plan against every tensor alive in a
+traced document); activations are estimates with some headroom. Weights are not part of a
+document's peak: they are resident already, and the free memory the batch is chosen against
+excludes them.
 
 ``branch_batch="auto"`` picks the largest batch of branches whose peak fits the budget (free
 device memory less a margin); a document that does not fit even at batch 1 raises
@@ -129,6 +132,7 @@ class Sizes:
     replicates: int
     branches: int
     window: int
+    layout: str = "auto"  # the cache layout: auto, joint or split (see choose_layout)
 
 
 @dataclass
@@ -137,7 +141,7 @@ class DocumentPlan:
 
     doc_id: str
     prompt_length: int
-    branch_batch: int  # branches traced (or replayed) at once
+    branch_batch: int  # branches traced at once (decode-time policies replay all at once)
     branch_count: int  # R x K
     prompt_cache: int  # the prefix cache, batch 1
     kept_cache: int  # the largest evicted cache of one policy, batch 1
@@ -151,6 +155,7 @@ class DocumentPlan:
     phase: str  # the phase where the peak is
     budget: int | None = None  # bytes the document may use (None: unknown)
     phases: dict[str, int] = field(default_factory=dict)
+    layout: str = "joint"  # the cache layout of the policy with the largest peak
 
     @property
     def fits(self) -> bool:
@@ -167,10 +172,6 @@ def human(b: int | None) -> str:
     if b is None:
         return "unknown"
     return f"{b / GiB:.2f} GiB" if abs(b) >= GiB else f"{b / 2**20:.1f} MiB"
-
-
-def _kept_counts(policies: Sequence[Policy], n: int) -> list[int]:
-    return [p.kept_count(n) for p in policies]
 
 
 def _capture_bytes(shape: ModelShape, policies: Sequence[Policy], n1: int) -> int:
@@ -223,9 +224,90 @@ def _decode_activations(shape: ModelShape, rows: int, length: int) -> int:
     """One decoding step of ``rows`` rows over a cache of ``length`` entries."""
     vocab = rows * shape.vocab * (shape.itemsize + 8 * _VOCAB_TEMPORARIES)
     attention = rows * length * (shape.query_heads * 4 + shape.itemsize + 1)
-    # The dynamic cache grows by concatenation: one layer's keys and values exist twice.
-    regrow = rows * length * shape.token_bytes // shape.layers
-    return vocab + attention + regrow
+    return vocab + attention
+
+
+def choose_layout(
+    shape: ModelShape,
+    prompt_length: int,
+    kept_length: int,
+    replicates: int,
+    decode_time: bool,
+    setting: str = "auto",
+) -> str:
+    """The cache layout of one (document, policy): ``"split"`` (P rows and Q rows as two
+    batches, Q holding only its kept entries; :mod:`kvcouple.tracer.layout`) or ``"joint"``
+    (one batch, Q rows padded to the prefix length and masked).
+
+    ``auto`` splits when the padded columns the joint layout would read every step outweigh
+    the weights the split layout's second forward pass reads again (both passes are bound by
+    memory traffic when decoding): on an 8B model at retain=0.5 and R=8, prompts from about
+    30k tokens. Decode-time eviction changes the Q rows' cache in place and stays joint.
+    """
+    if decode_time or kept_length >= prompt_length:
+        return "joint"
+    if setting != "auto":
+        return setting
+    padded = replicates * (prompt_length - kept_length) * shape.token_bytes
+    return "split" if padded >= shape.weight_bytes else "joint"
+
+
+@dataclass
+class _PolicyPlan:
+    layout: str
+    kept: int
+    path_p: int
+    path_q: int
+    branches: int
+    phases: dict[str, int]
+    activations: list[int]
+
+
+def _plan_policy(
+    shape: ModelShape, n: int, policy: Policy, sizes: Sizes, batch: int, held: int
+) -> _PolicyPlan:
+    """The path and branch phases of one policy (``held``: prefix cache and capture)."""
+    T, R, L = sizes.horizon, sizes.replicates, sizes.window
+    n1, c = n - 1, shape.token_bytes
+    k1 = policy.kept_count(n) - 1  # kept prefix entries (the re-fed last token is fed again)
+    layout = choose_layout(shape, n, k1 + 1, R, policy.decode_time, sizes.layout)
+    held += k1 * c
+    q_columns = k1 if layout == "split" else n1  # joint: Q rows padded to the prefix length
+
+    def rows(count: int, columns: int, q_side: bool) -> int:
+        """Cache bytes of ``count`` rows of ``columns`` entries, with the entries' original
+        positions (int64 per layer, per KV head except the split layout's P rows) that
+        one-shot policies keep for sliding-window layers."""
+        if policy.decode_time:
+            return count * columns * c
+        heads = shape.kv_heads if q_side or layout == "joint" else 1
+        return count * columns * (c + 8 * shape.layers * heads)
+
+    path_p, path_q = rows(R, n1 + T, False), rows(R, q_columns + T, True)
+    path_act = _decode_activations(shape, 2 * R, n1 + T)
+    if policy.decode_time:
+        # The evictor keeps a float32 score and an int64 position per entry and KV head; the
+        # branches replay from the prompt cache after the path's cache is freed.
+        def evictor(count: int) -> int:
+            return count * shape.layers * shape.kv_heads * (n1 + T) * 12
+
+        branches = 2 * batch * (n1 + T) * c
+        replay_act = _decode_activations(shape, 2 * batch, n1 + T)
+        phases = {
+            "path": held + path_p + path_q + evictor(R) + path_act,
+            "replay": held + branches + evictor(batch) + replay_act,
+        }
+        return _PolicyPlan(layout, k1 * c, path_p, path_q, branches, phases, [path_act, replay_act])
+    # A batch of forks copies the path columns its rows can see, one layer at a time, into
+    # caches with room for its steps: at most n - 1 + T + L columns (Q: its own columns).
+    branches = rows(batch, n1 + T + L, False) + rows(batch, q_columns + T + L, True)
+    copying = 2 * batch * (n1 + T) * c // shape.layers
+    fork_act = _decode_activations(shape, 2 * batch, n1 + T + L)
+    phases = {
+        "path": held + path_p + path_q + path_act,
+        "branches": held + path_p + path_q + branches + max(copying, fork_act),
+    }
+    return _PolicyPlan(layout, k1 * c, path_p, path_q, branches, phases, [path_act, fork_act])
 
 
 def plan_document(
@@ -238,52 +320,20 @@ def plan_document(
     doc_id: str = "",
     budget: int | None = None,
 ) -> DocumentPlan:
-    """The planned peak of one document at a given branch batch (None: every branch at once)."""
-    n, T, R, L = prompt_length, sizes.horizon, sizes.replicates, sizes.window
+    """The planned peak of one document at a given branch batch (None: every branch at once);
+    its components are those of the policy with the largest peak."""
+    n = prompt_length
     n1 = n - 1
-    c = shape.token_bytes
-    count = R * sizes.branches
-    decode_time = any(p.decode_time for p in policies)
-    one_shot = any(not p.decode_time for p in policies)
+    count = sizes.replicates * sizes.branches
     batch = count if branch_batch is None else min(branch_batch, count)
-    lags = min(L, T - 1) + 1  # steps a branch runs: re-fed t* plus up to L lags inside T
-
-    def evictor(rows: int, length: int) -> int:
-        # Decode-time eviction keeps a float32 score and an int64 position per entry and head.
-        return rows * shape.layers * shape.kv_heads * length * 12 if decode_time else 0
-
-    prompt = n1 * c
-    kept = max(k - 1 for k in _kept_counts(policies, n)) * c
+    prompt = n1 * shape.token_bytes
     capture = _capture_bytes(shape, policies, n1)
     scoring, accumulating = _scoring_bytes(shape, policies, n1)
-    # The Q rows are left-padded to the prefix length so that P and Q rows batch together.
-    path_p = R * (n1 + T) * c
-    path_q = R * (n1 + T) * c
-    held = prompt + kept + capture
-    activations = [
-        _prefill_activations(shape, n1) + accumulating,
-        _decode_activations(shape, 2 * R, n1 + T),
-    ]
-    phases = {
-        "prefill": prompt + capture + activations[0],
-        "select": prompt + capture + scoring,
-        "path": held + path_p + path_q + activations[1] + evictor(R, n1 + T),
-    }
-    branches = 0
-    if one_shot:
-        # A batch is copied from the path's rows (the cache takes the copies over: they are
-        # freed at its first step), then grows by `lags` steps.
-        length = n1 + T + lags
-        branches = 2 * batch * length * c
-        activations.append(_decode_activations(shape, 2 * batch, length))
-        phases["branches"] = held + path_p + path_q + branches + activations[-1]
-    if decode_time:
-        # Decode-time policies replay their branches from the prompt cache, `batch` at a time,
-        # after the path's cache is freed.
-        replay = 2 * batch * (n1 + T) * c
-        activations.append(_decode_activations(shape, 2 * batch, n1 + T))
-        phases["replay"] = held + replay + evictor(batch, n1 + T) + activations[-1]
-        branches = max(branches, replay)
+    prefill_act = _prefill_activations(shape, n1) + accumulating
+    phases = {"prefill": prompt + capture + prefill_act, "select": prompt + capture + scoring}
+    plans = [_plan_policy(shape, n, p, sizes, batch, prompt + capture) for p in policies]
+    top = max(plans, key=lambda p: max(p.phases.values()))
+    phases.update(top.phases)
     phase = max(phases, key=lambda k: phases[k])
     return DocumentPlan(
         doc_id=doc_id,
@@ -291,17 +341,18 @@ def plan_document(
         branch_batch=batch,
         branch_count=count,
         prompt_cache=prompt,
-        kept_cache=kept,
+        kept_cache=top.kept,
         capture=capture,
         scoring=scoring,
-        path_p=path_p,
-        path_q=path_q,
-        branches=branches,
-        activations=max(activations),
+        path_p=top.path_p,
+        path_q=top.path_q,
+        branches=top.branches,
+        activations=max([prefill_act, *(a for p in plans for a in p.activations)]),
         peak=phases[phase],
         phase=phase,
         budget=budget,
         phases=phases,
+        layout=top.layout,
     )
 
 
@@ -422,7 +473,8 @@ def format_plan(
         f"weights {human(shape.weight_bytes)}",
         f"available to a document: {human(budget)} ({where}); figures in {name}",
         f"{'doc':<16}{'tokens':>8}{'prompt':>9}{'kept':>8}{'P rows':>9}{'Q rows':>9}"
-        f"{'branches':>10}{'capture':>9}{'activ.':>9}{'peak':>9}  {'phase':<9}{'batch':>9}",
+        f"{'branches':>10}{'capture':>9}{'activ.':>9}{'peak':>9}  {'phase':<9}{'batch':>9}"
+        f"  layout",
     ]
     for p in plans:
         lines.append(
@@ -430,7 +482,7 @@ def format_plan(
             f"{f(p.kept_cache):>8}{f(p.path_p):>9}{f(p.path_q):>9}"
             f"{f(p.branches):>10}{f(p.capture):>9}{f(p.activations):>9}"
             f"{f(p.peak):>9}  {p.phase:<9}{f'{p.branch_batch}/{p.branch_count}':>9}"
-            + ("" if p.fits else "  DOES NOT FIT")
+            f"  {p.layout}" + ("" if p.fits else "  DOES NOT FIT")
         )
     return "\n".join(lines)
 
@@ -447,7 +499,13 @@ def plan_loaded(
     """:func:`plan_documents` for a loaded model on its device, with a run's ``TraceSettings``."""
     shape = ModelShape.of_model(model)
     budget = document_budget(shape, next(model.parameters()).device, memory)
-    sizes = Sizes(settings.horizon, settings.replicates, settings.branches, settings.window)
+    sizes = Sizes(
+        settings.horizon,
+        settings.replicates,
+        settings.branches,
+        settings.window,
+        getattr(settings, "cache_layout", "auto"),
+    )
     return plan_documents(
         shape, documents, policies, sizes, settings.branch_batch, budget, refuse=refuse
     )

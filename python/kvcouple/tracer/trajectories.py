@@ -11,6 +11,7 @@ only which token each row is fed, which uniforms it gets, and what is recorded.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -19,6 +20,7 @@ import torch
 
 from kvcouple.torch_coupling import couple_rows
 from kvcouple.tracer import compat
+from kvcouple.tracer.kvcache import cache_with_capacity, fork_cache
 from kvcouple.tracer.prefill import Prefill
 from kvcouple.tracer.settings import Decoding
 
@@ -32,6 +34,20 @@ class StepHook(Protocol):
     def after_step(self, rows: Trajectories) -> None: ...
 
 
+class Rows(Protocol):
+    """``B`` P rows then ``B`` Q rows in some cache layout (:class:`Trajectories`: one joint
+    batch; :class:`~kvcouple.tracer.layout.SplitRows`: P and Q as two batches)."""
+
+    def step(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Feed one token per row; returns ``(2B, vocab)`` logits."""
+        ...
+
+    def fork(self, index: torch.Tensor, visible_before: torch.Tensor, steps: int = 0) -> Rows:
+        """Copies of rows ``index`` that see the path columns before ``visible_before`` (P's
+        columns), positioned to feed the token of that column, with room for ``steps``."""
+        ...
+
+
 class Trajectories:
     """A batch of trajectories sharing one cache tensor per layer, with per-row visibility
     ``valid`` ``(rows, columns)`` and per-row ``positions`` (of the next token fed)."""
@@ -39,22 +55,23 @@ class Trajectories:
     def __init__(
         self,
         model: Any,
-        kv: list[tuple[torch.Tensor, torch.Tensor]],
+        cache: Any,
         valid: torch.Tensor,
         positions: torch.Tensor,
         padded: bool,
         hook: StepHook | None = None,
-        key_positions: list[torch.Tensor] | None = None,
     ):
+        """``cache``: a dynamic cache of the rows (see :func:`~kvcouple.tracer.kvcache.
+        cache_with_capacity`), whose entry positions (per layer, ``(rows, kv_heads or 1,
+        columns)``) let sliding-window layers run; None where eviction while decoding moves
+        entries (those layers then refuse)."""
         self.model = model
-        # Entry positions (per layer, (rows, kv_heads or 1, columns)) let sliding-window layers
-        # run; None where eviction while decoding moves entries (those layers then refuse).
-        self.cache = compat.cache_from_tensors(kv, key_positions)
+        self.cache = cache
         self.valid = valid
         self.positions = positions
         # Without padding or eviction every row sees every column: no mask needed.
         self.padded = padded or hook is not None
-        self.dtype = kv[0][0].dtype
+        self.dtype = compat.cache_tensors(cache)[0][0].dtype
         self.hook = hook
 
     @classmethod
@@ -66,6 +83,7 @@ class Trajectories:
         copies: int,
         hook: StepHook | None = None,
         idx: torch.Tensor | None = None,
+        steps: int = 0,
     ) -> Trajectories:
         """``copies`` P rows on the full prefix cache, then ``copies`` Q rows on the kept entries
         (left-padded to the prefix length, the padding hidden), all about to feed the last
@@ -75,18 +93,19 @@ class Trajectories:
         keep = kept[0][0].shape[2]
         device = pre.input_ids.device
         pad = (0, 0, n1 - keep, 0)
-        kv: list[tuple[torch.Tensor, torch.Tensor]] = []
-        for (kp, vp), (kq, vq) in zip(pre.kv, kept, strict=True):
-            k, v = (
-                torch.cat(
-                    [
-                        full.expand(copies, -1, -1, -1),
-                        torch.nn.functional.pad(part, pad).expand(copies, -1, -1, -1),
-                    ]
+
+        def layers() -> Iterator[tuple[torch.Tensor, ...]]:  # one layer at a time
+            for (kp, vp), (kq, vq) in zip(pre.kv, kept, strict=True):
+                yield tuple(
+                    torch.cat(
+                        [
+                            full.expand(copies, -1, -1, -1),
+                            torch.nn.functional.pad(part, pad).expand(copies, -1, -1, -1),
+                        ]
+                    )
+                    for full, part in ((kp, kq), (vp, vq))
                 )
-                for full, part in ((kp, kq), (vp, vq))
-            )
-            kv.append((k, v))
+
         valid = torch.ones(2 * copies, n1, dtype=torch.bool, device=device)
         valid[copies:, : n1 - keep] = False
         positions = torch.full((2 * copies,), n1, device=device)
@@ -105,24 +124,18 @@ class Trajectories:
                 )
                 for kept_pos in idx
             ]
-        return cls(model, kv, valid, positions, keep < n1, hook, key_positions)
+        # Built one layer at a time, with room for the steps to come.
+        cache = cache_with_capacity(layers(), steps, key_positions)
+        return cls(model, cache, valid, positions, keep < n1, hook)
 
-    def fork(self, index: torch.Tensor, visible_before: torch.Tensor) -> Trajectories:
+    def fork(
+        self, index: torch.Tensor, visible_before: torch.Tensor, steps: int = 0
+    ) -> Trajectories:
         """Copies of rows ``index`` that see only columns ``< visible_before`` (per new row),
-        positioned to feed the token of column ``visible_before``."""
-        kv = [
-            (k.index_select(0, index), v.index_select(0, index))
-            for k, v in compat.cache_tensors(self.cache)
-        ]
-        valid = self.valid.index_select(0, index)
-        columns = torch.arange(valid.shape[1], device=valid.device)
-        valid = valid & (columns[None, :] < visible_before[:, None])
-        key_positions = compat.cache_positions(self.cache)
-        if key_positions is not None:
-            key_positions = [p.index_select(0, index) for p in key_positions]
-        return Trajectories(
-            self.model, kv, valid, visible_before.clone(), True, key_positions=key_positions
-        )
+        positioned to feed the token of column ``visible_before``, with room for ``steps``
+        tokens; only the columns some new row can see are copied."""
+        cache, valid = fork_cache(self.cache, self.valid, index, visible_before, steps)
+        return Trajectories(self.model, cache, valid, visible_before.clone(), True)
 
     def step(self, tokens: torch.Tensor) -> torch.Tensor:
         """Feed one token per row; returns ``(rows, vocab)`` logits."""
@@ -179,7 +192,7 @@ class CoupledStep:
 
 
 def coupled_step(
-    rows: Trajectories,
+    rows: Rows,
     tokens: torch.Tensor,
     decoding: Decoding,
     eos: EosState,
