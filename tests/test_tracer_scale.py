@@ -375,3 +375,42 @@ def test_prefill_captures_only_what_the_policy_reads(spec, kept_queries):
             )
         with pytest.raises(RuntimeError, match="was not captured"):
             lean.capture.attention(0, 0, 3)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "mistral_window"])
+def test_split_and_joint_layouts_trace_the_same_document(arch):
+    """The split layout (Q rows on their kept entries only, two batches) and the joint one
+    (Q padded and masked) give the same records to float noise; models with sliding windows
+    stay in the joint layout."""
+    from kvcouple.store import Record
+    from kvcouple.tracer import trace_document
+
+    try:
+        m = tiny_model(arch, seed=3, max_position_embeddings=512)
+    except (ImportError, ValueError) as e:
+        pytest.skip(str(e))
+    from kvcouple.tracer.memory import ModelShape, choose_layout
+
+    shape = ModelShape.of_model(m)
+    assert choose_layout(shape, 40, 20, 2, False, "split") == (
+        "joint" if arch == "mistral_window" else "split"
+    )
+    prompt = np.random.default_rng(4).integers(1, 120, 40).tolist()
+    specs = ["snapkv:retain=0.5,window=4", "recent:retain=0.3"]
+    got = {}
+    for layout in ("joint", "split"):
+        settings = TraceSettings(
+            horizon=6,
+            replicates=2,
+            branches=2,
+            window=3,
+            record=Record.parse("topk:5"),
+            cache_layout=layout,
+        )
+        got[layout], _ = trace_document(m, prompt, specs, settings, seed=2)
+    for name, a in got["joint"].items():
+        b = got["split"][name]
+        if a.dtype.kind == "f":
+            np.testing.assert_allclose(a, b, atol=2e-5, err_msg=name)
+        else:
+            np.testing.assert_array_equal(a, b, err_msg=name)

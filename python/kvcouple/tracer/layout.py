@@ -81,10 +81,10 @@ class SplitRows:
         device = prefix[0][0].device
         positions = torch.full((copies,), n1, device=device)
         p_pos = q_pos = None
-        if idx is not None:
-            every = torch.arange(n1, device=device).expand(copies, 1, n1)
+        if idx is not None and compat.needs_positions(model):  # only windows need them
+            every = torch.arange(n1, device=device, dtype=torch.int32).expand(copies, 1, n1)
             p_pos = [every for _ in range(len(prefix))]
-            q_pos = [i.to(device).expand(copies, -1, -1) for i in idx]
+            q_pos = [i.to(device, torch.int32).expand(copies, -1, -1) for i in idx]
 
         def rows(kv: list[tuple[torch.Tensor, torch.Tensor]], pos: Any) -> _Batch:
             layers = ((k.expand(copies, -1, -1, -1), v.expand(copies, -1, -1, -1)) for k, v in kv)

@@ -34,6 +34,7 @@ from typing import Any
 
 from kvcouple.errors import InvalidInputError
 from kvcouple.policies import Policy
+from kvcouple.tracer.support import layer_windows
 
 GiB = 2**30
 
@@ -64,6 +65,7 @@ class ModelShape:
     itemsize: int
     weight_bytes: int
     attn_implementation: str = "sdpa"
+    windowed: bool = False  # some layer has a sliding window: caches track entry positions
 
     @property
     def token_bytes(self) -> int:
@@ -87,6 +89,7 @@ class ModelShape:
             itemsize=itemsize,
             weight_bytes=weight_bytes,
             attn_implementation=str(getattr(config, "_attn_implementation", None) or "eager"),
+            windowed=any(w is not None for w in layer_windows(cfg)),
         )
 
     @classmethod
@@ -242,9 +245,10 @@ def choose_layout(
     ``auto`` splits when the padded columns the joint layout would read every step outweigh
     the weights the split layout's second forward pass reads again (both passes are bound by
     memory traffic when decoding): on an 8B model at retain=0.5 and R=8, prompts from about
-    30k tokens. Decode-time eviction changes the Q rows' cache in place and stays joint.
+    30k tokens. Decode-time eviction changes the Q rows' cache in place and stays joint, and
+    so do models with sliding-window layers (whatever the setting).
     """
-    if decode_time or kept_length >= prompt_length:
+    if decode_time or shape.windowed or kept_length >= prompt_length:
         return "joint"
     if setting != "auto":
         return setting
@@ -276,12 +280,12 @@ def _plan_policy(
 
     def rows(count: int, columns: int, q_side: bool) -> int:
         """Cache bytes of ``count`` rows of ``columns`` entries, with the entries' original
-        positions (int64 per layer, per KV head except the split layout's P rows) that
-        one-shot policies keep for sliding-window layers."""
-        if policy.decode_time:
+        positions (int32 per layer, per KV head except the split layout's P rows) that
+        one-shot policies keep on models with sliding-window layers."""
+        if policy.decode_time or not shape.windowed:
             return count * columns * c
         heads = shape.kv_heads if q_side or layout == "joint" else 1
-        return count * columns * (c + 8 * shape.layers * heads)
+        return count * columns * (c + 4 * shape.layers * heads)
 
     path_p, path_q = rows(R, n1 + T, False), rows(R, q_columns + T, True)
     path_act = _decode_activations(shape, 2 * R, n1 + T)
