@@ -320,7 +320,9 @@ def test_engine_that_loses_positions_is_refused_up_front(monkeypatch, tmp_path):
     from kvcouple.tracer import compat
 
     build = compat.cache_from_tensors
-    monkeypatch.setattr(compat, "cache_from_tensors", lambda kv, positions=None: build(kv))
+    monkeypatch.setattr(
+        compat, "cache_from_tensors", lambda kv, positions=None, room=0: build(kv, room=room)
+    )
     m = tiny_model("gemma3_text", seed=7)  # fresh: no cached support verdict
     out = tmp_path / "s.zarr"
     with pytest.raises(UnsupportedModelError, match="original positions"):

@@ -22,6 +22,7 @@
 from __future__ import annotations
 
 import inspect
+from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -72,19 +73,20 @@ def new_cache() -> Any:
 
 
 def cache_from_tensors(
-    kv: list[tuple[torch.Tensor, torch.Tensor]], positions: list[torch.Tensor] | None = None
+    kv: Iterable[tuple[torch.Tensor, torch.Tensor]],
+    positions: list[torch.Tensor] | None = None,
+    room: int = 0,
 ) -> Any:
-    """A dynamic cache holding the given per-layer ``(keys, values)``.
+    """A dynamic cache holding the given per-layer ``(keys, values)``, preallocated with room
+    for ``room`` more columns (:mod:`kvcouple.tracer.kvcache`; ``kv`` may be a generator).
 
     ``positions``: per layer, the original position of every entry, ``(batch, kv_heads or 1,
     length)`` (hidden padding may hold anything); ``None`` where they are not known (then
     sliding-window layers refuse to run on this cache).
     """
-    cache = new_cache()
-    for layer, (k, v) in enumerate(kv):
-        cache.update(k, v, layer)
-    cache.kvcouple_positions = positions
-    return cache
+    from kvcouple.tracer.kvcache import cache_with_capacity
+
+    return cache_with_capacity(kv, room, positions)
 
 
 def cache_positions(cache: Any) -> list[torch.Tensor] | None:

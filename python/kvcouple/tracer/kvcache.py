@@ -93,9 +93,12 @@ def cache_with_capacity(
     more columns per layer. ``layers`` may be a generator: each layer's tensors are copied
     into their buffers and can be freed before the next layer is produced. ``positions``: per
     layer, each entry's original position (see :func:`kvcouple.tracer.compat.cache_from_tensors`)."""
-    if PreallocatedLayer is None:
-        return compat.cache_from_tensors(list(layers), positions)
     cache = compat.new_cache()
+    if PreallocatedLayer is None:  # no cache layers: a plain dynamic cache, concatenating
+        for layer, (k, v) in enumerate(layers):
+            cache.update(k, v, layer)
+        cache.kvcouple_positions = positions
+        return cache
     cache.layers = [PreallocatedLayer(k, v, int(k.shape[-2]) + room) for k, v in layers]
     # Layers are given, not created on first update.
     if hasattr(cache, "layer_class_to_replicate"):
@@ -121,7 +124,7 @@ def fork_cache(
     seen = torch.arange(columns, device=limit.device)[None, :] < limit[:, None]
     if valid is not None:
         seen &= valid.index_select(0, index)[:, :columns]
-    return cache_with_capacity(layers, steps, positions), seen
+    return compat.cache_from_tensors(layers, positions, steps), seen
 
 
 def cache_bytes(cache: Any) -> int:

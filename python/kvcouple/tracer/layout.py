@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from kvcouple.tracer import compat
-from kvcouple.tracer.kvcache import cache_with_capacity, fork_cache
+from kvcouple.tracer.kvcache import fork_cache
 
 
 class _Batch:
@@ -88,7 +88,7 @@ class SplitRows:
 
         def rows(kv: list[tuple[torch.Tensor, torch.Tensor]], pos: Any) -> _Batch:
             layers = ((k.expand(copies, -1, -1, -1), v.expand(copies, -1, -1, -1)) for k, v in kv)
-            return _Batch(model, cache_with_capacity(layers, steps, pos), None, positions)
+            return _Batch(model, compat.cache_from_tensors(layers, pos, steps), None, positions)
 
         return cls(rows(prefix, p_pos), rows(kept, q_pos), n1 - keep)
 

@@ -20,7 +20,7 @@ import torch
 
 from kvcouple.torch_coupling import couple_rows
 from kvcouple.tracer import compat
-from kvcouple.tracer.kvcache import cache_with_capacity, fork_cache
+from kvcouple.tracer.kvcache import fork_cache
 from kvcouple.tracer.prefill import Prefill
 from kvcouple.tracer.settings import Decoding
 
@@ -125,7 +125,7 @@ class Trajectories:
                 for kept_pos in idx
             ]
         # Built one layer at a time, with room for the steps to come.
-        cache = cache_with_capacity(layers(), steps, key_positions)
+        cache = compat.cache_from_tensors(layers(), key_positions, steps)
         return cls(model, cache, valid, positions, keep < n1, hook)
 
     def fork(
