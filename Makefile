@@ -110,6 +110,12 @@ mutants: ## Mutation testing (slow, not in CI): cargo-mutants on rust/core, then
 		"(missed ones: target/mutants/mutants.out/missed.txt)"
 	$(PYTHON) scripts/mutants.py $(MUTANTS_PY_ARGS)
 
+docs: ## The docs site in build/site: executed notebooks, API and CLI reference (mkdocs --strict)
+	$(PYTHON) scripts/build_docs.py
+
+docs-test: ## Open every page of build/site in headless chromium: figures load, no error cells
+	$(PYTHON) -m pytest -q -p no:cacheprovider tests/test_docs_site.py
+
 demo: ## The main job on the embedded default model
 	kvcouple demo
 

@@ -113,7 +113,27 @@ def _pair(p: object, q: object, dtype: str | None) -> tuple[np.ndarray, np.ndarr
 
 @dataclass(frozen=True)
 class Divergences:
-    """Per-row divergences between p and q (each field a 1-D array over rows)."""
+    """Per-row divergences between p and q, each a float64 array of shape ``(rows,)``.
+
+    Attributes
+    ----------
+    tv : numpy.ndarray
+        Total variation ``0.5 * sum_v |p(v) - q(v)|``, in [0, 1]: under the maximal coupling,
+        the probability that the two sides emit different tokens.
+    kl_pq, kl_qp : numpy.ndarray
+        ``KL(p || q)`` and ``KL(q || p)`` in nats; ``+inf`` where one side puts mass on a token
+        the other gives probability 0.
+    js : numpy.ndarray
+        Jensen-Shannon divergence in nats, in [0, ln 2].
+    hellinger : numpy.ndarray
+        Hellinger distance, in [0, 1].
+    entropy_p, entropy_q : numpy.ndarray
+        Entropies of p and q in nats.
+    overlap : numpy.ndarray
+        ``sum_v min(p(v), q(v)) = 1 - tv``.
+    top1_agree : numpy.ndarray
+        Boolean: the most likely token is the same (first index on ties).
+    """
 
     tv: np.ndarray
     kl_pq: np.ndarray
@@ -126,6 +146,7 @@ class Divergences:
     top1_agree: np.ndarray
 
     def as_dict(self) -> dict[str, np.ndarray]:
+        """Every field by name."""
         return {f.name: getattr(self, f.name) for f in fields(self)}
 
 
@@ -141,12 +162,46 @@ def divergences(
     atol: float | None = None,
     dtype: str | None = None,
 ) -> Divergences:
-    """TV, KL both ways, Jensen-Shannon, Hellinger, entropies, overlap and top-1 agreement.
+    """TV, KL both ways, Jensen-Shannon, Hellinger, entropies, overlap and top-1 agreement,
+    row by row, in one vectorised pass (Rust, every core, no copy of C-contiguous input).
 
-    ``p`` and ``q`` are ``(rows, vocab)`` probabilities, or logits with ``logits=True``, in
-    which case the decoding transform (temperature, then top-k, then top-p, then softmax; see
-    :mod:`kvcouple.decoding`) is applied to both identically. Raises
-    :class:`~kvcouple.errors.InvalidInputError` (a ``ValueError``) naming the first bad row.
+    Parameters
+    ----------
+    p, q : array_like
+        ``(rows, vocab)`` next-token probabilities (each row sums to 1 within ``atol``), or
+        logits with ``logits=True``. float16, float32, float64; bfloat16 as ``uint16`` bits
+        with ``dtype="bfloat16"`` or as an ``ml_dtypes.bfloat16`` array. Both in one dtype.
+    logits : bool, default False
+        Treat ``p`` and ``q`` as logits and apply the decoding transform to both identically:
+        temperature, then top-k, then top-p, then softmax (the transform the tracer applies;
+        :func:`kvcouple.torch_coupling.apply_decoding` is its torch twin).
+    temperature : float, default 1.0
+        Divides the logits; finite and > 0 (``top_k=1`` is greedy decoding).
+    top_k : int, optional
+        Keep the ``top_k`` most likely tokens (ties at the threshold all kept).
+    top_p : float, optional
+        Keep the smallest set of most likely tokens with mass >= ``top_p``, in (0, 1].
+    renormalize : bool, default False
+        Divide each row by its own sum instead of requiring it to be 1.
+    atol : float, optional
+        Tolerance on row sums; default 1e-2 for half formats, 1e-4 for float32, 1e-6 for
+        float64.
+    dtype : str, optional
+        What ``uint16`` input holds: ``"bfloat16"`` or ``"float16"``.
+
+    Returns
+    -------
+    Divergences
+        Per-row ``tv``, ``kl_pq``, ``kl_qp``, ``js``, ``hellinger``, ``entropy_p``,
+        ``entropy_q``, ``overlap``, ``top1_agree``; information quantities in nats.
+
+    Raises
+    ------
+    kvcouple.errors.InvalidInputError
+        A ``ValueError`` naming the first bad row (NaN, negative, sum off by more than
+        ``atol``) or argument (temperature, top_k, top_p, dtype).
+    kvcouple.errors.ShapeError
+        ``p`` and ``q`` are not 2-D of the same shape.
     """
     logits = _flag("logits", logits)
     renormalize = _flag("renormalize", renormalize)
@@ -194,13 +249,40 @@ def couple(
     atol: float | None = None,
     dtype: str | None = None,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Stepwise maximal coupling of each row pair (SPEC section 2).
+    """Draw one token pair per row from the maximal coupling of ``p`` and ``q`` (SPEC §2).
 
-    ``u`` holds uniforms in [0, 1) of shape ``(rows, 3)``: ``u0`` chooses overlap vs residual
-    (residual iff ``u0 < tv``), ``u1`` the overlap or P-residual token, ``u2`` the Q-residual
-    token, each by inverse CDF in vocabulary order. Returns ``(x, y, diverged)`` with ``x``,
-    ``y`` int64 token ids and ``diverged = x != y``. Deterministic in its inputs; the torch
-    sampler :func:`kvcouple.torch_coupling.couple_torch` returns the same tokens.
+    ``x`` follows ``p``, ``y`` follows ``q``, and ``P(x != y) = TV(p, q)``, the least any
+    coupling allows. Deterministic in its inputs; the torch sampler
+    :func:`kvcouple.torch_coupling.couple_torch` returns the same tokens.
+
+    Parameters
+    ----------
+    p, q : array_like
+        ``(rows, vocab)`` probabilities, formats as in :func:`divergences`.
+    u : array_like
+        ``(rows, 3)`` uniforms in [0, 1): ``u0`` chooses overlap vs residual (residual iff
+        ``u0 < tv``), ``u1`` the overlap or P-residual token, ``u2`` the Q-residual token, each
+        by inverse CDF in vocabulary order.
+    renormalize : bool, default False
+        Divide each row by its own sum instead of requiring it to be 1.
+    atol : float, optional
+        Tolerance on row sums (defaults as in :func:`divergences`).
+    dtype : str, optional
+        What ``uint16`` input holds: ``"bfloat16"`` or ``"float16"``.
+
+    Returns
+    -------
+    x, y : numpy.ndarray
+        int64 token ids of shape ``(rows,)`` drawn from ``p`` and ``q``.
+    diverged : numpy.ndarray
+        bool, ``x != y``.
+
+    Raises
+    ------
+    kvcouple.errors.InvalidInputError
+        A bad row of ``p`` or ``q``, or ``u`` outside [0, 1).
+    kvcouple.errors.ShapeError
+        Shapes that do not match (``u`` must be ``(rows, 3)``).
     """
     renormalize = _flag("renormalize", renormalize)
     atol = _atol(atol)
@@ -228,17 +310,45 @@ def total_variation(p: object, q: object, *, dtype: str | None = None) -> np.nda
 
 
 def plain_pass(p: object, q: object, *, dtype: str | None = None) -> np.ndarray:
-    """Convert and sum both rows: the streaming speed of light, for benchmarks."""
+    """Convert and sum every row of both arrays: the memory-bandwidth floor of the kernels.
+
+    Parameters
+    ----------
+    p, q : array_like
+        ``(rows, vocab)`` arrays, formats as in :func:`divergences`.
+    dtype : str, optional
+        What ``uint16`` input holds: ``"bfloat16"`` or ``"float16"``.
+
+    Returns
+    -------
+    numpy.ndarray
+        float64 ``(rows,)``: ``sum(p[i]) + sum(q[i])``. Benchmarks compare the kernels' speed
+        with this pass.
+    """
     pa, qa, kind = _pair(p, q, _check_dtype_arg(dtype))
     return _core.plain_pass(pa, qa, kind)
 
 
 def set_num_threads(n: int) -> None:
-    """Use ``n`` threads in every Rust kernel (0 restores the default of all cores).
+    """Use ``n`` threads in every Rust kernel.
 
     Under Dask, set this (or ``KVCOUPLE_NUM_THREADS``) to the worker's thread budget so that
-    worker processes do not oversubscribe the machine. At most :func:`max_threads` (a pool far
-    larger than the machine only adds start-up time and memory).
+    worker processes do not oversubscribe the machine.
+
+    Parameters
+    ----------
+    n : int
+        Threads, in ``[0, max_threads()]``; 0 restores the default (every core).
+
+    Returns
+    -------
+    None
+
+    Raises
+    ------
+    kvcouple.errors.InvalidInputError
+        ``n`` is not an integer in range (a pool far larger than the machine only adds
+        start-up time and memory).
     """
     k = _int_arg("n", n)
     if not 0 <= k <= max_threads():
@@ -249,10 +359,23 @@ def set_num_threads(n: int) -> None:
 
 
 def max_threads() -> int:
-    """The largest thread count :func:`set_num_threads` accepts: 8 per core, at least 256."""
+    """The largest thread count :func:`set_num_threads` accepts.
+
+    Returns
+    -------
+    int
+        8 per core, at least 256.
+    """
     return max(256, 8 * (os.cpu_count() or 1))
 
 
 def get_num_threads() -> int:
-    """The number of threads the Rust kernels use."""
+    """The number of threads the Rust kernels use.
+
+    Returns
+    -------
+    int
+        Threads in the kernels' pool (all cores unless :func:`set_num_threads` or
+        ``KVCOUPLE_NUM_THREADS`` said otherwise).
+    """
     return _core.get_num_threads()
