@@ -39,13 +39,24 @@ def _text(s: Any) -> str:
     return terminal(s).replace("$", r"\$")
 
 
+def _label(tables: dict[str, Rows], model: str, pol: str) -> str:
+    """The policy's short label (full specs are in the report's legend), with the model's
+    name when several models are plotted together."""
+    from kvcouple.analysis.labels import short_label
+
+    several = len({m for m, _ in _series(tables)}) > 1
+    return _text(f"{model} {short_label(pol)}" if several else short_label(pol))
+
+
 def _curve_plot(ax: Any, tables: dict[str, Rows], curve: str) -> None:
     for model, pol in _series(tables):
         rows = sorted(
             _get(tables["curves"], model=model, policy=pol, curve=curve), key=lambda r: r["x"]
         )
         x = [r["x"] for r in rows]
-        line = ax.plot(x, [r["estimate"] for r in rows], marker=".", label=_text(f"{model} {pol}"))
+        line = ax.plot(
+            x, [r["estimate"] for r in rows], marker=".", label=_label(tables, model, pol)
+        )
         ax.fill_between(
             x,
             [r["ci_low"] for r in rows],
@@ -76,14 +87,14 @@ def make_figures(tables: dict[str, Rows], folder: Path, stamp: str = "") -> dict
         buf = io.BytesIO()
         fig.tight_layout()
         if stamp:
-            fig.text(0.995, 0.005, stamp, ha="right", va="bottom", fontsize=5, color="0.4")
+            fig.text(0.995, 0.005, stamp, ha="right", va="bottom", fontsize=7, color="0.4")
         fig.savefig(buf, format="png", dpi=110)
         out[name] = buf.getvalue()
         (folder / f"{name}.png").write_bytes(out[name])
 
     series = _series(tables)
     # Policy specs are long ("snapkv:retain=0.5,window=32,..."): one parameter per line.
-    labels = [f"{_text(m)}\n" + _text(p).replace(",", "\n") for m, p in series]
+    labels = [_label(tables, m, p).replace(",", "\n").replace(" ", "\n", 1) for m, p in series]
 
     def q(model: str, pol: str, name: str) -> dict[str, Any]:
         rows = _get(tables["summary"], model=model, policy=pol, quantity=name)

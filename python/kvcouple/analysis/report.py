@@ -21,12 +21,14 @@ import html
 import json
 import math
 import os
+import re
 import warnings
 from pathlib import Path
 from typing import Any
 
 from kvcouple.analysis.engine import AnalysisResult
 from kvcouple.analysis.estimates import SCALARS
+from kvcouple.analysis.labels import policy_labels
 from kvcouple.analysis.reading import TOLERANCE
 from kvcouple.analysis.stats import QUANTITIES
 from kvcouple.errors import InvalidInputError, MissingExtraError, require
@@ -149,68 +151,321 @@ def _json_safe(v: Any) -> Any:
     return v
 
 
-def markdown_report(result: AnalysisResult, tables: dict[str, list[dict[str, Any]]]) -> str:
-    lines = [
-        "# kvcouple analysis\n",
-        f"- **{terminal(result.preregistration)}**",
-        f"- plan: {terminal(result.plan_name or 'none')} (hash `{result.plan_hash}`)",
-        f"- documents: {result.doc_set}; estimator: {result.estimator} "
-        f"({'mismatch indicators, Rao-Blackwellised' if result.estimator == 'indicator' else 'branch-aligned TVs'})",
-        f"- bootstrap: {result.settings.get('n_boot')} document resamples, seed "
-        f"{result.settings.get('seed')}, {100 * result.settings.get('ci', 0.95):.0f}% "
-        f"{result.settings.get('ci_method', 'percentile')} intervals",
-        "- stores: "
-        + ", ".join(
-            f"`{terminal(m.store)}` ({terminal(m.model)}: T={m.horizon}, L={m.window}, "
-            f"L_w={m.obs_window}, {len(m.docs)} documents)"
-            for m in result.models
-        ),
-        "",
-        "## Summary (means over documents with bootstrap CIs)\n",
-        markdown_table(
-            [
-                r
-                for r in tables["summary"]
-                if r["quantity"]
-                in (
-                    "occurrence",
-                    "mismatch_fraction",
-                    "first_mismatch",
-                    "exposure",
-                    "rho",
-                    "interval_lower",
-                    "interval_upper",
-                    "mean_tau",
-                    "early_tv",
-                    "late_tv",
-                    "late_minus_early_tv",
-                    "median_tau",
-                    "rmst",
+SUMMARY_ROWS = (
+    ("occurrence", "occurrence P(tau<=T)"),
+    ("median_tau", "median divergence step"),
+    ("first_mismatch", "first mismatch P(tau<=T)/T"),
+    ("exposure", "exposure E[(T-tau)+]/T"),
+    ("rho", "mismatch rate rho"),
+    ("mismatch_fraction", "E[M]/T"),
+    ("interval_lower", "sharp interval, lower end"),
+    ("interval_upper", "sharp interval, upper end"),
+)
+WINDOW_ROWS = (
+    ("mean_tau", "mean divergence step"),
+    ("rmst", "restricted mean time to divergence"),
+    ("early_tv", "branch TV, early window"),
+    ("late_tv", "branch TV, late window"),
+    ("late_minus_early_tv", "late - early branch TV"),
+)
+DIFFERENCE_QUANTITIES = (
+    "mismatch_fraction",
+    "occurrence",
+    "exposure",
+    "rho",
+    "late_minus_early_tv",
+)
+
+
+def _ci(r: dict[str, Any] | None, key: str = "estimate", pct: bool = False) -> str:
+    """``0.2294 [0.2059, 0.2579]`` (or percentages); ``n/a`` when not estimable."""
+    if r is None or not _finite(r.get(key)):
+        return "n/a"
+    f = (lambda v: f"{100 * v:.0f}%") if pct else (lambda v: f"{v:.4g}")
+    if not (_finite(r.get("ci_low")) and _finite(r.get("ci_high"))):
+        return f(r[key])
+    return f"{f(r[key])} [{f(r['ci_low'])}, {f(r['ci_high'])}]"
+
+
+def _finite(v: Any) -> bool:
+    return isinstance(v, int | float) and math.isfinite(v)
+
+
+def _lookup(rows: list[dict[str, Any]], model: str) -> dict[tuple[str, str], dict[str, Any]]:
+    return {(r["policy"], r["quantity"]): r for r in rows if r["model"] == model}
+
+
+def _excludes_zero(r: dict[str, Any]) -> bool:
+    lo, hi = r.get("ci_low"), r.get("ci_high")
+    return _finite(lo) and _finite(hi) and (lo > 0 or hi < 0)
+
+
+def headline(result: AnalysisResult, tables: dict[str, list[dict[str, Any]]]) -> list[str]:
+    """The report's first section: per policy, in words, then each compared pair's gap."""
+    level = f"{100 * result.settings.get('ci', 0.95):.0f}%"
+    lines = ["## Headline\n"]
+    for m in result.models:
+        labels = {p: terminal(lab) for p, lab in policy_labels(m.policies).items()}
+        q = _lookup(tables["summary"], m.model)
+        if len(result.models) > 1:
+            lines.append(f"**{terminal(m.model)}**\n")
+        for pol in m.policies:
+            occ, med, rho, frac = (
+                q.get((pol, k)) for k in ("occurrence", "median_tau", "rho", "mismatch_fraction")
+            )
+            exp_ = q.get((pol, "exposure"))
+            words = [
+                f"- **{labels[pol]}** diverges from the full-cache model in "
+                f"{_ci(occ, pct=True)} of trajectories within T = {m.horizon} tokens"
+            ]
+            if med is not None and _finite(med.get("estimate")):
+                words.append(f", at step {med['estimate']:.0f} on median when it does")
+            if rho is not None and _finite(rho.get("estimate")):
+                words.append(f"; after divergence {_ci(rho, pct=True)} of tokens differ")
+            if frac is not None and _finite(frac.get("estimate")):
+                share = ""
+                if exp_ is not None and _finite(exp_.get("estimate")) and frac["estimate"] > 0:
+                    s = exp_["estimate"] * rho["estimate"] / frac["estimate"]  # type: ignore[index]
+                    share = f", {100 * s:.0f}% of it post-divergence exposure x rate"
+                words.append(
+                    f". In all, a fraction E[M]/T = {_ci(frac)} of the generated tokens "
+                    f"differ{share}."
                 )
-            ],
-            ["model", "policy", "quantity", "estimate", "ci_low", "ci_high", "n_docs"],
-        ),
+            else:
+                lo, hi = q.get((pol, "interval_lower")), q.get((pol, "interval_upper"))
+                words.append(
+                    f". Branches were traced for L = {m.window} of T = {m.horizon} steps, so "
+                    f"E[M]/T is known only to lie in the sharp interval "
+                    f"[{_ci(lo)}, {_ci(hi)}]."
+                )
+            lines.append("".join(words))
+        gaps: dict[tuple[str, str], dict[str, dict[str, Any]]] = {}
+        for r in tables["gap_attribution"]:
+            if r["model"] == m.model:
+                gaps.setdefault((r["policy_a"], r["policy_b"]), {})[r["term"]] = r
+        if gaps:
+            lines += ["", "Pairs of policies (B vs A; paired over documents):", ""]
+        for (a, b), terms in gaps.items():
+            gap, share = terms.get("gap"), terms.get("exposure_share")
+            if gap is None:
+                continue
+            sentence = (
+                f"- **{labels.get(b, terminal(b))}** vs **{labels.get(a, terminal(a))}**: "
+                f"E[M]/T differs by {_ci(gap)} ({level} CI)"
+            )
+            if _excludes_zero(gap) and share is not None and _finite(share.get("estimate")):
+                sentence += f"; post-divergence exposure explains {_ci(share, pct=True)} of the gap"
+            elif not _excludes_zero(gap):
+                sentence += "; the CI includes 0, so there is no clear gap to attribute"
+            lines.append(sentence + ".")
+    lines.append("")
+    return lines
+
+
+HOW_TO_READ = """## How to read this
+
+Each policy's generations are coupled token by token with the full-cache model's: both sides
+emit the same token whenever they can (maximal coupling). *Occurrence* is the chance that the
+two ever emit different tokens within the T generated tokens; the *divergence step* tau is the
+first step where they do. After it the two continue from different prefixes: *exposure* is the
+share of the horizon left after tau, and *rho* the share of those tokens that differ. Exactly,
+`E[M]/T = P(tau<=T)/T + exposure x rho`: the expected fraction of differing tokens is the first
+mismatch plus everything after it. A policy can be bad by diverging early and often (high
+occurrence, early tau) or by drifting far once diverged (high rho). Numbers are means over
+documents with document-bootstrap intervals; a difference whose interval includes 0 is not
+established.
+"""
+
+
+def _wide(
+    q: dict[tuple[str, str], dict[str, Any]],
+    policies: list[str],
+    labels: dict[str, str],
+    rows: tuple[tuple[str, str], ...],
+) -> str:
+    head = "| quantity | " + " | ".join(labels[p] for p in policies) + " |\n"
+    head += "|---|" + "---|" * len(policies) + "\n"
+    body = ""
+    for key, title in rows:
+        cells = [_ci(q.get((p, key))) for p in policies]
+        if all(c == "n/a" for c in cells):
+            continue
+        body += f"| {title} | " + " | ".join(cells) + " |\n"
+    return head + body
+
+
+def _legend(policies: list[str], labels: dict[str, str]) -> list[str]:
+    """Short labels -> full specs, for the labels that are not the spec itself."""
+    full = [p for p in policies if labels[p] != markdown_cell(p)]
+    if not full:
+        return []
+    short = policy_labels(policies)
+    return [
+        "",
+        "Policies: " + "; ".join(f"{terminal(short[p])} = `{terminal(p)}`" for p in full) + ".",
     ]
-    if tables["differences"]:
+
+
+def flags(result: AnalysisResult, tables: dict[str, list[dict[str, Any]]]) -> list[str]:
+    """What the reader must know before trusting the numbers: the preregistration stamp
+    first, then every caveat that applies."""
+    out = [f"**{terminal(result.preregistration)}**"]
+    for m in result.models:
+        n = len(m.docs)
+        name = terminal(m.model)
+        if m.window + 1 < m.horizon:
+            out.append(
+                f"{name}: branches were traced for L = {m.window} lags of T = {m.horizon} "
+                "steps; what happens later is unobserved, so E[M]/T and rho are given as the "
+                "sharp interval of values compatible with the observed window."
+            )
+        if n < 20:
+            out.append(
+                f"{name}: {n} documents; bootstrap intervals over so few documents are rough "
+                "(they tend to be too narrow)."
+            )
+    bad = len(result.checks())
+    if bad:
+        out.append(
+            f"{bad} recorded TVs disagree with the TVs recomputed from the stored distributions "
+            "beyond the tolerance (see recompute_check.csv): the store may be damaged."
+        )
+    if tables["skipped"]:
+        out.append(
+            f"{len(tables['skipped'])} documents were skipped (unfinished or damaged); see the "
+            "list below."
+        )
+    if result.plan_hash == "none":
+        out.append(
+            "Every comparison here is exploratory. For confirmatory tests, register a plan and "
+            "analyse a disjoint document set (`--plan`, `--docs confirmatory`)."
+        )
+    return out
+
+
+FIGURES = {
+    "survival": (
+        "Survival: no divergence yet",
+        "S_t = P(tau > t), the share of trajectories still identical to the full-cache model "
+        "after t tokens (bands: bootstrap CIs). Look at how fast each curve falls and where "
+        "curves cross: a lower curve diverges earlier or more often.",
+    ),
+    "hazard": (
+        "Hazard by step",
+        "The chance that the first divergence happens at step t, given none before. A high "
+        "value at step 1 means eviction already changes the first next-token distribution; a "
+        "rising hazard means the risk grows as generation proceeds.",
+    ),
+    "decomposition": (
+        "Decomposition of E[M]/T",
+        "Each bar stacks the first-mismatch contribution P(tau<=T)/T, the post-divergence "
+        "mismatches inside the observation window and those after it; the black line is the "
+        "CI of E[M]/T. The parts above the first one are exposure x rho: compare their heights "
+        "across policies to see whether a gap comes from diverging or from drifting.",
+    ),
+    "branch_tv_by_lag": (
+        "Branch-aligned TV by lag after the first divergence",
+        "Lag 0 is the divergence step itself, whose TV is the (usually small) hazard that "
+        "happened to produce different tokens; from lag 1 on, the two models continue from "
+        "different prefixes and TV jumps, which is why rho is high. Only trajectories that "
+        "diverged early reach the last lags, so the right end rests on few branches and is "
+        "noisy (a spike there is not a finding): read it with its band.",
+    ),
+    "sharp_interval": (
+        "Sharp interval of E[M]/T",
+        "The range of E[M]/T compatible with what was observed (bar), the CI of its ends "
+        "(thin line) and the point estimate when the tail was observed (dot).",
+    ),
+    "early_vs_late": (
+        "Early vs late branch-aligned TV",
+        "Branch-aligned TV averaged over the first and the second half of the window after "
+        "divergence. Late above early means the two generations keep drifting apart instead "
+        "of re-synchronising.",
+    ),
+}
+COLLAPSED = (
+    " Here every branch was traced to the horizon (L >= T - 1), so nothing is unobserved: the "
+    "interval collapses to the point estimate and no bar is drawn. It widens when branches "
+    "are traced for fewer lags (`kvcouple trace --window L` with L < T)."
+)
+
+
+def _caption(name: str, result: AnalysisResult) -> tuple[str, str]:
+    title, text = FIGURES.get(name, (name, ""))
+    if name == "sharp_interval" and all(m.window + 1 >= m.horizon for m in result.models):
+        text += COLLAPSED
+    return title, text
+
+
+def report_title(result: AnalysisResult) -> str:
+    models = ", ".join(m.model for m in result.models)
+    docs = sum(len(m.docs) for m in result.models)
+    policies = len({p for m in result.models for p in m.policies})
+    return (
+        f"kvcouple report: {models}, {docs} documents, {policies} "
+        f"{'policy' if policies == 1 else 'policies'}"
+    )
+
+
+def markdown_report(
+    result: AnalysisResult,
+    tables: dict[str, list[dict[str, Any]]],
+    figures: list[str] | None = None,
+) -> str:
+    """The report as Markdown: headline in words, how to read it, flags, wide tables
+    (quantity x policy, short labels and a legend), figures with captions, then the details.
+    ``figures`` names the figures written to ``figures/`` (none: no figure section). The HTML
+    report is rendered from this text, so both carry the same content."""
+    lines = [f"# {terminal(report_title(result))}\n"]
+    lines += headline(result, tables)
+    lines += ["## Flags\n", *[f"- {f}" for f in flags(result, tables)], ""]
+    lines.append(HOW_TO_READ)
+    level = f"{100 * result.settings.get('ci', 0.95):.0f}%"
+    for m in result.models:
+        labels = {p: markdown_cell(lab) for p, lab in policy_labels(m.policies).items()}
+        q = _lookup(tables["summary"], m.model)
+        where = f" ({terminal(m.model)})" if len(result.models) > 1 else ""
+        # Branches traced to the horizon: the sharp interval is the point estimate itself.
+        collapsed = m.window + 1 >= m.horizon
+        rows = tuple(r for r in SUMMARY_ROWS if not (collapsed and r[0].startswith("interval_")))
         lines += [
-            "\n## Paired policy differences (b - a)\n",
-            markdown_table(
-                [
-                    r
-                    for r in tables["differences"]
-                    if r["quantity"]
-                    in (
-                        "mismatch_fraction",
-                        "occurrence",
-                        "exposure",
-                        "rho",
-                        "rmst",
-                        "late_minus_early_tv",
-                    )
-                ],
-                ["model", "policy_a", "policy_b", "quantity", "difference", "ci_low", "ci_high"],
-            ),
+            f"## Decomposition by policy{where}\n",
+            f"Means over {len(m.docs)} documents [{level} document-bootstrap CI]; T = "
+            f"{m.horizon}, L = {m.window}, L_w = {m.obs_window}.\n",
+            _wide(q, m.policies, labels, rows),
         ]
+        lines += _legend(m.policies, labels)
+        lines += [
+            f"\n## Timing and drift after divergence{where}\n",
+            _wide(q, m.policies, labels, WINDOW_ROWS),
+        ]
+        pairs: dict[tuple[str, str], dict[str, dict[str, Any]]] = {}
+        for r in tables["differences"]:
+            if r["model"] == m.model and r["quantity"] in DIFFERENCE_QUANTITIES:
+                pairs.setdefault((r["policy_a"], r["policy_b"]), {})[r["quantity"]] = {
+                    **r,
+                    "estimate": r["difference"],
+                }
+        if pairs:
+            lines += [
+                f"\n## Paired policy differences (B - A){where}\n",
+                "Per document, then averaged; intervals that exclude 0 mark established "
+                "differences.\n",
+                "| B vs A | " + " | ".join(DIFFERENCE_QUANTITIES) + " |",
+                "|---|" + "---|" * len(DIFFERENCE_QUANTITIES),
+            ]
+            for (a, b), d in pairs.items():
+                lines.append(
+                    f"| {labels.get(b, markdown_cell(b))} vs {labels.get(a, markdown_cell(a))} | "
+                    + " | ".join(_ci(d.get(k)) for k in DIFFERENCE_QUANTITIES)
+                    + " |"
+                )
+    if figures:
+        lines.append("\n## Figures\n")
+        for k, name in enumerate(figures, 1):
+            title, text = _caption(name, result)
+            lines += [f"![{title}](figures/{name}.png)\n", f"*Figure {k}. {title}.* {text}\n"]
+    # Gap attribution (exposure-share flags), survival comparisons, the plan's tests.
     lines += statistics_sections(result, tables)
     if tables["recompute_summary"]:
         lines += [
@@ -225,6 +480,22 @@ def markdown_report(result: AnalysisResult, tables: dict[str, list[dict[str, Any
             "\n## Skipped documents\n",
             markdown_table(tables["skipped"], ["store", "doc_id", "reason"]),
         ]
+    lines += [
+        "\n## Settings\n",
+        f"- **{terminal(result.preregistration)}**",
+        f"- plan: {terminal(result.plan_name or 'none')} (hash `{result.plan_hash}`)",
+        f"- documents: {result.doc_set}; estimator: {result.estimator} "
+        f"({'mismatch indicators, Rao-Blackwellised' if result.estimator == 'indicator' else 'branch-aligned TVs'})",
+        f"- bootstrap: {result.settings.get('n_boot')} document resamples, seed "
+        f"{result.settings.get('seed')}, {level} "
+        f"{result.settings.get('ci_method', 'percentile')} intervals",
+        "- stores: "
+        + ", ".join(
+            f"`{terminal(m.store)}` ({terminal(m.model)}: T={m.horizon}, L={m.window}, "
+            f"L_w={m.obs_window}, {len(m.docs)} documents)"
+            for m in result.models
+        ),
+    ]
     lines += ["\n## Quantities\n"] + [f"- `{k}`: {v}" for k, v in QUANTITIES.items()]
     return "\n".join(lines) + "\n"
 
@@ -373,8 +644,6 @@ def write_report(
         **tables,
     }
     _output(out, "results.json").write_text(json.dumps(_json_safe(payload), indent=1, default=str))
-    md = markdown_report(result, tables)
-    _output(out, "report.md").write_text(md)
     images: dict[str, bytes] = {}
     if figures:
         try:
@@ -395,59 +664,97 @@ def write_report(
             if f.is_symlink():
                 f.unlink()
         images = make_figures(tables, folder, stamp)
+    md = markdown_report(result, tables, list(images))
+    _output(out, "report.md").write_text(md)
     if html_report:
-        _output(out, "report.html").write_text(html_page(md, images, result.plan_hash))
+        _output(out, "report.html").write_text(html_page(md, images, report_title(result)))
     return out
 
 
-def html_page(markdown: str, images: dict[str, bytes], plan_hash: str) -> str:
-    """A self-contained page: the Markdown tables as HTML, figures inlined as base64 PNG."""
+def _inline(text: str) -> str:
+    """Escaped HTML of one Markdown line's text: **bold**, *italic* and `code`."""
+    out = html.escape(text)
+    out = re.sub(r"\*\*(.+?)\*\*", r"<strong>\1</strong>", out)
+    out = re.sub(r"(?<![\w*])\*(?!\s)(.+?)(?<!\s)\*(?![\w*])", r"<em>\1</em>", out)
+    return re.sub(r"`([^`]+)`", r"<code>\1</code>", out)
+
+
+def html_page(markdown: str, images: dict[str, bytes], title: str) -> str:
+    """A self-contained page rendered from the report's Markdown (same content): tables as
+    HTML tables, figures inlined as base64 PNG with their captions."""
     import base64
 
     body: list[str] = []
     in_table = False
+    in_list = False
+    paragraph: list[str] = []
+
+    def flush() -> None:
+        if paragraph:
+            body.append("<p>" + " ".join(_inline(x) for x in paragraph) + "</p>")
+            paragraph.clear()
+
     for line in markdown.splitlines():
         if line.startswith("|"):
-            cells = [html.escape(c) for c in split_markdown_row(line)]
+            flush()
+            cells = split_markdown_row(line)
             if set("".join(cells)) <= set("-"):
                 continue
             tag = "th" if not in_table else "td"
             if not in_table:
                 body.append("<table>")
                 in_table = True
-            body.append("<tr>" + "".join(f"<{tag}>{c}</{tag}>" for c in cells) + "</tr>")
+            body.append("<tr>" + "".join(f"<{tag}>{_inline(c)}</{tag}>" for c in cells) + "</tr>")
             continue
         if in_table:
             body.append("</table>")
             in_table = False
+        if in_list and not line.startswith("- "):
+            body.append("</ul>")
+            in_list = False
+        figure = re.match(r"!\[(.*)\]\(figures/(.+)\.png\)$", line)
         if line.startswith("# "):
-            body.append(f"<h1>{html.escape(line[2:])}</h1>")
+            flush()
+            body.append(f"<h1>{_inline(line[2:])}</h1>")
         elif line.startswith("## "):
-            body.append(f"<h2>{html.escape(line[3:])}</h2>")
+            flush()
+            body.append(f"<h2>{_inline(line[3:])}</h2>")
         elif line.startswith("- "):
-            body.append(f"<p>&bull; {html.escape(line[2:]).replace('`', '')}</p>")
+            flush()
+            if not in_list:
+                body.append("<ul>")
+                in_list = True
+            body.append(f"<li>{_inline(line[2:])}</li>")
+        elif figure is not None:
+            flush()
+            alt, name = figure.groups()
+            if name in images:
+                data = base64.b64encode(images[name]).decode()
+                body.append(
+                    f'<figure><img alt="{html.escape(alt)}" src="data:image/png;base64,{data}"/>'
+                )
+        elif line.startswith("*Figure "):
+            flush()
+            body.append(f"<figcaption>{_inline(line)}</figcaption></figure>")
         elif line.strip():
-            body.append(f"<p>{html.escape(line)}</p>")
+            paragraph.append(line)
+        else:
+            flush()
+    flush()
     if in_table:
         body.append("</table>")
-    if images:
-        body.append("<h2>Figures</h2>")
-        for name, png in images.items():
-            data = base64.b64encode(png).decode()
-            body.append(
-                f'<figure><img alt="{html.escape(name)}" '
-                f'src="data:image/png;base64,{data}"/><figcaption>'
-                f"{html.escape(name)}</figcaption></figure>"
-            )
+    if in_list:
+        body.append("</ul>")
     style = (
-        "body{font-family:sans-serif;max-width:1100px;margin:2em auto;color:#222}"
-        "table{border-collapse:collapse;margin:1em 0;font-size:90%}"
-        "td,th{border:1px solid #ccc;padding:3px 8px;text-align:right}"
-        "th{background:#f0f0f0}img{max-width:100%}figure{margin:1em 0}"
+        "body{font-family:system-ui,sans-serif;max-width:1100px;margin:2em auto;padding:0 1em;"
+        "color:#222;line-height:1.45}h1{font-size:1.6em}h2{margin-top:1.6em;border-bottom:1px solid #ddd}"
+        "table{border-collapse:collapse;margin:1em 0;font-size:92%}"
+        "td,th{border:1px solid #ccc;padding:4px 9px;text-align:right;white-space:nowrap}"
+        "td:first-child,th:first-child{text-align:left}th{background:#f0f0f0}"
+        "img{max-width:100%}figure{margin:1.5em 0}figcaption{font-size:95%;color:#333;max-width:900px}"
+        "code{background:#f4f4f4;padding:0 3px}li{margin:.3em 0}"
     )
     return (
-        f"<!DOCTYPE html><html><head><meta charset='utf-8'><title>kvcouple analysis "
-        f"{plan_hash[:12]}</title><style>{style}</style></head><body>"
-        + "\n".join(body)
-        + "</body></html>\n"
+        f"<!DOCTYPE html><html><head><meta charset='utf-8'><title>{html.escape(title)}</title>"
+        f"<style>{style}</style></head><body>\n" + "\n".join(body) + "\n</body></html>\n"
     )
