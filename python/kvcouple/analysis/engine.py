@@ -344,7 +344,7 @@ def analyze(
     storage_options: dict[str, Any] | None = None,
     progress: bool = False,
 ) -> AnalysisResult:
-    """Analyse one or more trace stores (one per model). See ``kvcouple analyze --help``.
+    """Analyse one or more trace stores (one per model), as ``kvcouple analyze`` does.
 
     With a ``plan`` every number-changing setting (window, estimator, n_boot, seed, CI level
     and method, early/late split, gap reference and pooling) comes from the plan; an argument

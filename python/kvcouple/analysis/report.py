@@ -610,11 +610,34 @@ def write_report(
     figures: bool = True,
     html_report: bool = True,
 ) -> Path:
-    """Write every table, the figures and the HTML report into ``out``; returns ``out``.
+    """Write every table, the figures and the report (Markdown and HTML) into ``out``.
 
     Files are written only inside ``out``: a symbolic link planted where an output goes is
     replaced by the file, never followed. Without matplotlib (the ``plots`` extra) the report
     is written without figures, with a warning.
+
+    Parameters
+    ----------
+    result : AnalysisResult
+        What :func:`kvcouple.analysis.analyze` returned.
+    out : path
+        Folder to write into (created if missing).
+    figures : bool, default True
+        Draw the figures (``figures/*.png``, embedded in ``report.html``).
+    html_report : bool, default True
+        Write ``report.html`` (self-contained) beside ``report.md``.
+
+    Returns
+    -------
+    pathlib.Path
+        ``out``. It holds ``summary.csv``, ``per_document.csv``, ``curves.csv``,
+        ``differences.csv``, ``gap_attribution.csv``, ``tests.csv``, ``recompute_check.csv``,
+        ``skipped.csv``, ``results.json``, ``report.md``, ``report.html`` and ``figures/``.
+
+    Raises
+    ------
+    kvcouple.errors.InvalidInputError
+        ``out`` exists and is not a directory.
     """
     out = Path(out)
     if out.exists() and not out.is_dir():

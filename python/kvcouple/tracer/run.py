@@ -181,12 +181,49 @@ def trace(
 ) -> RunSummary:
     """Trace every prompt under every policy into the store at ``out`` (created or resumed).
 
-    ``max_docs`` stops after that many newly traced documents (the rest stay unfinished, to
-    be finished by the same call again). Before anything is traced every document is planned
-    (:mod:`kvcouple.tracer.memory`) against ``memory`` (bytes of device memory the run may use,
-    weights included; default: the CUDA device's free memory, unknown on CPU): a document that
-    cannot fit is refused up front, and ``branch_batch="auto"`` takes each document's largest
-    branch batch that fits.
+    Before anything is traced every document is planned (:mod:`kvcouple.tracer.memory`)
+    against ``memory``: a document that cannot fit is refused up front, and
+    ``branch_batch="auto"`` takes each document's largest branch batch that fits.
+
+    Parameters
+    ----------
+    model : transformers.PreTrainedModel
+        A causal LM, e.g. from :func:`kvcouple.models.load_model`.
+    prompts : sequence of Prompt
+        From :func:`kvcouple.tracer.load_prompts`.
+    policies : sequence of Policy or str
+        Eviction policies or their specs (``"snapkv:retain=0.5"``).
+    settings : TraceSettings
+        Horizon T, replicates R, branches K, window L, decoding, record level, EOS ids.
+    out : path
+        The trace store (``.zarr``), local or ``s3://``; rerunning resumes it.
+    seed : int, default 0
+        Every random draw depends only on (seed, document index, policy index).
+    model_id, model_revision : str
+        Recorded in the store's attributes.
+    shard : (int, int), default (0, 1)
+        ``(i, n)``: trace the documents whose index is ``i`` mod ``n`` (n processes, one store).
+    max_docs : int, optional
+        Stop after this many newly traced documents (the rest stay unfinished).
+    progress : bool, default True
+        Show a progress bar.
+    memory : int, optional
+        Bytes of device memory the run may use, weights included (default: the CUDA device's
+        free memory; unknown on CPU).
+
+    Returns
+    -------
+    RunSummary
+        Documents traced and skipped, generated tokens, seconds, mean occurrence per policy
+        (``summary.format()`` prints it).
+
+    Raises
+    ------
+    kvcouple.errors.InvalidInputError
+        No policies or prompts, a policy given twice, a vocabulary that differs from a resumed
+        store's.
+    kvcouple.errors.StoreError
+        ``out`` exists with other settings (the first difference is named).
     """
     import torch
     from tqdm import tqdm  # type: ignore[import-untyped]
