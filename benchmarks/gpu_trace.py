@@ -159,6 +159,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             "branch_batch": plan.branch_batch,
             "plan_peak_bytes": plan.peak,
             "plan_phase": plan.phase,
+            "cache_layout": plan.layout,
             "plan_budget_bytes": plan.budget,
         }
         if device.type == "cuda":
@@ -192,7 +193,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         over = "-" if row["peak_over_plan"] is None else f"{row['peak_over_plan']:.2f}"
         print(
             f"prompt {n}: trace {row['trace_tokens_per_s']:.0f} tokens/s, ratio to generate "
-            f"{ratio}, peak/plan {over}, branch batch {plan.branch_batch}",
+            f"{ratio}, peak/plan {over}, branch batch {plan.branch_batch}, {plan.layout} layout",
             flush=True,
         )
 
