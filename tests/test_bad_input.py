@@ -289,6 +289,9 @@ def test_starts_are_parsed_strictly(tmp_path, capsys, starts, text):
         (["-T", "3", "--seed", "-1"], "argument --seed"),
         (["-T", "3", "--seed", str(2**64)], "argument --seed"),
         (["-T", str(2**50)], "argument -T/--horizon"),
+        (["-T", "2000000"], "horizon = 2000000 is beyond"),
+        (["-T", "3", "--docs", "2000000"], "docs = 2000000 is beyond"),
+        (["-T", "3", "-R", "2000000"], "replicates x branches = 2000000 x 1"),
     ],
 )
 def test_trace_store_counts(tmp_path, capsys, argv, text):
@@ -345,6 +348,20 @@ def test_synth_counts(tmp_path, capsys, argv, text):
 def test_random_pair_arguments(tmp_path, capsys, argv, text):
     code, err = _cli(["synth", "random-pair", *argv, "--out", str(tmp_path / "p.npz")], capsys)
     assert code == 2 and text in err
+
+
+def test_memory_limits_are_checked_before_allocating(tmp_path, monkeypatch):
+    import kvcouple.store.reader as reader
+    from kvcouple.errors import ResourceLimitError
+    from kvcouple.synth.trace_store import write_synthetic_trace_store
+
+    monkeypatch.setattr(reader, "available_memory", lambda: 10**6)
+    pair = synth.random_pair(3, 2, seed=0)
+    with pytest.raises(ResourceLimitError, match="replicates = 100000"):
+        synth.estimate(pair, 3, 2, replicates=100_000)
+    with pytest.raises(ResourceLimitError, match="one synthetic document"):
+        write_synthetic_trace_store(tmp_path / "s.zarr", {"p": pair}, horizon=64, replicates=4096)
+    assert not (tmp_path / "s.zarr").exists()
 
 
 def test_exact_horizon_limit_is_checked_before_solving(tmp_path, capsys):
@@ -421,6 +438,8 @@ def test_errors_map_to_exit_statuses():
     msg, code = describe(TypeError("boom"))
     assert code == 1 and "internal error" in msg and "TypeError: boom" in msg
     assert describe(kvcouple.InternalError("panic"))[1] == 1
+    msg, code = describe(MemoryError("Unable to allocate 23.8 GiB"))
+    assert code == 1 and "out of memory" in msg and "internal" not in msg
 
 
 # --- missing optional dependencies -----------------------------------------------------------

@@ -170,7 +170,8 @@ NUMBERS = [
     "0x10",
     str(2**64),
     str(2**70),
-    "100000000",
+    "2000000",  # refused where a size (horizon, documents, vocabulary) is bounded
+    "10000000000000",  # refused by memory checks (replicates)
     "\x1b[31m",
     "a|b",
     "1:1",

@@ -98,6 +98,8 @@ def describe(e: BaseException) -> tuple[str, int]:
         extra = missing_extra(e)
         if extra is not None:
             return str(extra), FAILURE
+    if isinstance(e, MemoryError):
+        return f"out of memory ({e or 'allocation failed'}): ask for less", FAILURE
     if isinstance(e, InternalError):
         return f"internal error (a bug in kvcouple, please report it): {e}", FAILURE
     if isinstance(e, ValueError | StoreError):

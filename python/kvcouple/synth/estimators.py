@@ -20,6 +20,7 @@ import numpy.typing as npt
 
 from kvcouple import _core
 from kvcouple.errors import InvalidInputError
+from kvcouple.store.reader import check_memory
 from kvcouple.synth.pairs import KernelPair, check_seed
 
 Method = Literal["naive", "rb", "rb-tv"]
@@ -137,6 +138,10 @@ def simulate(
         raise InvalidInputError(f"unknown method {method!r}: use one of {', '.join(METHODS)}")
     if trace not in ("horizon", "window"):
         raise InvalidInputError(f"trace must be 'horizon' or 'window', got {trace!r}")
+    # Per-replicate outputs: about a dozen values plus two per lag, refused beyond memory.
+    if isinstance(replicates, int) and replicates > 0:
+        lags = max(min(_window(horizon, window), horizon - 1), 1) if isinstance(horizon, int) else 1
+        check_memory(f"replicates = {replicates}", 8 * replicates * (16 + 2 * lags))
     out = _core.synth_simulate(
         *pair.arrays(),
         horizon,

@@ -19,6 +19,7 @@ top K, so the analysis's recomputation of hazards and branch TVs can be tested.
 from __future__ import annotations
 
 import argparse
+import math
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -32,12 +33,16 @@ from kvcouple import cliargs
 from kvcouple._core import __version__ as kvcouple_version
 from kvcouple.errors import InvalidInputError
 from kvcouple.kernels import couple, divergences
-from kvcouple.store.reader import is_url
-from kvcouple.store.schema import Record, empty_arrays
+from kvcouple.store.reader import check_memory, is_url
+from kvcouple.store.schema import Record, empty_arrays, variables
 from kvcouple.store.writer import StoreLayout, TraceStoreWriter
 from kvcouple.synth.pairs import KernelPair, check_seed, load_pair, pair_from_mapping
 
 _BELOW_ONE = 1.0 - 2.0**-53
+# Synthetic stores hold their document ids in the attributes: keep them a sane size.
+MAX_DOCS = 1_000_000
+MAX_HORIZON = 2**20  # as the synthetic solvers
+MAX_BRANCHES = 2**17  # per document (the branch times are drawn in a Python loop)
 
 
 @dataclass(frozen=True)
@@ -242,10 +247,19 @@ def write_synthetic_trace_store(
         starts = [None] * _count("docs", docs, 1)
     else:
         starts = [_start_pair(s) for s in docs]
+    if len(starts) > MAX_DOCS:
+        raise InvalidInputError(f"docs = {len(starts)} is beyond {MAX_DOCS} synthetic documents")
     horizon = _count("horizon", horizon, 1)
+    if horizon > MAX_HORIZON:
+        raise InvalidInputError(f"horizon = {horizon} is beyond the {MAX_HORIZON} steps supported")
     window = horizon - 1 if window is None else _count("window", window, 0)
     branches = _count("branches", branches, 1)
     replicates = _count("replicates", replicates, 1)
+    if replicates * branches > MAX_BRANCHES:
+        raise InvalidInputError(
+            f"replicates x branches = {replicates} x {branches} is beyond the {MAX_BRANCHES} "
+            "branches per document the synthetic simulator traces"
+        )
     layout = StoreLayout(
         doc_ids=[f"doc{d:04d}" for d in range(len(starts))],
         policies=list(emitters),
@@ -274,6 +288,12 @@ def write_synthetic_trace_store(
         "eos_token_id": None,
         "synthetic_starts": [list(s) if s else None for s in starts],
     }
+    # One document's arrays are built in memory: refuse what cannot fit before writing.
+    sizes = layout.sizes()
+    doc_bytes = sum(
+        8 * math.prod(sizes[d] for d in v.dims[1:]) for v in variables(layout.record).values()
+    )
+    check_memory(f"one synthetic document ({layout.record} record)", 2 * doc_bytes)
     writer = TraceStoreWriter.open(path, layout, attrs)
     done = writer.completed()
     todo = [d for d in range(len(starts)) if not done[d]]
