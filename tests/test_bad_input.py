@@ -384,7 +384,14 @@ def _interrupt(argv: list[str]) -> tuple[int, str, float]:
         stdout=subprocess.DEVNULL,
         text=True,
     )
-    time.sleep(1.5)
+    # Interrupt once it is computing: after 3 s of CPU time (start-up imports take less),
+    # measured rather than waited for, since the machine may be loaded.
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and proc.poll() is None:
+        fields = Path(f"/proc/{proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
+        if (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK") > 3:
+            break
+        time.sleep(0.1)
     assert proc.poll() is None, "finished before the interrupt"
     sent = time.monotonic()
     proc.send_signal(signal.SIGINT)
@@ -396,6 +403,7 @@ def _interrupt(argv: list[str]) -> tuple[int, str, float]:
 
 
 @pytest.mark.slow
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads /proc")
 @pytest.mark.parametrize(
     "argv",
     [
@@ -409,7 +417,7 @@ def test_ctrl_c_stops_long_rust_computations(tmp_path, argv):
     code, err, seconds = _interrupt(["synth", argv[0], "--pair", str(path), *argv[1:]])
     assert code == 130, err
     assert "interrupted" in err and "Traceback" not in err
-    assert seconds < 3  # within a second, plus interpreter shutdown on a loaded machine
+    assert seconds < 5  # within a second, plus interpreter shutdown on a loaded machine
 
 
 # --- the command line itself -----------------------------------------------------------------

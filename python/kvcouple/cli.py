@@ -122,8 +122,12 @@ def describe(e: BaseException) -> tuple[str, int]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
+    try:
+        parser = build_parser()
+        args = parser.parse_args(argv)
+    except KeyboardInterrupt:
+        print("kvcouple: interrupted", file=sys.stderr)
+        return INTERRUPTED
     if not getattr(args, "func", None):
         parser.print_help()
         return USAGE
