@@ -141,7 +141,8 @@ def simulate(
     # Per-replicate outputs: about a dozen values plus two per lag, refused beyond memory.
     if isinstance(replicates, int) and replicates > 0:
         lags = max(min(_window(horizon, window), horizon - 1), 1) if isinstance(horizon, int) else 1
-        check_memory(f"replicates = {replicates}", 8 * replicates * (16 + 2 * lags))
+        if replicates * lags <= 2**27:  # beyond, the core refuses with its own message
+            check_memory(f"replicates = {replicates}", 8 * replicates * (16 + 2 * lags))
     out = _core.synth_simulate(
         *pair.arrays(),
         horizon,
