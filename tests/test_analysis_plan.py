@@ -175,6 +175,18 @@ def test_holm_and_p_values():
     assert bootstrap_p_value(boot, "two-sided") == pytest.approx(2 / 100)
 
 
+@pytest.mark.parametrize("accel", [-0.2, 0.0, 0.2])
+def test_p_value_far_beyond_every_replicate_is_small_not_nan(accel):
+    # Replicates far above 0: the normal tail underflows; BCa with accel < 0 used to give NaN.
+    boot = np.random.default_rng(3).normal(50.0, 1.0, size=400)
+    for kwargs in ({"z0": 0.1, "accel": accel}, {"z0": 0.1, "accel": accel, "n_docs": 16}):
+        greater = bootstrap_p_value(boot, "greater", **kwargs)
+        less = bootstrap_p_value(boot, "less", **kwargs)
+        two = bootstrap_p_value(boot, "two-sided", **kwargs)
+        assert np.isfinite([greater, less, two]).all()
+        assert greater < 1e-3 and less > 0.999 and two < 2e-3
+
+
 def test_bootstrap_is_seeded_and_thread_independent():
     values = np.random.default_rng(0).normal(size=(50, 3))
     a = _core.bootstrap_means(values, 200, 5)

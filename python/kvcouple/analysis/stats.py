@@ -586,6 +586,9 @@ def bootstrap_p_value(
         # The alpha whose lower one-sided end sits at the replicates' quantile ``frac``.
         if z0 == 0.0 and accel == 0.0 and n_docs is None:
             return float(frac)
+        # The normal tail above can underflow to 0 (or 1): keep the quantile finite, or the
+        # BCa map below turns -inf/inf into NaN and a far-off value is never rejected.
+        frac = min(max(float(frac), 1e-300), 1.0 - 1e-16)
         u = float(sps.norm.ppf(frac)) - z0
         w = u / (1.0 + accel * u) if 1.0 + accel * u > 0 else math.copysign(math.inf, u)
         z = w - z0
