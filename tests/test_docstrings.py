@@ -10,7 +10,7 @@ import re
 import pytest
 
 import kvcouple
-from kvcouple import analysis, synth
+from kvcouple import analysis, policies, store, synth
 
 NUMPY_STYLE = [
     kvcouple.divergences,
@@ -18,8 +18,35 @@ NUMPY_STYLE = [
     kvcouple.plain_pass,
     kvcouple.set_num_threads,
     kvcouple.get_num_threads,
+    kvcouple.total_variation,
     analysis.write_report,
+    analysis.analyze,
+    analysis.load_plan,
+    synth.estimate,
+    synth.exact,
+    synth.interval,
+    synth.interval_constructions,
+    synth.load_pair,
+    synth.pair_from_mapping,
+    synth.random_pair,
+    synth.save_pair,
+    synth.simulate,
+    store.check_resume,
+    store.open_trace_store,
+    store.variables,
+    policies.kept_count,
+    policies.parse_policy,
+    policies.register_policy,
+    policies.top_indices,
 ]
+try:  # the tracer needs torch (an optional extra)
+    from kvcouple.tracer import engine as _engine
+    from kvcouple.tracer import prompts as _prompts
+    from kvcouple.tracer import run as _run
+except ImportError:
+    pass
+else:
+    NUMPY_STYLE += [_prompts.load_prompts, _run.trace_document, _engine.trace_policy]
 PUBLIC = ["kvcouple", "kvcouple.analysis", "kvcouple.synth", "kvcouple.store", "kvcouple.policies"]
 
 

@@ -302,9 +302,31 @@ def couple(
 
 
 def total_variation(p: object, q: object, *, dtype: str | None = None) -> np.ndarray:
-    """TV only, ``1/2 sum |p - q|`` per row: the quantity hazards are made of, without the
-    logarithms the other divergences need (it runs near the speed of a plain memory pass).
-    Rows holding NaN or infinity (unrecorded rows of a store) give NaN rather than an error."""
+    """Total variation ``1/2 sum |p - q|`` of each row pair.
+
+    TV only: the quantity hazards are made of, without the logarithms the other divergences
+    need (it runs near the speed of a plain memory pass). Rows holding NaN or infinity
+    (unrecorded rows of a store) give NaN rather than an error.
+
+    Parameters
+    ----------
+    p, q : array_like
+        ``(rows, vocab)`` probability arrays, formats as in :func:`divergences`.
+    dtype : str, optional
+        What ``uint16`` input holds: ``"bfloat16"`` or ``"float16"``. Default None.
+
+    Returns
+    -------
+    numpy.ndarray
+        float64 ``(rows,)``: the total variation distance of each row pair, in ``[0, 1]``.
+
+    Raises
+    ------
+    kvcouple.errors.InvalidInputError
+        Inputs that are not arrays of probabilities, or a bad ``dtype``.
+    kvcouple.errors.ShapeError
+        ``p`` and ``q`` differ in shape or are not two-dimensional.
+    """
     pa, qa, kind = _pair(p, q, dtype)
     return _core.row_tv(pa, qa, kind)
 

@@ -356,6 +356,71 @@ def analyze(
     unfinished documents raise :class:`~kvcouple.errors.StoreError` unless
     ``allow_incomplete``, which skips them (listed in ``result.skipped``); a confirmatory set
     is never analysed partially.
+
+    Parameters
+    ----------
+    stores : str, os.PathLike or list of them
+        One trace store path, or a list of them (one per model).
+    window : int, optional
+        Window in tokens; None (default) uses the window each store was traced with.
+    estimator : str, optional
+        One of the analysis estimators (default from the plan, else ``"indicator"``).
+    allow_incomplete : bool
+        Skip damaged or unfinished documents instead of raising. Default False.
+    client : distributed.Client, optional
+        A Dask client to run on. Default None.
+    scheduler : str, optional
+        A Dask scheduler address to connect to when no ``client`` is given. Default None.
+    worker_threads : int, optional
+        Kernel threads per worker (>= 1). Default None: the kernels' default.
+    recompute : bool
+        Recompute divergences from the stored distributions. Default True.
+    tolerance : float, optional
+        Tolerance for checking stored values against recomputed ones. Default None.
+    n_boot : int, optional
+        Bootstrap resamples (default from the plan, else 2000).
+    seed : int, optional
+        Bootstrap seed, below ``2**64`` (default from the plan, else 0).
+    ci : float, optional
+        Confidence level in ``(0, 1)`` (default from the plan, else 0.95).
+    ci_method : str, optional
+        Confidence-interval method (default from the plan).
+    early_late_split : int, optional
+        Step splitting early from late (default from the plan, else half the horizon).
+    reference : str, optional
+        Reference policy for gaps (default from the plan).
+    pool_models : bool, optional
+        Pool models in the estimates (default from the plan, else False).
+    plan : str, os.PathLike or Plan, optional
+        An analysis plan, or a path given to :func:`load_plan`. Default None.
+    doc_set : str
+        ``"all"`` (default), ``"exploratory"`` or ``"confirmatory"``.
+    allow_unregistered : bool
+        Run a confirmatory analysis of an unregistered plan, stamped "not preregistered".
+        Default False.
+    io_threads : int
+        Reader threads per store, in ``[1, 1024]``. Default 2.
+    storage_options : dict, optional
+        Options passed to the storage backend (for example S3 credentials). Default None.
+    progress : bool
+        Show a progress bar. Default False.
+
+    Returns
+    -------
+    AnalysisResult
+        Per-model results, skipped documents and the preregistration stamp.
+
+    Raises
+    ------
+    kvcouple.errors.InvalidInputError
+        An option out of range, or a scheduler that cannot be reached.
+    ValueError
+        No stores, an unknown ``doc_set`` or estimator.
+    kvcouple.analysis.PlanError
+        An argument contradicting the plan, or a refused confirmatory analysis.
+    kvcouple.errors.StoreError
+        Damaged or unfinished documents without ``allow_incomplete``, or a store with none
+        to analyse.
     """
     check_options(
         window=window,

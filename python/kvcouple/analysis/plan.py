@@ -312,7 +312,23 @@ _SIGN = {"greater": ">", "less": "<", "two-sided": "!="}
 
 
 def load_plan(path: str | os.PathLike[str]) -> Plan:
-    """Parse and check a plan file; raise :class:`PlanError` naming what is wrong."""
+    """Parse and check a plan file; raise :class:`PlanError` naming what is wrong.
+
+    Parameters
+    ----------
+    path : str or os.PathLike
+        A TOML plan file. A plan without a ``name`` key is named after the file's stem.
+
+    Returns
+    -------
+    Plan
+        The checked plan.
+
+    Raises
+    ------
+    kvcouple.analysis.PlanError
+        No file at ``path``, invalid TOML, or a plan whose content is wrong.
+    """
     path = Path(path)
     try:
         content = tomllib.loads(path.read_text())

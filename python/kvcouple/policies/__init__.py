@@ -45,6 +45,24 @@ def parse_policy(spec: str) -> Policy:
 
     Raises :class:`UnknownPolicyError` or :class:`PolicyParameterError` (both ``ValueError``)
     naming what is wrong and what is allowed.
+
+    Parameters
+    ----------
+    spec : str
+        ``name`` (case-insensitive, a key of :data:`POLICIES`) optionally followed by
+        ``:`` and comma-separated ``param=value`` pairs.
+
+    Returns
+    -------
+    Policy
+        The configured policy.
+
+    Raises
+    ------
+    kvcouple.policies.UnknownPolicyError
+        No policy of that name is registered.
+    kvcouple.policies.PolicyParameterError
+        A malformed or repeated parameter, or one the policy refuses.
     """
     text = spec.strip()
     name, _, rest = text.partition(":")

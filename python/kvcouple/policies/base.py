@@ -345,7 +345,22 @@ class RescoreRule(DecodeRule):
 
 def kept_count(length: int, retain: float | None, budget: int | None) -> int:
     """Entries kept of a ``length``-token prompt: ``round_half_up(retain * length)`` or
-    ``budget``, clamped to ``[1, length]``."""
+    ``budget``, clamped to ``[1, length]``.
+
+    Parameters
+    ----------
+    length : int
+        Prompt length in tokens.
+    retain : float or None
+        Fraction of the prompt to keep; takes precedence over ``budget``.
+    budget : int or None
+        Entries to keep. With neither ``retain`` nor ``budget``, the whole prompt is kept.
+
+    Returns
+    -------
+    int
+        Entries kept, in ``[1, length]``.
+    """
     if retain is not None:
         want = math.floor(retain * length + 0.5)
     elif budget is not None:
@@ -497,7 +512,24 @@ POLICIES: dict[str, type[Policy]] = {}
 
 
 def register_policy(cls: type[Policy]) -> type[Policy]:
-    """Class decorator: make a :class:`Policy` subclass available by its ``name``."""
+    """Class decorator: make a :class:`Policy` subclass available by its ``name``.
+
+    Parameters
+    ----------
+    cls : type of Policy
+        The subclass; its ``name`` becomes its key in :data:`POLICIES` (replacing any class
+        registered under that name).
+
+    Returns
+    -------
+    type of Policy
+        ``cls`` itself.
+
+    Raises
+    ------
+    ValueError
+        ``cls.name`` is empty or contains ``:`` or ``,``.
+    """
     if not cls.name or ":" in cls.name or "," in cls.name:
         raise ValueError(f"a policy needs a name without ':' or ',', got {cls.name!r}")
     POLICIES[cls.name] = cls
@@ -505,7 +537,20 @@ def register_policy(cls: type[Policy]) -> type[Policy]:
 
 
 def top_indices(scores: torch.Tensor, keep: int) -> torch.Tensor:
-    """The ``keep`` highest scores per row (ties: lower index first), sorted ascending."""
+    """The ``keep`` highest scores per row (ties: lower index first), sorted ascending.
+
+    Parameters
+    ----------
+    scores : torch.Tensor
+        Scores, ``(..., n)``: one row per last dimension.
+    keep : int
+        Indices to keep per row, in ``[0, n]``.
+
+    Returns
+    -------
+    torch.Tensor
+        ``long`` indices ``(..., keep)`` on the device of ``scores``, sorted ascending.
+    """
     import torch
 
     if keep == 0:

@@ -614,6 +614,31 @@ def open_trace_store(
     Raises :class:`StoreError` when the path is not a kvcouple store or is damaged, or when some
     documents are unfinished (an interrupted run) unless ``allow_incomplete``, in which case only
     the finished documents are returned. Raises :class:`SchemaVersionError` for another schema.
+
+    Parameters
+    ----------
+    path : str or os.PathLike
+        The store (a local path or a URL such as ``s3://...``).
+    allow_incomplete : bool
+        Return only the finished documents instead of raising for unfinished ones.
+        Default False.
+    chunks : optional
+        Dask chunks, passed to ``xarray.open_zarr``. Default None: the store's chunks.
+    storage_options : dict, optional
+        Options for the storage backend (for example S3 credentials). Default None.
+
+    Returns
+    -------
+    xarray.Dataset
+        The store's variables, read lazily.
+
+    Raises
+    ------
+    kvcouple.errors.StoreError
+        Not a (readable) kvcouple store, damaged, or with unfinished documents without
+        ``allow_incomplete``.
+    kvcouple.errors.SchemaVersionError
+        The store was written with another schema version.
     """
     import xarray as xr
 

@@ -149,7 +149,19 @@ def distribution_variables(record: Record, prefix: str = "") -> dict[str, Variab
 
 
 def variables(record: Record) -> dict[str, Variable]:
-    """Every variable a store with this record level holds."""
+    """Every variable a store with this record level holds.
+
+    Parameters
+    ----------
+    record : Record
+        The record level: ``summary``, ``topk:K`` or ``full``.
+
+    Returns
+    -------
+    dict of str to Variable
+        Each variable's name mapped to its dimensions, dtype and fill value: the summary
+        variables plus the distribution variables (and their ``branch_`` versions).
+    """
     return {
         **SUMMARY_VARIABLES,
         **distribution_variables(record),

@@ -68,7 +68,28 @@ class VocabularyMismatchError(StoreError):
 def check_resume(path: Path, existing: dict[str, Any], run: dict[str, Any]) -> None:
     """Refuse to resume a store whose run-defining attributes (:data:`RUN_KEYS`) differ from
     this run's: the one place resume compatibility is decided. Raises :class:`StoreError`
-    (:class:`VocabularyMismatchError` for the vocabulary) naming the first difference."""
+    (:class:`VocabularyMismatchError` for the vocabulary) naming the first difference.
+
+    Parameters
+    ----------
+    path : pathlib.Path
+        The store being resumed (named in the error).
+    existing : dict
+        The store's attributes.
+    run : dict
+        This run's attributes. A key absent from both is not compared.
+
+    Returns
+    -------
+    None
+
+    Raises
+    ------
+    kvcouple.store.VocabularyMismatchError
+        The vocabulary sizes differ.
+    kvcouple.errors.StoreError
+        Any other run-defining attribute (or the policy specs) differs.
+    """
     for key in (*RUN_KEYS, "policy_specs"):
         if key not in run and key not in existing:
             continue

@@ -109,6 +109,27 @@ def exact(pair: KernelPair, horizon: int, window: int | None = None) -> ExactRes
     reachable state pairs and ``R <= min(V, S)`` residual successor states; memory
     ``O(S_P * S_Q * (min(L, T) + 2))``. S = V = 16, T = L = 64 takes well under a second.
     ``window=None`` traces to the horizon (no tail).
+
+    Parameters
+    ----------
+    pair : KernelPair
+        The two kernels (P, Q) of the synthetic chain.
+    horizon : int
+        Number of generated tokens ``T`` (>= 1).
+    window : int, optional
+        Window ``L`` in lags after the first divergence; None (default) traces to the
+        horizon (no tail).
+
+    Returns
+    -------
+    ExactResult
+        The exact expected quantities (occurrence, occupation, window and tail
+        contributions, expected mismatches, tail exposure and the interval ends).
+
+    Raises
+    ------
+    kvcouple.errors.InvalidInputError
+        An out-of-range ``horizon`` or ``window``.
     """
     d = _core.synth_exact(*pair.arrays(), horizon, _window(horizon, window))
     return ExactResult(**d)
@@ -133,6 +154,41 @@ def simulate(
     ``E[delta_{tau+l} 1{tau+l <= T}]`` and ``P(tau + l <= T)``). ``trace="window"`` stops
     branches at lag L: the tail and the total are then NaN. Results do not depend on the
     thread count.
+
+    Parameters
+    ----------
+    pair : KernelPair
+        The two kernels (P, Q) of the synthetic chain.
+    horizon : int
+        Number of generated tokens ``T`` (>= 1).
+    window : int, optional
+        Window ``L`` in lags after the first divergence; None (default) traces to the
+        horizon (no tail).
+    method : {"naive", "rb", "rb-tv"}
+        Estimator: plain coupled simulation, Rao-Blackwellised, or Rao-Blackwellised with
+        TV-weighted contributions. Default ``"rb"``.
+    replicates : int
+        Monte Carlo replicates (>= 1). Default 1000.
+    branches : int
+        Branches per replicate (>= 1 for ``"rb"`` and ``"rb-tv"``). Default 1.
+    seed : int
+        Seed in ``[0, 2**64)``. Default 0.
+    trace : {"horizon", "window"}
+        Trace branches to the horizon (default), or stop them at lag ``L`` (the tail and the
+        total are then NaN).
+
+    Returns
+    -------
+    dict of str to numpy.ndarray
+        float64 per-replicate arrays under the keys above.
+
+    Raises
+    ------
+    kvcouple.errors.InvalidInputError
+        An unknown ``method`` or ``trace``, a bad seed, or an out-of-range horizon, window,
+        replicate or branch count.
+    kvcouple.errors.ResourceLimitError
+        The per-replicate outputs would not fit in the memory available.
     """
     if method not in METHODS:
         raise InvalidInputError(f"unknown method {method!r}: use one of {', '.join(METHODS)}")
@@ -234,7 +290,44 @@ def estimate(
     seed: int = 0,
     trace: Literal["horizon", "window"] = "horizon",
 ) -> Estimate:
-    """Estimate every quantity of :func:`exact` by Monte Carlo (``method``: naive, rb, rb-tv)."""
+    """Estimate every quantity of :func:`exact` by Monte Carlo (``method``: naive, rb, rb-tv).
+
+    Parameters
+    ----------
+    pair : KernelPair
+        The two kernels (P, Q) of the synthetic chain.
+    horizon : int
+        Number of generated tokens ``T`` (>= 1).
+    window : int, optional
+        Window ``L`` in lags after the first divergence; None (default) traces to the
+        horizon (no tail).
+    method : {"naive", "rb", "rb-tv"}
+        Estimator: plain coupled simulation, Rao-Blackwellised, or Rao-Blackwellised with
+        TV-weighted contributions. Default ``"rb"``.
+    replicates : int
+        Monte Carlo replicates (>= 1). Default 1000.
+    branches : int
+        Branches per replicate (>= 1 for ``"rb"`` and ``"rb-tv"``). Default 1.
+    seed : int
+        Seed in ``[0, 2**64)``. Default 0.
+    trace : {"horizon", "window"}
+        Trace branches to the horizon (default), or stop them at lag ``L`` (the tail and the
+        total are then NaN).
+
+    Returns
+    -------
+    Estimate
+        Means and standard errors of every quantity, the branch TV by lag, the mean number of
+        kernel evaluations and the raw output of :func:`simulate`.
+
+    Raises
+    ------
+    kvcouple.errors.InvalidInputError
+        An unknown ``method`` or ``trace``, a bad seed, or an out-of-range horizon, window,
+        replicate or branch count.
+    kvcouple.errors.ResourceLimitError
+        The per-replicate outputs would not fit in the memory available.
+    """
     raw = simulate(
         pair,
         horizon,
@@ -320,6 +413,24 @@ def interval(result: ExactResult | Estimate, level: float = 0.95) -> Interval:
     For an :class:`Estimate` each end's standard error comes from its per-replicate values;
     the confidence bounds are ``lower - z se`` and ``upper + z se`` with ``z`` the two-sided
     normal quantile of ``level``.
+
+    Parameters
+    ----------
+    result : ExactResult or Estimate
+        The output of :func:`exact` or :func:`estimate`.
+    level : float
+        Confidence level in ``(0, 1)``. Default 0.95.
+
+    Returns
+    -------
+    Interval
+        The interval ends in counts, their standard errors (0 for exact values) and the
+        confidence bounds.
+
+    Raises
+    ------
+    kvcouple.errors.InvalidInputError
+        ``level`` is not in ``(0, 1)``.
     """
     if not 0 < level < 1:
         raise InvalidInputError(f"level = {level} must lie in (0, 1)")
@@ -352,6 +463,25 @@ def interval_constructions(
     ``exact(lower).expected_mismatches == exact(pair).interval_lower`` and likewise for the
     upper end (SPEC section 5). Vocabulary ``3V + 2``: overlap tokens, P- and Q-marked residual
     tokens, two end tokens; states ``S_P S_Q + S L + 1``.
+
+    Parameters
+    ----------
+    pair : KernelPair
+        The two kernels (P, Q).
+    horizon : int
+        Number of generated tokens ``T`` (>= 1).
+    window : int
+        Window ``L`` in lags after the first divergence.
+
+    Returns
+    -------
+    tuple of KernelPair
+        ``(lower, upper)``.
+
+    Raises
+    ------
+    kvcouple.errors.InvalidInputError
+        An out-of-range ``horizon`` or ``window``.
     """
     lo, hi = _core.synth_interval_constructions(*pair.arrays(), horizon, window)
     return KernelPair.from_arrays(lo), KernelPair.from_arrays(hi)

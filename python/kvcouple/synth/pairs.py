@@ -192,7 +192,27 @@ class KernelPair:
 
 def save_pair(pair: KernelPair, path: str | os.PathLike[str], *, markov: bool = False) -> None:
     """Write a pair file (``.npz``) with the emitter keys ``P_emit, ..., Q_start``, or with
-    ``markov=True`` the shorthand ``P, Q, start`` (for Markov pairs with one start token)."""
+    ``markov=True`` the shorthand ``P, Q, start`` (for Markov pairs with one start token).
+
+    Parameters
+    ----------
+    pair : KernelPair
+        The pair to write.
+    path : str or os.PathLike
+        Destination file (numpy adds ``.npz`` when the name lacks it).
+    markov : bool
+        Write the Markov shorthand ``P, Q, start``. Default False.
+
+    Returns
+    -------
+    None
+
+    Raises
+    ------
+    kvcouple.errors.InvalidKernelError
+        ``markov=True`` for a pair that is not Markov (S = V, ``next[s, v] = v``) with one
+        start state shared by both kernels.
+    """
     if not markov:
         np.savez(
             path,
@@ -214,7 +234,27 @@ def save_pair(pair: KernelPair, path: str | os.PathLike[str], *, markov: bool = 
 def pair_from_mapping(f: Any, where: str = "pair") -> KernelPair:
     """A pair from a mapping with the emitter keys or the Markov shorthand ``P, Q, start``.
 
-    Errors are :class:`~kvcouple.InvalidKernelError` whose message starts with ``where``."""
+    Errors are :class:`~kvcouple.errors.InvalidKernelError` whose message starts with
+    ``where``.
+
+    Parameters
+    ----------
+    f : Mapping
+        Arrays under the emitter keys ``P_emit, P_next, P_start, Q_emit, Q_next, Q_start``,
+        or the Markov shorthand ``P, Q, start``.
+    where : str
+        Prefix of error messages (a file name, for example). Default ``"pair"``.
+
+    Returns
+    -------
+    KernelPair
+        The validated pair.
+
+    Raises
+    ------
+    kvcouple.errors.InvalidKernelError
+        ``f`` is not a mapping, lacks the keys, or its arrays do not form a pair.
+    """
     if not hasattr(f, "keys"):
         raise InvalidKernelError(f"{where}: expected a mapping of arrays, got {type(f).__name__}")
     try:
@@ -253,7 +293,25 @@ def load_pair(path: str | os.PathLike[str]) -> KernelPair:
 
     A file that is not there raises :class:`FileNotFoundError`; a directory, a file that is not
     an ``.npz`` archive (or a truncated one) or arrays that do not form a pair raise
-    :class:`~kvcouple.InvalidKernelError` naming the file.
+    :class:`~kvcouple.errors.InvalidKernelError` naming the file.
+
+    Parameters
+    ----------
+    path : str or os.PathLike
+        A ``.npz`` pair file, with the emitter keys or the Markov shorthand.
+
+    Returns
+    -------
+    KernelPair
+        The validated pair.
+
+    Raises
+    ------
+    FileNotFoundError
+        No file at ``path``.
+    kvcouple.errors.InvalidKernelError
+        A directory, a file that is not a (whole) ``.npz`` archive, or arrays that do not
+        form a pair.
     """
     where = os.fspath(path)
     if os.path.isdir(where):
@@ -294,6 +352,35 @@ def random_pair(
     ``deterministic`` is the probability that a row is a point mass (and that Q's row is
     drawn independently of P's, so TV-1 steps occur); ``markov`` gives V x V Markov tables
     (``states`` is then ignored). Without ``markov``, ``states`` defaults to ``vocab``.
+
+    Parameters
+    ----------
+    vocab : int
+        Vocabulary size ``V`` (>= 1).
+    states : int, optional
+        Number of states ``S``; None (default) uses ``vocab``. Ignored with ``markov``.
+    seed : int
+        Seed in ``[0, 2**64)``. Default 0.
+    closeness : float
+        In ``[0, 1]``: how far Q is mixed towards P (1: Q = P). Default 0.5.
+    sparsity : float
+        Probability of zeroing each emission entry. Default 0.0.
+    absorbing : bool
+        Make token ``V - 1`` an absorbing EOS. Default False.
+    deterministic : float
+        Probability that a row is a point mass. Default 0.0.
+    markov : bool
+        Give V x V Markov tables. Default False.
+
+    Returns
+    -------
+    KernelPair
+        The random pair.
+
+    Raises
+    ------
+    kvcouple.errors.InvalidInputError
+        A bad seed, size or probability out of range.
     """
     s = vocab if states is None else states
     arrays = _core.synth_random_pair(

@@ -174,7 +174,37 @@ def trace_policy(
     doc_index: int,
     policy_index: int,
 ) -> PolicyTrace:
-    """Coupled generation of one document under one policy."""
+    """Coupled generation of one document under one policy.
+
+    Parameters
+    ----------
+    model : transformers.PreTrainedModel
+        The causal LM.
+    pre : Prefill
+        The prompt's prefill (full cache, and queries when the policy needs them).
+    policy : Policy
+        The eviction policy (a gated policy decides here what it applies).
+    settings : TraceSettings
+        Horizon, window, replicates, branches and decoding settings.
+    seed : int
+        Seed of the run.
+    doc_index : int
+        The document's index in the run.
+    policy_index : int
+        The policy's index in the run (with ``seed`` and ``doc_index`` it fixes the random
+        streams).
+
+    Returns
+    -------
+    PolicyTrace
+        The store arrays of the (document, policy) region, the generated tokens and the
+        number of branch batches.
+
+    Raises
+    ------
+    ValueError
+        The policy selects indices outside the prompt.
+    """
     streams = random_streams(seed, doc_index, policy_index, settings)
     device = pre.input_ids.device
     policy_seed = int(streams["policy_seed"][0])

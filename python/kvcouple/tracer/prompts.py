@@ -48,7 +48,31 @@ def load_prompts(
     vocab_size: int | None = None,
 ) -> list[Prompt]:
     """Read a prompt file; texts are tokenised with ``tokenizer`` (optionally through its chat
-    template). ``vocab_size`` bounds the token ids of ``input_ids`` lines."""
+    template). ``vocab_size`` bounds the token ids of ``input_ids`` lines.
+
+    Parameters
+    ----------
+    path : str or os.PathLike
+        A JSON-lines prompt file: one document per line, with a text or ``input_ids``.
+    tokenizer : transformers tokenizer, optional
+        Tokenises text prompts. Default None: only ``input_ids`` lines are accepted.
+    chat_template : bool
+        Tokenise texts through the tokenizer's chat template. Default False.
+    vocab_size : int, optional
+        Token ids of ``input_ids`` lines must lie below it. Default None: unchecked.
+
+    Returns
+    -------
+    list of Prompt
+        One per line: its document id and token ids.
+
+    Raises
+    ------
+    FileNotFoundError
+        No file at ``path``.
+    kvcouple.tracer.prompts.PromptFileError
+        A directory, a malformed line, a text prompt without a tokenizer, or an empty prompt.
+    """
     prompts: list[Prompt] = []
     for where, doc_id, text, ids in _records(Path(path), vocab_size):
         if text is not None:

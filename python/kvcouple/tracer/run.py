@@ -90,7 +90,43 @@ def trace_document(
 ) -> tuple[dict[str, np.ndarray], int]:
     """Trace one prompt under every policy. Returns the store arrays of this document (no
     ``doc`` axis; ``policy`` first) and the number of generated tokens (both sides).
-    ``on_policy()`` is called after each policy (for progress bars)."""
+    ``on_policy()`` is called after each policy (for progress bars).
+
+    Parameters
+    ----------
+    model : transformers.PreTrainedModel
+        A Hugging Face causal LM the tracer supports.
+    input_ids : sequence of int
+        The prompt's token ids.
+    policies : sequence of Policy or str
+        Policies, or specs given to :func:`~kvcouple.policies.parse_policy`.
+    settings : TraceSettings
+        Horizon, window, replicates, branches and decoding settings.
+    seed : int
+        Seed of the run. Default 0.
+    doc_index : int
+        The document's index in the run (its random streams depend on it). Default 0.
+    doc_id : str
+        The document's id, named in messages. Default ``""``.
+    on_policy : callable, optional
+        Called with no arguments after each policy. Default None.
+
+    Returns
+    -------
+    tuple of (dict of str to numpy.ndarray, int)
+        The document's store arrays and the number of generated tokens.
+
+    Raises
+    ------
+    kvcouple.policies.UnknownPolicyError
+        A policy spec names no registered policy.
+    kvcouple.policies.PolicyParameterError
+        A policy spec with a bad parameter.
+    kvcouple.tracer.attention.UnsupportedModelError
+        The tracer cannot serve ``model`` with these policies.
+    kvcouple.tracer.prefill.PromptTooShortError
+        The prompt is too short.
+    """
     doc = trace_document_records(
         model,
         input_ids,
