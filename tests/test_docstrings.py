@@ -92,3 +92,51 @@ def test_no_docstring_points_to_a_missing_name():
     assert not missing, f"docstrings name what does not exist: {missing}"
     assert "kvcouple.decoding" not in (kvcouple.divergences.__doc__ or "")
     assert synth  # imported: its docstrings are scanned through PUBLIC
+
+
+NUMPY_CLASSES = [
+    analysis.AnalysisResult,
+    analysis.Options,
+    analysis.Plan,
+    synth.Estimate,
+    synth.ExactResult,
+    synth.Interval,
+    synth.Kernel,
+    synth.KernelPair,
+    store.Record,
+    store.StoreLayout,
+    store.TraceStoreWriter,
+    policies.Policy,
+    policies.ScorePolicy,
+    policies.SnapKV,
+    policies.Recent,
+    policies.Streaming,
+    policies.H2O,
+    policies.TOVA,
+    policies.KNorm,
+    policies.ValueDiff,
+    policies.Random,
+    policies.Full,
+    policies.PAGE,
+    policies.RescoreRule,
+    policies.SlotScoreRule,
+    policies.DecodeRule,
+    policies.DecodeCache,
+    policies.DecodeContext,
+    policies.PolicyContext,
+    policies.Admission,
+]
+
+
+try:  # the tracer needs torch (an optional extra)
+    from kvcouple import tracer as _tracer
+except ImportError:
+    pass
+else:
+    NUMPY_CLASSES += [_tracer.Decoding, _tracer.TraceSettings, _tracer.PolicyTrace, _tracer.Prompt]
+
+
+@pytest.mark.parametrize("cls", NUMPY_CLASSES, ids=lambda c: c.__qualname__)
+def test_class_numpy_sections(cls):
+    doc = inspect.getdoc(cls) or ""
+    assert re.search(r"^(Parameters|Attributes)\n-{10}", doc, re.M), f"{cls.__qualname__}"

@@ -43,7 +43,25 @@ DEFAULT_N_BOOT = DEFAULTS["n_boot"]  # one default, the plan's
 
 @dataclass(frozen=True)
 class Options:
-    """Per-document settings (picklable: they travel to Dask workers)."""
+    """Per-document settings (picklable: they travel to Dask workers).
+
+    Parameters
+    ----------
+    window : int or None, optional
+        Observation window L_w, in decode steps, for the window/tail split. ``None``
+        (the default) uses the window L stored in the trace store.
+    estimator : str, optional
+        Per-unit estimator: ``"indicator"`` (the default) or ``"tv"``.
+    recompute : bool, optional
+        Recompute stored divergences from the stored distributions and record any
+        disagreement (default ``True``). Only stores recorded as ``"full"`` or ``"topk..."``
+        can be recomputed.
+    tolerance : float or None, optional
+        Largest allowed absolute difference between a stored and a recomputed value.
+        ``None`` (the default) uses a per-quantity default tolerance.
+    io_threads : int, optional
+        Threads used to read one document's arrays during recomputation (default 2).
+    """
 
     window: int | None = None  # observation window L_w (default: the store's L)
     estimator: str = "indicator"
@@ -110,6 +128,36 @@ class ModelResult:
 
 @dataclass
 class AnalysisResult:
+    """The result of :func:`kvcouple.analysis.analyze`: one entry per store, plus the plan's tests.
+
+    Attributes
+    ----------
+    models : list of ModelResult
+        The analysis of each store (one model per store), in the order the stores were given.
+    estimator : str
+        The per-unit estimator used: ``"indicator"`` or ``"tv"``.
+    doc_set : str
+        The documents analysed: ``"all"``, ``"exploratory"`` or ``"confirmatory"``.
+    plan_hash : str
+        SHA-256 hash of the completed plan content, or ``"none"`` without a plan.
+    plan_name : str or None
+        The plan's name, or ``None`` without a plan.
+    tests : list of dict
+        One row per comparison the plan registers (empty without a plan).
+    skipped : list of dict
+        Documents left out of the analysis (for example damaged or unfinished ones), each
+        with the reason.
+    settings : dict
+        Every number-changing setting used, with the recomputation settings and the store
+        paths (``"stores"``).
+    preregistration : str
+        ``"preregistered: ..."`` or ``"not preregistered: <why>"``; stamped on every output.
+        Default ``"not preregistered: no plan"``.
+    pooled : dict
+        Gap attribution pooled across models (key ``"gap_attribution"``) when the settings
+        ask for pooling; empty otherwise.
+    """
+
     models: list[ModelResult]
     estimator: str
     doc_set: str

@@ -106,6 +106,25 @@ class Comparison:
 
 @dataclass(frozen=True)
 class Plan:
+    """An analysis plan, loaded and completed with defaults by
+    :func:`kvcouple.analysis.load_plan`.
+
+    The number-changing settings (``alpha``, ``correction``, ``estimator``, ``window``,
+    ``early_late_split``, ``n_boot``, ``seed``, ``ci_level``, ``ci_method``, ``pool_models``
+    and ``reference``) are readable as attributes, e.g. ``plan.alpha``.
+
+    Attributes
+    ----------
+    content : dict
+        The plan's content completed with the defaults; this is what the hash covers.
+    hash : str
+        SHA-256 hex digest of the canonical JSON of ``content``.
+    name : str
+        The plan's name (the file's stem when the plan has no ``name`` key).
+    comparisons : tuple of Comparison
+        The registered comparisons, in the order the plan lists them.
+    """
+
     content: dict[str, Any]  # completed with defaults: what the hash covers
     hash: str
     name: str

@@ -74,6 +74,26 @@ class PolicyContext:
     attention, so windows, soft-capping and sinks are included); without it attention is
     recomputed from ``query_fn``, ``keys`` and ``scaling`` as plain causal softmax attention.
     ``generator`` is a seeded CPU generator for randomised policies.
+
+    Attributes
+    ----------
+    keys : list of torch.Tensor
+        Per layer, ``(kv_heads, length, head_dim)`` cached keys.
+    values : list of torch.Tensor
+        Per layer, ``(kv_heads, length, head_dim)`` cached values.
+    query_fn : callable or None
+        ``query_fn(l, start)``: post-RoPE queries of prefix positions ``start..length-1``.
+    scaling : float or None
+        The attention scale (``None``: ``head_dim ** -0.5``).
+    num_query_heads : int or None
+        Number of query heads (``None``: as many as KV heads).
+    generator : torch.Generator or None
+        Seeded CPU generator for randomised policies.
+    attention_fn : callable or None
+        ``attention_fn(l, start, stop)``: the layer's own attention probabilities.
+    accumulated_fn : callable or None
+        ``accumulated_fn(l)``: the accumulated attention of layer ``l``, when the tracer
+        computed it during prefill.
     """
 
     keys: list[torch.Tensor]
@@ -164,7 +184,18 @@ class DecodeContext(PolicyContext):
     (``recent_queries[l]``: ``(query_heads, W, head_dim)``, oldest first, at
     ``query_positions``), so :meth:`window_attention` is the attention of the last ``window``
     generated (or prompt) tokens, causal by original position. Accumulated attention over every
-    query is not kept while decoding.
+    query is not kept while decoding. The attributes not listed below are those of
+    :class:`PolicyContext`.
+
+    Attributes
+    ----------
+    key_positions : list of torch.Tensor
+        Per layer, ``(kv_heads, length)`` original positions of the held entries.
+    recent_queries : list of torch.Tensor
+        Per layer, ``(query_heads, W, head_dim)`` queries of the most recent tokens, oldest
+        first.
+    query_positions : torch.Tensor or None
+        Original positions of those queries.
     """
 
     key_positions: list[torch.Tensor] = field(default_factory=list)
@@ -214,6 +245,35 @@ class DecodeCache:
     (when the rule asks for a query window) are the post-RoPE queries of the most recent tokens,
     ``(B, query_heads, W, head_dim)``, oldest first, at ``query_positions`` ``(W,)`` per row
     ``(B, W)``.
+
+    Attributes
+    ----------
+    layer : int
+        The layer index.
+    keys : torch.Tensor
+        ``(B, kv_heads, S, head_dim)`` cached keys.
+    values : torch.Tensor
+        ``(B, kv_heads, S, head_dim)`` cached values.
+    visible : torch.Tensor
+        ``(B, S)`` bool: the slots each row attends to.
+    state : dict of str to torch.Tensor
+        Slot-aligned ``(B, kv_heads, S)`` tensors: ``position`` plus the rule's own state.
+    current : torch.Tensor
+        ``(B,)`` position of the token just fed.
+    rows : torch.Tensor
+        ``(B,)`` the trajectory each row follows (for reproducible randomness).
+    scaling : float
+        The attention scale.
+    num_query_heads : int
+        Number of query heads.
+    attention : torch.Tensor or None
+        The newest query's attention over the slots, averaged over each GQA group, when the
+        rule asks for it (``None`` otherwise).
+    queries : torch.Tensor or None
+        ``(B, query_heads, W, head_dim)`` post-RoPE queries of the most recent tokens, when
+        the rule asks for a query window (``None`` otherwise).
+    query_positions : torch.Tensor or None
+        ``(B, W)`` positions of those queries (``None`` without a query window).
     """
 
     layer: int
@@ -241,6 +301,13 @@ class DecodeRule:
     :meth:`observe` after every step, and :meth:`keep` whenever a row holds ``every`` entries
     more than the budget; :meth:`keep` returns, per layer, the ``budget`` slots each row and KV
     head keeps, ``(B, kv_heads, budget)`` indices of visible slots.
+
+    Parameters
+    ----------
+    policy : Policy
+        The policy the rule belongs to (its ``every`` parameter sets how often it evicts).
+    budget : int
+        Entries each row, layer and KV head keeps.
     """
 
     needs_attention: ClassVar[bool] = False
@@ -269,7 +336,15 @@ class DecodeRule:
 
 class SlotScoreRule(DecodeRule):
     """Keeps the ``budget`` visible slots of highest :meth:`score` per row and KV head (ties:
-    the lower position, as at prefill)."""
+    the lower position, as at prefill).
+
+    Parameters
+    ----------
+    policy : Policy
+        The policy the rule belongs to (its ``every`` parameter sets how often it evicts).
+    budget : int
+        Entries each row, layer and KV head keeps.
+    """
 
     def score(self, cache: DecodeCache) -> torch.Tensor:
         """``(B, kv_heads, S)`` float64 scores; higher is kept."""
@@ -293,7 +368,17 @@ class SlotScoreRule(DecodeRule):
 
 class RescoreRule(DecodeRule):
     """The generic rule: every ``every`` steps, re-run the policy's own :meth:`Policy.select`
-    on each row's current cache (a :class:`DecodeContext`) and keep what it keeps."""
+    on each row's current cache (a :class:`DecodeContext`) and keep what it keeps.
+
+    Parameters
+    ----------
+    policy : Policy
+        The policy whose :meth:`Policy.select` is re-run.
+    budget : int
+        Entries each row, layer and KV head keeps.
+    seed : int, optional
+        Seed of the per-row generators given to randomised policies (default 0).
+    """
 
     def __init__(self, policy: Policy, budget: int, seed: int = 0):
         super().__init__(policy, budget)
@@ -387,7 +472,18 @@ def _parse_value(policy: str, name: str, kind: type, text: str) -> Any:
 @dataclass(frozen=True)
 class Admission:
     """What a policy applies to one input: itself, or (for a gated policy such as ``page``)
-    the decision of its gate: ``capacity_bound`` (None: no gate) and the gate's ``score``."""
+    the decision of its gate: ``capacity_bound`` (None: no gate) and the gate's ``score``.
+
+    Attributes
+    ----------
+    policy : Policy
+        The policy applied to the input (for ``page``: the base policy, or ``full`` when the
+        input is capacity-bound).
+    score : float
+        The gate's score (for ``page``: the agreement drop); NaN (the default) without a gate.
+    capacity_bound : bool or None
+        The gate's decision; ``None`` (the default) without a gate.
+    """
 
     policy: Policy
     score: float = math.nan
@@ -399,6 +495,23 @@ class Policy:
 
     Subclasses set ``name``, ``PARAMS`` (``{param: (type, default)}``, beyond ``retain`` and
     ``budget`` which every budgeted policy takes) and implement :meth:`select`.
+
+    Parameters
+    ----------
+    retain : float, optional
+        Fraction of the prompt to keep, in ``(0, 1]``. Exactly one of ``retain`` and ``budget``
+        must be given (for a budgeted policy).
+    budget : int, optional
+        Number of prompt entries to keep (>= 1). Exactly one of ``retain`` and ``budget`` must
+        be given (for a budgeted policy).
+    mode : str, optional
+        ``"prefill"`` (the default: evict once, after the prompt) or ``"decode"`` (also keep the
+        cache at its budget while generating).
+    every : int, optional
+        Only with ``mode=decode``: evict back to the budget once every ``every`` generated
+        tokens (>= 1; default 1).
+    **params : Any
+        The subclass's own ``PARAMS``, as keyword arguments or strings (spec values).
     """
 
     name: ClassVar[str] = ""
@@ -574,6 +687,23 @@ class ScorePolicy(Policy):
     """A policy that keeps the highest-scoring entries per layer and KV head.
 
     Implement ``score(ctx, layer) -> (kv_heads, length)``; higher scores are kept.
+
+    Parameters
+    ----------
+    retain : float, optional
+        Fraction of the prompt to keep, in ``(0, 1]``. Exactly one of ``retain`` and ``budget``
+        must be given (for a budgeted policy).
+    budget : int, optional
+        Number of prompt entries to keep (>= 1). Exactly one of ``retain`` and ``budget`` must
+        be given (for a budgeted policy).
+    mode : str, optional
+        ``"prefill"`` (the default: evict once, after the prompt) or ``"decode"`` (also keep the
+        cache at its budget while generating).
+    every : int, optional
+        Only with ``mode=decode``: evict back to the budget once every ``every`` generated
+        tokens (>= 1; default 1).
+    **params : Any
+        The subclass's own ``PARAMS``, as keyword arguments or strings (spec values).
     """
 
     def score(self, ctx: PolicyContext, layer: int) -> torch.Tensor:

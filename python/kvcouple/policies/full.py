@@ -22,7 +22,19 @@ class KeepAllRule(DecodeRule):
 
 
 class Full(Policy):
-    """Keeps the whole prompt cache."""
+    """Keeps the whole prompt cache.
+
+    Parameters are keyword arguments or the ``key=value`` pairs of a spec string parsed by
+    :func:`kvcouple.policies.parse_policy` (e.g. ``"full"``).
+
+    Parameters
+    ----------
+    mode : str, optional
+        ``"prefill"`` (the default) or ``"decode"``; accepted as by every policy, but this
+        policy never evicts in either mode.
+    every : int, optional
+        Only with ``mode=decode`` (>= 1; default 1); has no effect here.
+    """
 
     name = "full"
     BUDGETED = False

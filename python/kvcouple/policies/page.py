@@ -43,7 +43,29 @@ if TYPE_CHECKING:
 
 class PAGE(Policy):
     """Partition-aware gated eviction: the base policy, or the full cache when the input is
-    capacity-bound."""
+    capacity-bound.
+
+    Parameters are keyword arguments or the ``key=value`` pairs of a spec string parsed by
+    :func:`kvcouple.policies.parse_policy` (e.g. ``"page:base=snapkv,budget=512,threshold=0.1"``).
+    Parameters other than those below go to the base policy (``retain`` or ``budget``, its own
+    parameters, ``mode`` and ``every``).
+
+    Parameters
+    ----------
+    base : str
+        Name of the base policy applied to dilution-prone inputs (required; any registered
+        policy but ``page``).
+    threshold : float, optional
+        Agreement-drop threshold in ``[-1, 1]``: inputs whose drop exceeds it are
+        capacity-bound and keep the whole cache (default 0.1; model-specific, calibrate it).
+    k : int, optional
+        Size of each query head's top-key set, ``k' = min(k, n - 1)`` (>= 1; default 16).
+    queries : int, optional
+        Number of last prefix queries whose attention is summed, ``W = min(queries, n - 1)``
+        (>= 1; default 8).
+    span : float, optional
+        Share of layers in the early and late groups, in ``(0, 0.5]`` (default: a third).
+    """
 
     name = "page"
     BUDGETED = False

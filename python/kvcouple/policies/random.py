@@ -10,7 +10,28 @@ from kvcouple.policies.base import Policy, PolicyContext, PolicyParameterError
 
 
 class Random(Policy):
-    """Keeps a uniformly random subset of ``kept - 1`` prefix entries per layer and head."""
+    """Keeps a uniformly random subset of ``kept - 1`` prefix entries per layer and head.
+
+    Parameters are keyword arguments or the ``key=value`` pairs of a spec string parsed by
+    :func:`kvcouple.policies.parse_policy` (e.g. ``"random:retain=0.5,seed=1"``).
+
+    Parameters
+    ----------
+    retain : float, optional
+        Fraction of the prompt to keep, in ``(0, 1]``. Exactly one of ``retain`` and ``budget``
+        must be given.
+    budget : int, optional
+        Number of prompt entries to keep (>= 1). Exactly one of ``retain`` and ``budget`` must
+        be given.
+    seed : int, optional
+        Seed of the random selection, in ``[0, 2**32)`` (default 0).
+    mode : str, optional
+        ``"prefill"`` (the default: evict once, after the prompt) or ``"decode"`` (also keep the
+        cache at its budget while generating).
+    every : int, optional
+        Only with ``mode=decode``: evict back to the budget once every ``every`` generated
+        tokens (>= 1; default 1).
+    """
 
     name = "random"
     PARAMS = {"seed": (int, 0)}

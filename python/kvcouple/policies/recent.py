@@ -29,7 +29,26 @@ class RecentRule(SlotScoreRule):
 
 
 class Recent(Policy):
-    """Keeps the last ``kept`` tokens of the prompt, the same for every layer and head."""
+    """Keeps the last ``kept`` tokens of the prompt, the same for every layer and head.
+
+    Parameters are keyword arguments or the ``key=value`` pairs of a spec string parsed by
+    :func:`kvcouple.policies.parse_policy` (e.g. ``"recent:retain=0.5"``).
+
+    Parameters
+    ----------
+    retain : float, optional
+        Fraction of the prompt to keep, in ``(0, 1]``. Exactly one of ``retain`` and ``budget``
+        must be given.
+    budget : int, optional
+        Number of prompt entries to keep (>= 1). Exactly one of ``retain`` and ``budget`` must
+        be given.
+    mode : str, optional
+        ``"prefill"`` (the default: evict once, after the prompt) or ``"decode"`` (also keep the
+        cache at its budget while generating).
+    every : int, optional
+        Only with ``mode=decode``: evict back to the budget once every ``every`` generated
+        tokens (>= 1; default 1).
+    """
 
     name = "recent"
 

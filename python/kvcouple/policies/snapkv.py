@@ -17,7 +17,33 @@ from kvcouple.policies.base import Policy, PolicyContext, PolicyParameterError, 
 
 
 class SnapKV(Policy):
-    """Window-attention voting with pooling."""
+    """Window-attention voting with pooling.
+
+    Parameters are keyword arguments or the ``key=value`` pairs of a spec string parsed by
+    :func:`kvcouple.policies.parse_policy` (e.g. ``"snapkv:budget=512,window=32"``).
+
+    Parameters
+    ----------
+    retain : float, optional
+        Fraction of the prompt to keep, in ``(0, 1]``. Exactly one of ``retain`` and ``budget``
+        must be given.
+    budget : int, optional
+        Number of prompt entries to keep (>= 1). Exactly one of ``retain`` and ``budget`` must
+        be given.
+    window : int, optional
+        Number of last prompt queries whose attention votes for the entries to keep (>= 1;
+        default 32).
+    kernel : int, optional
+        Size of the pooling kernel over positions, an odd number >= 1 (default 7).
+    pool : str, optional
+        Pooling: ``"avg"`` (the default) or ``"max"``.
+    mode : str, optional
+        ``"prefill"`` (the default: evict once, after the prompt) or ``"decode"`` (also keep the
+        cache at its budget while generating).
+    every : int, optional
+        Only with ``mode=decode``: evict back to the budget once every ``every`` generated
+        tokens (>= 1; default 1).
+    """
 
     name = "snapkv"
     NEEDS_QUERIES = True

@@ -38,7 +38,28 @@ class StreamingRule(SlotScoreRule):
 
 
 class Streaming(Policy):
-    """``sinks`` first tokens + most recent tokens."""
+    """``sinks`` first tokens + most recent tokens.
+
+    Parameters are keyword arguments or the ``key=value`` pairs of a spec string parsed by
+    :func:`kvcouple.policies.parse_policy` (e.g. ``"streaming:budget=256,sinks=4"``).
+
+    Parameters
+    ----------
+    retain : float, optional
+        Fraction of the prompt to keep, in ``(0, 1]``. Exactly one of ``retain`` and ``budget``
+        must be given.
+    budget : int, optional
+        Number of prompt entries to keep (>= 1). Exactly one of ``retain`` and ``budget`` must
+        be given.
+    sinks : int, optional
+        Number of first prompt tokens always kept (>= 0; default 4).
+    mode : str, optional
+        ``"prefill"`` (the default: evict once, after the prompt) or ``"decode"`` (also keep the
+        cache at its budget while generating).
+    every : int, optional
+        Only with ``mode=decode``: evict back to the budget once every ``every`` generated
+        tokens (>= 1; default 1).
+    """
 
     name = "streaming"
     PARAMS = {"sinks": (int, 4)}

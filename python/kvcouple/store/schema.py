@@ -111,7 +111,20 @@ SUMMARY_VARIABLES: dict[str, Variable] = {
 
 @dataclass(frozen=True)
 class Record:
-    """What a run records beyond the summary: ``summary``, ``topk:K`` or ``full``."""
+    """What a run records beyond the summary: ``summary``, ``topk:K`` or ``full``.
+
+    :meth:`parse` builds one from its text form (``"summary"``, ``"topk:K"`` or ``"full"``).
+
+    Parameters
+    ----------
+    kind : str, optional
+        ``"summary"`` (the default: summary variables only), ``"topk"`` (the top ``k`` token
+        ids and probabilities of each distribution, plus the tail mass) or ``"full"`` (whole
+        distributions over the vocabulary, stored as float16).
+    k : int, optional
+        Number of tokens kept per distribution for ``kind="topk"`` (>= 1); 0 (the default)
+        otherwise.
+    """
 
     kind: str = "summary"
     k: int = 0

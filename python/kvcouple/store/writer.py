@@ -109,7 +109,28 @@ def check_resume(path: Path, existing: dict[str, Any], run: dict[str, Any]) -> N
 
 @dataclass(frozen=True)
 class StoreLayout:
-    """The sizes of every dimension of a store."""
+    """The sizes of every dimension of a store.
+
+    Parameters
+    ----------
+    doc_ids : list of str
+        The document ids, unique and at least one (dimension ``doc``).
+    policies : list of str
+        The policy specs, at least one (dimension ``policy``).
+    horizon : int
+        Number of decode steps traced per document (dimension ``step``, >= 1).
+    window : int
+        Observation window L in lags after a divergence (>= 0; dimension ``lag`` has
+        ``window + 1`` entries).
+    branches : int
+        Branches per replicate (dimension ``branch``, >= 1).
+    replicates : int
+        Replicates per document and policy (dimension ``rep``, >= 1).
+    vocab_size : int
+        The model's vocabulary size (dimension ``vocab``, >= 1).
+    record : Record, optional
+        What is recorded beyond the summary; default ``Record()`` (summary only).
+    """
 
     doc_ids: list[str]
     policies: list[str]
@@ -312,7 +333,15 @@ def _create_remote(url: str, layout: StoreLayout, attrs: dict[str, Any]) -> None
 
 
 class TraceStoreWriter:
-    """Writes one run's store. Use :meth:`open` to create it or resume it."""
+    """Writes one run's store. Use :meth:`open` to create it or resume it.
+
+    Attributes
+    ----------
+    path : pathlib.Path or str
+        Where the store lies: a local directory, or a URL string for a remote store.
+    layout : StoreLayout
+        The sizes of every dimension of the store.
+    """
 
     def __init__(self, path: Path, layout: StoreLayout, group: Any):
         self.path = path

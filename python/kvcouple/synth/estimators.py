@@ -64,7 +64,57 @@ def _json(x: Any) -> Any:
 
 @dataclass(frozen=True, eq=False)
 class ExactResult:
-    """The exact law of the SMC on a pair (see the module docstring for the conventions)."""
+    """The exact law of the SMC on a pair (see the module docstring for the conventions).
+
+    Quantities are counts per sequence, not fractions (divide by ``horizon`` for fractions);
+    ``tau`` is the step of the first divergence.
+
+    Attributes
+    ----------
+    horizon : int
+        Number of generated tokens ``T``.
+    window : int
+        Window ``L`` in lags after the first divergence (``horizon`` when none was given).
+    expected_mismatches : float
+        ``E[M]``, the expected number of mismatched steps.
+    mismatch_fraction : float
+        ``expected_mismatches / T``.
+    occurrence : float
+        ``P(tau <= T)``, the probability that the sequences diverge at all.
+    first_mismatch_contribution : float
+        ``occurrence / T``.
+    occupation : float
+        ``E[(T - tau)+]``, the expected number of steps after the first divergence.
+    exposure : float
+        ``occupation / T``.
+    mismatch_rate : float
+        Mismatches after the first divergence per step of occupation,
+        ``(window_contribution + tail_contribution) / occupation``.
+    window_contribution : float
+        Expected mismatches at lags ``1..L`` after ``tau``.
+    tail_contribution : float
+        Expected mismatches at lags greater than ``L`` after ``tau``.
+    tail_exposure : float
+        ``E[(T - tau - L)+]``, the expected number of steps beyond the window.
+    interval_lower : float
+        Lower end of the sharp interval, ``occurrence + window_contribution``.
+    interval_upper : float
+        Upper end of the sharp interval, ``interval_lower + tail_exposure``.
+    survival : numpy.ndarray
+        ``P(tau > t)`` for ``t = 0..T``.
+    divergence_time_pmf : numpy.ndarray
+        ``P(tau = t)`` for ``t = 1..T``.
+    hazard : numpy.ndarray
+        Discrete hazard ``P(tau = t | tau >= t)`` for ``t = 1..T`` (NaN once the survival
+        is 0).
+    mismatch_by_step : numpy.ndarray
+        ``P(X_t != Y_t)`` for ``t = 1..T``.
+    branch_tv_by_lag : numpy.ndarray
+        ``E[delta_{tau+l} | tau + l <= T]`` for ``l = 1..min(L, T - 1)`` (NaN where the
+        condition has probability 0).
+    branch_lag_weight : numpy.ndarray
+        ``P(tau + l <= T)``, the conditioning event's probability, same lags.
+    """
 
     horizon: int
     window: int
@@ -242,6 +292,35 @@ class Estimate:
     ``values[name]`` holds the per-replicate values of each name in ``QUANTITIES``;
     ``mean``/``se`` also hold the fractions and ratios (``mismatch_fraction``, ``exposure``,
     ``first_mismatch_contribution``, ``mismatch_rate``; ratios with delta-method SEs).
+
+    Attributes
+    ----------
+    method : str
+        The estimator: ``"naive"``, ``"rb"`` or ``"rb-tv"``.
+    horizon : int
+        Number of generated tokens ``T``.
+    window : int
+        Window ``L`` in lags after the first divergence (``horizon`` when none was given).
+    replicates : int
+        Number of Monte Carlo replicates.
+    branches : int
+        Branches per replicate.
+    seed : int
+        The seed used.
+    values : dict of str to numpy.ndarray
+        Per-replicate values of each quantity in ``QUANTITIES``.
+    mean : dict of str to float
+        Mean of each quantity, including the fractions and ratios.
+    se : dict of str to float
+        Standard error of each mean (delta-method for the ratios).
+    branch_tv_by_lag : numpy.ndarray
+        Estimated ``E[delta_{tau+l} | tau + l <= T]`` per lag.
+    branch_tv_by_lag_se : numpy.ndarray
+        Standard errors of ``branch_tv_by_lag``.
+    evaluations : float
+        Mean number of kernel evaluations per replicate.
+    raw : dict of str to numpy.ndarray
+        The raw output of :func:`simulate`.
     """
 
     method: str
@@ -386,6 +465,27 @@ class Interval:
     """The sharp interval for E[M] from a finite window (SPEC section 5), in counts.
 
     ``ci_low``/``ci_high`` widen the ends by ``z`` standard errors (0 for exact values).
+
+    Attributes
+    ----------
+    horizon : int
+        Number of generated tokens ``T``.
+    window : int
+        Window ``L`` in lags after the first divergence.
+    lower : float
+        Lower end, ``occurrence + window_contribution`` (a count).
+    upper : float
+        Upper end, ``lower + tail_exposure`` (a count).
+    lower_se : float
+        Standard error of ``lower`` (0 for an exact result).
+    upper_se : float
+        Standard error of ``upper`` (0 for an exact result).
+    ci_low : float
+        ``lower - z * lower_se``.
+    ci_high : float
+        ``upper + z * upper_se``.
+    level : float
+        Confidence level in ``(0, 1)`` that ``z`` corresponds to.
     """
 
     horizon: int

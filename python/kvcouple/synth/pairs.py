@@ -86,7 +86,18 @@ def _index(x: Any, name: str) -> int:
 @dataclass(frozen=True, eq=False)
 class Kernel:
     """A probabilistic finite-state emitter: in state ``s`` it emits token ``v`` with
-    probability ``emit[s, v]`` and moves to state ``next[s, v]``; it starts in ``start``."""
+    probability ``emit[s, v]`` and moves to state ``next[s, v]``; it starts in ``start``.
+
+    Parameters
+    ----------
+    emit : numpy.ndarray
+        Emission probabilities, shape ``(S, V)`` (states x vocabulary); each row must sum to 1
+        (within 1e-6 when validated by :class:`KernelPair`).
+    next : numpy.ndarray
+        Integer next-state table, shape ``(S, V)``, entries in ``[0, S)``.
+    start : int
+        The initial state, in ``[0, S)``.
+    """
 
     emit: npt.NDArray[np.float64]
     next: npt.NDArray[np.int64]
@@ -121,6 +132,13 @@ class KernelPair:
     Construction validates both (shapes, stochastic rows within 1e-6, state indices in range)
     and renormalises rows exactly; errors are :class:`kvcouple.InvalidKernelError` naming the
     offending array, row or entry.
+
+    Parameters
+    ----------
+    p : Kernel
+        The reference kernel.
+    q : Kernel
+        The perturbed kernel, over the same vocabulary as ``p``.
     """
 
     p: Kernel

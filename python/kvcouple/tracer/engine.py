@@ -143,7 +143,17 @@ def branch_times(hazard: np.ndarray, u: np.ndarray) -> np.ndarray:
 @dataclass
 class PolicyTrace:
     """One policy's records for one document: every store variable of the (document, policy)
-    region, without the doc/policy axes (``kept_length`` and the gate variables 0-d)."""
+    region, without the doc/policy axes (``kept_length`` and the gate variables 0-d).
+
+    Attributes
+    ----------
+    arrays : dict of str to numpy.ndarray
+        Each store variable's values for this (document, policy) region.
+    generated_tokens : int
+        Tokens generated for this document and policy: both kernels' paths and every branch.
+    branch_batches : int
+        Number of batches the branches were traced in.
+    """
 
     arrays: dict[str, np.ndarray]
     generated_tokens: int

@@ -23,7 +23,15 @@ class PromptFileError(InvalidInputError):
 
 @dataclass(frozen=True)
 class Prompt:
-    """One document: its id and token ids."""
+    """One document: its id and token ids.
+
+    Parameters
+    ----------
+    id : str
+        The document id.
+    input_ids : tuple of int
+        The prompt's token ids.
+    """
 
     id: str
     input_ids: tuple[int, ...]

@@ -13,7 +13,18 @@ from kvcouple.torch_coupling import apply_decoding
 
 @dataclass(frozen=True)
 class Decoding:
-    """The decoding transform shared by both kernels."""
+    """The decoding transform shared by both kernels.
+
+    Parameters
+    ----------
+    temperature : float, optional
+        Softmax temperature, finite and > 0 (default 1.0).
+    top_k : int or None, optional
+        Keep only the ``top_k`` most probable tokens (an integer >= 1); ``None`` (the default)
+        keeps all.
+    top_p : float or None, optional
+        Nucleus sampling mass in ``(0, 1]``; ``None`` (the default) keeps all.
+    """
 
     temperature: float = 1.0
     top_k: int | None = None
@@ -31,7 +42,32 @@ class Decoding:
 
 @dataclass(frozen=True)
 class TraceSettings:
-    """Sizes of one run: horizon T, replicates R, branches K, window L (lags traced)."""
+    """Sizes of one run: horizon T, replicates R, branches K, window L (lags traced).
+
+    Parameters
+    ----------
+    horizon : int
+        Number of generated tokens T per replicate (>= 1).
+    replicates : int, optional
+        Replicates R per document and policy (>= 1; default 1).
+    branches : int, optional
+        Branches K per replicate (>= 1; default 1).
+    window : int, optional
+        Window L, the lags traced after a divergence (>= 0; default 0).
+    decoding : Decoding, optional
+        The decoding transform (default ``Decoding()``: temperature 1, no truncation).
+    record : Record, optional
+        What is recorded beyond the summary (default ``Record()``: summary only).
+    eos_token_ids : tuple of int or None, optional
+        Absorbing EOS token ids; ``None`` (the default) uses the model's own, ``()`` none.
+    branch_batch : int, "auto" or None, optional
+        Most branches traced in one batch (>= 1); ``None`` traces all at once; ``"auto"``
+        (the default) picks the largest that fits the device, per document.
+    cache_layout : {"auto", "joint", "split"}, optional
+        Cache layout of one-shot policies: ``"joint"`` (P and Q rows in one batch),
+        ``"split"`` (two batches) or ``"auto"`` (the default: the cheaper one). Results agree
+        to float noise.
+    """
 
     horizon: int
     replicates: int = 1
