@@ -498,20 +498,14 @@ class Policy:
 
     Parameters
     ----------
-    retain : float, optional
-        Fraction of the prompt to keep, in ``(0, 1]``. Exactly one of ``retain`` and ``budget``
-        must be given (for a budgeted policy).
-    budget : int, optional
-        Number of prompt entries to keep (>= 1). Exactly one of ``retain`` and ``budget`` must
-        be given (for a budgeted policy).
-    mode : str, optional
-        ``"prefill"`` (the default: evict once, after the prompt) or ``"decode"`` (also keep the
-        cache at its budget while generating).
-    every : int, optional
-        Only with ``mode=decode``: evict back to the budget once every ``every`` generated
-        tokens (>= 1; default 1).
     **params : Any
-        The subclass's own ``PARAMS``, as keyword arguments or strings (spec values).
+        Spec keys, as keyword arguments or strings (spec values). Every budgeted policy takes
+        ``retain`` (float in (0, 1]: the share of prompt entries kept) or ``budget`` (int >= 1:
+        the number kept), exactly one of them. Every policy takes ``mode`` (``"prefill"``, the
+        default: evict once after the prompt; or ``"decode"``: also keep the cache at its budget
+        while generating) and ``every`` (int >= 1, default 1; with ``mode=decode`` only: evict
+        back to the budget once every ``every`` generated tokens). Beyond those, the
+        subclass's own ``PARAMS``.
     """
 
     name: ClassVar[str] = ""
@@ -690,20 +684,14 @@ class ScorePolicy(Policy):
 
     Parameters
     ----------
-    retain : float, optional
-        Fraction of the prompt to keep, in ``(0, 1]``. Exactly one of ``retain`` and ``budget``
-        must be given (for a budgeted policy).
-    budget : int, optional
-        Number of prompt entries to keep (>= 1). Exactly one of ``retain`` and ``budget`` must
-        be given (for a budgeted policy).
-    mode : str, optional
-        ``"prefill"`` (the default: evict once, after the prompt) or ``"decode"`` (also keep the
-        cache at its budget while generating).
-    every : int, optional
-        Only with ``mode=decode``: evict back to the budget once every ``every`` generated
-        tokens (>= 1; default 1).
     **params : Any
-        The subclass's own ``PARAMS``, as keyword arguments or strings (spec values).
+        Spec keys, as keyword arguments or strings (spec values). Every budgeted policy takes
+        ``retain`` (float in (0, 1]: the share of prompt entries kept) or ``budget`` (int >= 1:
+        the number kept), exactly one of them. Every policy takes ``mode`` (``"prefill"``, the
+        default: evict once after the prompt; or ``"decode"``: also keep the cache at its budget
+        while generating) and ``every`` (int >= 1, default 1; with ``mode=decode`` only: evict
+        back to the budget once every ``every`` generated tokens). Beyond those, the
+        subclass's own ``PARAMS``.
     """
 
     def score(self, ctx: PolicyContext, layer: int) -> torch.Tensor:
