@@ -29,11 +29,9 @@ class Full(Policy):
 
     Parameters
     ----------
-    mode : str, optional
-        ``"prefill"`` (the default) or ``"decode"``; accepted as by every policy, but this
-        policy never evicts in either mode.
-    every : int, optional
-        Only with ``mode=decode`` (>= 1; default 1); has no effect here.
+    **params
+        ``mode`` and ``every``, accepted as by every policy (see
+        :class:`~kvcouple.policies.Policy`); this policy never evicts in either mode.
     """
 
     name = "full"

@@ -24,12 +24,6 @@ class SnapKV(Policy):
 
     Parameters
     ----------
-    retain : float, optional
-        Fraction of the prompt to keep, in ``(0, 1]``. Exactly one of ``retain`` and ``budget``
-        must be given.
-    budget : int, optional
-        Number of prompt entries to keep (>= 1). Exactly one of ``retain`` and ``budget`` must
-        be given.
     window : int, optional
         Number of last prompt queries whose attention votes for the entries to keep (>= 1;
         default 32).
@@ -37,12 +31,9 @@ class SnapKV(Policy):
         Size of the pooling kernel over positions, an odd number >= 1 (default 7).
     pool : str, optional
         Pooling: ``"avg"`` (the default) or ``"max"``.
-    mode : str, optional
-        ``"prefill"`` (the default: evict once, after the prompt) or ``"decode"`` (also keep the
-        cache at its budget while generating).
-    every : int, optional
-        Only with ``mode=decode``: evict back to the budget once every ``every`` generated
-        tokens (>= 1; default 1).
+    **params
+        The keys every policy takes (``retain`` or ``budget``, ``mode``, ``every``): see
+        :class:`~kvcouple.policies.Policy`.
     """
 
     name = "snapkv"

@@ -14,18 +14,9 @@ class ValueDiff(ScorePolicy):
 
     Parameters
     ----------
-    retain : float, optional
-        Fraction of the prompt to keep, in ``(0, 1]``. Exactly one of ``retain`` and ``budget``
-        must be given.
-    budget : int, optional
-        Number of prompt entries to keep (>= 1). Exactly one of ``retain`` and ``budget`` must
-        be given.
-    mode : str, optional
-        ``"prefill"`` (the default: evict once, after the prompt) or ``"decode"`` (also keep the
-        cache at its budget while generating).
-    every : int, optional
-        Only with ``mode=decode``: evict back to the budget once every ``every`` generated
-        tokens (>= 1; default 1).
+    **params
+        The keys every policy takes (``retain`` or ``budget``, ``mode``, ``every``): see
+        :class:`~kvcouple.policies.Policy`.
     """
 
     name = "valuediff"
