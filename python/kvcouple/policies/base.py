@@ -685,12 +685,7 @@ class ScorePolicy(Policy):
     Parameters
     ----------
     **params : Any
-        Spec keys, as keyword arguments or strings (spec values). Every budgeted policy takes
-        ``retain`` (float in (0, 1]: the share of prompt entries kept) or ``budget`` (int >= 1:
-        the number kept), exactly one of them. Every policy takes ``mode`` (``"prefill"``, the
-        default: evict once after the prompt; or ``"decode"``: also keep the cache at its budget
-        while generating) and ``every`` (int >= 1, default 1; with ``mode=decode`` only: evict
-        back to the budget once every ``every`` generated tokens). Beyond those, the
+        The spec keys of :class:`Policy` (``retain`` or ``budget``, ``mode``, ``every``) and the
         subclass's own ``PARAMS``.
     """
 
