@@ -3,9 +3,10 @@
 Throughput is generated tokens per second with both sides counted: a coupled step of ``R``
 replicates produces ``2R`` tokens (P and Q rows), exactly like ``generate`` with batch ``2R``.
 Both include the prompt's prefill. The trace is timed twice: overlap path only (``window=0``:
-one branch step per replicate) and with ``K`` branches traced for ``L`` lags; then the same
-for a decode-time policy (``--decode-policy``, evicting after every generated token; its
-branches are replayed from the prompt).
+one branch step per replicate) and with ``K`` branches traced for ``L`` lags, in each cache
+layout (shared, split, joint; ``auto`` picks shared for this model); then the same for a
+decode-time policy (``--decode-policy``, evicting after every generated token; its branches
+are replayed from the prompt, always in the joint layout).
 
     python benchmarks/bench_trace.py                # small Llama-shaped model, 1 thread
     python benchmarks/bench_trace.py --threads 2 --replicates 8
@@ -95,22 +96,29 @@ def main() -> None:
     def run_trace(settings: TraceSettings, key: str, policy: str = args.policy) -> None:
         _, tokens[key] = trace_document(model, prompt, [policy], settings, seed=1)
 
-    path_only = TraceSettings(horizon=T, replicates=R, branches=1, window=0)
-    with_branches = TraceSettings(
-        horizon=T, replicates=R, branches=args.branches, window=args.window
-    )
+    def settings(layout: str, branches: bool) -> TraceSettings:
+        if not branches:
+            return TraceSettings(horizon=T, replicates=R, branches=1, window=0, cache_layout=layout)
+        return TraceSettings(
+            horizon=T, replicates=R, branches=args.branches, window=args.window, cache_layout=layout
+        )
+
+    layouts = ("shared", "split", "joint")
+    runs = [(f"{layout} path", layout, False, args.policy) for layout in layouts]
+    runs += [(f"{layout} branches", layout, True, args.policy) for layout in layouts]
+    runs += [
+        ("decode path", "auto", False, args.decode_policy),
+        ("decode branches", "auto", True, args.decode_policy),
+    ]
     run_generate()  # warm-up
-    run_trace(path_only, "path")
-    run_trace(path_only, "decode path", args.decode_policy)
-    gen_s, path_s, branch_s, dpath_s, dbranch_s = best_of_interleaved(
-        args.repeats,
-        [
-            run_generate,
-            lambda: run_trace(path_only, "path"),
-            lambda: run_trace(with_branches, "branches"),
-            lambda: run_trace(path_only, "decode path", args.decode_policy),
-            lambda: run_trace(with_branches, "decode branches", args.decode_policy),
-        ],
+    for key, layout, branches, policy in runs[:3]:
+        run_trace(settings(layout, branches), key, policy)
+
+    def timed(key: str, layout: str, branches: bool, policy: str):
+        return lambda: run_trace(settings(layout, branches), key, policy)
+
+    gen_s, *run_s = best_of_interleaved(
+        args.repeats, [run_generate, *(timed(*run) for run in runs)]
     )
 
     gen_tps = 2 * R * T / gen_s
@@ -121,12 +129,9 @@ def main() -> None:
     )
     print(f"generate:                  {gen_tps:9.1f} tokens/s ({gen_s:.2f} s)")
     print(f"decode-time policy: {args.decode_policy}")
-    for name, secs, key in [
-        ("trace, overlap path", path_s, "path"),
-        (f"trace, K={args.branches} L={args.window}", branch_s, "branches"),
-        ("decode-time, path", dpath_s, "decode path"),
-        (f"decode-time, K={args.branches} L={args.window}", dbranch_s, "decode branches"),
-    ]:
+    for (key, _, branches, _), secs in zip(runs, run_s, strict=True):
+        what = f"K={args.branches} L={args.window}" if branches else "overlap path"
+        name = f"{key.split()[0]}, {what}"
         tps = tokens[key] / secs
         print(f"{name:26s} {tps:9.1f} tokens/s ({secs:.2f} s)   ratio {tps / gen_tps:.2f}x")
 

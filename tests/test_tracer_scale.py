@@ -117,8 +117,9 @@ def _traced_peak(monkeypatch, m, prompt, spec, settings) -> int:
 def test_plan_matches_the_cache_bytes_held_at_the_peak(monkeypatch, spec):
     """A 2,048-token prompt, R=4, K=2 on a tiny model: every tensor alive at each forward of
     the trace (caches, kept entries, captured queries) is counted; the largest count is the
-    plan's within 10%, in both cache layouts, and the split layout's evicted side holds about
-    half of what the joint (padded) layout's does at retain=0.5."""
+    plan's within 10%, in every cache layout; the split layout's evicted side holds about half
+    of what the joint (padded) layout's does at retain=0.5, and the shared layout's rows hold
+    only their own columns (the prompt's cache once, not once per replicate)."""
     from kvcouple.policies import parse_policy
     from kvcouple.tracer.memory import ModelShape, Sizes, plan_document
 
@@ -127,13 +128,14 @@ def test_plan_matches_the_cache_bytes_held_at_the_peak(monkeypatch, spec):
     prompt = np.random.default_rng(0).integers(1, 127, n).tolist()
     shape = ModelShape.of_model(m)
     measured, plans = {}, {}
-    for layout in ("split", "joint"):
+    for layout in ("split", "joint", "shared"):
         settings = TraceSettings(
             horizon=T, replicates=R, branches=K, window=L, branch_batch=None, cache_layout=layout
         )
         measured[layout] = _traced_peak(monkeypatch, m, prompt, spec, settings)
         plan = plan_document(shape, n, [parse_policy(spec)], Sizes(T, R, K, L, layout), None)
-        assert plan.layout == layout and plan.phase == "branches"
+        assert plan.layout == layout
+        assert plan.phases["branches"] >= plan.phases["path"]
         planned = plan.cache_bytes + plan.capture
         assert abs(measured[layout] - planned) <= 0.1 * planned, (layout, measured, planned)
         plans[layout] = plan
@@ -143,9 +145,15 @@ def test_plan_matches_the_cache_bytes_held_at_the_peak(monkeypatch, spec):
     # What the split layout saves, measured, is what the plan says it saves.
     saved = plans["joint"].cache_bytes - plans["split"].cache_bytes
     assert measured["joint"] - measured["split"] == pytest.approx(saved, rel=0.1)
-    # auto picks the split layout here (the padding outweighs this tiny model's weights).
+    # Shared: P and Q rows hold R x T columns each; the prompt's cache (and the kept
+    # entries) are held once. Measured against the joint layout's R copies of the prompt:
+    assert plans["shared"].path_p == R * T * shape.token_bytes
+    assert measured["shared"] < 0.3 * measured["joint"], measured
+    saved = plans["joint"].cache_bytes - plans["shared"].cache_bytes
+    assert measured["joint"] - measured["shared"] == pytest.approx(saved, rel=0.1)
+    # auto shares on a model whose attention allows it.
     auto = plan_document(shape, n, [parse_policy(spec)], Sizes(T, R, K, L), None)
-    assert auto.layout == "split"
+    assert auto.layout == "shared"
 
 
 def test_auto_branch_batch_is_the_largest_that_fits():
@@ -338,6 +346,133 @@ def test_split_layout_equals_a_masked_full_forward():
             np.testing.assert_allclose(np.stack([g[side] for g in got]), want, atol=1e-5)
 
 
+def _dense_attention(query, keys, values, visible, scaling):
+    """Plain softmax attention, float64: ``query`` (B, H, q, d); ``keys``/``values`` per row
+    (B, kv_heads, S, d); ``visible`` (B, q, S) bool."""
+    group = query.shape[1] // keys.shape[1]
+    k = keys.double().repeat_interleave(group, dim=1)
+    v = values.double().repeat_interleave(group, dim=1)
+    scores = torch.matmul(query.double(), k.transpose(-1, -2)) * scaling
+    scores = scores.masked_fill(~visible[:, None], float("-inf"))
+    return torch.matmul(torch.softmax(scores, -1), v).transpose(1, 2)
+
+
+@pytest.mark.parametrize("mask_kind", ["none", "bool", "additive"])
+def test_prefix_attention_equals_attention_over_the_concatenated_cache(mask_kind):
+    """Rows in two groups, each group with its own shared prefix (one empty), GQA 8 query heads
+    on 2 KV heads, two queries per row, per-row hidden own columns: the log-sum-exp merge equals
+    softmax attention over prefix + own columns, in float64, to float32 rounding."""
+    from kvcouple.tracer.attention import PrefixGroup, prefix_attention
+
+    g = torch.Generator().manual_seed(0)
+    B, H, KV, q, d, s = 5, 8, 2, 2, 16, 7
+    query = torch.randn(B, H, q, d, generator=g)
+    own_k, own_v = torch.randn(B, KV, s, d, generator=g), torch.randn(B, KV, s, d, generator=g)
+    prefixes = [
+        [(torch.randn(1, KV, n, d, generator=g), torch.randn(1, KV, n, d, generator=g))]
+        for n in (11, 0)
+    ]
+    groups = [PrefixGroup(0, 3, prefixes[0]), PrefixGroup(3, 5, prefixes[1])]
+    visible = torch.rand(B, q, s, generator=g) > 0.4
+    visible[:, :, -1] = True  # a row always sees the token it was just fed
+    if mask_kind == "none":
+        visible[:] = True
+        mask = None
+    elif mask_kind == "bool":
+        mask = visible[:, None]
+    else:
+        mask = torch.zeros(B, 1, q, s).masked_fill(
+            ~visible[:, None], torch.finfo(torch.float32).min
+        )
+    got = prefix_attention(query, own_k, own_v, mask, 0.25, groups, 0)
+    assert got.shape == (B, q, H, d)
+    for grp in groups:
+        rows = slice(grp.start, grp.stop)
+        n = grp.kv[0][0].shape[2]
+        keys = torch.cat([grp.kv[0][0].expand(grp.stop - grp.start, -1, -1, -1), own_k[rows]], 2)
+        values = torch.cat([grp.kv[0][1].expand(grp.stop - grp.start, -1, -1, -1), own_v[rows]], 2)
+        seen = torch.cat(
+            [torch.ones(grp.stop - grp.start, q, n, dtype=torch.bool), visible[rows]], 2
+        )
+        want = _dense_attention(query[rows], keys, values, seen, 0.25)
+        torch.testing.assert_close(got[rows].double(), want, atol=2e-6, rtol=1e-5)
+    with pytest.raises(ValueError, match="cover 3 rows of a batch of 5"):
+        prefix_attention(query, own_k, own_v, mask, 0.25, groups[:1], 0)
+
+
+def test_shared_layout_equals_a_masked_full_forward():
+    """P rows over the prompt's cache and Q rows over the kept entries, each held once, in one
+    batch: the path and a fork at t* give the distributions of a full forward with the evicted
+    prompt entries hidden; the rows' own caches hold only the generated columns."""
+    from kvcouple.policies import parse_policy
+    from kvcouple.torch_coupling import apply_decoding
+    from kvcouple.tracer.layout import SharedRows
+    from kvcouple.tracer.memory import ModelShape
+    from kvcouple.tracer.prefill import gather_kept, prefill, select
+    from tracer_helpers import PROMPT, kept_positions, masked_forward
+
+    m = model("qwen3")
+    n, T, spec = len(PROMPT), 6, "recent:retain=0.5"
+    pre = prefill(m, torch.tensor(PROMPT), need_queries=False)
+    kept = gather_kept(pre.kv, select(parse_policy(spec), pre))
+    everything, evicted = set(range(n)), kept_positions(spec, n)
+    rows = SharedRows.start(m, pre.kv, kept, copies=2, steps=T)
+    assert rows.cache_bytes() == 4 * T * ModelShape.of_model(m).token_bytes
+    path = [int(x) for x in np.random.default_rng(2).integers(1, 120, T)]
+    fed = [PROMPT[-1], *path[:-1]]
+    with torch.inference_mode():
+        got = [apply_decoding(rows.step(torch.tensor([t] * 4))).numpy() for t in fed]
+    for side, keep in ((slice(0, 2), everything), (slice(2, 4), evicted)):
+        want = masked_forward(m, PROMPT + path[:-1], n, keep)
+        for r in range(2):
+            np.testing.assert_allclose(np.stack([g[side] for g in got], 1)[r], want, atol=1e-5)
+
+    # Fork replicate 1 at t* = 1 (sees only the prefix) and replicate 0 at t* = 5.
+    ts = torch.tensor([1, 5])
+    column = n - 1 + torch.cat([ts, ts]) - 1
+    branch = rows.fork(torch.tensor([1, 0, 3, 2]), column, steps=3)
+    own = [[7, 9], [11, 13]]
+    with torch.inference_mode():
+        steps = [torch.tensor([fed[0], fed[4]] * 2)]
+        steps += [torch.tensor(o * 2) for o in own]
+        got = [apply_decoding(branch.step(s)).numpy() for s in steps]
+    for b, t_star in enumerate((1, 5)):
+        tokens = PROMPT + path[: t_star - 1] + [own[0][b], own[1][b]]
+        for side, keep in ((b, everything), (2 + b, evicted)):
+            want = masked_forward(m, tokens, n, keep)[t_star - 1 :]
+            np.testing.assert_allclose(np.stack([g[side] for g in got]), want, atol=1e-5)
+    with pytest.raises(ValueError, match="P rows, then Q rows"):
+        rows.fork(torch.tensor([2, 0, 3, 1]), column, steps=3)
+
+
+def test_shared_prefix_is_refused_where_it_cannot_be_exact():
+    """Soft-capped, sink and windowed models never get the shared layout (auto and asked for
+    falls back); a forward with a prefix on a model whose attention bypasses the wrapper is
+    refused rather than run without the prefix."""
+    from kvcouple.tracer import compat
+    from kvcouple.tracer.attention import PrefixGroup, SharedPrefix, UnsupportedModelError
+    from kvcouple.tracer.memory import ModelShape, choose_layout
+
+    refused = {
+        "gemma2": dict(layer_types=["full_attention"] * 2),  # soft-cap only
+        "gpt_oss": dict(layer_types=["full_attention"] * 2),  # sinks only
+        "mistral_window": {},
+        "falcon": {},  # no attention interface
+    }
+    for arch, kw in refused.items():
+        shape = ModelShape.of_model(tiny_model(arch, seed=1, **kw))
+        assert not shape.shared_prefix, arch
+        assert choose_layout(shape, 40, 20, 2, False, "shared") != "shared", arch
+    assert ModelShape.of_model(model("llama")).shared_prefix
+
+    falcon = tiny_model("falcon", seed=1)
+    kv = [(torch.zeros(1, 1, 3, 16), torch.zeros(1, 1, 3, 16))] * 2
+    prefix = SharedPrefix([PrefixGroup(0, 1, kv)])
+    cache = compat.new_cache()
+    with pytest.raises(UnsupportedModelError, match="shared prefix"):
+        compat.forward(falcon, torch.tensor([[1]]), cache, torch.tensor([[3]]), prefix=prefix)
+
+
 # Capture only what a policy needs ----------------------------------------------------------------
 @pytest.mark.parametrize(
     "spec, kept_queries",
@@ -379,10 +514,10 @@ def test_prefill_captures_only_what_the_policy_reads(spec, kept_queries):
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3", "mistral_window"])
-def test_split_and_joint_layouts_trace_the_same_document(arch):
-    """The split layout (Q rows on their kept entries only, two batches) and the joint one
-    (Q padded and masked) give the same records to float noise; models with sliding windows
-    stay in the joint layout."""
+def test_split_shared_and_joint_layouts_trace_the_same_document(arch):
+    """The split layout (Q rows on their kept entries only, two batches), the shared one (one
+    batch over prefixes held once) and the joint one (Q padded and masked) give the same
+    records to float noise; models with sliding windows stay in the joint layout."""
     from kvcouple.store import Record
     from kvcouple.tracer import trace_document
 
@@ -396,10 +531,13 @@ def test_split_and_joint_layouts_trace_the_same_document(arch):
     assert choose_layout(shape, 40, 20, 2, False, "split") == (
         "joint" if arch == "mistral_window" else "split"
     )
+    assert choose_layout(shape, 40, 20, 2, False, "auto") == (
+        "joint" if arch == "mistral_window" else "shared"
+    )
     prompt = np.random.default_rng(4).integers(1, 120, 40).tolist()
     specs = ["snapkv:retain=0.5,window=4", "recent:retain=0.3"]
     got = {}
-    for layout in ("joint", "split"):
+    for layout in ("joint", "split", "shared"):
         settings = TraceSettings(
             horizon=6,
             replicates=2,
@@ -409,9 +547,10 @@ def test_split_and_joint_layouts_trace_the_same_document(arch):
             cache_layout=layout,
         )
         got[layout], _ = trace_document(m, prompt, specs, settings, seed=2)
-    for name, a in got["joint"].items():
-        b = got["split"][name]
-        if a.dtype.kind == "f":
-            np.testing.assert_allclose(a, b, atol=2e-5, err_msg=name)
-        else:
-            np.testing.assert_array_equal(a, b, err_msg=name)
+    for layout in ("split", "shared"):
+        for name, a in got["joint"].items():
+            b = got[layout][name]
+            if a.dtype.kind == "f":
+                np.testing.assert_allclose(a, b, atol=2e-5, err_msg=f"{layout}: {name}")
+            else:
+                np.testing.assert_array_equal(a, b, err_msg=f"{layout}: {name}")

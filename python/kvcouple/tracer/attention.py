@@ -16,6 +16,12 @@ case), the layer's ``sliding_window``, ``softcap`` and sinks. It does two things
   and call, so that policies get attention probabilities computed by the layer's own eager
   function (the same numbers as ``output_attentions=True``), soft-cap, sinks and window
   included.
+- **Shared prefixes.** With a :class:`SharedPrefix` (the ``shared`` cache layout,
+  :mod:`kvcouple.tracer.layout`) the cache holds only each row's own suffix; every row also
+  attends to its group's prefix, held once for all the group's rows. The two parts are computed
+  separately (the prefix as one matrix product for all the group's rows, so the prefix is read
+  once per step, not once per row) and merged exactly by their log-sum-exp
+  (:func:`prefix_attention`).
 """
 
 from __future__ import annotations
@@ -24,7 +30,7 @@ import contextlib
 import sys
 import threading
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -46,6 +52,29 @@ class ForwardState:
 
     query_positions: torch.Tensor  # (batch, q) original positions of the fed tokens
     key_positions: list[torch.Tensor] | None  # per layer (batch, kv_heads or 1, keys), or None
+    prefix: SharedPrefix | None = None  # the prefixes the rows share (shared layout)
+
+
+@dataclass
+class PrefixGroup:
+    """Rows ``start:stop`` of a batch attend, before their own cache, to ``kv``: per layer the
+    ``(1, kv_heads, length, head_dim)`` keys and values of a prefix they all share."""
+
+    start: int
+    stop: int
+    kv: list[tuple[torch.Tensor, torch.Tensor]]
+
+
+@dataclass
+class SharedPrefix:
+    """The prefix groups of a batch (they cover every row), and the layers that used them."""
+
+    groups: list[PrefixGroup]
+    served: set[int] = field(default_factory=set)
+
+    @property
+    def layers(self) -> int:
+        return len(self.groups[0].kv)
 
 
 def _current() -> ForwardState | None:
@@ -124,6 +153,15 @@ def _make_wrapper(base: str) -> Any:
             )
         layer = int(module.layer_idx)
         window = kwargs.get("sliding_window")
+        if state.prefix is not None:
+            _refuse_for_prefix(module, window, kwargs)
+            state.prefix.served.add(layer)
+            scaling = kwargs.get("scaling")
+            scaling = float(scaling) if scaling is not None else float(query.shape[-1] ** -0.5)
+            out = prefix_attention(
+                query, key, value, attention_mask, scaling, state.prefix.groups, layer
+            )
+            return out, None
         key_pos = None
         if state.key_positions is not None:
             key_pos = state.key_positions[layer][..., : key.shape[-2]]
@@ -142,6 +180,82 @@ def _make_wrapper(base: str) -> Any:
 
     wrapper.__name__ = f"kvcouple_{base}_attention"
     return wrapper
+
+
+# Keyword arguments of attention functions that change what a layer computes beyond plain
+# scaled dot-product attention; a shared prefix refuses them rather than ignore them.
+_PREFIX_UNSUPPORTED = ("softcap", "s_aux", "sinks")
+
+
+def _refuse_for_prefix(module: Any, window: Any, kwargs: dict[str, Any]) -> None:
+    name = type(module).__name__
+    if window is not None:
+        raise UnsupportedModelError(f"{name} has a sliding window: no shared-prefix attention")
+    for key in _PREFIX_UNSUPPORTED:
+        if kwargs.get(key) is not None:
+            raise UnsupportedModelError(f"{name} passes {key}: no shared-prefix attention")
+    if _captures():
+        raise UnsupportedModelError("queries cannot be captured with shared-prefix attention")
+
+
+def prefix_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    mask: torch.Tensor | None,
+    scaling: float,
+    groups: list[PrefixGroup],
+    layer: int,
+) -> torch.Tensor:
+    """Attention of ``query`` ``(B, heads, q, d)`` over each row's group prefix followed by
+    its own ``key``/``value`` ``(B, kv_heads, s, d)`` (visible where ``mask`` ``(B, 1 or
+    heads, q, >= s)`` allows; None: everywhere). Returns ``(B, q, heads, d_v)`` like
+    transformers' attention functions.
+
+    Each part is a softmax of its own (scores in the model's dtype, softmax in float32, as
+    eager attention does); with ``lse`` each part's log-sum-exp, the whole softmax is the
+    parts weighted by ``sigmoid(lse_prefix - lse_own)`` and its complement. The prefix part
+    puts every row of a group (and every query head sharing a KV head) into one matrix
+    product against the prefix, which is read once per layer.
+    """
+    B, heads, q, d = query.shape
+    kv_heads = key.shape[1]
+    group = heads // kv_heads
+    gq = group * q
+    dv = value.shape[-1]
+    # Query heads h = kv * group + j share KV head kv: rows of (B, kv_heads, group * q, d).
+    qg = query.reshape(B, kv_heads, gq, d)
+    own = torch.matmul(qg, key.transpose(-1, -2)).float() * scaling  # (B, kv, gq, s)
+    if mask is not None:
+        m = mask[..., : key.shape[-2]]
+        m = m.expand(B, -1, q, -1)
+        if m.shape[1] == 1:
+            m = m[:, :, None].expand(B, 1, group, q, m.shape[-1]).reshape(B, 1, gq, -1)
+        else:
+            m = m.reshape(B, kv_heads, gq, -1)
+        own = own.masked_fill(~m, float("-inf")) if m.dtype == torch.bool else own + m.float()
+    lse_own = torch.logsumexp(own, dim=-1, keepdim=True)
+    probs = torch.exp(own - lse_own).to(value.dtype)
+    out = torch.matmul(probs, value).float()  # (B, kv, gq, dv)
+    covered = 0
+    for g in groups:
+        rows = g.stop - g.start
+        covered += rows
+        kp, vp = g.kv[layer]
+        if rows == 0 or kp.shape[-2] == 0:
+            continue
+        qp = qg[g.start : g.stop].transpose(0, 1).reshape(kv_heads, rows * gq, d)
+        scores = torch.matmul(qp, kp[0].transpose(-1, -2)).float() * scaling  # (kv, rows*gq, n)
+        lse = torch.logsumexp(scores, dim=-1, keepdim=True)
+        part = torch.matmul(torch.exp(scores - lse).to(vp.dtype), vp[0]).float()
+        part = part.reshape(kv_heads, rows, gq, dv).transpose(0, 1)
+        lse = lse.reshape(kv_heads, rows, gq, 1).transpose(0, 1)
+        weight = torch.sigmoid(lse - lse_own[g.start : g.stop])
+        out[g.start : g.stop] = weight * part + (1 - weight) * out[g.start : g.stop]
+    if covered != B:
+        raise ValueError(f"prefix groups cover {covered} rows of a batch of {B}")
+    out = out.reshape(B, heads, q, dv).transpose(1, 2).contiguous()
+    return out.to(query.dtype)
 
 
 def allowed_keys(
@@ -184,12 +298,24 @@ def _with_window(
 
 @contextlib.contextmanager
 def active(
-    model: Any, query_positions: torch.Tensor, key_positions: list[torch.Tensor] | None
+    model: Any,
+    query_positions: torch.Tensor,
+    key_positions: list[torch.Tensor] | None,
+    prefix: SharedPrefix | None = None,
 ) -> Iterator[ForwardState]:
-    """Run the enclosed forward pass through the wrapper (where the model allows it)."""
+    """Run the enclosed forward pass through the wrapper (where the model allows it). With a
+    ``prefix`` every layer must attend through the wrapper (else the prefix would be silently
+    ignored): :class:`UnsupportedModelError` otherwise."""
     outer = _current()
-    state = ForwardState(query_positions, key_positions)
+    state = ForwardState(query_positions, key_positions, prefix)
     switched = _switch(model)
+    if prefix is not None:
+        prefix.served.clear()
+        if not _wrapped(model):
+            raise UnsupportedModelError(
+                f"{type(model).__name__}: its attention does not go through the tracer's "
+                "wrapper, so it cannot attend to a shared prefix"
+            )
     _STATE.forward = state
     try:
         yield state
@@ -197,6 +323,35 @@ def active(
         _STATE.forward = outer
         if switched is not None:
             _set_impl(model, switched)
+    if prefix is not None and len(prefix.served) != prefix.layers:
+        raise UnsupportedModelError(
+            f"{type(model).__name__}: only layers {sorted(prefix.served)} of {prefix.layers} "
+            "attended through the tracer's wrapper; a shared prefix needs all of them"
+        )
+
+
+def _wrapped(model: Any) -> bool:
+    impl = getattr(model.config, "_attn_implementation", None) or ""
+    return impl.startswith(_PREFIX) and uses_interface(model)
+
+
+def prefix_supported(model: Any) -> bool:
+    """Whether shared-prefix attention can serve ``model`` exactly: its attention dispatches
+    through the interface with ``sdpa`` or ``eager``, and no layer has a sliding window, a
+    logit soft-cap or attention sinks."""
+    from kvcouple.tracer.support import layer_windows, text_config
+
+    impl = getattr(model.config, "_attn_implementation", None) or "eager"
+    if impl.startswith(_PREFIX):
+        impl = impl[len(_PREFIX) :]
+    if impl not in ("sdpa", "eager") or not uses_interface(model) or not _registered():
+        return False
+    cfg = text_config(model)
+    if any(w is not None for w in layer_windows(cfg)):
+        return False
+    if getattr(cfg, "attn_logit_softcapping", None) is not None:
+        return False
+    return not any(hasattr(m, "sinks") for m in model.modules())
 
 
 def _set_impl(model: Any, impl: str) -> None:

@@ -145,9 +145,11 @@ def forward(
     position_ids: torch.Tensor,
     attention_mask: torch.Tensor | None = None,
     last_only: bool = True,
+    prefix: attention.SharedPrefix | None = None,
 ) -> torch.Tensor:
     """One forward pass that appends to ``cache``; returns the logits of the last position
-    ``(batch, vocab)`` (or every position with ``last_only=False``)."""
+    ``(batch, vocab)`` (or every position with ``last_only=False``). ``prefix``: the prefixes
+    the rows attend to before ``cache`` (the shared layout)."""
     params = _forward_parameters(model)
     kw: dict[str, Any] = {
         "input_ids": input_ids,
@@ -170,7 +172,7 @@ def forward(
         positions = _extend_positions(cache, position_ids, _num_layers(model))
     else:
         positions = cache.kvcouple_positions = None
-    with attention.active(model, position_ids, positions):
+    with attention.active(model, position_ids, positions, prefix):
         logits = model(**kw).logits
     return logits[:, -1] if last_only else logits
 

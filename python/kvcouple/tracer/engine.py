@@ -41,7 +41,7 @@ from kvcouple.tracer.branches import (
     run_branches,
 )
 from kvcouple.tracer.decode import DecodeEvictor
-from kvcouple.tracer.layout import SplitRows
+from kvcouple.tracer.layout import SharedRows, SplitRows
 from kvcouple.tracer.memory import ModelShape, choose_layout
 from kvcouple.tracer.prefill import Prefill, gather_kept, select
 from kvcouple.tracer.records import SCHEMA, distribution_records, path_metrics, to_host
@@ -83,7 +83,9 @@ def overlap_path(
         settings.cache_layout,
     )
     rows: Rows
-    if layout == "split":
+    if layout == "shared":
+        rows = SharedRows.start(model, pre.kv, kept, R, T)
+    elif layout == "split":
         rows = SplitRows.start(model, pre.kv, kept, R, T, idx)
     else:
         rows = Trajectories.start(model, pre, kept, R, hook, idx, steps=T)

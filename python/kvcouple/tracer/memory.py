@@ -34,6 +34,7 @@ from typing import Any
 
 from kvcouple.errors import InvalidInputError
 from kvcouple.policies import Policy
+from kvcouple.tracer.attention import prefix_supported
 from kvcouple.tracer.support import layer_windows
 
 GiB = 2**30
@@ -66,6 +67,7 @@ class ModelShape:
     weight_bytes: int
     attn_implementation: str = "sdpa"
     windowed: bool = False  # some layer has a sliding window: caches track entry positions
+    shared_prefix: bool = False  # shared-prefix attention serves it (attention.prefix_supported)
 
     @property
     def token_bytes(self) -> int:
@@ -102,7 +104,7 @@ class ModelShape:
         itemsize = next(model.parameters()).element_size()
         shape = cls.of_config(model.config, itemsize, weight_bytes)
         # The logits' width can exceed config.vocab_size (padded embeddings).
-        return _replace(shape, vocab=vocab_size(model))
+        return _replace(shape, vocab=vocab_size(model), shared_prefix=prefix_supported(model))
 
     @classmethod
     def of_unloaded(cls, config: Any, dtype: Any) -> ModelShape:
@@ -115,6 +117,7 @@ class ModelShape:
         itemsize = torch.empty((), dtype=dtype).element_size()
         numel = sum(t.numel() for t in [*meta.parameters(), *meta.buffers()])
         shape = cls.of_config(config, itemsize, numel * itemsize)
+        shape = _replace(shape, shared_prefix=prefix_supported(meta))
         head = meta.get_output_embeddings() if hasattr(meta, "get_output_embeddings") else None
         if head is not None and hasattr(head, "weight"):
             shape = _replace(shape, vocab=int(head.weight.shape[0]))
@@ -135,7 +138,7 @@ class Sizes:
     replicates: int
     branches: int
     window: int
-    layout: str = "auto"  # the cache layout: auto, joint or split (see choose_layout)
+    layout: str = "auto"  # the cache layout: auto, joint, split or shared (see choose_layout)
 
 
 @dataclass
@@ -223,10 +226,12 @@ def _prefill_activations(shape: ModelShape, n: int) -> int:
     return act
 
 
-def _decode_activations(shape: ModelShape, rows: int, length: int) -> int:
-    """One decoding step of ``rows`` rows over a cache of ``length`` entries."""
+def _decode_activations(shape: ModelShape, rows: int, length: int, shared: bool = False) -> int:
+    """One decoding step of ``rows`` rows over a cache of ``length`` entries (``shared``: the
+    prefix attention's float32 scores and their exponentials, and the probabilities)."""
     vocab = rows * shape.vocab * (shape.itemsize + 8 * _VOCAB_TEMPORARIES)
-    attention = rows * length * (shape.query_heads * 4 + shape.itemsize + 1)
+    per_head = 8 + shape.itemsize if shared else 4
+    attention = rows * length * (shape.query_heads * per_head + shape.itemsize + 1)
     return vocab + attention
 
 
@@ -238,19 +243,28 @@ def choose_layout(
     decode_time: bool,
     setting: str = "auto",
 ) -> str:
-    """The cache layout of one (document, policy): ``"split"`` (P rows and Q rows as two
-    batches, Q holding only its kept entries; :mod:`kvcouple.tracer.layout`) or ``"joint"``
-    (one batch, Q rows padded to the prefix length and masked).
+    """The cache layout of one (document, policy) (:mod:`kvcouple.tracer.layout`):
 
-    ``auto`` splits when the padded columns the joint layout would read every step outweigh
-    the weights the split layout's second forward pass reads again (both passes are bound by
-    memory traffic when decoding): on an 8B model at retain=0.5 and R=8, prompts from about
-    30k tokens. Decode-time eviction changes the Q rows' cache in place and stays joint, and
-    so do models with sliding-window layers (whatever the setting).
+    - ``"shared"``: one batch; P rows attend to the prompt's cache and Q rows to the kept
+      entries, each held once, plus their own columns (merged by log-sum-exp);
+    - ``"split"``: P rows and Q rows as two batches, Q holding only its kept entries;
+    - ``"joint"``: one batch, Q rows padded to the prefix length and masked.
+
+    ``auto`` shares wherever the model allows it (:attr:`ModelShape.shared_prefix`): it holds
+    and reads the least. Otherwise it splits when the padded columns the joint layout would
+    read every step outweigh the weights the split layout's second forward pass reads again
+    (both passes are bound by memory traffic when decoding): on an 8B model at retain=0.5 and
+    R=8, prompts from about 30k tokens. ``shared`` on a model it cannot serve falls back the
+    same way. Decode-time eviction changes the Q rows' cache in place and stays joint, and so
+    do models with sliding-window layers (whatever the setting).
     """
-    if decode_time or shape.windowed or kept_length >= prompt_length:
+    if decode_time or shape.windowed:
         return "joint"
-    if setting != "auto":
+    if setting in ("auto", "shared") and shape.shared_prefix:
+        return "shared"
+    if kept_length >= prompt_length:
+        return "joint"
+    if setting in ("joint", "split"):
         return setting
     padded = replicates * (prompt_length - kept_length) * shape.token_bytes
     return "split" if padded >= shape.weight_bytes else "joint"
@@ -287,6 +301,18 @@ def _plan_policy(
         heads = shape.kv_heads if q_side or layout == "joint" else 1
         return count * columns * (c + 4 * shape.layers * heads)
 
+    if layout == "shared":
+        # The prefixes are the prompt's cache and the kept cache (held already): the rows
+        # hold their own columns only, and a fork copies none of the prefix.
+        path_p = path_q = R * T * c
+        path_act = _decode_activations(shape, 2 * R, n1 + T, shared=True)
+        branches = 2 * batch * (T + L) * c
+        fork_act = _decode_activations(shape, 2 * batch, n1 + T + L, shared=True)
+        phases = {
+            "path": held + path_p + path_q + path_act,
+            "branches": held + path_p + path_q + branches + fork_act,
+        }
+        return _PolicyPlan(layout, k1 * c, path_p, path_q, branches, phases, [path_act, fork_act])
     path_p, path_q = rows(R, n1 + T, False), rows(R, q_columns + T, True)
     path_act = _decode_activations(shape, 2 * R, n1 + T)
     if policy.decode_time:

@@ -63,10 +63,11 @@ class TraceSettings:
     branch_batch : int, "auto" or None, optional
         Most branches traced in one batch (>= 1); ``None`` traces all at once; ``"auto"``
         (the default) picks the largest that fits the device, per document.
-    cache_layout : {"auto", "joint", "split"}, optional
+    cache_layout : {"auto", "joint", "split", "shared"}, optional
         Cache layout of one-shot policies: ``"joint"`` (P and Q rows in one batch),
-        ``"split"`` (two batches) or ``"auto"`` (the default: the cheaper one). Results agree
-        to float noise.
+        ``"split"`` (two batches), ``"shared"`` (one batch, the prompt's cache and the kept
+        entries held once for all replicates) or ``"auto"`` (the default: shared where the
+        model allows it, else the cheaper of the other two). Results agree to float noise.
     """
 
     horizon: int
@@ -82,11 +83,8 @@ class TraceSettings:
     # "auto": the largest that fits the device, chosen per document by the memory plan
     # (kvcouple.tracer.memory) in trace/trace_document (every branch when memory is unknown).
     branch_batch: int | Literal["auto"] | None = "auto"
-    # Cache layout of one-shot policies: "joint" (P and Q rows in one batch, Q padded to the
-    # prompt), "split" (two batches, Q holding only its kept entries), or "auto" (split when the
-    # padding would cost more traffic than a second pass over the weights; see
-    # kvcouple.tracer.memory.choose_layout). Results agree to float noise.
-    cache_layout: Literal["auto", "joint", "split"] = "auto"
+    # Cache layout of one-shot policies (kvcouple.tracer.memory.choose_layout).
+    cache_layout: Literal["auto", "joint", "split", "shared"] = "auto"
 
     def __post_init__(self) -> None:
         for name in ("horizon", "replicates", "branches"):
@@ -95,9 +93,9 @@ class TraceSettings:
         if self.branch_batch != "auto" and self.branch_batch is not None:
             if isinstance(self.branch_batch, str) or self.branch_batch < 1:
                 raise ValueError(f"branch_batch must be >= 1 or 'auto', got {self.branch_batch!r}")
-        if self.cache_layout not in ("auto", "joint", "split"):
+        if self.cache_layout not in ("auto", "joint", "split", "shared"):
             raise ValueError(
-                f"cache_layout must be auto, joint or split, got {self.cache_layout!r}"
+                f"cache_layout must be auto, joint, split or shared, got {self.cache_layout!r}"
             )
         if self.window < 0:
             raise ValueError(f"window must be >= 0, got {self.window}")
