@@ -168,7 +168,8 @@ def test_auto_branch_batch_is_the_largest_that_fits():
 
     shape = ModelShape.of_model(model("llama"))
     pols = [parse_policy("snapkv:retain=0.5"), parse_policy("recent:budget=8")]
-    sizes = Sizes(horizon=16, replicates=4, branches=3, window=4)
+    # (joint: the branches' copies of the prompt make the peak grow with the batch)
+    sizes = Sizes(horizon=16, replicates=4, branches=3, window=4, layout="joint")
     peaks = [plan_document(shape, 300, pols, sizes, b).peak for b in range(1, 13)]
     assert all(a < b for a, b in zip(peaks, peaks[1:], strict=False))  # grows with the batch
     for b in (1, 5, 12):
@@ -214,10 +215,14 @@ def test_dry_run_prints_the_plan_and_writes_nothing(tmp_path, capsys):
     assert "memory plan: 2 layers x 2 KV heads x 16" in text and "0.5 KiB per cached token" in text
     lines = {line.split()[0]: line.split() for line in text.splitlines() if line[:1] == "d"}
     assert lines["d0"][1] == "40" and lines["d1"][1] == "90"
-    assert lines["d1"][-2:] == ["8/8", "joint"]  # CPU: no limit; padding < weights
+    assert lines["d1"][-2:] == ["8/8", "shared"]  # CPU: no limit; the model allows sharing
     assert not out.exists()
+    # Asked for, the joint layout holds R copies of the prompt: a larger plan.
+    assert cli_main([*base, "--cache-layout", "joint"]) == 0
+    joint = {line.split()[0]: line.split() for line in capsys.readouterr().out.splitlines()}
+    assert joint["d1"][-1] == "joint" and float(joint["d1"][4]) > float(lines["d1"][4])  # P rows
     # A budget too small for the longer prompt at one branch a time: refused, exit status 1.
-    assert cli_main([*base, "--memory", "0.001", "--branch-batch", "auto"]) == 1
+    assert cli_main([*base, "--memory", "0.0005", "--branch-batch", "auto"]) == 1
     text = capsys.readouterr().out
     assert "DOES NOT FIT" in text and "refused: document 'd1'" in text
     assert cli_main([*base, "--branch-batch", "0"]) == 2
@@ -253,7 +258,7 @@ def test_gpu_script_cpu_size_path(tmp_path, capsys):
         assert r["trace_tokens"] > 2 * 2 * 4
         assert r["ratio"] == pytest.approx(r["trace_tokens_per_s"] / r["generate_tokens_per_s"])
         assert r["branch_batch"] == 8 and r["plan_peak_bytes"] > 0
-        assert r["cache_layout"] in ("joint", "split")
+        assert r["cache_layout"] == "shared"
         assert r["peak_bytes"] is None  # no device memory counter on CPU
     assert rows[1]["plan_peak_bytes"] > rows[0]["plan_peak_bytes"]
     assert report["wall_s"] > 0 and "ratio to generate" in capsys.readouterr().out

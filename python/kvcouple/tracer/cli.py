@@ -71,6 +71,14 @@ def register(subparsers: Any) -> None:
         "(default: the CUDA device's free memory)",
     )
     p.add_argument(
+        "--cache-layout",
+        default="auto",
+        choices=("auto", "shared", "split", "joint"),
+        help="cache layout of one-shot policies: shared (the prompt's cache held once for all "
+        "replicates), split (P and Q rows as two batches), joint (one batch, Q padded); auto "
+        "(default): shared where the model allows it. Results agree to float noise",
+    )
+    p.add_argument(
         "--dry-run",
         action="store_true",
         help="print the memory plan of every document (cache bytes for P, Q, branches, "
@@ -209,7 +217,7 @@ def dry_run(args: argparse.Namespace, policies: list[Any], branch_batch: int | s
         if budget is not None
         else "unknown on CPU: no limit"
     )
-    sizes = Sizes(args.horizon, args.replicates, args.branches, args.window)
+    sizes = Sizes(args.horizon, args.replicates, args.branches, args.window, args.cache_layout)
     documents = [(p.id, len(p.input_ids)) for p in mine]
     plans = plan_documents(shape, documents, policies, sizes, branch_batch, budget, refuse=False)
     print(format_plan(shape, plans, budget, where))
@@ -280,6 +288,7 @@ def run(args: argparse.Namespace) -> int:
         record=record,
         eos_token_ids=eos,
         branch_batch=branch_batch,  # type: ignore[arg-type]
+        cache_layout=args.cache_layout,
     )
     summary = trace(
         model,
