@@ -79,6 +79,12 @@ def register(subparsers: Any) -> None:
         "(default): shared where the model allows it. Results agree to float noise",
     )
     p.add_argument(
+        "--doc-batch",
+        default="auto",
+        help="most documents traced as one batch (shared cache layout); auto (default): as "
+        "many as fit the CUDA device together, up to 128 rows; on CPU one at a time",
+    )
+    p.add_argument(
         "--dry-run",
         action="store_true",
         help="print the memory plan of every document (cache bytes for P, Q, branches, "
@@ -158,6 +164,10 @@ def _has_tokenizer(args: argparse.Namespace) -> bool:
 
 
 def _branch_batch(text: str) -> int | str:
+    return _positive_or_auto("--branch-batch", text)
+
+
+def _positive_or_auto(option: str, text: str) -> int | str:
     if text == "auto":
         return text
     try:
@@ -165,7 +175,7 @@ def _branch_batch(text: str) -> int | str:
     except ValueError:
         value = 0
     if value < 1:
-        raise ValueError(f"--branch-batch must be >= 1, got {text} (or 'auto')")
+        raise ValueError(f"{option} must be >= 1, got {text} (or 'auto')")
     return value
 
 
@@ -222,6 +232,22 @@ def dry_run(args: argparse.Namespace, policies: list[Any], branch_batch: int | s
     plans = plan_documents(shape, documents, policies, sizes, branch_batch, budget, refuse=False)
     print(format_plan(shape, plans, budget, where))
     refused = [p for p in plans if not p.fits]
+    if not refused:
+        from kvcouple.tracer.run import document_batches
+        from kvcouple.tracer.settings import TraceSettings
+
+        settings = TraceSettings(
+            args.horizon,
+            args.replicates,
+            doc_batch=_positive_or_auto("--doc-batch", args.doc_batch),
+        )
+        batches = document_batches(range(len(plans)), dict(enumerate(plans)), settings)
+        print(
+            f"document batches: {len(batches)} ("
+            + ", ".join("+".join(plans[d].doc_id for d in b) for b in batches[:8])
+            + (", ..." if len(batches) > 8 else "")
+            + ")"
+        )
     for plan in refused:
         print("refused: " + refusal(plan))
     return 1 if refused else 0
@@ -246,6 +272,7 @@ def run(args: argparse.Namespace) -> int:
     if args.attn not in ("sdpa", "eager"):
         raise ValueError(f"--attn must be sdpa or eager, got {args.attn!r}")
     branch_batch = _branch_batch(args.branch_batch)
+    doc_batch = _positive_or_auto("--doc-batch", args.doc_batch)
     if args.memory is not None and not args.memory > 0:
         raise ValueError(f"--memory must be a positive number of GiB, got {args.memory}")
     if args.dry_run:
@@ -289,6 +316,7 @@ def run(args: argparse.Namespace) -> int:
         eos_token_ids=eos,
         branch_batch=branch_batch,  # type: ignore[arg-type]
         cache_layout=args.cache_layout,
+        doc_batch=doc_batch,  # type: ignore[arg-type]
     )
     summary = trace(
         model,

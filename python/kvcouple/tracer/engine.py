@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from kvcouple.policies import Policy
+from kvcouple.policies import Admission, DecodeRule, Policy
 from kvcouple.store.schema import (
     CAPACITY_BOUND,
     DILUTION_PRONE,
@@ -72,7 +72,6 @@ def overlap_path(
     """The ``R`` overlap paths of one (document, policy); ``hook`` evicts while decoding;
     ``idx`` (the kept positions) lets sliding-window layers run."""
     R, T = settings.replicates, settings.horizon
-    device = pre.input_ids.device
     kept_length = int(kept[0][0].shape[2]) + 1
     layout = choose_layout(
         ModelShape.of_model(model),
@@ -89,10 +88,23 @@ def overlap_path(
         rows = SplitRows.start(model, pre.kv, kept, R, T, idx)
     else:
         rows = Trajectories.start(model, pre, kept, R, hook, idx, steps=T)
-    eos = EosState(settings.eos_token_ids, 2 * R, device)
-    alive = torch.ones(R, dtype=torch.bool, device=device)
-    tokens = torch.full((R,), int(pre.input_ids[-1]), dtype=torch.long, device=device)
-    u = torch.zeros(R, 3, dtype=torch.float64, device=device)
+    first = torch.full((R,), int(pre.input_ids[-1]), dtype=torch.long, device=path_u.device)
+    return run_path(rows, first, settings, path_u)
+
+
+@torch.inference_mode()
+def run_path(
+    rows: Rows, first: torch.Tensor, settings: TraceSettings, path_u: torch.Tensor
+) -> Path:
+    """The overlap paths of ``rows`` (``B`` P rows then ``B`` Q rows), each starting by feeding
+    ``first`` ``(B,)`` (its prompt's last token), with path uniforms ``path_u`` ``(T, B)``."""
+    T = settings.horizon
+    B = int(first.shape[0])
+    device = first.device
+    eos = EosState(settings.eos_token_ids, 2 * B, device)
+    alive = torch.ones(B, dtype=torch.bool, device=device)
+    tokens = first
+    u = torch.zeros(B, 3, dtype=torch.float64, device=device)
     u[:, 0] = 1.0  # u0 = 1: always the overlap branch
     fed, steps = [], []
     for t in range(T):
@@ -217,38 +229,123 @@ def trace_policy(
     ValueError
         The policy selects indices outside the prompt.
     """
-    streams = random_streams(seed, doc_index, policy_index, settings)
-    device = pre.input_ids.device
+    return trace_units(model, [(pre, settings, doc_index)], policy, seed, policy_index)[0]
+
+
+@dataclass
+class _Unit:
+    """One (document, policy) of a batch, its eviction chosen."""
+
+    pre: Prefill
+    settings: TraceSettings
+    streams: dict[str, np.ndarray]
+    admission: Admission
+    idx: torch.Tensor
+    kept: list[tuple[torch.Tensor, torch.Tensor]]
+    rule: DecodeRule | None
+
+    @property
+    def kept_length(self) -> int:
+        return int(self.idx.shape[-1]) + 1
+
+
+def _prepare(
+    pre: Prefill, policy: Policy, settings: TraceSettings, seed: int, doc: int, policy_index: int
+) -> _Unit:
+    streams = random_streams(seed, doc, policy_index, settings)
     policy_seed = int(streams["policy_seed"][0])
     # A gated policy (page) decides per input what it applies; others apply themselves.
     admission = policy.admit(pre.context())
-    policy = admission.policy
-    idx = select(policy, pre, torch.Generator().manual_seed(policy_seed))
-    kept = gather_kept(pre.kv, idx)
-    kept_length = idx.shape[-1] + 1
-    path_u = torch.as_tensor(streams["path"], device=device)
-    branch_u = torch.as_tensor(streams["branch"], device=device)
-    rule = policy.decode_rule(kept_length, seed=policy_seed)
+    idx = select(admission.policy, pre, torch.Generator().manual_seed(policy_seed))
+    rule = admission.policy.decode_rule(int(idx.shape[-1]) + 1, seed=policy_seed)
+    return _Unit(pre, settings, streams, admission, idx, gather_kept(pre.kv, idx), rule)
+
+
+@torch.inference_mode()
+def trace_units(
+    model: Any,
+    documents: list[tuple[Prefill, TraceSettings, int]],
+    policy: Policy,
+    seed: int,
+    policy_index: int,
+) -> list[PolicyTrace]:
+    """:func:`trace_policy` for several documents ``(prefill, settings, doc index)`` (the same
+    sizes, branch batches may differ): where every one runs in the shared layout, their overlap
+    paths run as one batch (the weights read once per step for all of them), then each
+    document's branches fork from it; otherwise one document after another. The records equal
+    one-at-a-time tracing to float noise (every uniform is drawn per document)."""
+    units = [_prepare(pre, policy, s, seed, d, policy_index) for pre, s, d in documents]
+    shape = ModelShape.of_model(model)
+    shared = len(units) > 1 and all(
+        u.rule is None
+        and choose_layout(
+            shape,
+            u.pre.prompt_length,
+            u.kept_length,
+            u.settings.replicates,
+            False,
+            u.settings.cache_layout,
+        )
+        == "shared"
+        for u in units
+    )
+    if not shared:
+        return [_trace_unit(model, u) for u in units]
+    settings = units[0].settings
+    R, T = settings.replicates, settings.horizon
+    device = units[0].pre.input_ids.device
+    rows = SharedRows.start_units(model, [(u.pre.kv, u.kept) for u in units], R, T)
+    first = torch.tensor([int(u.pre.input_ids[-1]) for u in units for _ in range(R)], device=device)
+    path_u = torch.as_tensor(np.concatenate([u.streams["path"] for u in units], axis=1))
+    path = run_path(rows, first, settings, path_u.to(device))
+    out = []
+    for i, unit in enumerate(units):
+        mine = slice(i * R, (i + 1) * R)
+        own = Path(
+            {name: a[mine] for name, a in path.arrays.items()},
+            path.hazard[mine],
+            path.fed[mine],
+            path.rows,
+        )
+        strategy = ForkBranches(own, unit.pre.prefix_length, first=i * R, rows=len(units) * R)
+        out.append(_finish(unit, own, strategy))
+    return out
+
+
+def _trace_unit(model: Any, unit: _Unit) -> PolicyTrace:
+    """One (document, policy) on its own: the overlap path, then its branches."""
+    pre, settings, rule = unit.pre, unit.settings, unit.rule
+    device = pre.input_ids.device
+    path_u = torch.as_tensor(unit.streams["path"], device=device)
     strategy: BranchStrategy
     if rule is None:
-        path = overlap_path(model, pre, kept, settings, path_u, idx=idx)
+        path = overlap_path(model, pre, unit.kept, settings, path_u, idx=unit.idx)
         strategy = ForkBranches(path, pre.prefix_length)
     else:
         decode_rule = rule
 
         def make_hook(replicates: torch.Tensor) -> DecodeEvictor:
-            return DecodeEvictor(model, pre, idx, decode_rule, replicates)
+            return DecodeEvictor(model, pre, unit.idx, decode_rule, replicates)
 
         R = settings.replicates
         path = overlap_path(
-            model, pre, kept, settings, path_u, make_hook(torch.arange(R, device=device))
+            model, pre, unit.kept, settings, path_u, make_hook(torch.arange(R, device=device))
         )
         path.rows = None  # branches replay from the prompt cache; free the path's cache
-        strategy = ReplayBranches(model, pre, kept, make_hook)
-    times = branch_times(path.hazard, streams["branch_time"])
+        strategy = ReplayBranches(model, pre, unit.kept, make_hook)
+    return _finish(unit, path, strategy)
+
+
+def _finish(unit: _Unit, path: Path, strategy: BranchStrategy) -> PolicyTrace:
+    """The branches of one (document, policy) and its store arrays."""
+    pre, settings, admission = unit.pre, unit.settings, unit.admission
+    device = pre.input_ids.device
+    branch_u = torch.as_tensor(unit.streams["branch"], device=device)
+    times = branch_times(path.hazard, unit.streams["branch_time"])
     branch_arrays, branch_tokens, batches = run_branches(
         strategy, path, settings, times, branch_u, pre.vocab_size
     )
+    kept_length = unit.kept_length
     arrays = {
         **path.arrays,
         **branch_arrays,
@@ -263,9 +360,9 @@ def trace_policy(
             dtype=np.int8,
         ),
         "eviction_applied": np.asarray(
-            kept_length < pre.prompt_length or (rule is not None and policy.BUDGETED),
+            kept_length < pre.prompt_length
+            or (unit.rule is not None and admission.policy.BUDGETED),
             dtype=bool,
         ),
     }
-    del path, strategy
     return PolicyTrace(arrays, 2 * settings.replicates * settings.horizon + branch_tokens, batches)

@@ -134,11 +134,13 @@ class SplitRows:
 
 
 class SharedRows:
-    """``B`` P rows then ``B`` Q rows in one batch whose cache holds only each row's own
-    columns; P rows attend first to ``prefix``, Q rows to ``kept`` (see the module docstring).
+    """P rows then Q rows in one batch whose cache holds only each row's own columns; every row
+    attends first to its group's prefix (see the module docstring).
 
-    Columns are numbered as the P rows' in the joint layout: the rows' own column ``j`` is
-    column ``offset + j`` (``offset``: the prefix length, ``n - 1``).
+    Rows come in units (one per document of the batch): unit ``u``'s ``copies`` P rows attend
+    to its prompt's cache and its ``copies`` Q rows, at the same place in the second half, to
+    its kept entries. A row's own column ``j`` is P column ``offsets[row] + j`` (the unit's
+    prefix length, ``n - 1``), as in the joint layout.
     """
 
     def __init__(
@@ -147,17 +149,13 @@ class SharedRows:
         cache: Any,
         valid: torch.Tensor | None,
         positions: torch.Tensor,
-        prefix: list[tuple[torch.Tensor, torch.Tensor]],
-        kept: list[tuple[torch.Tensor, torch.Tensor]],
-        offset: int,
+        groups: list[PrefixGroup],
+        offsets: torch.Tensor,
     ):
         self.model, self.cache, self.valid, self.positions = model, cache, valid, positions
-        self.prefix, self.kept, self.offset = prefix, kept, offset
-        half = int(positions.shape[0]) // 2
-        self.shared = SharedPrefix(
-            [PrefixGroup(0, half, prefix), PrefixGroup(half, 2 * half, kept)]
-        )
-        self.dtype = prefix[0][0].dtype
+        self.offsets = offsets
+        self.shared = SharedPrefix(groups)
+        self.dtype = groups[0].kv[0][0].dtype
 
     @classmethod
     def start(
@@ -171,25 +169,45 @@ class SharedRows:
         """``copies`` P rows on ``prefix`` and ``copies`` Q rows on ``kept`` (both ``(1,
         kv_heads, length, head_dim)`` per layer, held, not copied), own caches empty with room
         for ``steps`` tokens, about to feed the last prompt token at position ``n - 1``."""
-        n1 = int(prefix[0][0].shape[2])
-        device = prefix[0][0].device
+        return cls.start_units(model, [(prefix, kept)], copies, steps)
+
+    @classmethod
+    def start_units(
+        cls,
+        model: Any,
+        units: list[tuple[list[tuple[torch.Tensor, torch.Tensor]], ...]],
+        copies: int,
+        steps: int,
+    ) -> SharedRows:
+        """:meth:`start` for several ``(prefix, kept)`` units (documents) in one batch: the P
+        rows of every unit in order, then their Q rows in the same order."""
+        first = units[0][0]
+        device = first[0][0].device
+        rows = 2 * copies * len(units)
         empty = (
             (
-                k.new_empty(2 * copies, k.shape[1], 0, k.shape[3]),
-                v.new_empty(2 * copies, v.shape[1], 0, v.shape[3]),
+                k.new_empty(rows, k.shape[1], 0, k.shape[3]),
+                v.new_empty(rows, v.shape[1], 0, v.shape[3]),
             )
-            for k, v in prefix
+            for k, v in first
         )
         cache = compat.cache_from_tensors(empty, None, steps)
-        positions = torch.full((2 * copies,), n1, device=device)
-        return cls(model, cache, None, positions, prefix, kept, n1)
+        half = copies * len(units)
+        groups = [PrefixGroup(u * copies, (u + 1) * copies, p) for u, (p, _) in enumerate(units)]
+        groups += [
+            PrefixGroup(half + u * copies, half + (u + 1) * copies, q)
+            for u, (_, q) in enumerate(units)
+        ]
+        lengths = torch.tensor([int(p[0][0].shape[2]) for p, _ in units], device=device)
+        offsets = lengths.repeat_interleave(copies).repeat(2)
+        return cls(model, cache, None, offsets.clone(), groups, offsets)
 
     @property
     def rows(self) -> int:
         return int(self.positions.shape[0]) // 2
 
     def step(self, tokens: torch.Tensor) -> torch.Tensor:
-        """Feed one token per row (``2B``: P rows then Q rows); returns ``(2B, vocab)``."""
+        """Feed one token per row (P rows then Q rows); returns ``(rows, vocab)``."""
         mask = None
         if self.valid is not None:
             ones = torch.ones(self.valid.shape[0], 1, dtype=torch.bool, device=self.valid.device)
@@ -213,14 +231,29 @@ class SharedRows:
         half = index.shape[0] // 2
         if bool((index[:half] >= self.rows).any()) or bool((index[half:] < self.rows).any()):
             raise ValueError("fork index must list P rows, then Q rows")
-        own = visible_before - self.offset
+        offsets = self.offsets[index]
+        own = visible_before - offsets
         if bool((own < 0).any()):
             raise ValueError("a fork must see the whole prefix")
         cache, seen = fork_cache(self.cache, self.valid, index, own, steps)
         return SharedRows(
-            self.model, cache, seen, visible_before.clone(), self.prefix, self.kept, self.offset
+            self.model, cache, seen, visible_before.clone(), self._groups_of(index), offsets
         )
 
+    def _groups_of(self, index: torch.Tensor) -> list[PrefixGroup]:
+        """The prefix groups of rows ``index``: runs of consecutive rows of one group."""
+        group_of = [0] * (2 * self.rows)
+        for g, group in enumerate(self.shared.groups):
+            group_of[group.start : group.stop] = [g] * (group.stop - group.start)
+        groups: list[PrefixGroup] = []
+        for row, source in enumerate(index.tolist()):
+            kv = self.shared.groups[group_of[source]].kv
+            if groups and groups[-1].kv is kv and groups[-1].stop == row:
+                groups[-1].stop = row + 1
+            else:
+                groups.append(PrefixGroup(row, row + 1, kv))
+        return groups
+
     def cache_bytes(self) -> int:
-        """Bytes of the rows' own caches (the prefixes are the prompt's and the kept cache)."""
+        """Bytes of the rows' own caches (the prefixes are the prompts' and the kept caches)."""
         return cache_bytes(self.cache)

@@ -5,6 +5,12 @@ region of the store and marked completed last. Rerunning the same command skips 
 documents, and because every random draw depends only on ``(seed, doc index, policy index)``
 the finished store equals an uninterrupted run. ``shard=(i, n)`` traces documents whose index
 is ``i`` modulo ``n``, so ``n`` processes can fill one store.
+
+Documents are traced in batches (:func:`document_batches`, ``TraceSettings.doc_batch``): the
+overlap paths of a batch's documents run as one batch of rows in the shared cache layout, so
+a step reads the weights once for all of them. Batches are fixed by the shard's documents,
+not by what is left to do: a resumed run traces a partly written batch whole again (and
+writes only what is missing), so its records are those of an uninterrupted run.
 """
 
 from __future__ import annotations
@@ -23,8 +29,8 @@ from kvcouple.policies import Policy, parse_policy
 from kvcouple.store import StoreLayout, TraceStoreWriter
 from kvcouple.store.reader import is_url
 from kvcouple.store.writer import VocabularyMismatchError as VocabularyMismatchError
-from kvcouple.tracer.engine import trace_policy
-from kvcouple.tracer.memory import plan_loaded
+from kvcouple.tracer.engine import trace_units
+from kvcouple.tracer.memory import DocumentPlan, plan_loaded
 from kvcouple.tracer.prefill import prefill, vocab_size
 from kvcouple.tracer.prompts import Prompt
 from kvcouple.tracer.provenance import provenance
@@ -57,24 +63,87 @@ def trace_document_records(
     import torch
 
     pols = [parse_policy(p) if isinstance(p, str) else p for p in policies]
-    check_support(model, pols)  # cached per model: refuses before any work
-    ids = torch.as_tensor(list(input_ids), dtype=torch.long)
     if settings.branch_batch == "auto":
-        (plan,) = plan_loaded(model, [(doc_id, len(ids))], pols, settings)
+        (plan,) = plan_loaded(model, [(doc_id, len(input_ids))], pols, settings)
         settings = replace(settings, branch_batch=plan.branch_batch)
-    pre = prefill(model, ids, any(p.NEEDS_QUERIES for p in pols), doc=doc_id, policies=pols)
-    traces = []
-    for i, pol in enumerate(pols):
-        traces.append(trace_policy(model, pre, pol, settings, seed, doc_index, i))
+    ids = torch.as_tensor(list(input_ids), dtype=torch.long)
+    (doc,) = trace_documents_records(
+        model, [(ids, doc_index, doc_id, settings)], pols, seed=seed, on_policy=on_policy
+    )
+    return doc
+
+
+def trace_documents_records(
+    model: Any,
+    documents: Sequence[tuple[Any, int, str, TraceSettings]],
+    policies: Sequence[Policy],
+    *,
+    seed: int = 0,
+    on_policy: Callable[[], object] | None = None,
+) -> list[DocumentTrace]:
+    """Trace a batch of documents ``(input_ids, doc index, doc id, settings)`` under every
+    policy (settings differ at most in their branch batch); each policy's overlap paths run
+    as one batch where the cache layout allows it (:func:`~kvcouple.tracer.engine.
+    trace_units`). ``on_policy()`` is called after each policy."""
+    import torch
+
+    check_support(model, policies)  # cached per model: refuses before any work
+    need = any(p.NEEDS_QUERIES for p in policies)
+    pres = [
+        prefill(model, torch.as_tensor(ids, dtype=torch.long), need, doc=doc_id, policies=policies)
+        for ids, _, doc_id, _ in documents
+    ]
+    units = [(pre, s, d) for pre, (_, d, _, s) in zip(pres, documents, strict=True)]
+    traces = []  # per policy, per document
+    for i, pol in enumerate(policies):
+        traces.append(trace_units(model, units, pol, seed, i))
         if on_policy is not None:
             on_policy()
-    arrays = {name: np.stack([t.arrays[name] for t in traces]) for name in traces[0].arrays}
-    arrays["prompt_length"] = np.asarray(pre.prompt_length, dtype=np.int32)
-    return DocumentTrace(
-        arrays,
-        sum(t.generated_tokens for t in traces),
-        sum(t.branch_batches for t in traces),
-    )
+    out = []
+    for j, pre in enumerate(pres):
+        mine = [per_policy[j] for per_policy in traces]
+        arrays = {name: np.stack([t.arrays[name] for t in mine]) for name in mine[0].arrays}
+        arrays["prompt_length"] = np.asarray(pre.prompt_length, dtype=np.int32)
+        out.append(
+            DocumentTrace(
+                arrays,
+                sum(t.generated_tokens for t in mine),
+                sum(t.branch_batches for t in mine),
+            )
+        )
+    return out
+
+
+# Rows of a batch of documents at most (2R per document): beyond this a decoding step is no
+# longer bound by reading the weights, so more documents would not come for free.
+MAX_DOC_ROWS = 128
+
+
+def document_batches(
+    documents: Sequence[int], plans: dict[int, DocumentPlan], settings: TraceSettings
+) -> list[list[int]]:
+    """The shard's documents in batches, in order: ``settings.doc_batch`` documents at most
+    (``"auto"``: up to :data:`MAX_DOC_ROWS` rows on a device whose memory is known, one at a
+    time otherwise), and never more than fit the plans' budget together (the sum of their
+    planned peaks, a bound: they share the activations). Policies whose layout is not shared
+    (decode-time eviction, windowed models) trace a batch's documents one at a time
+    (:func:`~kvcouple.tracer.engine.trace_units`)."""
+    budget = next((p.budget for p in plans.values() if p.budget is not None), None)
+    if settings.doc_batch == "auto":
+        most = max(1, MAX_DOC_ROWS // (2 * settings.replicates)) if budget is not None else 1
+    else:
+        most = int(settings.doc_batch)
+    batches: list[list[int]] = []
+    total = 0
+    for d in documents:
+        peak = plans[d].peak
+        if batches and len(batches[-1]) < most and (budget is None or total + peak <= budget):
+            batches[-1].append(d)
+            total += peak
+        else:
+            batches.append([d])
+            total = peak
+    return batches
 
 
 def trace_document(
@@ -319,26 +388,37 @@ def trace(
         total=len(todo) * len(pols), unit="doc-policy", disable=not progress, desc="kvcouple trace"
     )
     try:
-        for d in todo:
-            prompt = prompts[d]
-            doc = trace_document_records(
-                model,
-                prompt.input_ids,
-                pols,
-                replace(settings, branch_batch=plans[d].branch_batch),
-                seed=seed,
-                doc_index=d,
-                doc_id=prompt.id,
-                on_policy=lambda: bar.update(1),
+        left = len(todo)
+        for batch in document_batches(mine, plans, settings):
+            write = [d for d in batch if not done[d]][:left]
+            if not write:
+                continue
+            docs = [
+                (
+                    prompts[d].input_ids,
+                    d,
+                    prompts[d].id,
+                    replace(settings, branch_batch=plans[d].branch_batch),
+                )
+                for d in batch
+            ]
+            traced = trace_documents_records(
+                model, docs, pols, seed=seed, on_policy=lambda n=len(write): bar.update(n)
             )
-            writer.write_doc(d, doc.arrays)
-            summary.traced.append(d)
-            summary.generated_tokens += doc.generated_tokens
-            summary.branch_batches += doc.branch_batches
-            hazard = doc.arrays["hazard"].astype(np.float64)  # (policy, rep, step)
-            occ_sum += (1 - np.prod(1 - hazard, axis=-1)).mean(axis=-1)
+            for d, doc in zip(batch, traced, strict=True):
+                if d not in write:
+                    continue
+                writer.write_doc(d, doc.arrays)
+                summary.traced.append(d)
+                summary.generated_tokens += doc.generated_tokens
+                summary.branch_batches += doc.branch_batches
+                hazard = doc.arrays["hazard"].astype(np.float64)  # (policy, rep, step)
+                occ_sum += (1 - np.prod(1 - hazard, axis=-1)).mean(axis=-1)
+            left -= len(write)
             elapsed = time.perf_counter() - start
             bar.set_postfix(tok_s=f"{summary.generated_tokens / max(elapsed, 1e-9):.0f}")
+            if left <= 0:
+                break
     finally:
         bar.close()
     summary.seconds = time.perf_counter() - start

@@ -68,6 +68,10 @@ class TraceSettings:
         ``"split"`` (two batches), ``"shared"`` (one batch, the prompt's cache and the kept
         entries held once for all replicates) or ``"auto"`` (the default: shared where the
         model allows it, else the cheaper of the other two). Results agree to float noise.
+    doc_batch : int or "auto", optional
+        Most documents whose overlap paths run as one batch (shared layout only; >= 1).
+        ``"auto"`` (the default) batches documents on CUDA while their planned peaks fit the
+        device together, up to 128 rows (``2R`` per document); one at a time on CPU.
     """
 
     horizon: int
@@ -85,6 +89,8 @@ class TraceSettings:
     branch_batch: int | Literal["auto"] | None = "auto"
     # Cache layout of one-shot policies (kvcouple.tracer.memory.choose_layout).
     cache_layout: Literal["auto", "joint", "split", "shared"] = "auto"
+    # Documents traced as one batch (kvcouple.tracer.run.document_batches).
+    doc_batch: int | Literal["auto"] = "auto"
 
     def __post_init__(self) -> None:
         for name in ("horizon", "replicates", "branches"):
@@ -97,6 +103,12 @@ class TraceSettings:
             raise ValueError(
                 f"cache_layout must be auto, joint, split or shared, got {self.cache_layout!r}"
             )
+        if self.doc_batch != "auto" and (
+            isinstance(self.doc_batch, str)
+            or isinstance(self.doc_batch, bool)
+            or self.doc_batch < 1
+        ):
+            raise ValueError(f"doc_batch must be >= 1 or 'auto', got {self.doc_batch!r}")
         if self.window < 0:
             raise ValueError(f"window must be >= 0, got {self.window}")
 

@@ -1,0 +1,114 @@
+"""Several documents per batch: their overlap paths run as one batch of rows over prefixes
+held once (the shared cache layout); records equal one-at-a-time tracing to float noise, and a
+resumed run equals an uninterrupted one exactly."""
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+import xarray as xr  # noqa: E402
+
+from kvcouple.store import Record  # noqa: E402
+from kvcouple.tracer import Prompt, TraceSettings, trace  # noqa: E402
+
+pytestmark = pytest.mark.torch
+
+from tracer_helpers import model, one_thread  # noqa: E402, F401 - autouse fixture
+
+SPECS = ["snapkv:retain=0.5,window=4", "recent:retain=0.3", "h2o:retain=0.5,mode=decode"]
+
+
+def _prompts(lengths):
+    rng = np.random.default_rng(1)
+    return [Prompt(f"d{i}", tuple(rng.integers(1, 120, n).tolist())) for i, n in enumerate(lengths)]
+
+
+def _settings(doc_batch):
+    return TraceSettings(
+        horizon=6,
+        replicates=2,
+        branches=2,
+        window=3,
+        record=Record.parse("topk:5"),
+        doc_batch=doc_batch,
+    )
+
+
+def _assert_same(a, b, exact=False):
+    for name in a.data_vars:
+        x, y = a[name].values, b[name].values
+        if x.dtype.kind == "f" and not exact:
+            np.testing.assert_allclose(x, y, atol=2e-5, err_msg=name)
+        else:
+            np.testing.assert_array_equal(x, y, err_msg=name)
+
+
+def test_batched_documents_equal_one_at_a_time(tmp_path, monkeypatch):
+    """Five documents of different lengths, three at a time: every one-shot policy runs its
+    overlap paths as batches of 3 and 2 documents (decode-time eviction one at a time), and
+    the store equals tracing one document at a time."""
+    from kvcouple.tracer.layout import SharedRows
+
+    m = model("qwen3")
+    prompts = _prompts([20, 33, 27, 41, 15])
+    units = []
+    start_units = SharedRows.start_units.__func__
+
+    def spy(cls, model, sides, copies, steps):
+        if copies == 2:  # (not the support check's trial trace, R = 1)
+            units.append(len(sides))
+        return start_units(cls, model, sides, copies, steps)
+
+    monkeypatch.setattr(SharedRows, "start_units", classmethod(spy))
+    trace(m, prompts, SPECS, _settings(3), tmp_path / "b3.zarr", progress=False)
+    assert units == [3, 3, 2, 2]  # two one-shot policies x two batches of documents
+    units.clear()
+    trace(m, prompts, SPECS, _settings(1), tmp_path / "b1.zarr", progress=False)
+    assert units == [1] * 10  # one document at a time, still shared
+    _assert_same(xr.open_zarr(tmp_path / "b1.zarr"), xr.open_zarr(tmp_path / "b3.zarr"))
+
+
+def test_a_resumed_partial_batch_equals_an_uninterrupted_run(tmp_path):
+    """Stopped after two documents of a batch of three, the resumed run traces the batch whole
+    again and writes only the third: the store is bit for bit the uninterrupted one."""
+    m = model("llama")
+    prompts = _prompts([18, 25, 30, 22])
+    specs = SPECS[:2]
+    ref, part = tmp_path / "ref.zarr", tmp_path / "part.zarr"
+    trace(m, prompts, specs, _settings(3), ref, progress=False)
+    first = trace(m, prompts, specs, _settings(3), part, progress=False, max_docs=2)
+    assert first.traced == [0, 1]
+    second = trace(m, prompts, specs, _settings(3), part, progress=False)
+    assert second.traced == [2, 3] and second.skipped == 2
+    _assert_same(xr.open_zarr(ref), xr.open_zarr(part), exact=True)
+
+
+def test_document_batches_follow_the_memory_plan():
+    from kvcouple.tracer.memory import DocumentPlan
+    from kvcouple.tracer.run import MAX_DOC_ROWS, document_batches
+
+    def plan(peak, budget):
+        return DocumentPlan("", 10, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0, peak, "path", budget=budget)
+
+    docs = list(range(6))
+    # CPU (no budget): auto traces one at a time; a number is taken as given.
+    unknown = {d: plan(10, None) for d in docs}
+    assert document_batches(docs, unknown, _settings("auto")) == [[d] for d in docs]
+    assert document_batches(docs, unknown, _settings(4)) == [[0, 1, 2, 3], [4, 5]]
+    # A budget: documents join a batch while their peaks fit it together.
+    peaks = [30, 30, 30, 50, 60, 10]
+    fitted = {d: plan(p, 100) for d, p in zip(docs, peaks, strict=True)}
+    assert document_batches(docs, fitted, _settings("auto")) == [[0, 1, 2], [3], [4, 5]]
+    # auto: at most MAX_DOC_ROWS rows (2R per document).
+    small = {d: plan(1, 10**9) for d in range(100)}
+    batches = document_batches(range(100), small, _settings("auto"))
+    assert max(len(b) for b in batches) == MAX_DOC_ROWS // 4
+    assert [d for b in batches for d in b] == list(range(100))
+
+
+@pytest.mark.parametrize("bad", [0, -1, "3", True])
+def test_doc_batch_must_be_positive_or_auto(bad):
+    with pytest.raises(ValueError, match="doc_batch must be >= 1 or 'auto'"):
+        _settings(bad)
