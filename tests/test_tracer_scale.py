@@ -261,6 +261,11 @@ def test_gpu_script_cpu_size_path(tmp_path, capsys):
         assert r["cache_layout"] == "shared"
         assert r["peak_bytes"] is None  # no device memory counter on CPU
     assert rows[1]["plan_peak_bytes"] > rows[0]["plan_peak_bytes"]
+    short = report["short_documents"]
+    assert short["documents"] == 3 and short["prompt_tokens"] == 32
+    assert short["ratio"] == pytest.approx(
+        short["batched_tokens_per_s"] / short["one_at_a_time_tokens_per_s"]
+    )
     assert report["wall_s"] > 0 and "ratio to generate" in capsys.readouterr().out
 
 
