@@ -37,6 +37,18 @@ from kvcouple.tracer.attention import PrefixGroup, SharedPrefix
 from kvcouple.tracer.kvcache import cache_bytes, fork_cache
 
 
+def _with_new_column(
+    valid: torch.Tensor | None, dtype: torch.dtype
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """Per-row visibility with the column a step is about to write (visible to its own row),
+    and the step's additive mask; (None, None) where every row sees every column."""
+    if valid is None:
+        return None, None
+    ones = torch.ones(valid.shape[0], 1, dtype=torch.bool, device=valid.device)
+    valid = torch.cat([valid, ones], dim=1)
+    return valid, compat.additive_mask(valid, dtype)
+
+
 class _Batch:
     """Rows sharing one cache: per-row visibility (None: every column) and positions."""
 
@@ -48,11 +60,7 @@ class _Batch:
         self.dtype = compat.cache_tensors(cache)[0][0].dtype
 
     def step(self, tokens: torch.Tensor) -> torch.Tensor:
-        mask = None
-        if self.valid is not None:
-            ones = torch.ones(self.valid.shape[0], 1, dtype=torch.bool, device=self.valid.device)
-            self.valid = torch.cat([self.valid, ones], dim=1)
-            mask = compat.additive_mask(self.valid, self.dtype)
+        self.valid, mask = _with_new_column(self.valid, self.dtype)
         logits = compat.forward(
             self.model, tokens[:, None], self.cache, self.positions[:, None], mask
         )
@@ -208,11 +216,7 @@ class SharedRows:
 
     def step(self, tokens: torch.Tensor) -> torch.Tensor:
         """Feed one token per row (P rows then Q rows); returns ``(rows, vocab)``."""
-        mask = None
-        if self.valid is not None:
-            ones = torch.ones(self.valid.shape[0], 1, dtype=torch.bool, device=self.valid.device)
-            self.valid = torch.cat([self.valid, ones], dim=1)
-            mask = compat.additive_mask(self.valid, self.dtype)
+        self.valid, mask = _with_new_column(self.valid, self.dtype)
         logits = compat.forward(
             self.model,
             tokens[:, None],
