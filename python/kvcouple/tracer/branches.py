@@ -25,7 +25,7 @@ import torch
 
 from kvcouple.store.schema import empty_arrays
 from kvcouple.tracer.prefill import Prefill
-from kvcouple.tracer.records import branch_record
+from kvcouple.tracer.records import HostRecords, branch_record, staged_names
 from kvcouple.tracer.settings import TraceSettings
 from kvcouple.tracer.trajectories import (
     EosState,
@@ -152,12 +152,19 @@ def run_branch_group(
     iterations = int((offset + lags).max()) + 1
     fed = path.fed[rr_t]  # (B, T)
     arange = torch.arange(B, device=device)
-    names = [n for n in out if n != "branch_step"]
-    rec = {}
-    for name in names:
-        initial = torch.from_numpy(np.ascontiguousarray(out[name][rr, kk]))
-        # Whole distributions stay on the host (they are big); the rest on the device.
-        rec[name] = initial if name in ("branch_p", "branch_q") else initial.to(device)
+    # Whole distributions go to pinned host slots as they are made: at iteration i the rows
+    # recording (lag 0..lags) are known on the host, so slot j holds (row[j], lag[j]) and is
+    # scattered into ``out`` after one synchronisation (the rest never touches the device).
+    # The small records keep a masked update on the device and one copy at the end.
+    lag_grid = np.arange(iterations)[:, None] - offset.cpu().numpy()[None, :]
+    it, row = np.nonzero((lag_grid >= 0) & (lag_grid <= np.minimum(T - ts_np, L)))
+    bounds = np.searchsorted(it, np.arange(iterations + 1)).tolist()
+    recording = torch.as_tensor(row, device=device)
+    staged = HostRecords(staged_names(settings.record, "branch_"), row.size, device)
+    names = [n for n in out if n != "branch_step" and n not in staged.names]
+    rec = {
+        name: torch.from_numpy(np.ascontiguousarray(out[name][rr, kk])).to(device) for name in names
+    }
     eos = EosState(settings.eos_token_ids, 2 * B, device)
     own = torch.zeros(2 * B, dtype=torch.long, device=device)
     for i in range(iterations):
@@ -174,13 +181,14 @@ def run_branch_group(
         drawn = torch.cat([step.x, step.y])
         own = torch.where(both, drawn, own)
         values = branch_record(settings.record, step.p, step.q, step.x, step.y, step.tv)
+        staged.take(values, recording[bounds[i] : bounds[i + 1]])
         for name, value in values.items():
             target = rec[name]
-            index = (arange.to(target.device), lag_c.to(target.device))
-            keep = active.to(target.device).reshape((-1,) + (1,) * (value.dim() - 1))
-            target[index] = torch.where(keep, value.to(target.dtype), target[index])
+            keep = active.reshape((-1,) + (1,) * (value.dim() - 1))
+            target[arange, lag_c] = torch.where(keep, value.to(target.dtype), target[arange, lag_c])
         eos.advance(drawn, both)
     for name, value in rec.items():
         out[name][rr, kk] = value.cpu().numpy()
+    staged.scatter(out, (rr[row], kk[row], lag_grid[it, row]))
     out["branch_tv"][rr, kk, 0] = path.hazard[rr, ts_np - 1]
     return 2 * B * iterations

@@ -44,7 +44,14 @@ from kvcouple.tracer.decode import DecodeEvictor
 from kvcouple.tracer.layout import SharedRows, SplitRows
 from kvcouple.tracer.memory import ModelShape, choose_layout
 from kvcouple.tracer.prefill import Prefill, gather_kept, select
-from kvcouple.tracer.records import SCHEMA, distribution_records, path_metrics, to_host
+from kvcouple.tracer.records import (
+    SCHEMA,
+    HostRecords,
+    distribution_records,
+    path_metrics,
+    staged_names,
+    to_host,
+)
 from kvcouple.tracer.settings import Decoding, TraceSettings
 from kvcouple.tracer.trajectories import EosState, Rows, StepHook, Trajectories, coupled_step
 
@@ -107,6 +114,7 @@ def run_path(
     u = torch.zeros(B, 3, dtype=torch.float64, device=device)
     u[:, 0] = 1.0  # u0 = 1: always the overlap branch
     fed, steps = [], []
+    staged = HostRecords(staged_names(settings.record), T * B, device)  # whole distributions
     for t in range(T):
         fed.append(tokens)
         u[:, 1] = path_u[t]
@@ -121,11 +129,12 @@ def run_path(
             rec[name] = torch.where(alive, value, SCHEMA[name].fill)
         for side, probs in (("p", step.p), ("q", step.q)):
             rec.update(distribution_records(settings.record, side, probs, ""))
+        staged.take(rec)
         steps.append(rec)
         alive = alive & has_overlap
         eos.advance(torch.cat([z, z]), torch.cat([alive, alive]))
         tokens = torch.where(alive, z, 0)
-    arrays = to_host(steps, axis=1)
+    arrays = {**to_host(steps, axis=1), **staged.by_step(T)}
     # After a stop (a step with no overlap) nothing is observed: blank the distributions.
     stopped = (arrays["tokens"] == NO_TOKEN) & (arrays["hazard"] == 0)
     for name, var in distribution_variables(settings.record).items():

@@ -1,6 +1,9 @@
-"""What a step records, on the device: path metrics, distributions, branch records."""
+"""What a step records, on the device: path metrics, distributions, branch records; and
+:class:`HostRecords`, which brings the big ones to the host without stalling the device."""
 
 from __future__ import annotations
+
+from collections.abc import Iterable, MutableMapping
 
 import numpy as np
 import torch
@@ -26,7 +29,8 @@ def path_metrics(p: torch.Tensor, q: torch.Tensor) -> dict[str, torch.Tensor]:
 def distribution_records(
     record: Record, side: str, probs: torch.Tensor, prefix: str
 ) -> dict[str, torch.Tensor]:
-    """Top-k ids/probs/tail mass, or the whole distribution (on the host), for one side."""
+    """Top-k ids/probs/tail mass, or the whole distribution (float16), for one side; on the
+    device (:class:`HostRecords` brings whole distributions to the host)."""
     if record.kind == "topk":
         k = min(record.k, probs.shape[-1])
         vals, ids = torch.topk(probs, k, dim=-1)
@@ -41,7 +45,7 @@ def distribution_records(
             f"{prefix}tail_mass_{side}": (1.0 - vals.nan_to_num(0.0).sum(-1)).clamp(min=0.0),
         }
     if record.kind == "full":
-        return {f"{prefix}{side}": probs.to(torch.float16).cpu()}
+        return {f"{prefix}{side}": probs.to(torch.float16)}
     return {}
 
 
@@ -72,3 +76,85 @@ def to_host(steps: list[dict[str, torch.Tensor]], axis: int) -> dict[str, np.nda
     return {
         name: torch.stack([s[name] for s in steps], dim=axis).cpu().numpy() for name in steps[0]
     }
+
+
+def staged_names(record: Record, prefix: str = "") -> list[str]:
+    """The variables :class:`HostRecords` stages: whole distributions (``record="full"``).
+
+    Small records (summary, top-k) stay on the device until one copy at the end: a step's
+    top-k is a few numbers per row, and a masked update on the device is one kernel, while
+    a whole distribution per row and step would hold ``T`` (or ``L + 1``) vocabulary-sized
+    rows on the device and cost a host round trip each step.
+    """
+    return list(distribution_variables(record, prefix)) if record.kind == "full" else []
+
+
+class HostRecords:
+    """Host buffers that device records are copied into as they are made, read after one
+    synchronisation (issue 12: the device never waits for the store).
+
+    Each variable gets one host buffer of ``slots`` rows, allocated at its first record (its
+    row shape and dtype are the record's): pinned on CUDA, so ``copy_(non_blocking=True)``
+    returns at once and the copy runs on the current stream after the kernels that made the
+    record; plain memory on CPU (pinning needs CUDA), where the copies are plain copies.
+    :meth:`take` fills the next slots; :meth:`arrays` waits once for every copy.
+
+    Parameters
+    ----------
+    names : iterable of str
+        The variables staged (others are left alone).
+    slots : int
+        Rows each buffer holds: every row recorded into it, in order.
+    device : torch.device
+        Where the records are made.
+    """
+
+    def __init__(self, names: Iterable[str], slots: int, device: torch.device | str):
+        self.names = list(names)
+        self.slots = slots
+        self.device = torch.device(device)
+        self.buffers: dict[str, torch.Tensor] = {}
+        self.filled = 0
+
+    def take(
+        self, values: MutableMapping[str, torch.Tensor], rows: torch.Tensor | None = None
+    ) -> None:
+        """Move this object's variables out of ``values`` (rows ``rows`` of each, if given)
+        into the next free slots."""
+        count = 0
+        for name in self.names:
+            value = values.pop(name)
+            if rows is not None:
+                value = value.index_select(0, rows)
+            count = int(value.shape[0])
+            buffer = self.buffers.get(name)
+            if buffer is None:
+                buffer = self.buffers[name] = torch.empty(
+                    (self.slots, *value.shape[1:]),
+                    dtype=value.dtype,
+                    pin_memory=self.device.type == "cuda",
+                )
+            if self.filled + count > self.slots:
+                raise ValueError(f"{name}: more than {self.slots} rows recorded")
+            buffer[self.filled : self.filled + count].copy_(value, non_blocking=True)
+        self.filled += count
+
+    def arrays(self) -> dict[str, np.ndarray]:
+        """The filled slots of each buffer ``(filled, ...)``, once every copy has landed."""
+        if self.buffers and self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()
+        return {name: b[: self.filled].numpy() for name, b in self.buffers.items()}
+
+    def by_step(self, steps: int) -> dict[str, np.ndarray]:
+        """Buffers filled ``rows`` at a time for ``steps`` steps, as ``(rows, steps, ...)``
+        arrays (views of the host buffers)."""
+        return {
+            name: a.reshape(steps, -1, *a.shape[1:]).swapaxes(0, 1)
+            for name, a in self.arrays().items()
+        }
+
+    def scatter(self, out: MutableMapping[str, np.ndarray], index: tuple[np.ndarray, ...]) -> None:
+        """Write slot ``j`` of each buffer to ``out[name][index[0][j], index[1][j], ...]``;
+        whatever no slot names keeps its value (the fill)."""
+        for name, a in self.arrays().items():
+            out[name][index] = a
