@@ -13,7 +13,7 @@ processes (one per GPU) fill one store. torch is imported only when the command 
 from __future__ import annotations
 
 import argparse
-from typing import Any
+from typing import Any, Literal
 
 
 def register(subparsers: Any) -> None:
@@ -167,9 +167,9 @@ def _branch_batch(text: str) -> int | str:
     return _positive_or_auto("--branch-batch", text)
 
 
-def _positive_or_auto(option: str, text: str) -> int | str:
+def _positive_or_auto(option: str, text: str) -> int | Literal["auto"]:
     if text == "auto":
-        return text
+        return "auto"
     try:
         value = int(text)
     except ValueError:

@@ -68,8 +68,8 @@ def query_needs(policies: Sequence[Policy]) -> tuple[bool, int | None, bool]:
     needs = [p.prompt_queries() for p in policies if p.NEEDS_QUERIES]
     if not needs:
         return False, None, False
-    windows = [w for w, _ in needs]
-    keep = None if any(w is None for w in windows) else max(int(w) for w in windows)
+    windows = [w for w, _ in needs if w is not None]
+    keep = max(windows) if len(windows) == len(needs) else None  # None: some reads every query
     return True, keep, any(acc for _, acc in needs)
 
 

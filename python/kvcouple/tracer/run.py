@@ -15,6 +15,7 @@ writes only what is missing), so its records are those of an uninterrupted run.
 
 from __future__ import annotations
 
+import functools
 import os
 import time
 from collections.abc import Callable, Sequence
@@ -213,7 +214,7 @@ def trace_document(
 class RunSummary:
     """What one invocation of :func:`trace` did."""
 
-    store: Path
+    store: Path | str  # a local path, or an object-storage URL
     documents: int
     traced: list[int] = field(default_factory=list)
     skipped: int = 0
@@ -403,7 +404,7 @@ def trace(
                 for d in batch
             ]
             traced = trace_documents_records(
-                model, docs, pols, seed=seed, on_policy=lambda n=len(write): bar.update(n)
+                model, docs, pols, seed=seed, on_policy=functools.partial(bar.update, len(write))
             )
             for d, doc in zip(batch, traced, strict=True):
                 if d not in write:

@@ -94,17 +94,13 @@ class Trajectories:
         device = pre.input_ids.device
         pad = (0, 0, n1 - keep, 0)
 
-        def layers() -> Iterator[tuple[torch.Tensor, ...]]:  # one layer at a time
+        def joint(full: torch.Tensor, part: torch.Tensor) -> torch.Tensor:
+            padded = torch.nn.functional.pad(part, pad)
+            return torch.cat([full.expand(copies, -1, -1, -1), padded.expand(copies, -1, -1, -1)])
+
+        def layers() -> Iterator[tuple[torch.Tensor, torch.Tensor]]:  # one layer at a time
             for (kp, vp), (kq, vq) in zip(pre.kv, kept, strict=True):
-                yield tuple(
-                    torch.cat(
-                        [
-                            full.expand(copies, -1, -1, -1),
-                            torch.nn.functional.pad(part, pad).expand(copies, -1, -1, -1),
-                        ]
-                    )
-                    for full, part in ((kp, kq), (vp, vq))
-                )
+                yield joint(kp, kq), joint(vp, vq)
 
         valid = torch.ones(2 * copies, n1, dtype=torch.bool, device=device)
         valid[copies:, : n1 - keep] = False
