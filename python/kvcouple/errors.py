@@ -21,7 +21,7 @@ class SchemaVersionError(StoreError):
     """A trace store written with another schema version than this kvcouple reads."""
 
 
-class ResourceLimitError(ValueError):
+class ResourceLimitError(InvalidInputError):
     """A request whose buffers would not fit in the memory available (refused before allocating)."""
 
 

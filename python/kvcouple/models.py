@@ -27,9 +27,11 @@ __all__ = [
     "default_model_path",
     "default_prompts",
     "default_prompts_path",
+    "dtype_keyword",
     "load_model",
     "model_source",
     "offline_mode",
+    "resolve_dtype",
 ]
 
 
@@ -49,11 +51,16 @@ def default_prompts() -> list[dict[str, Any]]:
         return [json.loads(line) for line in f if line.strip()]
 
 
-def _dtype_keyword() -> str:
+def dtype_keyword() -> str:
     """``from_pretrained``'s dtype keyword: ``dtype`` from transformers 4.56, ``torch_dtype`` before.
 
     Newer versions still accept ``torch_dtype`` but warn; older ones silently ignore ``dtype``
     (it ends up in the config), so the choice matters.
+
+    Returns
+    -------
+    str
+        ``"dtype"`` or ``"torch_dtype"``.
     """
     import transformers
     from packaging.version import Version
@@ -61,7 +68,27 @@ def _dtype_keyword() -> str:
     return "dtype" if Version(transformers.__version__).release >= (4, 56) else "torch_dtype"
 
 
-def _resolve_dtype(dtype: Any, device: Any) -> Any:
+def resolve_dtype(dtype: Any, device: Any) -> Any:
+    """The torch dtype to load weights in.
+
+    Parameters
+    ----------
+    dtype : torch.dtype, str or None
+        A floating dtype or its name (``"bfloat16"``, ``"torch.float16"``); None: bfloat16 on
+        CUDA, float32 elsewhere.
+    device : torch.device
+        Where the model will run.
+
+    Returns
+    -------
+    torch.dtype
+        The resolved floating dtype.
+
+    Raises
+    ------
+    kvcouple.errors.InvalidInputError
+        ``dtype`` names no floating torch dtype.
+    """
     import torch
 
     if dtype is None:
@@ -156,7 +183,7 @@ def load_model(
     dev = torch.device(
         device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu")
     )
-    torch_dtype = _resolve_dtype(dtype, dev)
+    torch_dtype = resolve_dtype(dtype, dev)
     kwargs = dict(from_pretrained_kwargs)
     offline = offline_mode()
     if local or offline:
@@ -166,7 +193,7 @@ def load_model(
             source,
             **{k: v for k, v in kwargs.items() if k in ("local_files_only", "revision", "token")},
         )
-        kwargs[_dtype_keyword()] = torch_dtype
+        kwargs[dtype_keyword()] = torch_dtype
         model = AutoModelForCausalLM.from_pretrained(source, **kwargs)
     except OSError as e:
         if local:

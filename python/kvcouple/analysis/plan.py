@@ -53,6 +53,7 @@ from pathlib import Path
 from typing import Any
 
 from kvcouple.analysis.stats import CI_METHODS, DEFAULT_CI_METHOD, QUANTITIES
+from kvcouple.errors import InvalidInputError
 
 try:
     import tomllib
@@ -64,7 +65,7 @@ CORRECTIONS = ("holm", "bonferroni", "none")
 ESTIMATORS = ("indicator", "tv")
 
 
-class PlanError(ValueError):
+class PlanError(InvalidInputError):
     """A plan that is malformed, unregistered, or contradicted by the analysis settings."""
 
 

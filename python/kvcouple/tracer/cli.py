@@ -137,10 +137,10 @@ def _load(load_model: Any, args: argparse.Namespace, extra: dict[str, Any]) -> t
     import torch
     from transformers import AutoModelForCausalLM
 
-    from kvcouple.models import _dtype_keyword, _resolve_dtype
+    from kvcouple.models import dtype_keyword, resolve_dtype
 
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    extra = {**extra, _dtype_keyword(): _resolve_dtype(args.dtype, device)}
+    extra = {**extra, dtype_keyword(): resolve_dtype(args.dtype, device)}
     local = Path(args.model)
     model = AutoModelForCausalLM.from_pretrained(local, local_files_only=True, **extra)
     model.to(device)  # type: ignore[arg-type]
@@ -188,7 +188,7 @@ def dry_run(args: argparse.Namespace, policies: list[Any], branch_batch: int | s
     import torch
     from transformers import AutoConfig, AutoTokenizer
 
-    from kvcouple.models import _resolve_dtype, default_model_path, default_prompts_path
+    from kvcouple.models import default_model_path, default_prompts_path, resolve_dtype
     from kvcouple.tracer.memory import (
         GiB,
         ModelShape,
@@ -207,7 +207,7 @@ def dry_run(args: argparse.Namespace, policies: list[Any], branch_batch: int | s
         kw["revision"] = args.revision
     config = AutoConfig.from_pretrained(source, **kw)
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    shape = ModelShape.of_unloaded(config, _resolve_dtype(args.dtype, device))
+    shape = ModelShape.of_unloaded(config, resolve_dtype(args.dtype, device))
     shape = replace(shape, attn_implementation=args.attn)
     tokenizer = AutoTokenizer.from_pretrained(source, **kw) if _has_tokenizer(args) else None
     prompts = load_prompts(
@@ -408,7 +408,7 @@ def _check_device(device: str | None, dtype: str | None) -> None:
     from kvcouple.errors import InvalidInputError, require
 
     torch = require("torch", "kvcouple trace")
-    from kvcouple.models import _resolve_dtype
+    from kvcouple.models import resolve_dtype
 
     try:
         dev = torch.device(device if device is not None else "cpu")
@@ -422,6 +422,6 @@ def _check_device(device: str | None, dtype: str | None) -> None:
         )
     if dtype is not None:
         try:
-            _resolve_dtype(dtype, dev)
+            resolve_dtype(dtype, dev)
         except InvalidInputError as e:
             raise InvalidInputError(f"--dtype: {e}") from None
