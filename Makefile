@@ -62,10 +62,14 @@ sdist: ## The source distribution in dist/
 	rm -f dist/kvcouple-*.tar.gz
 	$(MATURIN) sdist -o dist
 
+# sdist-check builds in the repository's target dir: registry crates already built are reused
+# (cargo keys them by version and flags); the sdist's own crates, their sources touched, are
+# compiled again from the sdist (cargo checks a package's sources relative to its root).
 sdist-check: sdist ## Build a wheel from the sdist alone (unpacked outside the repository)
-	rm -rf build/sdist build/sdist-target && mkdir -p build/sdist
+	rm -rf build/sdist && mkdir -p build/sdist
 	tar -xzf dist/kvcouple-*.tar.gz -C build/sdist
-	cd build/sdist/kvcouple-* && CARGO_TARGET_DIR=$(CURDIR)/build/sdist-target $(MATURIN) build --release -o ../wheel
+	find build/sdist -name '*.rs' -exec touch {} +  # newer than the repository's builds: rebuilt
+	cd build/sdist/kvcouple-* && CARGO_TARGET_DIR=$(CURDIR)/target $(MATURIN) build --release -o ../wheel
 	@ls build/sdist/wheel/kvcouple-*.whl
 
 wheel-smoke: wheel ## Install the wheel in a fresh venv (no torch), check its tag, run both kernels

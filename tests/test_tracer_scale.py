@@ -147,7 +147,9 @@ def test_plan_matches_the_cache_bytes_held_at_the_peak(monkeypatch, spec):
     assert measured["joint"] - measured["split"] == pytest.approx(saved, rel=0.1)
     # Shared: P and Q rows hold R x T columns each; the prompt's cache (and the kept
     # entries) are held once. Measured against the joint layout's R copies of the prompt:
-    assert plans["shared"].path_p == R * T * shape.token_bytes
+    # (and each batch a float32 buffer of its rows' prefix scores, every query head)
+    scores = shape.query_heads * (n - 1) * 4
+    assert plans["shared"].path_p == R * (T * shape.token_bytes + scores)
     assert measured["shared"] < 0.3 * measured["joint"], measured
     saved = plans["joint"].cache_bytes - plans["shared"].cache_bytes
     assert measured["joint"] - measured["shared"] == pytest.approx(saved, rel=0.1)
@@ -370,9 +372,9 @@ def _dense_attention(query, keys, values, visible, scaling):
 @pytest.mark.parametrize("mask_kind", ["none", "bool", "additive"])
 def test_prefix_attention_equals_attention_over_the_concatenated_cache(mask_kind):
     """Rows in two groups, each group with its own shared prefix (one empty), GQA 8 query heads
-    on 2 KV heads, two queries per row, per-row hidden own columns: the log-sum-exp merge equals
+    on 2 KV heads, two queries per row, per-row hidden own columns: the prefix-group attention equals
     softmax attention over prefix + own columns, in float64, to float32 rounding."""
-    from kvcouple.tracer.attention import PrefixGroup, prefix_attention
+    from kvcouple.tracer.attention import PrefixGroup, SharedPrefix, prefix_attention
 
     g = torch.Generator().manual_seed(0)
     B, H, KV, q, d, s = 5, 8, 2, 2, 16, 7
@@ -394,7 +396,7 @@ def test_prefix_attention_equals_attention_over_the_concatenated_cache(mask_kind
         mask = torch.zeros(B, 1, q, s).masked_fill(
             ~visible[:, None], torch.finfo(torch.float32).min
         )
-    got = prefix_attention(query, own_k, own_v, mask, 0.25, groups, 0)
+    got = prefix_attention(query, own_k, own_v, mask, 0.25, SharedPrefix(groups), 0)
     assert got.shape == (B, q, H, d)
     for grp in groups:
         rows = slice(grp.start, grp.stop)
@@ -407,7 +409,7 @@ def test_prefix_attention_equals_attention_over_the_concatenated_cache(mask_kind
         want = _dense_attention(query[rows], keys, values, seen, 0.25)
         torch.testing.assert_close(got[rows].double(), want, atol=2e-6, rtol=1e-5)
     with pytest.raises(ValueError, match="cover 3 rows of a batch of 5"):
-        prefix_attention(query, own_k, own_v, mask, 0.25, groups[:1], 0)
+        prefix_attention(query, own_k, own_v, mask, 0.25, SharedPrefix(groups[:1]), 0)
 
 
 def test_shared_layout_equals_a_masked_full_forward():

@@ -18,10 +18,9 @@ case), the layer's ``sliding_window``, ``softcap`` and sinks. It does two things
   included.
 - **Shared prefixes.** With a :class:`SharedPrefix` (the ``shared`` cache layout,
   :mod:`kvcouple.tracer.layout`) the cache holds only each row's own suffix; every row also
-  attends to its group's prefix, held once for all the group's rows. The two parts are computed
-  separately (the prefix as one matrix product for all the group's rows, so the prefix is read
-  once per step, not once per row) and merged exactly by their log-sum-exp
-  (:func:`prefix_attention`).
+  attends to its group's prefix, held once for all the group's rows. The prefix scores are one
+  matrix product for all the group's rows (the prefix is read once per step, not once per
+  row), and one softmax covers them and the row's own columns (:func:`prefix_attention`).
 """
 
 from __future__ import annotations
@@ -71,10 +70,24 @@ class SharedPrefix:
 
     groups: list[PrefixGroup]
     served: set[int] = field(default_factory=set)
+    _buffer: torch.Tensor | None = None
 
     @property
     def layers(self) -> int:
         return len(self.groups[0].kv)
+
+    def width(self, layer: int) -> int:
+        """The longest prefix of ``layer``."""
+        return max(int(g.kv[layer][0].shape[-2]) for g in self.groups)
+
+    def scores_buffer(self, shape: tuple[int, ...], device: torch.device) -> torch.Tensor:
+        """A float32 buffer for the prefix scores, ``-inf`` where no group writes: kept for
+        the batch's life (each layer writes the same columns: its groups' prefixes)."""
+        buffer = self._buffer
+        if buffer is None or tuple(buffer.shape) != shape or buffer.device != device:
+            buffer = torch.full(shape, float("-inf"), dtype=torch.float32, device=device)
+            self._buffer = buffer
+        return buffer
 
 
 def _current() -> ForwardState | None:
@@ -158,9 +171,7 @@ def _make_wrapper(base: str) -> Any:
             state.prefix.served.add(layer)
             scaling = kwargs.get("scaling")
             scaling = float(scaling) if scaling is not None else float(query.shape[-1] ** -0.5)
-            out = prefix_attention(
-                query, key, value, attention_mask, scaling, state.prefix.groups, layer
-            )
+            out = prefix_attention(query, key, value, attention_mask, scaling, state.prefix, layer)
             return out, None
         key_pos = None
         if state.key_positions is not None:
@@ -204,7 +215,7 @@ def prefix_attention(
     value: torch.Tensor,
     mask: torch.Tensor | None,
     scaling: float,
-    groups: list[PrefixGroup],
+    prefix: SharedPrefix,
     layer: int,
 ) -> torch.Tensor:
     """Attention of ``query`` ``(B, heads, q, d)`` over each row's group prefix followed by
@@ -212,11 +223,12 @@ def prefix_attention(
     heads, q, >= s)`` allows; None: everywhere). Returns ``(B, q, heads, d_v)`` like
     transformers' attention functions.
 
-    Each part is a softmax of its own (scores in the model's dtype, softmax in float32, as
-    eager attention does); with ``lse`` each part's log-sum-exp, the whole softmax is the
-    parts weighted by ``sigmoid(lse_prefix - lse_own)`` and its complement. The prefix part
-    puts every row of a group (and every query head sharing a KV head) into one matrix
-    product against the prefix, which is read once per layer.
+    One softmax over both parts, as eager attention computes it (scores in the model's dtype,
+    softmax in float32): the prefix scores of each group are one matrix product for all its
+    rows (and every query head sharing a KV head), so each prefix is read once per layer, and
+    written into a per-batch buffer of the longest prefix's width whose unused columns stay
+    ``-inf``. A handful of operations per layer and group: on a GPU their launches, not the
+    prefix's bytes, bound a short prompt's step.
     """
     B, heads, q, d = query.shape
     kv_heads = key.shape[1]
@@ -225,35 +237,37 @@ def prefix_attention(
     dv = value.shape[-1]
     # Query heads h = kv * group + j share KV head kv: rows of (B, kv_heads, group * q, d).
     qg = query.reshape(B, kv_heads, gq, d)
-    own = torch.matmul(qg, key.transpose(-1, -2)).float() * scaling  # (B, kv, gq, s)
-    if mask is not None:
-        m = mask[..., : key.shape[-2]]
-        m = m.expand(B, -1, q, -1)
-        if m.shape[1] == 1:
-            m = m[:, :, None].expand(B, 1, group, q, m.shape[-1]).reshape(B, 1, gq, -1)
-        else:
-            m = m.reshape(B, kv_heads, gq, -1)
-        own = own.masked_fill(~m, float("-inf")) if m.dtype == torch.bool else own + m.float()
-    lse_own = torch.logsumexp(own, dim=-1, keepdim=True)
-    probs = torch.exp(own - lse_own).to(value.dtype)
-    out = torch.matmul(probs, value).float()  # (B, kv, gq, dv)
-    covered = 0
-    for g in groups:
-        rows = g.stop - g.start
-        covered += rows
-        kp, vp = g.kv[layer]
-        if rows == 0 or kp.shape[-2] == 0:
-            continue
-        qp = qg[g.start : g.stop].transpose(0, 1).reshape(kv_heads, rows * gq, d)
-        scores = torch.matmul(qp, kp[0].transpose(-1, -2)).float() * scaling  # (kv, rows*gq, n)
-        lse = torch.logsumexp(scores, dim=-1, keepdim=True)
-        part = torch.matmul(torch.exp(scores - lse).to(vp.dtype), vp[0]).float()
-        part = part.reshape(kv_heads, rows, gq, dv).transpose(0, 1)
-        lse = lse.reshape(kv_heads, rows, gq, 1).transpose(0, 1)
-        weight = torch.sigmoid(lse - lse_own[g.start : g.stop])
-        out[g.start : g.stop] = weight * part + (1 - weight) * out[g.start : g.stop]
+    covered = sum(g.stop - g.start for g in prefix.groups)
     if covered != B:
         raise ValueError(f"prefix groups cover {covered} rows of a batch of {B}")
+    width = prefix.width(layer)
+    scores = prefix.scores_buffer((B, kv_heads, gq, width), query.device)
+    for g in prefix.groups:
+        rows, kp = g.stop - g.start, g.kv[layer][0]
+        n = kp.shape[-2]
+        if rows and n:
+            qp = qg[g.start : g.stop].transpose(0, 1).reshape(kv_heads, rows * gq, d)
+            part = torch.matmul(qp, kp[0].transpose(-1, -2)).view(kv_heads, rows, gq, n)
+            scores[g.start : g.stop, :, :, :n] = part.transpose(0, 1)
+    own = torch.matmul(qg, key.transpose(-1, -2)).float()  # (B, kv, gq, s)
+    if mask is not None:
+        m = mask[..., : key.shape[-2]]
+        if q == 1 and m.shape[1] == 1:
+            pass  # (B, 1, 1, s) broadcasts over (B, kv, group, s)
+        elif m.shape[1] == 1:
+            m = m.expand(B, 1, q, -1)[:, :, None].expand(B, 1, group, q, -1).reshape(B, 1, gq, -1)
+        else:
+            m = m.expand(B, -1, q, -1).reshape(B, kv_heads, gq, -1)
+        own = own.masked_fill(~m, float("-inf")) if m.dtype == torch.bool else own + m.float()
+    probs = torch.softmax(torch.cat([scores, own], dim=-1) * scaling, dim=-1).to(value.dtype)
+    out = torch.matmul(probs[..., width:], value).float()  # (B, kv, gq, dv)
+    for g in prefix.groups:
+        rows, vp = g.stop - g.start, g.kv[layer][1]
+        n = vp.shape[-2]
+        if rows and n:
+            p = probs[g.start : g.stop, :, :, :n].transpose(0, 1).reshape(kv_heads, rows * gq, n)
+            part = torch.matmul(p, vp[0]).view(kv_heads, rows, gq, dv)
+            out[g.start : g.stop] += part.transpose(0, 1)
     out = out.reshape(B, heads, q, dv).transpose(1, 2).contiguous()
     return out.to(query.dtype)
 

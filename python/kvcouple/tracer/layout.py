@@ -14,7 +14,7 @@ columns from ``t*`` on, per row.
 **shared.** Every P row's prefix is the prompt's cache and every Q row's the policy's kept
 entries: held once, not once per replicate. The batch's cache holds only each row's own
 columns (the tokens fed from the last prompt token on), and attention over a row's prefix and
-its own columns is merged exactly by log-sum-exp
+its own columns is one softmax over both
 (:func:`kvcouple.tracer.attention.prefix_attention`). P and Q rows run as one batch (the
 weights read once per step), and a fork copies none of the prefix. At 32k tokens, R=8, on an
 8B model the P rows' cache falls from 32 GiB to the prompt's 4 GiB plus 8 x T columns. It

@@ -246,7 +246,7 @@ def choose_layout(
     """The cache layout of one (document, policy) (:mod:`kvcouple.tracer.layout`):
 
     - ``"shared"``: one batch; P rows attend to the prompt's cache and Q rows to the kept
-      entries, each held once, plus their own columns (merged by log-sum-exp);
+      entries, each held once, plus their own columns (one softmax over both);
     - ``"split"``: P rows and Q rows as two batches, Q holding only its kept entries;
     - ``"joint"``: one batch, Q rows padded to the prefix length and masked.
 
@@ -303,10 +303,12 @@ def _plan_policy(
 
     if layout == "shared":
         # The prefixes are the prompt's cache and the kept cache (held already): the rows
-        # hold their own columns only, and a fork copies none of the prefix.
-        path_p = path_q = R * T * c
+        # hold their own columns only, and a fork copies none of the prefix. Each batch keeps
+        # a float32 buffer of its rows' prefix scores (query heads x the longest prefix).
+        scores = shape.query_heads * n1 * 4
+        path_p = path_q = R * (T * c + scores)
         path_act = _decode_activations(shape, 2 * R, n1 + T, shared=True)
-        branches = 2 * batch * (T + L) * c
+        branches = 2 * batch * ((T + L) * c + scores)
         fork_act = _decode_activations(shape, 2 * batch, n1 + T + L, shared=True)
         phases = {
             "path": held + path_p + path_q + path_act,
