@@ -18,11 +18,12 @@ fmt: ## Format Rust and Python
 	ruff format python tests benchmarks scripts .ci
 	ruff check --fix python tests benchmarks scripts .ci
 
-lint: ## rustfmt --check, clippy -D warnings, ruff
+lint: ## rustfmt --check, clippy -D warnings, ruff, mypy
 	cargo fmt --all -- --check
 	cargo clippy --workspace --all-targets -- -D warnings
 	ruff check python tests benchmarks scripts .ci
 	ruff format --check python tests benchmarks scripts .ci
+	$(PYTHON) -m mypy python/kvcouple
 
 stubtest: ## Check python/kvcouple/_core.pyi against the built module
 	$(PYTHON) -m mypy.stubtest kvcouple._core --allowlist .ci/stubtest-allowlist.txt

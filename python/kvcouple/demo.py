@@ -198,7 +198,10 @@ def _documents_done(store: Path) -> int | None:
     import zarr
 
     try:
-        return int(np.asarray(zarr.open_group(str(store), mode="r")["completed"][...]).sum())
+        completed = zarr.open_group(str(store), mode="r")["completed"]
+        if not isinstance(completed, zarr.Array):
+            return None
+        return int(np.asarray(completed[...]).sum())
     except Exception:  # not created yet, or a flag chunk mid-write: ask again next tick
         return None
 

@@ -208,6 +208,7 @@ def load_model(
         raise InvalidInputError(
             f"model {source!r} could not be loaded from the Hugging Face Hub: {_first_line(e)}"
         ) from e
-    model.to(dev)
+    # transformers types ``to`` as functools.wraps(torch.nn.Module.to), which mypy binds wrongly.
+    model.to(dev)  # type: ignore[arg-type]
     model.eval()
     return model, tokenizer

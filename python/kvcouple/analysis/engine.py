@@ -548,7 +548,7 @@ def analyze(
         bad = [d for d in docs if d.error is not None]
         if bad and (not allow_incomplete or doc_set == "confirmatory"):
             more = f" (and {len(bad) - 1} more damaged documents)" if len(bad) > 1 else ""
-            raise StoreError(bad[0].error + more)
+            raise StoreError(f"{bad[0].error}{more}")
         for d in bad:
             skipped.append({"store": info.path, "doc_id": d.doc_id, "reason": str(d.error)})
         good = [d for d in docs if d.error is None]
@@ -633,7 +633,7 @@ def _model_result(
 def run_tests(result: AnalysisResult, plan: Plan) -> list[dict[str, Any]]:
     """The plan's comparisons: estimate, CI at level 1 - alpha, bootstrap p-value (of the
     interval's method), corrected for multiplicity over every test (paired and within-policy)."""
-    rows = []
+    rows: list[dict[str, Any]] = []
     for c in plan.comparisons:
         models = [m for m in result.models if c.model in (None, m.model)]
         if not models:
@@ -655,7 +655,7 @@ def run_tests(result: AnalysisResult, plan: Plan) -> list[dict[str, Any]]:
             else:
                 fa = st.quantity_fn(str(c.a), c.metric, m.horizon)
                 fb = st.quantity_fn(str(c.b), c.metric, m.horizon)
-                fn = lambda g, fa=fa, fb=fb: fb(g) - fa(g)  # noqa: E731
+                fn = st.difference(fa, fb)
             est = bs.evaluate(fn, c.metric in st.DISCRETE)
             rows.append(
                 {

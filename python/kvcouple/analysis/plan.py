@@ -48,6 +48,7 @@ import hashlib
 import json
 import math
 import os
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -55,10 +56,10 @@ from typing import Any
 from kvcouple.analysis.stats import CI_METHODS, DEFAULT_CI_METHOD, QUANTITIES
 from kvcouple.errors import InvalidInputError
 
-try:
+if sys.version_info >= (3, 11):
     import tomllib
-except ModuleNotFoundError:  # Python 3.10
-    import tomli as tomllib  # type: ignore[no-redef]
+else:  # Python 3.10
+    import tomli as tomllib
 
 DIRECTIONS = ("greater", "less", "two-sided")
 CORRECTIONS = ("holm", "bonferroni", "none")
@@ -376,11 +377,16 @@ def _store_state(store: Path) -> tuple[dict[str, Any], list[str], list[bool]]:
     import zarr
 
     group = zarr.open_group(str(store), mode="r")
-    attrs = dict(group.attrs)
-    ids = [str(x) for x in attrs.get("doc_ids", [])] or [
-        str(x) for x in np.asarray(group["doc_id"][...])
-    ]
-    return attrs, ids, [bool(x) for x in np.asarray(group["completed"][...])]
+    attrs: dict[str, Any] = dict(group.attrs)
+
+    def values(name: str) -> np.ndarray:
+        arr = group[name]
+        if not isinstance(arr, zarr.Array):
+            raise TypeError(f"{store}: {name!r} is a group, not an array")
+        return np.asarray(arr[...])
+
+    ids = [str(x) for x in attrs.get("doc_ids", [])] or [str(x) for x in values("doc_id")]
+    return attrs, ids, [bool(x) for x in values("completed")]
 
 
 def _registered(content: dict[str, Any], plan: Plan, where: str) -> dict[str, Any] | None:

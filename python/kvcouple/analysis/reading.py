@@ -122,7 +122,7 @@ def _recompute_full_engine(
     """The fused path: the Rust engine decodes every block of the document in parallel and
     returns row TVs only. False where it cannot read this store (the caller reads in Python)."""
     for where, (pn, qn, recorded_name) in PAIRS.items():
-        sels = [
+        sels: list[tuple[Any, ...]] = [
             (doc, pol, *sel)
             for pol in range(len(reader.policies))
             for sel in reader.blocks(pn, doc, pol)

@@ -24,7 +24,7 @@ import os
 import re
 import warnings
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeGuard
 
 from kvcouple.analysis.engine import AnalysisResult
 from kvcouple.analysis.estimates import SCALARS
@@ -187,7 +187,7 @@ def _ci(r: dict[str, Any] | None, key: str = "estimate", pct: bool = False) -> s
     return f"{f(r[key])} [{f(r['ci_low'])}, {f(r['ci_high'])}]"
 
 
-def _finite(v: Any) -> bool:
+def _finite(v: Any) -> TypeGuard[float]:
     return isinstance(v, int | float) and math.isfinite(v)
 
 
@@ -223,13 +223,13 @@ def headline(result: AnalysisResult, tables: dict[str, list[dict[str, Any]]]) ->
             if rho is not None and _finite(rho.get("estimate")):
                 words.append(f"; after divergence {_ci(rho, pct=True)} of tokens differ")
             if frac is not None and _finite(frac.get("estimate")):
-                share = ""
+                exposure_share = ""
                 if exp_ is not None and _finite(exp_.get("estimate")) and frac["estimate"] > 0:
                     s = exp_["estimate"] * rho["estimate"] / frac["estimate"]  # type: ignore[index]
-                    share = f", {100 * s:.0f}% of it post-divergence exposure x rate"
+                    exposure_share = f", {100 * s:.0f}% of it post-divergence exposure x rate"
                 words.append(
                     f". In all, a fraction E[M]/T = {_ci(frac)} of the generated tokens "
-                    f"differ{share}."
+                    f"differ{exposure_share}."
                 )
             else:
                 lo, hi = q.get((pol, "interval_lower")), q.get((pol, "interval_upper"))
@@ -646,7 +646,7 @@ def write_report(
     tables = tidy_tables(result)
     for name, rows in tables.items():
         _write_csv(_output(out, f"{name}.csv"), rows, EMPTY_COLUMNS.get(name))
-    payload = {
+    payload: dict[str, Any] = {
         "meta": {
             **_meta(result),
             "plan_name": result.plan_name,

@@ -194,15 +194,41 @@ def curve_fns(policy: str, horizon: int, lags: int) -> dict[tuple[str, int], Sta
     lag (0..L): each point as a function of column means."""
     out: dict[tuple[str, int], StatFn] = {}
     for t in range(horizon + 1):
-        out[("survival", t)] = lambda g, t=t: g(f"{policy}|S|{t}")
+        out[("survival", t)] = _column(f"{policy}|S|{t}")
     for t in range(1, horizon + 1):
-        out[("pmf", t)] = lambda g, t=t: g(f"{policy}|pmf|{t}")
-        out[("hazard", t)] = lambda g, t=t: _ratio(g(f"{policy}|pmf|{t}"), g(f"{policy}|S|{t - 1}"))
+        out[("pmf", t)] = _column(f"{policy}|pmf|{t}")
+        out[("hazard", t)] = _column_ratio(f"{policy}|pmf|{t}", f"{policy}|S|{t - 1}")
     for lag in range(lags):
-        out[("branch_tv", lag)] = lambda g, lag=lag: _ratio(
-            g(f"{policy}|tvn|{lag}"), g(f"{policy}|tvd|{lag}")
-        )
+        out[("branch_tv", lag)] = _column_ratio(f"{policy}|tvn|{lag}", f"{policy}|tvd|{lag}")
     return out
+
+
+def _column(name: str) -> StatFn:
+    """The mean of one column."""
+    return lambda g: g(name)
+
+
+def _column_ratio(num: str, den: str) -> StatFn:
+    """The ratio of two column means (NaN where the denominator is not positive)."""
+    return lambda g: _ratio(g(num), g(den))
+
+
+def _prefixed(g: Getter, prefix: str) -> Getter:
+    """``g`` reading the columns named ``prefix + name``."""
+    return lambda c: g(prefix + c)
+
+
+def _average(arrays: Sequence[np.ndarray]) -> np.ndarray:
+    """The equally weighted mean of ``arrays``, summed in order."""
+    total = arrays[0]
+    for a in arrays[1:]:
+        total = total + a
+    return total / len(arrays)
+
+
+def difference(fa: StatFn, fb: StatFn) -> StatFn:
+    """The paired difference ``fb - fa`` of two statistics."""
+    return lambda g: fb(g) - fa(g)
 
 
 def _gap_parts(g: Getter, p: str, T: float) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -232,12 +258,15 @@ def pooled_gap_fns(a: str, b: str, models: Sequence[tuple[str, int]]) -> dict[st
     exposure share is the pooled exposure term over the pooled gap."""
 
     def terms(g: Getter) -> dict[str, np.ndarray]:
-        per = [_gap_terms(lambda c, pre=pre: g(pre + c), a, b, float(T)) for pre, T in models]
-        out = {k: sum(x[k] for x in per) / len(per) for k in GAP_TERMS[:-1]}
+        per = [_gap_terms(_prefixed(g, pre), a, b, float(T)) for pre, T in models]
+        out = {k: _average([x[k] for x in per]) for k in GAP_TERMS[:-1]}
         out["exposure_share"] = _signed_ratio(out["exposure_term"], out["gap"])
         return out
 
-    return {name: (lambda g, name=name: terms(g)[name]) for name in GAP_TERMS}
+    def term(name: str) -> StatFn:
+        return lambda g: terms(g)[name]
+
+    return {name: term(name) for name in GAP_TERMS}
 
 
 def policy_pairs(policies: list[str], reference: str | None) -> list[tuple[str, str]]:
@@ -324,11 +353,12 @@ class Bootstrap:
         if bca:
             if self.jack is None:
                 raise ValueError("BCa intervals need the jackknife (bootstrap_table makes it)")
+            jack_reps = self.jack
             jack = np.column_stack(
                 [
                     np.broadcast_to(
-                        np.asarray(f(lambda c: self.jack[:, self._index[c]]), np.float64),
-                        (self.jack.shape[0],),
+                        np.asarray(f(lambda c: jack_reps[:, self._index[c]]), np.float64),
+                        (jack_reps.shape[0],),
                     )
                     for f in fns
                 ]
@@ -527,7 +557,7 @@ def summarise(
         fns: list[StatFn] = []
         for name in names:
             fa, fb = quantity_fn(a, name, horizon), quantity_fn(b, name, horizon)
-            fns.append(lambda g, fa=fa, fb=fb: fb(g) - fa(g))
+            fns.append(difference(fa, fb))
         for name, e in zip(
             names, bs.evaluate_many(fns, [n in DISCRETE for n in names]), strict=True
         ):

@@ -13,7 +13,7 @@ import shutil
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 import zarr
@@ -65,14 +65,14 @@ class VocabularyMismatchError(StoreError):
     """Resuming a store traced with another vocabulary size than the model's."""
 
 
-def check_resume(path: Path, existing: dict[str, Any], run: dict[str, Any]) -> None:
+def check_resume(path: str | Path, existing: dict[str, Any], run: dict[str, Any]) -> None:
     """Refuse to resume a store whose run-defining attributes (:data:`RUN_KEYS`) differ from
     this run's: the one place resume compatibility is decided. Raises :class:`StoreError`
     (:class:`VocabularyMismatchError` for the vocabulary) naming the first difference.
 
     Parameters
     ----------
-    path : pathlib.Path
+    path : pathlib.Path or str
         The store being resumed (named in the error).
     existing : dict
         The store's attributes.
@@ -234,7 +234,7 @@ def _create_array(
     return arr
 
 
-def _open_group(path: Path, mode: str) -> Any:
+def _open_group(path: str | Path, mode: Literal["r", "r+", "a", "w", "w-"]) -> Any:
     try:
         return zarr.open_group(str(path), mode=mode, zarr_format=2)
     except TypeError:  # zarr 2 has no zarr_format keyword
@@ -343,7 +343,7 @@ class TraceStoreWriter:
         The sizes of every dimension of the store.
     """
 
-    def __init__(self, path: Path, layout: StoreLayout, group: Any):
+    def __init__(self, path: str | Path, layout: StoreLayout, group: Any):
         self.path = path
         self.layout = layout
         self._group = group
@@ -359,7 +359,7 @@ class TraceStoreWriter:
         exists with different values raises :class:`StoreError` naming the first difference.
         """
         layout.validate()
-        path = str(path) if is_url(str(path)) else Path(path)  # type: ignore[assignment]
+        store: str | Path = str(path) if is_url(str(path)) else Path(path)
         full_attrs = _jsonable(
             {
                 **attrs,
@@ -374,35 +374,35 @@ class TraceStoreWriter:
                 "policy_specs": list(layout.policies),
             }
         )
-        if isinstance(path, str):
-            if not _remote_exists(path):
-                _create_remote(path, layout, full_attrs)
-        elif not path.exists():
-            cls._create(path, layout, full_attrs)
-        elif not path.is_dir() or not any((path / m).exists() for m in (".zgroup", "zarr.json")):
-            what = "a file" if not path.is_dir() else "a directory without a Zarr group"
+        if isinstance(store, str):
+            if not _remote_exists(store):
+                _create_remote(store, layout, full_attrs)
+        elif not store.exists():
+            cls._create(store, layout, full_attrs)
+        elif not store.is_dir() or not any((store / m).exists() for m in (".zgroup", "zarr.json")):
+            what = "a file" if not store.is_dir() else "a directory without a Zarr group"
             raise StoreError(
-                f"{path} exists and is {what}, not a kvcouple trace store: write to a new path"
+                f"{store} exists and is {what}, not a kvcouple trace store: write to a new path"
             )
-        group = _open_group(path, "r+")
+        group = _open_group(store, "r+")
         existing = dict(group.attrs)
         if "schema_version" not in existing:
-            raise StoreError(f"{path} exists and is not a kvcouple trace store")
+            raise StoreError(f"{store} exists and is not a kvcouple trace store")
         if existing["schema_version"] != SCHEMA_VERSION:
             from kvcouple.errors import SchemaVersionError
 
             found = existing["schema_version"]
             if not isinstance(found, int) or isinstance(found, bool):
                 raise StoreError(
-                    f"{path}: attribute schema_version is {found!r} ({type(found).__name__}), "
+                    f"{store}: attribute schema_version is {found!r} ({type(found).__name__}), "
                     "not an integer: the store's attributes are damaged"
                 )
             raise SchemaVersionError(
-                f"{path} has schema version {found}; this kvcouple writes "
+                f"{store} has schema version {found}; this kvcouple writes "
                 f"version {SCHEMA_VERSION}. Write to a new store."
             )
-        check_resume(path, existing, full_attrs)
-        return cls(path, layout, group)
+        check_resume(store, existing, full_attrs)
+        return cls(store, layout, group)
 
     @classmethod
     def _create(cls, path: Path, layout: StoreLayout, attrs: dict[str, Any]) -> None:

@@ -200,12 +200,12 @@ def simulate_doc_policy(
         if lag == 0:
             u[:, 0] = 0.0  # force the residual: h_{t*} > 0 since pi puts no mass elsewhere
         x, y, diverged = couple(p, q, u)
-        idx = (pol, r_of[act], k_of[act], lag)
-        out["branch_tv"][idx] = tv
-        out["branch_mismatch"][idx] = diverged
-        out["branch_tokens_p"][idx] = x
-        out["branch_tokens_q"][idx] = y
-        _record_rows(out, "branch_", idx, p, q, record)
+        branch_idx = (pol, r_of[act], k_of[act], lag)
+        out["branch_tv"][branch_idx] = tv
+        out["branch_mismatch"][branch_idx] = diverged
+        out["branch_tokens_p"][branch_idx] = x
+        out["branch_tokens_q"][branch_idx] = y
+        _record_rows(out, "branch_", branch_idx, p, q, record)
         bp[act], bq[act] = pair.p_next[bp[act], x], pair.q_next[bq[act], y]
 
 
@@ -243,7 +243,7 @@ def write_synthetic_trace_store(
     if len(vocab) != 1:
         raise InvalidInputError(f"every pair must share one vocabulary size, got {sorted(vocab)}")
     starts: list[tuple[int, int] | None]
-    if isinstance(docs, int | np.integer) and not isinstance(docs, bool):
+    if isinstance(docs, int | np.integer):  # a bool is refused by _count
         starts = [None] * _count("docs", docs, 1)
     else:
         starts = [_start_pair(s) for s in docs]
@@ -305,7 +305,7 @@ def write_synthetic_trace_store(
             pair = base if starts[d] is None else with_starts(base, *starts[d])
             rng = np.random.default_rng([int(seed), d, pol])
             simulate_doc_policy(pair, layout, rng, out, pol)
-        out["prompt_length"] = np.int32(1)
+        out["prompt_length"][...] = 1
         out["kept_length"] = np.ones(len(emitters), np.int32)
         out["eviction_applied"][:] = True  # every synthetic Q is its own kernel
         writer.write_doc(d, out)
