@@ -201,8 +201,8 @@ MUTANTS = [
         "hazard curve divides by S_t instead of S_{t-1}",
         ANALYSIS,
         (
-            '_ratio(g(f"{policy}|pmf|{t}"), g(f"{policy}|S|{t - 1}"))',
-            '_ratio(g(f"{policy}|pmf|{t}"), g(f"{policy}|S|{t}"))',
+            '_column_ratio(f"{policy}|pmf|{t}", f"{policy}|S|{t - 1}")',
+            '_column_ratio(f"{policy}|pmf|{t}", f"{policy}|S|{t}")',
         ),
     ),
     m(
