@@ -12,120 +12,28 @@ T as in ``summary.csv``: one unit per column name),
 plan), ``recompute_check.csv`` (recorded vs recomputed TVs beyond the tolerance),
 ``skipped.csv`` (an empty table is its header alone), ``results.json`` (all of it), ``report.md``, ``figures/*.png`` and
 ``report.html`` (self-contained: figures embedded as base64 PNG).
+
+This module writes the report's Markdown and every file; the rows come from
+:mod:`kvcouple.analysis.tables`, the HTML page from :mod:`kvcouple.analysis.report_html` and the
+figures from :mod:`kvcouple.analysis.figures`.
 """
 
 from __future__ import annotations
 
-import csv
-import html
 import json
 import math
 import os
-import re
 import warnings
 from pathlib import Path
 from typing import Any, TypeGuard
 
 from kvcouple.analysis.engine import AnalysisResult
-from kvcouple.analysis.estimates import SCALARS
 from kvcouple.analysis.labels import policy_labels
-from kvcouple.analysis.reading import TOLERANCE
+from kvcouple.analysis.report_html import html_page
 from kvcouple.analysis.stats import QUANTITIES
+from kvcouple.analysis.tables import EMPTY_COLUMNS, json_safe, table_meta, tidy_tables, write_csv
 from kvcouple.errors import InvalidInputError, MissingExtraError, require
-from kvcouple.textsafe import markdown_cell, split_markdown_row, terminal
-
-
-def _meta(result: AnalysisResult) -> dict[str, Any]:
-    return {
-        "plan_hash": result.plan_hash,
-        "estimator": result.estimator,
-        "doc_set": result.doc_set,
-        "preregistration": result.preregistration,
-    }
-
-
-def tidy_tables(result: AnalysisResult) -> dict[str, list[dict[str, Any]]]:
-    """Every table as a list of flat rows (the same rows go to CSV, JSON and Markdown)."""
-    meta = _meta(result)
-    out: dict[str, list[dict[str, Any]]] = {
-        k: []
-        for k in (
-            "summary",
-            "per_document",
-            "curves",
-            "differences",
-            "gap_attribution",
-            "survival_differences",
-            "recompute_check",
-            "recompute_summary",
-        )
-    }
-    for m in result.models:
-        for name in ("summary", "curves", "differences", "gap_attribution", "survival_differences"):
-            out[name] += [{"model": m.model, **row, **meta} for row in m.tables.get(name, [])]
-        for d in m.docs:
-            assert d.units is not None
-            for pol, u in d.units.items():
-                row: dict[str, Any] = {"model": m.model, "doc_id": d.doc_id, "policy": pol}
-                for k in SCALARS:
-                    # One unit per column name: the sharp interval is a fraction of T here as
-                    # in summary.csv; the other scalars are counts (tokens) in both files.
-                    scale = m.horizon if k in ("interval_lower", "interval_upper") else 1
-                    row[k] = u.values[k] / scale
-                    row[f"{k}_se"] = u.stderr[k] / scale
-                row["median_tau"] = u.median_tau
-                row["tail_observed"] = u.tail_observed
-                out["per_document"].append({**row, **meta})
-        checked = [d.check for d in m.docs if d.check is not None]
-        if checked:
-            out["recompute_summary"].append(
-                {
-                    "model": m.model,
-                    "rows_checked": sum(c.rows_checked for c in checked),
-                    "max_abs_diff": max(c.max_abs_diff for c in checked),
-                    "disagreements": sum(len(c.disagreements) for c in checked),
-                    "tolerance": result.settings.get("tolerance")
-                    or "by stored dtype: " + ", ".join(f"{k} {v:g}" for k, v in TOLERANCE.items()),
-                    **meta,
-                }
-            )
-    for name, rows in result.pooled.items():  # across models: "model" names the pool
-        out[name] += [{**row, **meta} for row in rows]
-    out["recompute_check"] = [{**r, **meta} for r in result.checks()]
-    out["tests"] = [{**r, **meta} for r in result.tests]
-    out["skipped"] = [{**r, **meta} for r in result.skipped]
-    return out
-
-
-# Columns of the tables that can be empty: an empty table is written as its header alone, so
-# readers (pandas, R) get the right columns and no rows. Every row also carries _META_KEYS.
-_META_KEYS = ["plan_hash", "estimator", "doc_set", "preregistration"]
-EMPTY_COLUMNS: dict[str, list[str]] = {
-    "tests": [
-        "comparison", "model", "metric", "policy_a", "policy_b", "policy", "value",
-        "direction", "estimate", "ci_low", "ci_high", "ci_method", "p_value", "n_docs", "doc_set",
-        "p_adjusted", "correction", "alpha", "reject_h0",
-    ],
-    "skipped": ["store", "doc_id", "reason"],
-    "recompute_check": [
-        "model", "doc_id", "policy", "where", "rep", "index", "lag", "recorded", "recomputed",
-    ],
-    "recompute_summary": [
-        "model", "rows_checked", "max_abs_diff", "disagreements", "tolerance",
-    ],
-}  # fmt: skip
-
-
-def _write_csv(path: Path, rows: list[dict[str, Any]], columns: list[str] | None = None) -> None:
-    keys: list[str] = []
-    for r in rows:
-        keys += [k for k in r if k not in keys]
-    if not keys and columns is not None:
-        keys = columns + [k for k in _META_KEYS if k not in columns]
-    with path.open("w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=keys)
-        w.writeheader()
-        w.writerows(rows)
+from kvcouple.textsafe import markdown_cell, terminal
 
 
 def _fmt(v: Any) -> str:
@@ -139,16 +47,6 @@ def markdown_table(rows: list[dict[str, Any]], columns: list[str]) -> str:
     return head + "".join(
         "| " + " | ".join(_fmt(r.get(c, "")) for c in columns) + " |\n" for r in rows
     )
-
-
-def _json_safe(v: Any) -> Any:
-    if isinstance(v, float) and not math.isfinite(v):
-        return None
-    if isinstance(v, dict):
-        return {k: _json_safe(x) for k, x in v.items()}
-    if isinstance(v, list):
-        return [_json_safe(x) for x in v]
-    return v
 
 
 SUMMARY_ROWS = (
@@ -645,10 +543,10 @@ def write_report(
     out.mkdir(parents=True, exist_ok=True)
     tables = tidy_tables(result)
     for name, rows in tables.items():
-        _write_csv(_output(out, f"{name}.csv"), rows, EMPTY_COLUMNS.get(name))
+        write_csv(_output(out, f"{name}.csv"), rows, EMPTY_COLUMNS.get(name))
     payload: dict[str, Any] = {
         "meta": {
-            **_meta(result),
+            **table_meta(result),
             "plan_name": result.plan_name,
             **result.settings,
             "models": [
@@ -666,7 +564,7 @@ def write_report(
         },
         **tables,
     }
-    _output(out, "results.json").write_text(json.dumps(_json_safe(payload), indent=1, default=str))
+    _output(out, "results.json").write_text(json.dumps(json_safe(payload), indent=1, default=str))
     images: dict[str, bytes] = {}
     if figures:
         try:
@@ -692,92 +590,3 @@ def write_report(
     if html_report:
         _output(out, "report.html").write_text(html_page(md, images, report_title(result)))
     return out
-
-
-def _inline(text: str) -> str:
-    """Escaped HTML of one Markdown line's text: **bold**, *italic* and `code`."""
-    out = html.escape(text)
-    out = re.sub(r"\*\*(.+?)\*\*", r"<strong>\1</strong>", out)
-    out = re.sub(r"(?<![\w*])\*(?!\s)(.+?)(?<!\s)\*(?![\w*])", r"<em>\1</em>", out)
-    return re.sub(r"`([^`]+)`", r"<code>\1</code>", out)
-
-
-def html_page(markdown: str, images: dict[str, bytes], title: str) -> str:
-    """A self-contained page rendered from the report's Markdown (same content): tables as
-    HTML tables, figures inlined as base64 PNG with their captions."""
-    import base64
-
-    body: list[str] = []
-    in_table = False
-    in_list = False
-    paragraph: list[str] = []
-
-    def flush() -> None:
-        if paragraph:
-            body.append("<p>" + " ".join(_inline(x) for x in paragraph) + "</p>")
-            paragraph.clear()
-
-    for line in markdown.splitlines():
-        if line.startswith("|"):
-            flush()
-            cells = split_markdown_row(line)
-            if set("".join(cells)) <= set("-"):
-                continue
-            tag = "th" if not in_table else "td"
-            if not in_table:
-                body.append("<table>")
-                in_table = True
-            body.append("<tr>" + "".join(f"<{tag}>{_inline(c)}</{tag}>" for c in cells) + "</tr>")
-            continue
-        if in_table:
-            body.append("</table>")
-            in_table = False
-        if in_list and not line.startswith("- "):
-            body.append("</ul>")
-            in_list = False
-        figure = re.match(r"!\[(.*)\]\(figures/(.+)\.png\)$", line)
-        if line.startswith("# "):
-            flush()
-            body.append(f"<h1>{_inline(line[2:])}</h1>")
-        elif line.startswith("## "):
-            flush()
-            body.append(f"<h2>{_inline(line[3:])}</h2>")
-        elif line.startswith("- "):
-            flush()
-            if not in_list:
-                body.append("<ul>")
-                in_list = True
-            body.append(f"<li>{_inline(line[2:])}</li>")
-        elif figure is not None:
-            flush()
-            alt, name = figure.groups()
-            if name in images:
-                data = base64.b64encode(images[name]).decode()
-                body.append(
-                    f'<figure><img alt="{html.escape(alt)}" src="data:image/png;base64,{data}"/>'
-                )
-        elif line.startswith("*Figure "):
-            flush()
-            body.append(f"<figcaption>{_inline(line)}</figcaption></figure>")
-        elif line.strip():
-            paragraph.append(line)
-        else:
-            flush()
-    flush()
-    if in_table:
-        body.append("</table>")
-    if in_list:
-        body.append("</ul>")
-    style = (
-        "body{font-family:system-ui,sans-serif;max-width:1100px;margin:2em auto;padding:0 1em;"
-        "color:#222;line-height:1.45}h1{font-size:1.6em}h2{margin-top:1.6em;border-bottom:1px solid #ddd}"
-        "table{border-collapse:collapse;margin:1em 0;font-size:92%}"
-        "td,th{border:1px solid #ccc;padding:4px 9px;text-align:right;white-space:nowrap}"
-        "td:first-child,th:first-child{text-align:left}th{background:#f0f0f0}"
-        "img{max-width:100%}figure{margin:1.5em 0}figcaption{font-size:95%;color:#333;max-width:900px}"
-        "code{background:#f4f4f4;padding:0 3px}li{margin:.3em 0}"
-    )
-    return (
-        f"<!DOCTYPE html><html><head><meta charset='utf-8'><title>{html.escape(title)}</title>"
-        f"<style>{style}</style></head><body>\n" + "\n".join(body) + "\n</body></html>\n"
-    )
