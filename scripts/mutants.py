@@ -330,7 +330,7 @@ MUTANTS = [
     ),
     m(
         "P9",
-        "policies/base.py",
+        "policies/context.py",
         "attention mask lets queries see the next key",
         POLICIES,
         ("masked_fill(key_pos > query_pos,", "masked_fill(key_pos > query_pos + 1,"),

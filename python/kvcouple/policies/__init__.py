@@ -10,21 +10,21 @@ from __future__ import annotations
 from kvcouple.policies.base import (
     POLICIES,
     Admission,
-    DecodeCache,
-    DecodeContext,
-    DecodeRule,
     Policy,
-    PolicyContext,
-    PolicyError,
-    PolicyParameterError,
-    RescoreRule,
     ScorePolicy,
-    SlotScoreRule,
-    UnknownPolicyError,
     kept_count,
     register_policy,
     top_indices,
 )
+from kvcouple.policies.context import PolicyContext
+from kvcouple.policies.decode import (
+    DecodeCache,
+    DecodeContext,
+    DecodeRule,
+    RescoreRule,
+    SlotScoreRule,
+)
+from kvcouple.policies.errors import PolicyError, PolicyParameterError, UnknownPolicyError
 from kvcouple.policies.full import Full
 from kvcouple.policies.h2o import H2O
 from kvcouple.policies.knorm import KNorm

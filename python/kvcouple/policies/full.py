@@ -8,7 +8,9 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from kvcouple.policies.base import DecodeCache, DecodeRule, Policy, PolicyContext, recent_indices
+from kvcouple.policies.base import Policy, recent_indices
+from kvcouple.policies.context import PolicyContext
+from kvcouple.policies.decode import DecodeCache, DecodeRule
 
 if TYPE_CHECKING:
     import torch

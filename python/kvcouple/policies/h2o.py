@@ -18,15 +18,10 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from kvcouple.policies.base import (
-    DecodeCache,
-    DecodeRule,
-    Policy,
-    PolicyContext,
-    PolicyParameterError,
-    SlotScoreRule,
-    top_indices,
-)
+from kvcouple.policies.base import Policy, top_indices
+from kvcouple.policies.context import PolicyContext
+from kvcouple.policies.decode import DecodeCache, DecodeRule, SlotScoreRule
+from kvcouple.policies.errors import PolicyParameterError
 
 if TYPE_CHECKING:
     import torch

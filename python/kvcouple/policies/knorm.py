@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from kvcouple.policies.base import PolicyContext, ScorePolicy
+from kvcouple.policies.base import ScorePolicy
+from kvcouple.policies.context import PolicyContext
 
 
 class KNorm(ScorePolicy):

@@ -27,14 +27,9 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from kvcouple.policies.base import (
-    POLICIES,
-    Admission,
-    Policy,
-    PolicyContext,
-    PolicyParameterError,
-    UnknownPolicyError,
-)
+from kvcouple.policies.base import POLICIES, Admission, Policy
+from kvcouple.policies.context import PolicyContext
+from kvcouple.policies.errors import PolicyParameterError, UnknownPolicyError
 from kvcouple.policies.full import Full
 
 if TYPE_CHECKING:

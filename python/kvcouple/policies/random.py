@@ -6,7 +6,9 @@ command gives the same subsets.
 
 from __future__ import annotations
 
-from kvcouple.policies.base import Policy, PolicyContext, PolicyParameterError
+from kvcouple.policies.base import Policy
+from kvcouple.policies.context import PolicyContext
+from kvcouple.policies.errors import PolicyParameterError
 
 
 class Random(Policy):

@@ -13,7 +13,9 @@ prefix entries are kept (the window, truncated) and no score is needed.
 
 from __future__ import annotations
 
-from kvcouple.policies.base import Policy, PolicyContext, PolicyParameterError, top_indices
+from kvcouple.policies.base import Policy, top_indices
+from kvcouple.policies.context import PolicyContext
+from kvcouple.policies.errors import PolicyParameterError
 
 
 class SnapKV(Policy):

@@ -11,15 +11,10 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from kvcouple.policies.base import (
-    DecodeCache,
-    DecodeRule,
-    Policy,
-    PolicyContext,
-    PolicyParameterError,
-    SlotScoreRule,
-    recent_indices,
-)
+from kvcouple.policies.base import Policy, recent_indices
+from kvcouple.policies.context import PolicyContext
+from kvcouple.policies.decode import DecodeCache, DecodeRule, SlotScoreRule
+from kvcouple.policies.errors import PolicyParameterError
 
 if TYPE_CHECKING:
     import torch

@@ -6,7 +6,8 @@ each GQA group (TOVA averages over all heads of a layer; per KV head is the GQA-
 
 from __future__ import annotations
 
-from kvcouple.policies.base import PolicyContext, ScorePolicy
+from kvcouple.policies.base import ScorePolicy
+from kvcouple.policies.context import PolicyContext
 
 
 class TOVA(ScorePolicy):

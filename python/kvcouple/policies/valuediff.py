@@ -3,7 +3,8 @@ the cache (per layer and KV head)."""
 
 from __future__ import annotations
 
-from kvcouple.policies.base import PolicyContext, ScorePolicy
+from kvcouple.policies.base import ScorePolicy
+from kvcouple.policies.context import PolicyContext
 
 
 class ValueDiff(ScorePolicy):
