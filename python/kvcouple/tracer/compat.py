@@ -117,11 +117,38 @@ def _extend_positions(
     elif not known:
         out = [new for _ in range(layers)]
     else:
-        out = [
-            torch.cat([p, new.to(p.device).expand(p.shape[0], p.shape[1], -1)], -1) for p in known
+        storage = getattr(cache, "kvcouple_position_storage", None)
+        if storage is None or len(storage) != len(known):
+            storage = [None] * len(known)
+        grown = [
+            _append_columns(p, new.to(p.device), room)
+            for p, room in zip(known, storage, strict=True)
         ]
+        out = [view for view, _ in grown]
+        cache.kvcouple_position_storage = [room for _, room in grown]
     cache.kvcouple_positions = out
     return out
+
+
+def _append_columns(
+    known: torch.Tensor, new: torch.Tensor, storage: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``known`` ``(rows, heads, n)`` with ``new`` ``(rows, 1, q)`` appended, and the storage
+    it is a view of: written in place where ``storage`` (behind ``known``) has room, else in a
+    new one with a quarter more (at least 64 columns). A concatenation per step and layer
+    would copy every position."""
+    rows, heads, n = known.shape
+    q = new.shape[-1]
+    if (
+        storage is None
+        or storage.shape[-1] < n + q
+        or storage.shape[:2] != known.shape[:2]
+        or storage.data_ptr() != known.data_ptr()
+    ):
+        storage = known.new_empty(rows, heads, n + q + max(64, n // 4))
+        storage[..., :n] = known
+    storage[..., n : n + q] = new.expand(rows, heads, q)
+    return storage[..., : n + q], storage
 
 
 def cache_tensors(cache: Any) -> list[tuple[torch.Tensor, torch.Tensor]]:
