@@ -148,3 +148,37 @@ def test_full_records_equal_a_masked_full_forward():
                 got = arr[f"branch_{side}"][0, rep, k]
                 np.testing.assert_allclose(got[: lags + 1], want, atol=1e-3, rtol=1e-3)
                 assert np.isnan(got[lags + 1 :]).all()
+
+
+def test_path_metrics_equal_the_rust_divergence_kernel_with_ties():
+    """The tracer's on-device metrics (KL both ways, entropies, top-1 agreement) equal the
+    Rust kernel's on rows with tied maxima (both take the first maximal index), zeros and a
+    point mass."""
+    from kvcouple.kernels import divergences
+    from kvcouple.tracer.records import path_metrics
+
+    p = np.array(
+        [
+            [0.4, 0.4, 0.2, 0.0],  # tie at 0 and 1: top-1 is 0
+            [0.25, 0.25, 0.25, 0.25],
+            [0.0, 0.0, 1.0, 0.0],
+            [0.1, 0.3, 0.3, 0.3],  # tie at 1..3: top-1 is 1
+        ]
+    )
+    q = np.array(
+        [
+            [0.3, 0.5, 0.1, 0.1],  # top-1 is 1: disagrees with p's first maximum
+            [0.25, 0.25, 0.25, 0.25],  # all tied: agrees (index 0)
+            [0.1, 0.1, 0.7, 0.1],
+            [0.2, 0.4, 0.4, 0.0],  # top-1 is 1: agrees
+        ]
+    )
+    got = path_metrics(torch.from_numpy(p), torch.from_numpy(q))
+    want = divergences(p, q)
+    np.testing.assert_array_equal(got["top1_agree"].numpy(), [False, True, True, True])
+    np.testing.assert_array_equal(got["top1_agree"].numpy(), want.top1_agree)
+    for name in ("entropy_p", "entropy_q"):
+        np.testing.assert_allclose(got[name].numpy(), getattr(want, name), atol=1e-12)
+    finite = np.isfinite(want.kl_pq)
+    np.testing.assert_allclose(got["kl_pq"].numpy()[finite], want.kl_pq[finite], atol=1e-12)
+    np.testing.assert_allclose(got["kl_qp"].numpy(), want.kl_qp, atol=1e-12)
