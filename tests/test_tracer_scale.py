@@ -412,7 +412,8 @@ def test_prefix_attention_equals_attention_over_the_concatenated_cache(mask_kind
         prefix_attention(query, own_k, own_v, mask, 0.25, SharedPrefix(groups[:1]), 0)
 
 
-def test_shared_layout_equals_a_masked_full_forward():
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+def test_shared_layout_equals_a_masked_full_forward(attn):
     """P rows over the prompt's cache and Q rows over the kept entries, each held once, in one
     batch: the path and a fork at t* give the distributions of a full forward with the evicted
     prompt entries hidden; the rows' own caches hold only the generated columns."""
@@ -423,7 +424,7 @@ def test_shared_layout_equals_a_masked_full_forward():
     from kvcouple.tracer.prefill import gather_kept, prefill, select
     from tracer_helpers import PROMPT, kept_positions, masked_forward
 
-    m = model("qwen3")
+    m = model("qwen3", attn)
     n, T, spec = len(PROMPT), 6, "recent:retain=0.5"
     pre = prefill(m, torch.tensor(PROMPT), need_queries=False)
     kept = gather_kept(pre.kv, select(parse_policy(spec), pre))
