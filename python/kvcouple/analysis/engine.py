@@ -1,19 +1,10 @@
 """The analysis engine: trace stores in, per (document, policy) estimates and across-document
 statistics out (SPEC section 9).
 
-Work is split by document (a document is one chunk along ``doc`` in every variable): each task
-reads one document's RB-CMC fields, estimates every policy, and for ``full``/``topk`` records
-recomputes the hazards and branch TVs from the stored distributions, chunk by chunk. Locally the
-tasks run one after another (each overlapping its chunk decoding with the Rust kernels); on a
-Dask cluster (``client=`` or ``scheduler=``) they run on the workers, which open the store
-themselves (so the store's path must be readable from every worker: a shared filesystem), and
-only the small per-document results travel back. The statistics are computed on
-the caller from those results, so both paths give identical numbers.
-
-**Threads under Dask.** Each worker process runs kvcouple's Rust kernels in its own thread pool.
-The engine sets every worker's pool to that worker's ``nthreads`` (``kvcouple.set_num_threads``)
-so that ``n_workers x threads`` stays within the machine; to choose it yourself set
-``KVCOUPLE_NUM_THREADS`` in the workers' environment, or pass ``worker_threads=``.
+:func:`analyze` checks the options, resolves the settings (a plan fixes every one that changes a
+number), selects the documents, runs one task per document (:mod:`kvcouple.analysis.tasks`:
+locally or on a Dask cluster; only the small per-document results travel back) and computes
+the statistics on the caller from those results, so both paths give identical numbers.
 """
 
 from __future__ import annotations
@@ -26,88 +17,38 @@ from typing import Any
 import numpy as np
 
 from kvcouple.analysis import stats as st
-from kvcouple.analysis.estimates import ESTIMATORS, UnitEstimate, estimate_unit
+from kvcouple.analysis.estimates import ESTIMATORS
 from kvcouple.analysis.plan import DEFAULTS, Plan, PlanError, load_plan, registration_status
-from kvcouple.analysis.reading import (
-    SUMMARY_READ,
-    RecomputeCheck,
-    recompute_full,
-    recompute_topk,
+from kvcouple.analysis.tasks import (
+    DocResult,
+    Options,
+    analyze_doc,
+    check_scheduler,
+    connect_client,
+    run_docs,
 )
-from kvcouple.errors import InvalidInputError, StoreError, require
+from kvcouple.errors import InvalidInputError, StoreError
 from kvcouple.store.reader import TraceStoreReader, check_memory
+
+# Defined here, or in kvcouple.analysis.tasks (the per-document task) and importable from here
+# as before.
+__all__ = [
+    "DEFAULT_N_BOOT",
+    "SEALED",
+    "AnalysisResult",
+    "DocResult",
+    "ModelResult",
+    "Options",
+    "analyze",
+    "analyze_doc",
+    "check_options",
+    "pool_gaps",
+    "resolve_settings",
+    "run_tests",
+]
 
 # Document bootstrap resamples when neither the caller nor a plan says (CLI, demo, API).
 DEFAULT_N_BOOT = DEFAULTS["n_boot"]  # one default, the plan's
-
-
-@dataclass(frozen=True)
-class Options:
-    """Per-document settings (picklable: they travel to Dask workers).
-
-    Parameters
-    ----------
-    window : int or None, optional
-        Observation window L_w, in decode steps, for the window/tail split. ``None``
-        (the default) uses the window L stored in the trace store.
-    estimator : str, optional
-        Per-unit estimator: ``"indicator"`` (the default) or ``"tv"``.
-    recompute : bool, optional
-        Recompute stored divergences from the stored distributions and record any
-        disagreement (default ``True``). Only stores recorded as ``"full"`` or ``"topk..."``
-        can be recomputed.
-    tolerance : float or None, optional
-        Largest allowed absolute difference between a stored and a recomputed value.
-        ``None`` (the default) uses a per-quantity default tolerance.
-    io_threads : int, optional
-        Threads used to read one document's arrays during recomputation (default 2).
-    """
-
-    window: int | None = None  # observation window L_w (default: the store's L)
-    estimator: str = "indicator"
-    recompute: bool = True
-    tolerance: float | None = None
-    io_threads: int = 2
-
-
-@dataclass
-class DocResult:
-    doc: int
-    doc_id: str
-    units: dict[str, UnitEstimate] | None
-    check: RecomputeCheck | None
-    error: str | None = None
-
-
-def analyze_doc(info: TraceStoreReader, doc: int, options: Options) -> DocResult:
-    """Everything one document contributes (a Dask task). Store damage is returned, not raised,
-    so the caller decides whether to skip the document or stop."""
-    doc_id = info.doc_ids[doc]
-    try:
-        summary = info.read_summary(doc, SUMMARY_READ)
-        L = info.window
-        obs = L if options.window is None else int(options.window)
-        units = {
-            pol: estimate_unit(
-                summary["hazard"][i],
-                summary["branch_step"][i],
-                summary["branch_mismatch"][i],
-                summary["branch_tv"][i],
-                obs_window=obs,
-                estimator=options.estimator,
-                doc_id=doc_id,
-                policy=pol,
-            )
-            for i, pol in enumerate(info.policies)
-        }
-        check = None
-        if options.recompute and info.record == "full":
-            check = recompute_full(info, doc, summary, options.tolerance, options.io_threads)
-        elif options.recompute and info.record.startswith("topk"):
-            check = recompute_topk(info, doc, summary, options.tolerance)
-        return DocResult(doc, doc_id, units, check)
-    except StoreError as e:
-        return DocResult(doc, doc_id, None, None, str(e))
 
 
 @dataclass
@@ -182,73 +123,6 @@ class AnalysisResult:
         return rows
 
 
-def _limit_worker_threads(threads: int | None = None, dask_worker: Any = None) -> int:
-    """Run on each Dask worker (``client.run`` passes ``dask_worker``): size kvcouple's Rust
-    pool to the worker's thread budget."""
-    import kvcouple
-
-    n = threads
-    if n is None:
-        env = os.environ.get("KVCOUPLE_NUM_THREADS")
-        if env:
-            n = int(env)
-        else:
-            n = dask_worker.state.nthreads if dask_worker is not None else 0
-    kvcouple.set_num_threads(int(n))
-    return kvcouple.get_num_threads()
-
-
-def _client(client: Any, scheduler: str | None) -> tuple[Any, bool]:
-    if client is not None:
-        return client, False
-    if scheduler is None:
-        return None, False
-    require("distributed", "--scheduler")
-    from distributed import Client
-
-    try:
-        return Client(scheduler, timeout=_CONNECT_TIMEOUT), True
-    except (OSError, TimeoutError) as e:
-        raise InvalidInputError(f"scheduler = {scheduler!r}: cannot connect ({e})") from None
-
-
-def _run_docs(
-    tasks: list[tuple[TraceStoreReader, int]],
-    options: Options,
-    client: Any,
-    worker_threads: int | None,
-    progress: bool = False,
-) -> list[DocResult]:
-    from tqdm import tqdm  # type: ignore[import-untyped]
-
-    bar = tqdm(total=len(tasks), unit="doc", desc="kvcouple analyze", disable=not progress)
-    try:
-        if client is None:
-            # A few documents in flight: a document may be one chunk per variable, and the Rust
-            # engine (GIL released) decodes the chunks of all documents in flight on every
-            # core. Memory: a few documents' summaries plus a block pair per engine thread.
-            from concurrent.futures import ThreadPoolExecutor
-
-            def one(task: tuple[TraceStoreReader, int]) -> DocResult:
-                r = analyze_doc(task[0], task[1], options)
-                bar.update(1)
-                return r
-
-            with ThreadPoolExecutor(max(1, options.io_threads)) as pool:
-                return list(pool.map(one, tasks))
-        from distributed import as_completed
-
-        client.run(_limit_worker_threads, worker_threads)
-        futures = client.map(
-            analyze_doc, [t[0] for t in tasks], [t[1] for t in tasks], options=options, pure=False
-        )
-        for _ in as_completed(futures):
-            bar.update(1)
-        return list(client.gather(futures))
-    finally:
-        bar.close()
-
-
 def _select_docs(info: TraceStoreReader, plan: Plan | None, doc_set: str) -> list[int]:
     if doc_set == "all" or plan is None:
         if doc_set != "all":
@@ -267,9 +141,6 @@ def _select_docs(info: TraceStoreReader, plan: Plan | None, doc_set: str) -> lis
             f"({', '.join(unfinished[:10])}); finish the run first"
         )
     return [i for i in info.done if info.doc_ids[i] in wanted]
-
-
-_CONNECT_TIMEOUT = 5  # seconds to reach a Dask scheduler (distributed's default is 30)
 
 
 def _is_int(v: Any) -> bool:
@@ -310,35 +181,7 @@ def check_options(
     if not (isinstance(ci, int | float | np.floating) and 0 < ci < 1):
         raise InvalidInputError(f"ci must be a confidence level in (0, 1), got {ci!r}")
     if scheduler is not None:
-        _check_scheduler(scheduler)
-
-
-def _check_scheduler(scheduler: Any) -> None:
-    """A ``tcp://host:port`` address must accept a connection within a few seconds."""
-    import socket
-    from urllib.parse import urlsplit
-
-    if not isinstance(scheduler, str) or not scheduler:
-        raise InvalidInputError(
-            f"scheduler must be an address such as tcp://host:8786, got {scheduler!r}"
-        )
-    parts = urlsplit(scheduler if "://" in scheduler else f"tcp://{scheduler}")
-    if parts.scheme not in ("tcp", "tls"):
-        return  # other transports (inproc, ucx): let distributed judge
-    try:
-        host, port = parts.hostname, parts.port
-    except ValueError as e:
-        raise InvalidInputError(f"scheduler = {scheduler!r}: {e}") from None
-    if not host or port is None:
-        raise InvalidInputError(
-            f"scheduler = {scheduler!r} needs a host and a port (tcp://host:8786)"
-        )
-    try:
-        socket.create_connection((host, port), timeout=_CONNECT_TIMEOUT).close()
-    except OSError as e:
-        raise InvalidInputError(
-            f"scheduler = {scheduler!r} is not reachable ({e.strerror or e})"
-        ) from None
+        check_scheduler(scheduler)
 
 
 # Options that change a number: with a plan each is fixed by it (a contradicting value is
@@ -528,9 +371,9 @@ def analyze(
     window_opt = None if cfg["window"] == "stored" else int(cfg["window"])
     options = Options(window_opt, cfg["estimator"], recompute, tolerance, io_threads)
     tasks = [(info, d) for info, sel in zip(infos, selected, strict=True) for d in sel]
-    the_client, owned = _client(client, scheduler)
+    the_client, owned = connect_client(client, scheduler)
     try:
-        results = _run_docs(tasks, options, the_client, worker_threads, progress)
+        results = run_docs(tasks, options, the_client, worker_threads, progress)
     finally:
         if owned:
             the_client.close()
