@@ -1,6 +1,6 @@
 """The trace store: layout (:mod:`~kvcouple.store.schema`), writing and reading."""
 
-from kvcouple.store.reader import open_trace_store
+from kvcouple.store.dataset import open_trace_store
 from kvcouple.store.schema import SCHEMA_VERSION, Record, variables
 from kvcouple.store.writer import (
     RUN_KEYS,

@@ -12,8 +12,8 @@ chunk.
 Every block read is checked: its chunk files must exist (Zarr would silently return the fill
 value for a missing one), must decode, and must hold values the schema allows (hazard and TVs
 in [0, 1] or NaN, mismatch in {-1, 0, 1}, tokens in [-1, vocab), branch steps within the
-horizon). A failure raises :class:`~kvcouple.errors.StoreError` naming the variable, the chunk,
-the document and the store.
+horizon: :data:`kvcouple.store.schema.RULES`). A failure raises
+:class:`~kvcouple.errors.StoreError` naming the variable, the chunk, the document and the store.
 """
 
 from __future__ import annotations
@@ -29,7 +29,12 @@ from typing import Any
 import numpy as np
 
 from kvcouple.errors import ResourceLimitError, SchemaVersionError, StoreError
-from kvcouple.store.schema import SCHEMA_VERSION, Record, variables
+
+# open_trace_store (the xarray view) and UNIT_SLACK (a value rule) moved to their own modules
+# and stay importable from here.
+from kvcouple.store.dataset import open_trace_store as open_trace_store
+from kvcouple.store.schema import RULES, SCHEMA_VERSION, Record, disallowed, variables
+from kvcouple.store.schema import UNIT_SLACK as UNIT_SLACK
 
 # Coordinates written by the writer (dimension name -> first value); doc_id labels documents.
 DIM_COORDS = {"doc": 0, "policy": None, "rep": 0, "step": 1, "branch": 1, "lag": 0}
@@ -46,37 +51,9 @@ SIZE_ATTRS = (
     ("vocab_size", "vocab", lambda v: v),
 )
 
-# Allowed values by variable (checked on every block read). "unit": [0, 1] or NaN;
-# "nonneg": >= 0 or NaN; "token": [-1, vocab); "ternary": {-1, 0, 1}; "step": [0, horizon].
-RULES: dict[str, str] = {
-    "hazard": "unit",
-    "branch_tv": "unit",
-    "kl_pq": "nonneg",
-    "kl_qp": "nonneg",
-    "entropy_p": "nonneg",
-    "entropy_q": "nonneg",
-    "tokens": "token",
-    "branch_tokens_p": "token",
-    "branch_tokens_q": "token",
-    "branch_mismatch": "ternary",
-    "gate_class": "ternary",
-    "branch_step": "step",
-    "prompt_length": "count",
-    "kept_length": "count",
-}
-for _side in ("p", "q"):
-    for _pre in ("", "branch_"):
-        RULES[f"{_pre}topk_ids_{_side}"] = "token"
-        RULES[f"{_pre}topk_probs_{_side}"] = "unit"
-        RULES[f"{_pre}tail_mass_{_side}"] = "unit"
-        RULES[f"{_pre}{_side}"] = "unit"
-
 # Stores the engine fell back on (the notice is printed once per store and process).
 _NOTICED: set[str] = set()
 _NOTICE_LOCK = threading.Lock()
-
-# Probabilities and TVs computed in float arithmetic may leave [0, 1] by rounding only.
-UNIT_SLACK = 1e-5
 
 
 def _zarr_major() -> int:
@@ -435,30 +412,7 @@ class TraceStoreReader:
         rule = RULES.get(name)
         if rule is None or block.size == 0:
             return
-        v = block
-        if rule == "unit":
-            with np.errstate(invalid="ignore"):
-                bad = ~(np.isnan(v) | ((v >= -UNIT_SLACK) & (v <= 1 + UNIT_SLACK)))
-            allowed = "in [0, 1] or NaN"
-        elif rule == "nonneg":
-            with np.errstate(invalid="ignore"):
-                bad = ~(np.isnan(v) | (v >= -UNIT_SLACK))
-            allowed = ">= 0 or NaN"
-        elif rule == "token":
-            bad = (v < -1) | (v >= self.dims["vocab"] if "vocab" in self.dims else False)
-            vocab = self.attrs.get("vocab_size")
-            if vocab is not None:
-                bad = (v < -1) | (v >= int(vocab))
-            allowed = f"in [-1, {vocab})"
-        elif rule == "ternary":
-            bad = (v < -1) | (v > 1)
-            allowed = "in {-1, 0, 1}"
-        elif rule == "step":
-            bad = (v < 0) | (v > self.horizon)
-            allowed = f"in [0, {self.horizon}] (the horizon)"
-        else:  # count
-            bad = v < 0
-            allowed = ">= 0"
+        bad, allowed = disallowed(rule, block, self.dims, self.attrs.get("vocab_size"))
         if not bad.any():
             return
         at = np.unravel_index(int(np.flatnonzero(bad.reshape(-1))[0]), block.shape)
@@ -599,62 +553,6 @@ class TraceStoreReader:
             for f in files:
                 total += os.path.getsize(os.path.join(root, f))
         return total
-
-
-def open_trace_store(
-    path: str | os.PathLike[str],
-    *,
-    allow_incomplete: bool = False,
-    chunks: Any = None,
-    storage_options: dict[str, Any] | None = None,
-) -> Any:
-    """Open a store as an ``xarray.Dataset`` (lazily; nothing is read but metadata and the
-    coordinates), after :class:`TraceStoreReader` has validated it.
-
-    Raises :class:`StoreError` when the path is not a kvcouple store or is damaged, or when some
-    documents are unfinished (an interrupted run) unless ``allow_incomplete``, in which case only
-    the finished documents are returned. Raises :class:`SchemaVersionError` for another schema.
-
-    Parameters
-    ----------
-    path : str or os.PathLike
-        The store (a local path or a URL such as ``s3://...``).
-    allow_incomplete : bool
-        Return only the finished documents instead of raising for unfinished ones.
-        Default False.
-    chunks : optional
-        Dask chunks, passed to ``xarray.open_zarr``. Default None: the store's chunks.
-    storage_options : dict, optional
-        Options for the storage backend (for example S3 credentials). Default None.
-
-    Returns
-    -------
-    xarray.Dataset
-        The store's variables, read lazily.
-
-    Raises
-    ------
-    kvcouple.errors.StoreError
-        Not a (readable) kvcouple store, damaged, or with unfinished documents without
-        ``allow_incomplete``.
-    kvcouple.errors.SchemaVersionError
-        The store was written with another schema version.
-    """
-    import xarray as xr
-
-    reader = TraceStoreReader(path, storage_options)
-    if not allow_incomplete:
-        reader.require_complete()
-    kw: dict[str, Any] = {}
-    if storage_options:
-        kw["storage_options"] = storage_options
-    try:
-        ds = xr.open_zarr(str(path), chunks=chunks, consolidated=None, **kw)
-    except Exception as e:  # zarr/xarray raise many types for unreadable metadata
-        raise StoreError(f"{path} is not a readable Zarr store: {e}") from e
-    if allow_incomplete:
-        ds = ds.isel(doc=reader.done)
-    return ds
 
 
 def bytes_needed(*shape: int, itemsize: int = 8) -> int:

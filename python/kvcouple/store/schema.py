@@ -57,7 +57,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -208,3 +208,64 @@ def empty_arrays(
         dtype = float_dtype if float_dtype and var.dtype.startswith("float") else var.dtype
         out[name] = np.full(shape, var.fill, dtype=dtype)
     return out
+
+
+# Allowed values by variable (checked on every block read). "unit": [0, 1] or NaN;
+# "nonneg": >= 0 or NaN; "token": [-1, vocab); "ternary": {-1, 0, 1}; "step": [0, horizon].
+RULES: dict[str, str] = {
+    "hazard": "unit",
+    "branch_tv": "unit",
+    "kl_pq": "nonneg",
+    "kl_qp": "nonneg",
+    "entropy_p": "nonneg",
+    "entropy_q": "nonneg",
+    "tokens": "token",
+    "branch_tokens_p": "token",
+    "branch_tokens_q": "token",
+    "branch_mismatch": "ternary",
+    "gate_class": "ternary",
+    "branch_step": "step",
+    "prompt_length": "count",
+    "kept_length": "count",
+}
+for _side in ("p", "q"):
+    for _pre in ("", "branch_"):
+        RULES[f"{_pre}topk_ids_{_side}"] = "token"
+        RULES[f"{_pre}topk_probs_{_side}"] = "unit"
+        RULES[f"{_pre}tail_mass_{_side}"] = "unit"
+        RULES[f"{_pre}{_side}"] = "unit"
+
+# Probabilities and TVs computed in float arithmetic may leave [0, 1] by rounding only.
+UNIT_SLACK = 1e-5
+
+
+def disallowed(
+    rule: str, v: np.ndarray, dims: Mapping[str, int], vocab_size: Any = None
+) -> tuple[np.ndarray, str]:
+    """The values of block ``v`` that ``rule`` (a value of :data:`RULES`) does not allow, as a
+    mask, and the allowed values in words. ``dims`` are the store's dimension sizes (``step``:
+    the horizon; ``vocab`` bounds tokens unless the store's ``vocab_size`` attribute is given)."""
+    if rule == "unit":
+        with np.errstate(invalid="ignore"):
+            bad = ~(np.isnan(v) | ((v >= -UNIT_SLACK) & (v <= 1 + UNIT_SLACK)))
+        allowed = "in [0, 1] or NaN"
+    elif rule == "nonneg":
+        with np.errstate(invalid="ignore"):
+            bad = ~(np.isnan(v) | (v >= -UNIT_SLACK))
+        allowed = ">= 0 or NaN"
+    elif rule == "token":
+        bad = (v < -1) | (v >= dims["vocab"] if "vocab" in dims else False)
+        if vocab_size is not None:
+            bad = (v < -1) | (v >= int(vocab_size))
+        allowed = f"in [-1, {vocab_size})"
+    elif rule == "ternary":
+        bad = (v < -1) | (v > 1)
+        allowed = "in {-1, 0, 1}"
+    elif rule == "step":
+        horizon = dims["step"]
+        bad = (v < 0) | (v > horizon)
+        allowed = f"in [0, {horizon}] (the horizon)"
+    else:  # count
+        bad = v < 0
+        allowed = ">= 0"
+    return bad, allowed
