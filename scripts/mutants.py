@@ -140,7 +140,7 @@ MUTANTS = [
         ANALYSIS,
         ("tv_lag_den = (reached.mean(1) * weight)", "tv_lag_den = (reached.sum(1) * weight)"),
     ),
-    # --- across-document statistics (analysis/stats.py) -------------------------------------
+    # --- across-document statistics (analysis/stats.py, analysis/bootstrap.py) ----------------
     m(
         "S1",
         "analysis/stats.py",
@@ -214,14 +214,14 @@ MUTANTS = [
     ),
     m(
         "S9",
-        "analysis/stats.py",
+        "analysis/bootstrap.py",
         "bootstrap p-value without the +1 correction",
         PLAN,
         ("le = (1 + np.sum(b <= value)) / (b.size + 1)", "le = np.sum(b <= value) / b.size"),
     ),
     m(
         "S10",
-        "analysis/stats.py",
+        "analysis/bootstrap.py",
         "Holm multiplier off by one",
         PLAN,
         ("min(1.0, (len(p) - rank) * p[i])", "min(1.0, (len(p) - rank - 1) * p[i])"),

@@ -9,8 +9,8 @@ from pathlib import Path
 from typing import Any
 
 from kvcouple import cliargs
+from kvcouple.analysis.bootstrap import CI_METHODS, DEFAULT_CI_METHOD
 from kvcouple.analysis.engine import DEFAULT_N_BOOT
-from kvcouple.analysis.stats import CI_METHODS, DEFAULT_CI_METHOD
 from kvcouple.errors import ResourceLimitError, StoreError
 from kvcouple.textsafe import terminal
 

@@ -53,7 +53,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kvcouple.analysis.stats import CI_METHODS, DEFAULT_CI_METHOD, QUANTITIES
+from kvcouple.analysis.bootstrap import CI_METHODS, DEFAULT_CI_METHOD
+from kvcouple.analysis.stats import QUANTITIES
 from kvcouple.errors import InvalidInputError
 
 if sys.version_info >= (3, 11):
