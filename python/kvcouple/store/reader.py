@@ -6,7 +6,7 @@ through this module, and no other module computes chunk keys. The reader opens a
 array shapes and its coordinates, and then reads one document (or one document and policy) at
 a time, whatever the chunking on disk: documents chunked by 1, by several or all together,
 steps or vocabulary chunked, Zarr v2 or v3, sharded or not. Selections go through Zarr's own
-indexing (or the Rust engine, :mod:`kvcouple.store.engine`), never through element 0 of a
+indexing (or the Rust store engine, ``kvcouple._core.store_blocks_tv``), never through element 0 of a
 chunk.
 
 Every block read is checked: its chunk files must exist (Zarr would silently return the fill
