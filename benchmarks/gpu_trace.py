@@ -5,7 +5,8 @@ and 32k-token prompts with SnapKV, R=8, K=4, L=32, T=256, against ``model.genera
     python benchmarks/gpu_trace.py --tiny                   # the same code on CPU, in seconds
 
 For every prompt length: the memory plan (kvcouple.tracer.memory, branch batch ``auto``), the
-coupled trace's generated tokens per second (both sides counted, prefill and selection
+coupled trace's generated tokens per second (at the shortest length also in the joint cache
+layout, against the shared one ``auto`` picks) (both sides counted, prefill and selection
 included), ``generate``'s at the same batch ``2R`` and the same prompt, their ratio, and the
 trace's peak device memory (less the weights) against the plan's peak. Everything goes into
 one JSON (printed, and written to ``--out``) with the run's wall time. Then several short
@@ -222,6 +223,20 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             row.update(peak_bytes=peak, peak_over_plan=peak / plan.peak)
         else:
             row.update(peak_bytes=None, peak_over_plan=None)
+        if n == min(lengths) and plan.layout == "shared":
+            # The shared layout trades bytes for kernel launches: at the shortest prompt, where
+            # launches weigh most, the joint layout side by side (the data for `auto`).
+            from dataclasses import replace
+
+            try:
+                joint_s, joint_tokens = run_trace(prompt, replace(settings, cache_layout="joint"))
+                row.update(joint_trace_tokens_per_s=joint_tokens / joint_s)
+                row["shared_over_joint"] = (
+                    row["trace_tokens_per_s"] / row["joint_trace_tokens_per_s"]
+                )
+            except torch.cuda.OutOfMemoryError:
+                row["joint_error"] = "out of memory"
+                torch.cuda.empty_cache()
         try:
             gen_s = run_generate(prompt, T)
             row.update(generate_s=gen_s, generate_tokens_per_s=2 * R * T / gen_s)

@@ -263,6 +263,10 @@ def test_gpu_script_cpu_size_path(tmp_path, capsys):
         assert r["cache_layout"] == "shared"
         assert r["peak_bytes"] is None  # no device memory counter on CPU
     assert rows[1]["plan_peak_bytes"] > rows[0]["plan_peak_bytes"]
+    assert rows[0]["shared_over_joint"] == pytest.approx(
+        rows[0]["trace_tokens_per_s"] / rows[0]["joint_trace_tokens_per_s"]
+    )
+    assert "shared_over_joint" not in rows[1]  # the shortest prompt only
     short = report["short_documents"]
     assert short["documents"] == 3 and short["prompt_tokens"] == 32
     assert short["ratio"] == pytest.approx(
