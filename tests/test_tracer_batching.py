@@ -47,8 +47,8 @@ def _assert_same(a, b, exact=False):
 
 def test_batched_documents_equal_one_at_a_time(tmp_path, monkeypatch):
     """Five documents of different lengths, three at a time: every one-shot policy runs its
-    overlap paths as batches of 3 and 2 documents (decode-time eviction one at a time), and
-    the store equals tracing one document at a time."""
+    overlap paths and then its branches as batches of 3 and 2 documents (decode-time eviction
+    one at a time), and the store equals tracing one document at a time."""
     from kvcouple.tracer.layout import SharedRows
 
     m = model("qwen3")
@@ -62,8 +62,19 @@ def test_batched_documents_equal_one_at_a_time(tmp_path, monkeypatch):
         return start_units(cls, model, sides, copies, steps)
 
     monkeypatch.setattr(SharedRows, "start_units", classmethod(spy))
+    fork = SharedRows.fork
+    fork_groups = []
+
+    def fork_spy(self, index, visible_before, steps=0):
+        forked = fork(self, index, visible_before, steps)
+        fork_groups.append(len(forked.shared.groups))
+        return forked
+
+    monkeypatch.setattr(SharedRows, "fork", fork_spy)
     trace(m, prompts, SPECS, _settings(3), tmp_path / "b3.zarr", progress=False)
     assert units == [3, 3, 2, 2]  # two one-shot policies x two batches of documents
+    # The branches of a batch's documents fork together: a prefix group per document and side.
+    assert max(fork_groups) == 6
     units.clear()
     trace(m, prompts, SPECS, _settings(1), tmp_path / "b1.zarr", progress=False)
     assert units == [1] * 10  # one document at a time, still shared

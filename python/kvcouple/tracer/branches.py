@@ -60,23 +60,24 @@ class BranchStrategy(Protocol):
 class ForkBranches:
     """Copy each replicate's path cache; hide the path from ``t*`` on.
 
-    ``path.rows`` may hold other documents' paths too (a batch of documents): this path's
-    replicate ``r`` is P row ``first + r`` of its ``rows`` P rows (default: ``first`` 0, its
-    own replicates only)."""
+    ``prefix_length``: the prompt's prefix length (``n - 1``), or per replicate when the
+    path's rows hold several documents (a batch of documents)."""
 
-    def __init__(self, path: Path, prefix_length: int, first: int = 0, rows: int | None = None):
+    def __init__(self, path: Path, prefix_length: int | torch.Tensor):
         self.path = path
         self.prefix_length = prefix_length
-        self.first = first
-        self.rows = int(path.fed.shape[0]) if rows is None else rows
 
     def start(
         self, rr: torch.Tensor, ts: torch.Tensor, lags: torch.Tensor
     ) -> tuple[Rows, torch.Tensor]:
         if self.path.rows is None:
             raise ValueError("forking branches needs the path's final cache")
-        index = torch.cat([rr, rr + self.rows]) + self.first
-        column = self.prefix_length + torch.cat([ts, ts]) - 1  # path column of step t*
+        replicates = self.path.fed.shape[0]
+        index = torch.cat([rr, rr + replicates])
+        length = self.prefix_length
+        if isinstance(length, torch.Tensor):
+            length = length[rr]
+        column = torch.cat([length + ts, length + ts]) - 1  # path column of step t*
         steps = int(lags.max()) + 1  # re-fed t*, then the lags
         return self.path.rows.fork(index, column, steps), torch.zeros_like(ts)
 

@@ -19,7 +19,7 @@ index)``, drawn in a fixed order, so a document's records depend on nothing else
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -280,8 +280,8 @@ def trace_units(
 ) -> list[PolicyTrace]:
     """:func:`trace_policy` for several documents ``(prefill, settings, doc index)`` (the same
     sizes, branch batches may differ): where every one runs in the shared layout, their overlap
-    paths run as one batch (the weights read once per step for all of them), then each
-    document's branches fork from it; otherwise one document after another. The records equal
+    paths run as one batch (the weights read once per step for all of them), then all their
+    branches, forked from it; otherwise one document after another. The records equal
     one-at-a-time tracing to float noise (every uniform is drawn per document)."""
     units = [_prepare(pre, policy, s, seed, d, policy_index) for pre, s, d in documents]
     shape = ModelShape.of_model(model)
@@ -307,17 +307,40 @@ def trace_units(
     first = torch.tensor([int(u.pre.input_ids[-1]) for u in units for _ in range(R)], device=device)
     path_u = torch.as_tensor(np.concatenate([u.streams["path"] for u in units], axis=1))
     path = run_path(rows, first, settings, path_u.to(device))
+    # Every document's branches in one run: its uniforms and branch times are its own, its
+    # rows fork from the batch's path (prefix lengths per replicate), and a batch of
+    # branches may hold as many as the documents' own batches together (each fits its plan).
+    times = np.concatenate(
+        [
+            branch_times(path.hazard[i * R : (i + 1) * R], u.streams["branch_time"])
+            for i, u in enumerate(units)
+        ]
+    )
+    branch_u = np.concatenate([u.streams["branch"] for u in units], axis=1)
+    lengths = torch.tensor([u.pre.prefix_length for u in units for _ in range(R)], device=device)
+    batches = [u.settings.branch_batch for u in units]
+    joint = replace(
+        settings,
+        replicates=len(units) * R,
+        branch_batch=sum(batches) if all(isinstance(b, int) for b in batches) else None,  # type: ignore[arg-type]
+    )
+    branch_arrays, tokens, batch_count = run_branches(
+        ForkBranches(path, lengths),
+        path,
+        joint,
+        times,
+        torch.as_tensor(branch_u, device=device),
+        units[0].pre.vocab_size,
+    )
+    # Tokens by each document's share of the branches (the batches counted once, on the first).
+    count = [int((times[i * R : (i + 1) * R] > 0).sum()) for i in range(len(units))]
+    share = [tokens * c // max(sum(count), 1) for c in count]
+    share[-1] += tokens - sum(share)
     out = []
     for i, unit in enumerate(units):
         mine = slice(i * R, (i + 1) * R)
-        own = Path(
-            {name: a[mine] for name, a in path.arrays.items()},
-            path.hazard[mine],
-            path.fed[mine],
-            path.rows,
-        )
-        strategy = ForkBranches(own, unit.pre.prefix_length, first=i * R, rows=len(units) * R)
-        out.append(_finish(unit, own, strategy))
+        arrays = {name: a[mine] for name, a in (path.arrays | branch_arrays).items()}
+        out.append(_policy_trace(unit, arrays, share[i], batch_count if i == 0 else 0))
     return out
 
 
@@ -347,17 +370,23 @@ def _trace_unit(model: Any, unit: _Unit) -> PolicyTrace:
 
 def _finish(unit: _Unit, path: Path, strategy: BranchStrategy) -> PolicyTrace:
     """The branches of one (document, policy) and its store arrays."""
-    pre, settings, admission = unit.pre, unit.settings, unit.admission
-    device = pre.input_ids.device
-    branch_u = torch.as_tensor(unit.streams["branch"], device=device)
+    pre, settings = unit.pre, unit.settings
+    branch_u = torch.as_tensor(unit.streams["branch"], device=pre.input_ids.device)
     times = branch_times(path.hazard, unit.streams["branch_time"])
     branch_arrays, branch_tokens, batches = run_branches(
         strategy, path, settings, times, branch_u, pre.vocab_size
     )
+    return _policy_trace(unit, {**path.arrays, **branch_arrays}, branch_tokens, batches)
+
+
+def _policy_trace(
+    unit: _Unit, records: dict[str, np.ndarray], branch_tokens: int, batches: int
+) -> PolicyTrace:
+    """One (document, policy)'s store arrays from its path and branch records."""
+    pre, settings, admission = unit.pre, unit.settings, unit.admission
     kept_length = unit.kept_length
     arrays = {
-        **path.arrays,
-        **branch_arrays,
+        **records,
         "kept_length": np.asarray(kept_length, dtype=np.int32),
         "gate_score": np.asarray(admission.score, dtype=np.float32),
         "gate_class": np.asarray(
