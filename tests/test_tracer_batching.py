@@ -52,7 +52,7 @@ def test_batched_documents_equal_one_at_a_time(tmp_path, monkeypatch):
     from kvcouple.tracer.layout import SharedRows
 
     m = model("qwen3")
-    prompts = _prompts([20, 33, 27, 41, 15])
+    prompts = _prompts([20, 33, 27, 41, 25])
     units = []
     start_units = SharedRows.start_units.__func__
 
@@ -100,8 +100,8 @@ def test_document_batches_follow_the_memory_plan():
     from kvcouple.tracer.memory import DocumentPlan
     from kvcouple.tracer.run import MAX_DOC_ROWS, document_batches
 
-    def plan(peak, budget):
-        return DocumentPlan("", 10, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0, peak, "path", budget=budget)
+    def plan(peak, budget, tokens=10):
+        return DocumentPlan("", tokens, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0, peak, "path", budget=budget)
 
     docs = list(range(6))
     # CPU (no budget): auto traces one at a time; a number is taken as given.
@@ -117,6 +117,11 @@ def test_document_batches_follow_the_memory_plan():
     batches = document_batches(range(100), small, _settings("auto"))
     assert max(len(b) for b in batches) == MAX_DOC_ROWS // 4
     assert [d for b in batches for d in b] == list(range(100))
+    # Prompts within a factor of two share a batch (their prefix scores are as wide as the
+    # longest): 100, 150, 200 | 600 | 260, 300.
+    tokens = [100, 150, 200, 600, 260, 300]
+    mixed = {d: plan(1, 10**9, n) for d, n in zip(docs, tokens, strict=True)}
+    assert document_batches(docs, mixed, _settings(6)) == [[0, 1, 2], [3], [4, 5]]
 
 
 @pytest.mark.parametrize("bad", [0, -1, "3", True])

@@ -126,7 +126,8 @@ def document_batches(
     """The shard's documents in batches, in order: ``settings.doc_batch`` documents at most
     (``"auto"``: up to :data:`MAX_DOC_ROWS` rows on a device whose memory is known, one at a
     time otherwise), and never more than fit the plans' budget together (the sum of their
-    planned peaks, a bound: they share the activations). Policies whose layout is not shared
+    planned peaks, a bound: they share the activations), of prompt lengths within a factor of
+    two (a batch's rows hold prefix scores as wide as its longest prompt). Policies whose layout is not shared
     (decode-time eviction, windowed models) trace a batch's documents one at a time
     (:func:`~kvcouple.tracer.engine.trace_units`)."""
     budget = next((p.budget for p in plans.values() if p.budget is not None), None)
@@ -138,7 +139,15 @@ def document_batches(
     total = 0
     for d in documents:
         peak = plans[d].peak
-        if batches and len(batches[-1]) < most and (budget is None or total + peak <= budget):
+        lengths = [plans[b].prompt_length for b in (batches[-1] if batches else [])]
+        lengths.append(plans[d].prompt_length)
+        similar = max(lengths) <= 2 * min(lengths)
+        if (
+            batches
+            and len(batches[-1]) < most
+            and similar
+            and (budget is None or total + peak <= budget)
+        ):
             batches[-1].append(d)
             total += peak
         else:
