@@ -458,6 +458,8 @@ def test_shared_layout_equals_a_masked_full_forward(attn):
             np.testing.assert_allclose(np.stack([g[side] for g in got]), want, atol=1e-5)
     with pytest.raises(ValueError, match="P rows, then Q rows"):
         rows.fork(torch.tensor([2, 0, 3, 1]), column, steps=3)
+    with pytest.raises(ValueError, match="only columns already fed"):  # T columns fed so far
+        rows.fork(torch.tensor([1, 0, 3, 2]), torch.full((4,), n - 1 + T + 1), steps=3)
 
 
 def test_shared_prefix_is_refused_where_it_cannot_be_exact():

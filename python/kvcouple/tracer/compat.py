@@ -34,6 +34,7 @@ __all__ = [
     "QueryCapture",
     "UnsupportedModelError",
     "additive_mask",
+    "append_columns",
     "cache_from_tensors",
     "cache_length",
     "cache_positions",
@@ -121,7 +122,7 @@ def _extend_positions(
         if storage is None or len(storage) != len(known):
             storage = [None] * len(known)
         grown = [
-            _append_columns(p, new.to(p.device), room)
+            append_columns(p, new.to(p.device), room)
             for p, room in zip(known, storage, strict=True)
         ]
         out = [view for view, _ in grown]
@@ -130,13 +131,15 @@ def _extend_positions(
     return out
 
 
-def _append_columns(
+def append_columns(
     known: torch.Tensor, new: torch.Tensor, storage: torch.Tensor | None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``known`` ``(rows, heads, n)`` with ``new`` ``(rows, 1, q)`` appended, and the storage
     it is a view of: written in place where ``storage`` (behind ``known``) has room, else in a
-    new one with a quarter more (at least 64 columns). A concatenation per step and layer
-    would copy every position."""
+    new one with a quarter more (at least 64 columns), as the caches grow
+    (:mod:`kvcouple.tracer.kvcache`). A concatenation per step and layer would copy every
+    column. Entry positions of windowed models and the decode-time evictor's slot state grow
+    this way."""
     rows, heads, n = known.shape
     q = new.shape[-1]
     if (

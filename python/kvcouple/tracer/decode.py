@@ -63,7 +63,9 @@ class DecodeEvictor:
             self.state.append({k: v.expand(copies, -1, -1).clone() for k, v in layer_state.items()})
         # Slot state grows by a column per step: views into buffers with room to grow (a
         # concatenation per step and layer would copy it all, like a dynamic cache).
-        self._buffers = [_GrowingColumns(layer_state) for layer_state in self.state]
+        self._storage: list[dict[str, torch.Tensor | None]] = [
+            dict.fromkeys(layer_state) for layer_state in self.state
+        ]
         # The most recent queries (prompt queries first), for rules with a query window.
         self.window = window
         self.queries: list[torch.Tensor] = []
@@ -92,10 +94,14 @@ class DecodeEvictor:
         valid = rows.valid[self.rows]  # (Bq, S) including the new column
         current = rows.positions[self.rows]  # position of the token just fed
         caches = []
+        zeros = torch.zeros(current.shape[0], 1, 1, device=current.device)  # new slots' scores
         for layer, (keys, values) in enumerate(compat.cache_tensors(rows.cache)):
             kq, vq = keys[self.rows], values[self.rows]  # views into the cache
             state = self.state[layer]
-            self._buffers[layer].append(state, current)
+            storage = self._storage[layer]
+            for name, tensor in state.items():
+                new = current[:, None, None] if name == "position" else zeros
+                state[name], storage[name] = compat.append_columns(tensor, new, storage[name])
             q = None
             if self._capture is not None:
                 q = self._capture.batch_queries(layer, rows=self.rows)  # (Bq, H, 1, D)
@@ -142,31 +148,6 @@ class DecodeEvictor:
         for cache, keep in zip(caches, kept, strict=True):
             _compact(cache, keep, home, tail, over)
         rows.valid[self.rows] = valid & ~(tail & over[:, None])
-
-
-class _GrowingColumns:
-    """Buffers behind one layer's slot state ``(rows, kv_heads, columns)``: each step appends
-    a column (the fed token's position, zero scores) in place, growing by a quarter (at least
-    64 columns) when full; the state dict holds views of the filled part."""
-
-    def __init__(self, state: dict[str, torch.Tensor]):
-        self.length = next(iter(state.values())).shape[-1]
-        self.buffers = {name: t for name, t in state.items()}
-
-    def append(self, state: dict[str, torch.Tensor], current: torch.Tensor) -> None:
-        length = self.length
-        for name in state:
-            buffer = self.buffers[name]
-            if length + 1 > buffer.shape[-1]:
-                grown = buffer.new_empty(*buffer.shape[:-1], length + max(64, length // 4))
-                grown[..., :length] = state[name]
-                buffer = self.buffers[name] = grown
-            elif buffer.data_ptr() != state[name].data_ptr():
-                buffer[..., :length] = state[name]  # a rule replaced the tensor: take it
-            new = current[:, None] if name == "position" else 0
-            buffer[..., length] = new
-            state[name] = buffer[..., : length + 1]
-        self.length = length + 1
 
 
 def _compact(

@@ -237,8 +237,9 @@ class SharedRows:
             raise ValueError("fork index must list P rows, then Q rows")
         offsets = self.offsets[index]
         own = visible_before - offsets
-        if bool((own < 0).any()):
-            raise ValueError("a fork must see the whole prefix")
+        if bool((own < 0).any()) or int(own.max()) > compat.cache_length(self.cache):
+            # (a column mapping that disagrees with the rows' would read the wrong columns)
+            raise ValueError("a fork must see the whole prefix and only columns already fed")
         cache, seen = fork_cache(self.cache, self.valid, index, own, steps)
         return SharedRows(
             self.model, cache, seen, visible_before.clone(), self._groups_of(index), offsets

@@ -10,7 +10,9 @@ Documents are traced in batches (:func:`document_batches`, ``TraceSettings.doc_b
 overlap paths of a batch's documents run as one batch of rows in the shared cache layout, so
 a step reads the weights once for all of them. Batches are fixed by the shard's documents,
 not by what is left to do: a resumed run traces a partly written batch whole again (and
-writes only what is missing), so its records are those of an uninterrupted run.
+writes only what is missing), so its records are those of an uninterrupted run (bit for bit
+when the batches are the same: the same ``doc_batch`` and, for ``auto`` on CUDA, the same
+free memory; else to float noise, as any change of batch).
 """
 
 from __future__ import annotations
