@@ -45,7 +45,11 @@ pytestmark = pytest.mark.torch
 VOCAB = 128
 PROMPT = [int(x) for x in np.random.default_rng(3).integers(1, VOCAB - 1, size=21)]
 UNIFORM = ["recent:budget=6", "streaming:sinks=2,retain=0.4"]  # both evict inside the window
-SCORED = ["snapkv:retain=0.5,window=4,kernel=3", "h2o:budget=9,recent=0.3", "tova:budget=8"]
+SCORED = [
+    "snapkv:retain=0.5,window=4,kernel=3",
+    "h2o:budget=9,recent=0.3",
+    "tova:budget=8,heads=group",
+]
 
 # What the matrix must find: the refusal reason's key words, or None for exact.
 EXPECTED_REFUSALS = {

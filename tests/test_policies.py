@@ -31,6 +31,8 @@ SPECS = [
     "random:retain=0.5,seed=3",
     "knorm:retain=0.3",
     "tova:budget=7",
+    "tova:budget=7,heads=group",
+    "observed:retain=0.5",
     "valuediff:retain=0.6",
 ]
 
@@ -213,11 +215,36 @@ def test_accumulated_and_window_attention_are_causal():
 
 def test_tova_keeps_what_the_last_query_attends_to():
     ctx = make_context(30)
-    idx = parse_policy("tova:budget=8").select(ctx, 7)
+    group = parse_policy("tova:budget=8,heads=group").select(ctx, 7)
+    every = parse_policy("tova:budget=8").select(ctx, 7)  # heads=all, the default
+    assert parse_policy("tova:budget=8").spec() == "tova:budget=8,heads=all"
     for layer in range(LAYERS):
-        last = _plain_attention(ctx, layer)[:, -1].reshape(KV_HEADS, GROUP, 30).mean(1)
-        want = torch.sort(torch.topk(last, 7, dim=-1).indices, dim=-1).values
+        last = _plain_attention(ctx, layer)[:, -1]  # (query_heads, 30)
+        per_group = last.reshape(KV_HEADS, GROUP, 30).mean(1)
+        want = torch.sort(torch.topk(per_group, 7, dim=-1).indices, dim=-1).values
+        assert torch.equal(group[layer], want), layer
+        # One set per layer from the mean over every query head, as TOVA's own code.
+        want = torch.sort(torch.topk(last.mean(0), 7).indices).values
+        assert torch.equal(every[layer], want.expand(KV_HEADS, 7)), layer
+    assert not torch.equal(group, every)  # the two conventions do differ on this context
+    with pytest.raises(PolicyParameterError, match="heads must be"):
+        parse_policy("tova:budget=8,heads=kv")
+
+
+def test_observed_divides_by_the_queries_that_see_each_key():
+    ctx = make_context(30)
+    idx = parse_policy("observed:budget=9").select(ctx, 8)
+    for layer in range(LAYERS):
+        att = _plain_attention(ctx, layer)  # (query_heads, 30, 30)
+        mean_seen = att.sum(1) / torch.arange(30, 0, -1)  # key j is seen by queries j..29
+        score = mean_seen.reshape(KV_HEADS, GROUP, 30).mean(1)
+        want = torch.sort(torch.topk(score, 8, dim=-1).indices, dim=-1).values
         assert torch.equal(idx[layer], want), layer
+    # The division matters: the plain sum (H2O's score, no recent share) keeps other entries.
+    plain = parse_policy("h2o:budget=9,recent=0").select(ctx, 8)
+    assert not torch.equal(idx, plain)
+    with pytest.raises(PolicyParameterError, match="mode=decode is not supported"):
+        parse_policy("observed:budget=9,mode=decode")
 
 
 def test_h2o_recent_share_rounds_half_up():

@@ -139,16 +139,18 @@ def test_snapkv_indices_match_eager_attention(arch, spec):
 
 @pytest.mark.parametrize("arch", TINY_ARCHS)
 def test_h2o_and_tova_indices_match_eager_attention(arch):
-    """Scores from every prompt query (H2O) and from the last one (TOVA), recomputed from
-    eager attention weights."""
+    """Scores from every prompt query (H2O, observed) and from the last one (TOVA, both head
+    conventions), recomputed from eager attention weights."""
     pre = prefill(model(arch), torch.tensor(PROMPT), need_queries=True)
     with torch.no_grad():
         attentions = model(arch, "eager")(
             torch.tensor([PROMPT[:-1]]), output_attentions=True
         ).attentions
     n1 = len(PROMPT) - 1
-    h2o, tova = parse_policy("h2o:budget=11,recent=0.3"), parse_policy("tova:budget=9")
+    h2o, tova = parse_policy("h2o:budget=11,recent=0.3"), parse_policy("tova:budget=9,heads=group")
     h2o_idx, tova_idx = select(h2o, pre), select(tova, pre)
+    tova_all = select(parse_policy("tova:budget=9,heads=all"), pre)
+    observed = select(parse_policy("observed:budget=9"), pre)
     for layer, att in enumerate(attentions):
         heavy = att[0].sum(1).reshape(2, -1, n1).mean(1)  # accumulated, group-averaged
         recent = h2o.recent_count(10)
@@ -160,6 +162,16 @@ def test_h2o_and_tova_indices_match_eager_attention(arch):
         order = torch.argsort(last, dim=-1, descending=True, stable=True)
         assert torch.equal(tova_idx[layer], torch.sort(order[:, :8], dim=-1).values), (
             f"tova {layer}"
+        )
+        # heads=all: one set per layer from the mean over every query head.
+        order = torch.argsort(att[0, :, -1].mean(0), descending=True, stable=True)
+        want = torch.sort(order[:8]).values.expand(2, 8)
+        assert torch.equal(tova_all[layer], want), f"tova heads=all {layer}"
+        # observed: accumulated attention over the queries that see each key, group-averaged.
+        seen = att[0].sum(1) / torch.arange(n1, 0, -1)
+        order = torch.argsort(seen.reshape(2, -1, n1).mean(1), dim=-1, descending=True, stable=True)
+        assert torch.equal(observed[layer], torch.sort(order[:, :8], dim=-1).values), (
+            f"observed {layer}"
         )
 
 

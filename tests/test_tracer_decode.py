@@ -184,8 +184,11 @@ def reference(eager, spec, idx, budget, tokens):
                     recent = policy.recent_count(budget)
                     rank = {p: (1, p) if p > i - recent else (0, s[p], -p) for p in vis}
                     keep = sorted(vis, key=rank.get)[-budget:]
-                elif name == "tova":
+                elif name == "tova" and params["heads"] == "group":
                     keep = sorted(vis, key=lambda p: (float(attention[layer][h, p]), -p))[-budget:]
+                elif name == "tova":  # heads=all: every KV head holds the same entries
+                    every_head = attention[layer].mean(0)  # groups are equal: the mean of all
+                    keep = sorted(vis, key=lambda p: (float(every_head[p]), -p))[-budget:]
                 elif name == "snapkv":  # window=1: the newest query's votes, pooled by position
                     assert params["window"] == 1
                     a = last_queries[layer][h * group : (h + 1) * group][:, order[:-1]]
@@ -214,6 +217,7 @@ SPECS = [
     "streaming:sinks=3,budget=10,mode=decode",
     "h2o:budget=10,recent=0.3,mode=decode",
     "h2o:budget=9,recent=0.5,mode=decode,every=3",
+    "tova:budget=10,mode=decode,heads=group",
     "tova:budget=10,mode=decode",
     "snapkv:budget=10,window=1,kernel=3,mode=decode",
     "snapkv:budget=11,window=1,kernel=1,mode=decode,every=2",

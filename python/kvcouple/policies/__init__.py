@@ -28,6 +28,7 @@ from kvcouple.policies.errors import PolicyError, PolicyParameterError, UnknownP
 from kvcouple.policies.full import Full
 from kvcouple.policies.h2o import H2O
 from kvcouple.policies.knorm import KNorm
+from kvcouple.policies.observed import Observed
 from kvcouple.policies.page import PAGE
 from kvcouple.policies.random import Random
 from kvcouple.policies.recent import Recent
@@ -36,7 +37,7 @@ from kvcouple.policies.streaming import Streaming
 from kvcouple.policies.tova import TOVA
 from kvcouple.policies.valuediff import ValueDiff
 
-for _cls in (Full, SnapKV, Recent, Streaming, H2O, Random, KNorm, TOVA, ValueDiff, PAGE):
+for _cls in (Full, SnapKV, Recent, Streaming, H2O, Observed, Random, KNorm, TOVA, ValueDiff, PAGE):
     register_policy(_cls)
 
 
@@ -91,6 +92,7 @@ __all__ = [
     "DecodeRule",
     "H2O",
     "KNorm",
+    "Observed",
     "POLICIES",
     "TOVA",
     "Full",
