@@ -2,7 +2,7 @@
 PYTHON ?= python3
 PYTEST_ARGS ?=
 
-.PHONY: help install develop fmt lint stubtest test test-rust test-python bench wheel wheel-aarch64 wheel-check sdist sdist-check wheel-smoke compat-py310 docs docs-test demo mutants clean
+.PHONY: help install develop fmt lint stubtest test test-rust test-python bench wheel wheel-aarch64 wheel-check sdist sdist-check wheel-smoke first-contact compat-py310 docs docs-test demo mutants clean
 
 help:
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-12s %s\n", $$1, $$2}'
@@ -78,6 +78,12 @@ wheel-smoke: wheel ## Install the wheel in a fresh venv (no torch), check its ta
 	rm -rf build/venv-smoke && $(PYTHON) -m venv build/venv-smoke
 	build/venv-smoke/bin/pip install -q $(X86_WHEEL)
 	cd build && venv-smoke/bin/python ../.ci/smoke.py
+
+# The README's two commands as a new user runs them, from the wheel `make wheel` built: a fresh
+# venv with exactly `[all]` runs the demo, one with no extra runs the analysis core.
+first-contact: ## Fresh venvs from the built wheel: `[all]` runs the demo, no extra runs analyze
+	@ls $(X86_WHEEL) >/dev/null 2>&1 || { echo "no wheel in dist/: run make wheel first"; exit 2; }
+	PYTHON=$(PYTHON) .ci/first_contact.sh $$(ls $(X86_WHEEL) | head -1)
 
 # The oldest Python we support resolves to zarr 2 and an older xarray: run the torch-free
 # suites there against the wheel. Skipped (with a message) where no Python 3.10 is installed.

@@ -131,7 +131,11 @@ def main(argv: list[str] | None = None) -> int:
     if not getattr(args, "func", None):
         parser.print_help()
         return USAGE
-    debug = args.debug or os.environ.get("KVCOUPLE_DEBUG", "") not in ("", "0")
+    from kvcouple.errors import DEBUG_ENV, debug_requested
+
+    if args.debug:
+        os.environ[DEBUG_ENV] = "1"  # nested commands and the demo's trace processes inherit it
+    debug = debug_requested()
     try:
         return int(args.func(args) or 0)
     except Exception as e:

@@ -8,6 +8,7 @@ a missing optional dependency is a :class:`MissingExtraError` saying which extra
 from __future__ import annotations
 
 import importlib
+import os
 from types import ModuleType
 
 from kvcouple._core import InternalError, InvalidInputError, InvalidKernelError, ShapeError
@@ -43,6 +44,15 @@ EXTRAS = {
 }
 
 
+DEBUG_ENV = "KVCOUPLE_DEBUG"
+
+
+def debug_requested() -> bool:
+    """Whether ``--debug`` or ``KVCOUPLE_DEBUG=1`` asked for tracebacks. ``kvcouple --debug``
+    sets the variable, so nested commands (the demo's trace processes and its analysis) see it."""
+    return os.environ.get(DEBUG_ENV, "") not in ("", "0")
+
+
 def missing_extra(error: ModuleNotFoundError, what: str = "this") -> MissingExtraError | None:
     """The :class:`MissingExtraError` for a failed import of an optional dependency (``None``
     if the module is not one of kvcouple's extras)."""
@@ -76,6 +86,7 @@ __all__ = [
     "SchemaVersionError",
     "ShapeError",
     "StoreError",
+    "debug_requested",
     "missing_extra",
     "require",
 ]

@@ -26,6 +26,8 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from kvcouple.analysis.distributions import norm_cdf, norm_ppf, t_cdf, t_ppf
+
 if TYPE_CHECKING:
     from kvcouple.analysis.stats import Table
 
@@ -39,15 +41,13 @@ DEFAULT_CI_METHOD = "expanded-bca"
 def normal_scores(level: float, method: str, n_docs: int) -> tuple[float, float]:
     """The normal scores of the two interval ends at ``level``; ``expanded-bca`` widens them
     to ``sqrt(n/(n-1)) t_{n-1}``."""
-    from scipy import stats as sps
-
     if method not in CI_METHODS:
         raise ValueError(f"ci_method must be one of {CI_METHODS}, got {method!r}")
     upper = 1.0 - (1.0 - level) / 2.0
     if method == "expanded-bca" and n_docs >= 2:
-        z = math.sqrt(n_docs / (n_docs - 1)) * float(sps.t.ppf(upper, n_docs - 1))
+        z = math.sqrt(n_docs / (n_docs - 1)) * float(t_ppf(upper, n_docs - 1))
     else:
-        z = float(sps.norm.ppf(upper))
+        z = float(norm_ppf(upper))
     return -z, z
 
 
@@ -209,8 +209,6 @@ def bootstrap_p_value(
     ``= value`` (two-sided): the smallest alpha at which the interval of the same method
     excludes ``value`` (percentile: ``z0 = accel = 0``; BCa: its constants; expanded:
     ``n_docs``), with the +1 correction that keeps it valid for finite resamples."""
-    from scipy import stats as sps
-
     b = boot[np.isfinite(boot)]
     if b.size == 0:
         return float("nan")
@@ -220,7 +218,7 @@ def bootstrap_p_value(
     if sd > 0 and not b.min() <= value <= b.max():
         # Beyond every replicate the intervals extrapolate their ends by the normal tail (never
         # inside the replicates): the matching position of ``value`` is the smaller of the two.
-        below = float(sps.norm.cdf((value - b.mean()) / sd))
+        below = float(norm_cdf((value - b.mean()) / sd))
         if value < b.min():
             le = min(le, below)
         else:
@@ -233,12 +231,12 @@ def bootstrap_p_value(
         # The normal tail above can underflow to 0 (or 1): keep the quantile finite, or the
         # BCa map below turns -inf/inf into NaN and a far-off value is never rejected.
         frac = min(max(float(frac), 1e-300), 1.0 - 1e-16)
-        u = float(sps.norm.ppf(frac)) - z0
+        u = float(norm_ppf(frac)) - z0
         w = u / (1.0 + accel * u) if 1.0 + accel * u > 0 else math.copysign(math.inf, u)
         z = w - z0
         if n_docs is not None and n_docs >= 2:
-            return float(sps.t.cdf(z / math.sqrt(n_docs / (n_docs - 1)), n_docs - 1))
-        return float(sps.norm.cdf(z))
+            return float(t_cdf(z / math.sqrt(n_docs / (n_docs - 1)), n_docs - 1))
+        return float(norm_cdf(z))
 
     p_greater = level(le)
     p_less = 1.0 - level(1.0 - ge)

@@ -11,14 +11,13 @@ from typing import Any
 from kvcouple import cliargs
 from kvcouple.analysis.bootstrap import CI_METHODS, DEFAULT_CI_METHOD
 from kvcouple.analysis.engine import DEFAULT_N_BOOT
-from kvcouple.errors import ResourceLimitError, StoreError
+from kvcouple.errors import StoreError, debug_requested
 from kvcouple.textsafe import terminal
 
 
 def _analyze(args: argparse.Namespace) -> int:
     from kvcouple.analysis.console import format_decomposition
     from kvcouple.analysis.engine import analyze
-    from kvcouple.analysis.plan import PlanError
     from kvcouple.analysis.report import write_report
     from kvcouple.errors import InvalidInputError, MissingExtraError, require
 
@@ -32,32 +31,28 @@ def _analyze(args: argparse.Namespace) -> int:
         except MissingExtraError as e:
             print(f"warning: {e}; writing the report without figures", file=sys.stderr)
             figures = False
-    try:
-        result = analyze(
-            args.stores,
-            window=args.window,
-            estimator=args.estimator,
-            allow_incomplete=args.allow_incomplete,
-            scheduler=args.scheduler,
-            worker_threads=args.worker_threads,
-            recompute=not args.no_recompute,
-            tolerance=args.tolerance,
-            n_boot=args.n_boot,
-            seed=args.seed,
-            ci=args.ci,
-            ci_method=args.ci_method,
-            early_late_split=args.early_late_split,
-            reference=args.reference,
-            pool_models=True if args.pool_models else None,
-            plan=args.plan,
-            doc_set=args.docs,
-            allow_unregistered=args.not_preregistered,
-            io_threads=args.io_threads,
-            progress=not args.quiet,
-        )
-    except (StoreError, PlanError, ResourceLimitError) as e:
-        print(f"kvcouple analyze: error: {e}", file=sys.stderr)
-        return 2
+    result = analyze(
+        args.stores,
+        window=args.window,
+        estimator=args.estimator,
+        allow_incomplete=args.allow_incomplete,
+        scheduler=args.scheduler,
+        worker_threads=args.worker_threads,
+        recompute=not args.no_recompute,
+        tolerance=args.tolerance,
+        n_boot=args.n_boot,
+        seed=args.seed,
+        ci=args.ci,
+        ci_method=args.ci_method,
+        early_late_split=args.early_late_split,
+        reference=args.reference,
+        pool_models=True if args.pool_models else None,
+        plan=args.plan,
+        doc_set=args.docs,
+        allow_unregistered=args.not_preregistered,
+        io_threads=args.io_threads,
+        progress=not args.quiet,
+    )
     out = write_report(result, args.out, figures=figures, html_report=not args.no_figures)
     for s in result.skipped:
         print(
@@ -126,11 +121,7 @@ def human_size(n_bytes: int) -> str:
 
 
 def _info(args: argparse.Namespace) -> int:
-    try:
-        info = store_summary(args.store, check=args.check)
-    except StoreError as e:
-        print(f"kvcouple info: error: {e}", file=sys.stderr)
-        return 2
+    info = store_summary(args.store, check=args.check)
     if args.json:
         print(json.dumps(info, indent=1, default=str))
         return 0
@@ -206,6 +197,8 @@ def _plan(args: argparse.Namespace) -> int:
             print(f"{store}: {registration_status(plan, store)[1]}")
         return 0
     except (PlanError, RegistryError, StoreError) as e:
+        if debug_requested():
+            raise
         print(f"kvcouple plan {args.action}: error: {e}", file=sys.stderr)
         return 2
 
