@@ -6,10 +6,11 @@ retention at 50%), then analyses the store, prints the decomposition per policy 
 first-mismatch contribution, exposure, mismatch rate, E[M]/T, with document-bootstrap CIs)
 and writes the report. Nothing is downloaded.
 
-Where it writes: OUT/<settings>/run.zarr and OUT/<settings>/report/, where OUT is --out, else
-$KVCOUPLE_DEMO_DIR, else $XDG_CACHE_HOME/kvcouple/demo (~/.cache/kvcouple/demo), and
-<settings> is a short hash of the trace settings, so rerunning the same command resumes an
-interrupted trace and other settings get their own folder.
+Where it writes: OUT/run-<hash>/run.zarr and OUT/run-<hash>/report/, where OUT (the parent
+folder) is --out, else $KVCOUPLE_DEMO_DIR, else $XDG_CACHE_HOME/kvcouple/demo
+(~/.cache/kvcouple/demo), and <hash> is a short hash of the trace settings, so rerunning the
+same command resumes an interrupted trace (or, when it is complete, only analyses it again)
+and other settings get their own folder.
 
 The documents are traced by --jobs processes at once (one per core by default), each filling
 its share of one store (kvcouple trace --shard i/N): the model is small, so one process keeps
@@ -22,11 +23,15 @@ import argparse
 import hashlib
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
 from pathlib import Path
 from typing import Any
+
+from kvcouple.errors import InvalidInputError
+from kvcouple.tracer.cli import add_plugin_argument
 
 DEMO_POLICIES = ("snapkv:retain=0.5", "snapkv:budget=64", "recent:retain=0.5")
 
@@ -63,8 +68,9 @@ def register(subparsers: Any) -> None:
     p.add_argument(
         "--out",
         default=None,
-        help="folder for the store and the report (default: $KVCOUPLE_DEMO_DIR, else "
-        "~/.cache/kvcouple/demo)",
+        metavar="DIR",
+        help="parent folder: each run writes DIR/run-<hash>/ (run.zarr and report/), <hash> "
+        "naming its settings (default: $KVCOUPLE_DEMO_DIR, else ~/.cache/kvcouple/demo)",
     )
     p.add_argument("--horizon", type=int, default=32, help="T: new tokens per trajectory")
     p.add_argument("--replicates", type=int, default=6, help="R: overlap paths per document")
@@ -86,6 +92,7 @@ def register(subparsers: Any) -> None:
         metavar="SPEC",
         help=f"a policy to trace, repeatable (default: {', '.join(DEMO_POLICIES)})",
     )
+    add_plugin_argument(p)
     p.add_argument("--seed", type=int, default=0, help="random seed of the coupling")
     p.add_argument(
         "--jobs",
@@ -101,6 +108,7 @@ def run(args: argparse.Namespace) -> int:
     from kvcouple.cli import main
 
     _require_tracer()
+    _check(args)
     trace_argv = [
         "--horizon", str(args.horizon),
         "--replicates", str(args.replicates),
@@ -112,19 +120,42 @@ def run(args: argparse.Namespace) -> int:
     for spec in args.policy or DEMO_POLICIES:
         trace_argv += ["--policy", spec]
     key = hashlib.sha256(json.dumps([trace_argv, args.docs]).encode()).hexdigest()[:8]
+    for module in args.plugin or ():  # not in the key: plug-ins add policies, not settings
+        trace_argv += [
+            "--plugin",
+            str(Path(module).resolve()) if module.endswith(".py") else module,
+        ]
     out = (Path(args.out) if args.out else default_dir()) / f"run-{key}"
+    created = not out.exists()
     out.mkdir(parents=True, exist_ok=True)
     store = out / "run.zarr"
-    prompts = _prompts(out, args.docs)
-    trace_argv = ["trace", "--prompts", str(prompts), "--out", str(store), *trace_argv]
-    n_docs = sum(1 for line in prompts.read_text().splitlines() if line.strip())
-    jobs = max(1, min(args.jobs or cores(), n_docs))
-    print(f"== kvcouple demo: tracing the embedded model into {store} ({jobs} processes)")
-    start = time.perf_counter()
-    code = _trace(trace_argv, jobs, n_docs, store, args.quiet)
+    try:
+        prompts = _prompts(out, args.docs)
+        trace_argv = ["trace", "--prompts", str(prompts), "--out", str(store), *trace_argv]
+        n_docs = sum(1 for line in prompts.read_text().splitlines() if line.strip())
+        before = _documents_done(store) or 0
+        todo = n_docs - before
+        jobs = max(1, min(args.jobs or cores(), todo))
+        if todo == 0:
+            print(f"== kvcouple demo: all {n_docs} documents are already traced in {store}")
+        else:
+            resumed = f", resuming: {before} of {n_docs} already traced" if before else ""
+            print(
+                f"== kvcouple demo: tracing the embedded model into {store} "
+                f"({jobs} processes{resumed})"
+            )
+        start = time.perf_counter()
+        code = _trace(trace_argv, jobs, n_docs, store, args.quiet)
+    finally:
+        # A run that wrote nothing leaves no folder behind (the prompt slice is all it held).
+        if created and not store.exists():
+            shutil.rmtree(out, ignore_errors=True)
     if code:
         return code
-    print(f"== traced in {time.perf_counter() - start:.0f} s")
+    if todo == 0:
+        print("== nothing left to trace (the store's settings were checked)")
+    else:
+        print(f"== traced {todo} documents in {time.perf_counter() - start:.0f} s")
     report = out / "report"
     print(f"== kvcouple demo: analysing {store} into {report}")
     argv = ["analyze", str(store), "--out", str(report)]
@@ -132,6 +163,25 @@ def run(args: argparse.Namespace) -> int:
     if code == 0:
         print(f"== done: open {report / 'report.html'}")
     return code
+
+
+def _check(args: argparse.Namespace) -> None:
+    """Every setting checked, naming it, before a folder is made or a process started; the
+    policy specs too, after the plug-ins that may define them are loaded."""
+    from kvcouple.policies import parse_policy
+    from kvcouple.policies.plugins import load_plugins
+
+    for name, low in (("horizon", 1), ("replicates", 1), ("branches", 1), ("window", 0)):
+        value = getattr(args, name)
+        if value is not None and value < low:
+            raise InvalidInputError(f"--{name} must be >= {low}, got {value}")
+    for name in ("docs", "jobs"):
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            raise InvalidInputError(f"--{name} must be >= 1, got {value}")
+    load_plugins(args.plugin)
+    for spec in args.policy or DEMO_POLICIES:
+        parse_policy(spec)
 
 
 def _require_tracer() -> None:
@@ -165,7 +215,13 @@ def _trace(argv: list[str], jobs: int, n_docs: int, store: Path, quiet: bool) ->
         )
         for i in range(jobs)
     ]
-    bar = tqdm(total=n_docs, unit="doc", desc="kvcouple demo: tracing", disable=quiet)
+    bar = tqdm(
+        total=n_docs,
+        initial=_documents_done(store) or 0,
+        unit="doc",
+        desc="kvcouple demo: tracing",
+        disable=quiet,
+    )
     try:
         while any(p.poll() is None for p in procs):
             time.sleep(0.5)

@@ -29,6 +29,7 @@ __all__ = [
     "default_prompts_path",
     "dtype_keyword",
     "load_model",
+    "check_hub_model",
     "model_source",
     "offline_mode",
     "resolve_dtype",
@@ -147,6 +148,59 @@ def model_source(name_or_path: str | os.PathLike[str] | None) -> tuple[str | Pat
     return text, False
 
 
+_PROXY_VARIABLES = ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy")
+
+
+def check_hub_model(repo_id: str, revision: str | None = None) -> None:
+    """Fail at once for a Hub id that cannot be loaded, instead of after the Hub client's
+    retries (about 25 s per file): it must be in the local Hugging Face cache, or the Hub must
+    answer a connection.
+
+    Parameters
+    ----------
+    repo_id : str
+        A Hub model id (``owner/name``), as :func:`model_source` returned it.
+    revision : str, optional
+        The branch, tag or commit to look for in the cache (default: ``main``).
+
+    Raises
+    ------
+    kvcouple.errors.InvalidInputError
+        The model is not cached and offline mode is on (``HF_HUB_OFFLINE``), or the Hub's host
+        cannot be reached (no network, no DNS). Behind a proxy the reachability is left to the
+        Hub client.
+    kvcouple.errors.MissingExtraError
+        huggingface_hub (the ``tracer`` extra) is not installed.
+    """
+    import socket
+    from urllib.parse import urlsplit
+
+    hub = require("huggingface_hub", "loading a Hub model")
+    cached = hub.try_to_load_from_cache(repo_id, "config.json", revision=revision)
+    if isinstance(cached, str):
+        return
+    offline = offline_mode()
+    if offline:
+        raise InvalidInputError(
+            f"model {repo_id!r} is not in the local Hugging Face cache and offline mode is on "
+            f"({offline}): download it while online, pass a local directory, or unset it"
+        )
+    if any(os.environ.get(v) for v in _PROXY_VARIABLES):
+        return  # the proxy decides: a direct connection proves nothing
+    endpoint = urlsplit(hub.constants.ENDPOINT)
+    host = endpoint.hostname or "huggingface.co"
+    port = endpoint.port or (80 if endpoint.scheme == "http" else 443)
+    try:
+        socket.create_connection((host, port), timeout=5).close()
+    except OSError as e:
+        raise InvalidInputError(
+            f"model {repo_id!r} is not in the local Hugging Face cache and the Hub "
+            f"({endpoint.scheme}://{host}) cannot be reached ({e.strerror or e}): connect to the "
+            "network, pass a local model directory, or download the model first; "
+            "HF_HUB_OFFLINE=1 makes every lookup local (no retries)"
+        ) from None
+
+
 def _first_line(e: BaseException) -> str:
     lines = str(e).strip().splitlines()
     return lines[0] if lines else type(e).__name__
@@ -175,6 +229,8 @@ def load_model(
         ``revision``).
     """
     source, local = model_source(name_or_path)
+    if not local:
+        check_hub_model(str(source), from_pretrained_kwargs.get("revision"))
     require("torch", "loading a model")
     require("transformers", "loading a model")
     import torch

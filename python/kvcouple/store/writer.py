@@ -96,15 +96,69 @@ def check_resume(path: str | Path, existing: dict[str, Any], run: dict[str, Any]
         old, new = existing.get(key), run.get(key)
         if old == new:
             continue
-        template = _RESUME_MESSAGES.get(
-            key, "its {key} is {old!r} but this run has {new!r}. Use the same settings"
-        )
         error = VocabularyMismatchError if key == "vocab_size" else StoreError
-        raise error(
-            f"cannot resume {path}: "
-            + template.format(key=key, old=old, new=new)
-            + " or a new --out."
-        )
+        if key in _RESUME_MESSAGES:
+            why = _RESUME_MESSAGES[key].format(key=key, old=_as_text(old), new=_as_text(new))
+        else:
+            why = resume_mismatch(key, old, new)
+        raise error(f"cannot resume {path}: {why} or a new --out.")
+
+
+# The option that sets each run key (named in resume errors).
+_OPTIONS = {
+    "model_id": "--model",
+    "model_revision": "--revision",
+    "dtype": "--dtype",
+    "decoding": "--temperature/--top-k/--top-p",
+    "policies": "--policy",
+    "policy_specs": "--policy",
+    "horizon": "--horizon",
+    "window": "--window",
+    "branches": "--branches",
+    "replicates": "--replicates",
+    "record": "--record",
+    "seed": "--seed",
+    "doc_ids": "--prompts",
+}
+
+
+def _as_text(value: Any) -> str:
+    """A store attribute as a reader writes it: policies by their specs, ``k=v`` pairs,
+    lists joined by commas (long ones elided), no Python reprs."""
+    if isinstance(value, dict):
+        if "spec" in value:
+            return str(value["spec"])
+        return ", ".join(f"{k}={_as_text(v)}" for k, v in value.items())
+    if isinstance(value, list | tuple):
+        items = [_as_text(v) for v in value]
+        if len(items) > 6:
+            items = [*items[:3], f"... ({len(items) - 5} more) ...", *items[-2:]]
+        return " | ".join(items) if any("," in i for i in items) else ", ".join(items)
+    if value is None:
+        return "none"
+    return str(value)
+
+
+def resume_mismatch(key: str, old: Any, new: Any) -> str:
+    """Why a store cannot be resumed, in words: the setting (and its option), the store's
+    value and this run's, and for lists (policies, documents) what was added or removed."""
+    option = _OPTIONS.get(key)
+    setting = f"{key} ({option})" if option else key
+    if isinstance(old, dict) and isinstance(new, dict) and "spec" not in old:
+        keys = [k for k in {**old, **new} if old.get(k) != new.get(k)]
+        old = {k: old.get(k) for k in keys}
+        new = {k: new.get(k) for k in keys}
+    text = f"the setting {setting} differs: the store has {_as_text(old)}; this run has {_as_text(new)}"
+    if isinstance(old, list) and isinstance(new, list):
+        was, now = [_as_text(v) for v in old], [_as_text(v) for v in new]
+        gone = [v for v in was if v not in now]
+        added = [v for v in now if v not in was]
+        parts = [f"dropped: {_as_text(gone)}"] * bool(gone)
+        parts += [f"added: {_as_text(added)}"] * bool(added)
+        if not parts:
+            parts = ["the same entries in another order"]
+        text += f" ({'; '.join(parts)})"
+    return text + ". Use the same settings"
 
 
 @dataclass(frozen=True)

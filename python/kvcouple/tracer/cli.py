@@ -46,6 +46,7 @@ def register(subparsers: Any) -> None:
         metavar="SPEC",
         help="eviction policy, e.g. snapkv:retain=0.5 (repeatable)",
     )
+    add_plugin_argument(p)
     p.add_argument("--horizon", type=int, default=64, help="T: new tokens per trajectory")
     p.add_argument("--replicates", type=int, default=8, help="R: overlap paths per document")
     p.add_argument("--branches", type=int, default=1, help="K: residual branches per path")
@@ -125,6 +126,18 @@ def register(subparsers: Any) -> None:
     p.add_argument("--attn", default="sdpa", help="attention implementation: sdpa or eager")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
     p.set_defaults(func=run)
+
+
+def add_plugin_argument(p: argparse.ArgumentParser) -> None:
+    """``--plugin MODULE`` (repeatable), shared by ``trace`` and ``demo``."""
+    p.add_argument(
+        "--plugin",
+        action="append",
+        default=None,
+        metavar="MODULE",
+        help="import a module (a name, or a .py file) that registers policies, repeatable; "
+        "installed packages register theirs through the entry point group kvcouple.policies",
+    )
 
 
 def _load(load_model: Any, args: argparse.Namespace, extra: dict[str, Any]) -> tuple[Any, Any]:
@@ -257,10 +270,12 @@ def run(args: argparse.Namespace) -> int:
     """Run ``kvcouple trace``; returns the exit code."""
     # Validate everything cheap before loading a model.
     from kvcouple.policies import parse_policy
+    from kvcouple.policies.plugins import load_plugins
     from kvcouple.store import Record
     from kvcouple.tracer.run import parse_shard
 
     check_arguments(args)
+    load_plugins(args.plugin)  # before the specs are parsed: they may name plug-in policies
     policies = [parse_policy(s) for s in args.policy]
     record = Record.parse(args.record)
     shard = parse_shard(args.shard)
@@ -344,7 +359,7 @@ def check_arguments(args: argparse.Namespace) -> None:
 
     from kvcouple.cliargs import MAX_COUNT
     from kvcouple.errors import InvalidInputError
-    from kvcouple.models import model_source
+    from kvcouple.models import check_hub_model, model_source
 
     for name in ("horizon", "replicates", "branches", "window"):
         v = getattr(args, name)
@@ -376,6 +391,8 @@ def check_arguments(args: argparse.Namespace) -> None:
                 f"--out {args.out} is {what}, not a trace store: give a new path"
             )
     source, local = model_source(args.model)
+    if not local:  # a Hub id: cached, or the Hub reachable; else fail now, not after retries
+        check_hub_model(str(source), args.revision)
     # The vocabulary bounds --eos before the model loads where the config says it.
     vocab = _config_vocab(Path(source)) if local else None
     check_eos(args.eos, vocab, "the model config's")
