@@ -257,3 +257,22 @@ def test_h2o_recent_share_rounds_half_up():
     for head in range(KV_HEADS):
         want = torch.sort(torch.topk(acc[head], 4).indices).values
         assert idx[1, head, :4].tolist() == want.tolist()
+
+
+def test_kvpress_policy_without_kvpress_says_how_to_install():
+    """Where kvpress cannot be imported (not installed, or a transformers it does not accept),
+    a ``kvpress:`` spec fails when parsed, naming the extra. With kvpress, see
+    tests/interop/test_kvpress.py."""
+    from kvcouple.errors import MissingExtraError
+
+    try:
+        import kvpress  # noqa: F401
+    except ImportError:
+        pass
+    else:
+        pytest.skip("kvpress is importable here: tests/interop/test_kvpress.py covers it")
+    with pytest.raises(MissingExtraError, match=r"pip install 'kvcouple\[kvpress\]'"):
+        parse_policy("kvpress:KnormPress,compression_ratio=0.5")
+    # A spec's first item without "=" is an error for every other policy.
+    with pytest.raises(PolicyParameterError, match="param=value"):
+        parse_policy("snapkv:SnapKVPress,retain=0.5")

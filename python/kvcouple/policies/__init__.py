@@ -28,6 +28,7 @@ from kvcouple.policies.errors import PolicyError, PolicyParameterError, UnknownP
 from kvcouple.policies.full import Full
 from kvcouple.policies.h2o import H2O
 from kvcouple.policies.knorm import KNorm
+from kvcouple.policies.kvpress import KVPress
 from kvcouple.policies.observed import Observed
 from kvcouple.policies.page import PAGE
 from kvcouple.policies.random import Random
@@ -37,7 +38,8 @@ from kvcouple.policies.streaming import Streaming
 from kvcouple.policies.tova import TOVA
 from kvcouple.policies.valuediff import ValueDiff
 
-for _cls in (Full, SnapKV, Recent, Streaming, H2O, Observed, Random, KNorm, TOVA, ValueDiff, PAGE):
+_BUILTIN = (Full, SnapKV, Recent, Streaming, H2O, Observed, Random, KNorm, TOVA, ValueDiff, PAGE)
+for _cls in (*_BUILTIN, KVPress):
     register_policy(_cls)
 
 
@@ -73,7 +75,11 @@ def parse_policy(spec: str) -> Policy:
             f"unknown policy {name!r} in {spec!r}; known policies: {', '.join(sorted(POLICIES))}"
         )
     params: dict[str, str] = {}
-    for item in filter(None, (s.strip() for s in rest.split(","))):
+    items = [s for s in (s.strip() for s in rest.split(",")) if s]
+    positional = POLICIES[name].POSITIONAL
+    if positional is not None and items and "=" not in items[0]:
+        items[0] = f"{positional}={items[0]}"  # e.g. kvpress:SnapKVPress -> press=SnapKVPress
+    for item in items:
         key, eq, value = item.partition("=")
         key = key.strip()
         if not eq or not key or not value.strip():
@@ -92,6 +98,7 @@ __all__ = [
     "DecodeRule",
     "H2O",
     "KNorm",
+    "KVPress",
     "Observed",
     "POLICIES",
     "TOVA",

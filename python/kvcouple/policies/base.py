@@ -167,6 +167,11 @@ class Policy:
     PARAMS: ClassVar[dict[str, tuple[type, Any]]] = {}
     BUDGETED: ClassVar[bool] = True
     NEEDS_QUERIES: ClassVar[bool] = False
+    # Whether selection reads each attention layer's inputs (PolicyContext.layer_inputs): the
+    # tracer records them at prefill only for such policies.
+    NEEDS_LAYER_INPUTS: ClassVar[bool] = False
+    # A parameter given without its name as the spec's first item (``kvpress:SnapKVPress,...``).
+    POSITIONAL: ClassVar[str | None] = None
 
     def __init__(self, **params: Any):
         allowed = dict(self.PARAMS)
@@ -188,7 +193,8 @@ class Policy:
         self.params = values
         if self.BUDGETED:
             retain, budget = values["retain"], values["budget"]
-            if (retain is None) == (budget is None):
+            implied = retain is None and budget is None and self.budget_implied()
+            if (retain is None) == (budget is None) and not implied:
                 raise PolicyParameterError(
                     f"policy {self.name!r} needs exactly one of retain= (a fraction in (0, 1]) "
                     f"or budget= (a token count >= 1)"
@@ -244,6 +250,11 @@ class Policy:
 
     def validate(self) -> None:
         """Check parameter values; raise :class:`PolicyParameterError`."""
+
+    def budget_implied(self) -> bool:
+        """Whether the policy's own parameters set its kept count when neither ``retain`` nor
+        ``budget`` is given (then it overrides :meth:`kept_count`). Default: no."""
+        return False
 
     def prompt_queries(self) -> tuple[int | None, bool]:
         """What selection reads of the prompt's queries: how many of the last ones (None: any)

@@ -1,5 +1,7 @@
 """What a policy sees of one prompt's cache after prefill (:class:`PolicyContext`): per-layer
-keys and values and, on demand, the prompt's queries and attention probabilities."""
+keys and values and, on demand, the prompt's queries and attention probabilities, and (for
+policies that run another library's scorer on the layer itself, such as ``kvpress:``) what each
+attention layer was called with (:class:`LayerInputs`, recorded by :class:`LayerInputCapture`)."""
 
 from __future__ import annotations
 
@@ -7,8 +9,85 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from kvcouple.policies.errors import PolicyError
+
 if TYPE_CHECKING:
     import torch
+
+
+@dataclass
+class LayerInputs:
+    """What one attention layer was called with while the prompt prefix was prefilled.
+
+    Attributes
+    ----------
+    module : torch.nn.Module
+        The model's attention module of that layer.
+    hidden_states : torch.Tensor
+        ``(1, length, hidden)``: the hidden states that entered it (after the layer's norm).
+    kwargs : dict
+        Its forward keyword arguments (``position_embeddings``, ``attention_mask``,
+        ``cache_position``, ``past_key_values``, ...), ``hidden_states`` included.
+    model : torch.nn.Module
+        The whole model (for scorers that set themselves up from it).
+    rotary_emb : torch.nn.Module or None
+        The model's rotary embedding module, when it has one.
+    """
+
+    module: Any
+    hidden_states: torch.Tensor
+    kwargs: dict[str, Any]
+    model: Any
+    rotary_emb: Any = None
+
+
+class LayerInputCapture:
+    """Records, while entered, what every attention layer of ``model`` is called with (a
+    forward pre-hook on each module with a ``layer_idx``; removed on exit). Batch row 0 only:
+    the tracer prefills one prompt at a time. :meth:`get` gives a layer's :class:`LayerInputs`.
+
+    Parameters
+    ----------
+    model : torch.nn.Module
+        A transformers causal language model.
+    """
+
+    def __init__(self, model: Any):
+        self.model = model
+        self.inputs: dict[int, LayerInputs] = {}
+        self._handles: list[Any] = []
+        decoder = model.get_decoder() if hasattr(model, "get_decoder") else None
+        self.rotary_emb = getattr(decoder, "rotary_emb", None)
+
+    def _hook(self, module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        hidden = kwargs.get("hidden_states", args[0] if args else None)
+        if hidden is None:
+            return
+        kw = dict(kwargs)
+        kw["hidden_states"] = hidden[:1].detach()
+        layer = int(module.layer_idx)
+        self.inputs[layer] = LayerInputs(
+            module, kw["hidden_states"], kw, self.model, self.rotary_emb
+        )
+
+    def __enter__(self) -> LayerInputCapture:
+        for m in self.model.modules():
+            # Attention modules: a layer index and an attention scale (decoder layers have no
+            # scale).
+            if hasattr(m, "layer_idx") and hasattr(m, "scaling"):
+                self._handles.append(m.register_forward_pre_hook(self._hook, with_kwargs=True))
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+
+    def get(self, layer: int) -> LayerInputs:
+        """The recorded inputs of ``layer``."""
+        if layer not in self.inputs:
+            raise PolicyError(f"layer {layer}'s attention inputs were not recorded")
+        return self.inputs[layer]
 
 
 @dataclass
@@ -44,6 +123,10 @@ class PolicyContext:
     accumulated_fn : callable or None
         ``accumulated_fn(l)``: the accumulated attention of layer ``l``, when the tracer
         computed it during prefill.
+    layer_inputs_fn : callable or None
+        ``layer_inputs_fn(l)``: what layer ``l``'s attention module was called with
+        (:class:`LayerInputs`), when the tracer recorded it (policies with
+        ``NEEDS_LAYER_INPUTS``).
     """
 
     keys: list[torch.Tensor]
@@ -55,6 +138,7 @@ class PolicyContext:
     attention_fn: Callable[[int, int, int], torch.Tensor] | None = None
     # The accumulated attention of layer l, when the tracer computed it during prefill.
     accumulated_fn: Callable[[int], torch.Tensor] | None = None
+    layer_inputs_fn: Callable[[int], LayerInputs] | None = None
     _cache: dict[Any, torch.Tensor] = field(default_factory=dict, repr=False)
 
     @property
@@ -98,6 +182,21 @@ class PolicyContext:
         key_pos = torch.arange(self.length, device=q.device)[None, :]
         logits = logits.masked_fill(key_pos > query_pos, float("-inf"))
         return torch.softmax(logits, dim=-1)
+
+    def layer_inputs(self, layer: int) -> LayerInputs:
+        """What layer ``layer``'s attention module was called with during prefill."""
+        if self.layer_inputs_fn is None:
+            raise PolicyError(
+                "this policy needs each attention layer's inputs (hidden states, module), which "
+                "were not recorded (they are at prefill for policies with NEEDS_LAYER_INPUTS, "
+                "not while decoding)"
+            )
+        return self.layer_inputs_fn(layer)
+
+    def attention(self, layer: int) -> torch.Tensor:
+        """Attention probabilities of every prefix query onto every prefix key, causal:
+        ``(query_heads, length, length)`` in float32 (as :meth:`window_attention`)."""
+        return self._attention(layer, 0, self.length)
 
     def window_attention(self, layer: int, window: int) -> torch.Tensor:
         """Attention of the last ``window`` prefix queries: ``(query_heads, window, length)``."""

@@ -9,6 +9,7 @@ the original ones: the first generated token sits at position ``n`` whatever was
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -17,6 +18,7 @@ import torch
 
 from kvcouple.errors import InvalidInputError
 from kvcouple.policies import Policy, PolicyContext
+from kvcouple.policies.context import LayerInputCapture
 from kvcouple.tracer import compat, support
 
 
@@ -33,6 +35,7 @@ class Prefill:
     capture: compat.QueryCapture | None
     num_query_heads: int
     vocab_size: int
+    layer_inputs: LayerInputCapture | None = None  # for policies with NEEDS_LAYER_INPUTS
 
     @property
     def prompt_length(self) -> int:
@@ -55,6 +58,7 @@ class Prefill:
             accumulated_fn=cap.accumulated_attention
             if cap is not None and cap.accumulate
             else None,
+            layer_inputs_fn=None if self.layer_inputs is None else self.layer_inputs.get,
         )
 
 
@@ -100,13 +104,18 @@ def prefill(
     if policies is not None:
         need_queries, keep, accumulate = query_needs(policies)
     capture = compat.QueryCapture(model, keep, accumulate) if need_queries else None
-    if capture is not None:
-        with capture:
-            compat.forward(model, ids[None, :-1], cache, positions)
-    else:
+    inputs = None
+    if any(p.NEEDS_LAYER_INPUTS for p in policies or ()):
+        inputs = LayerInputCapture(model)
+    with capture or contextlib.nullcontext(), inputs or contextlib.nullcontext():
         compat.forward(model, ids[None, :-1], cache, positions)
     return Prefill(
-        ids, compat.cache_tensors(cache), capture, num_query_heads(model), vocab_size(model)
+        ids,
+        compat.cache_tensors(cache),
+        capture,
+        num_query_heads(model),
+        vocab_size(model),
+        inputs,
     )
 
 
