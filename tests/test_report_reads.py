@@ -12,6 +12,7 @@ import pytest
 
 from kvcouple import synth
 from kvcouple.analysis import analyze, write_report
+from kvcouple.analysis.labels import number, percent
 from kvcouple.synth.trace_store import write_synthetic_trace_store
 
 pytest.importorskip("matplotlib")
@@ -51,9 +52,10 @@ def test_title_and_headline_come_first_in_words(full_report):
     head = md.split("## Headline", 1)[1].split("\n## ", 1)[0]
     for pol, label in ((SNAP, "snapkv:retain=0.5"), (RECENT, RECENT)):
         sentence = next(x for x in head.splitlines() if x.startswith(f"- **{label}** diverges"))
-        assert f"in {100 * summary[(pol, 'occurrence')]:.0f}% [" in sentence
-        assert f"after divergence {100 * summary[(pol, 'rho')]:.0f}% [" in sentence
-        assert f"E[M]/T = {summary[(pol, 'mismatch_fraction')]:.4g} [" in sentence
+        # One rule for numbers: three significant figures (percentages too).
+        assert f"in {percent(summary[(pol, 'occurrence')])} [" in sentence
+        assert f"after divergence {percent(summary[(pol, 'rho')])} [" in sentence
+        assert f"E[M]/T = {number(summary[(pol, 'mismatch_fraction')])} [" in sentence
     assert re.search(
         r"- \*\*recent:retain=0\.5\*\* vs \*\*snapkv:retain=0\.5\*\*: E\[M\]/T differs by", head
     )
@@ -62,7 +64,9 @@ def test_title_and_headline_come_first_in_words(full_report):
 def test_wide_tables_use_short_labels_with_a_legend(full_report):
     _, md, _ = full_report
     assert "| quantity | snapkv:retain=0.5 | recent:retain=0.5 |" in md
-    assert f"snapkv:retain=0.5 = `{SNAP}`" in md
+    # Every policy once with its full spec (the legend, in the headline), labels after.
+    assert f"| snapkv:retain=0.5 | {SNAP} |" in md and f"| {RECENT} | {RECENT} |" in md
+    assert md.count(SNAP) == 1
     row = next(x for x in md.splitlines() if x.startswith("| E[M]/T |"))
     assert len(row.split(" | ")) == 3  # one cell per policy
     # Branches traced to the horizon: no interval rows, and the figure says why.
@@ -82,8 +86,9 @@ def test_markdown_and_html_carry_the_same_content(full_report):
     md_cells = [
         c.strip() for x in md.splitlines() if x.startswith("| E[M]/T |") for c in x.split("|")[2:-1]
     ]
-    for cell in md_cells:
-        assert f"<td>{cell}</td>" in page
+    for cell in md_cells:  # the interval kept on one line in HTML
+        est, ci = cell.split(" ", 1)
+        assert f'<td>{est} <span class="ci">{ci}</span></td>' in page
 
 
 def test_an_unobserved_tail_is_flagged_and_given_as_an_interval(tmp_path):

@@ -16,7 +16,7 @@ from kvcouple.textsafe import terminal
 
 
 def _analyze(args: argparse.Namespace) -> int:
-    from kvcouple.analysis.console import format_decomposition
+    from kvcouple.analysis.console import format_decomposition, run_stamp
     from kvcouple.analysis.engine import analyze
     from kvcouple.analysis.report import write_report
     from kvcouple.errors import InvalidInputError, MissingExtraError, require
@@ -67,7 +67,7 @@ def _analyze(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
     print(format_decomposition(result), end="")
-    print(f"plan hash {result.plan_hash}; {terminal(result.preregistration)}; wrote {out}")
+    print(f"{run_stamp(result)}; wrote {out}")
     return 0
 
 

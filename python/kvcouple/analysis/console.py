@@ -1,9 +1,11 @@
 """The decomposition as a terminal table: what ``kvcouple analyze`` and ``kvcouple demo`` print.
 
-Per model, one row per quantity of ``E[M]/T = P(tau<=T)/T + exposure x rho`` and one column
-per policy (short labels; full specs underneath), each cell the mean over documents with its
-bootstrap CI. When branches were traced only to L < T the tail is unobserved: ``E[M]/T`` is
-then given as its sharp interval.
+Per model: the policies with their full specs (once), then one row per quantity of
+``E[M]/T = P(tau<=T)/T + exposure x rho`` and one column per policy (short labels), each cell
+the mean over documents with its bootstrap CI, numbers to three significant figures
+(:func:`kvcouple.analysis.labels.number`). When branches were traced only to L < T - 1 lags
+the tail is unobserved: rho is then "unobserved" and ``E[M]/T`` is given as its sharp
+interval, with a note saying so.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ import math
 from typing import Any
 
 from kvcouple.analysis.engine import AnalysisResult, ModelResult
-from kvcouple.analysis.labels import policy_labels
+from kvcouple.analysis.labels import number, policy_labels
 from kvcouple.textsafe import terminal
 
 # (quantity in summary.csv, row label); the order reads as the decomposition.
@@ -25,14 +27,32 @@ DECOMPOSITION_ROWS = (
 )
 
 
+UNOBSERVED = "unobserved"
+
+
 def _cell(row: dict[str, Any] | None) -> str:
     if row is None or not math.isfinite(row["estimate"]):
-        return "unobserved"
-    return f"{row['estimate']:.4f} [{row['ci_low']:.4f}, {row['ci_high']:.4f}]"
+        return UNOBSERVED
+    return f"{number(row['estimate'])} [{number(row['ci_low'])}, {number(row['ci_high'])}]"
 
 
 def _interval_cell(lo: dict[str, Any], hi: dict[str, Any]) -> str:
-    return f"in [{lo['estimate']:.4f}, {hi['estimate']:.4f}]"
+    return f"in [{number(lo['estimate'])}, {number(hi['estimate'])}]"
+
+
+def run_stamp(result: AnalysisResult) -> str:
+    """What kind of analysis this was, in words: ``exploratory (no plan)``, or the plan's
+    name and hash with its preregistration status."""
+    if result.plan_hash == "none":
+        return "exploratory (no plan)"
+    name = f"plan {terminal(result.plan_name)} " if result.plan_name else "plan "
+    return f"{name}(hash {result.plan_hash}); {terminal(result.preregistration)}"
+
+
+def policy_legend(policies: list[str], labels: dict[str, str]) -> list[str]:
+    """Every policy once with its full spec, ``label = spec`` (the label used afterwards)."""
+    width = max(len(labels[p]) for p in policies)
+    return [f"  {labels[p].ljust(width)} = {terminal(p)}" for p in policies]
 
 
 def format_model(m: ModelResult, level: float) -> str:
@@ -55,11 +75,13 @@ def format_model(m: ModelResult, level: float) -> str:
     labels = {p: terminal(lab) for p, lab in policy_labels(m.policies).items()}
     n_docs = next((r["n_docs"] for r in m.tables["summary"]), len(m.docs))
     cells = []
+    interval = False
     for quantity, title in DECOMPOSITION_ROWS:
         line = [title]
         for pol in m.policies:
             r = rows.get((pol, quantity))
             if quantity == "mismatch_fraction" and (r is None or not math.isfinite(r["estimate"])):
+                interval = True
                 line.append(
                     _interval_cell(rows[(pol, "interval_lower")], rows[(pol, "interval_upper")])
                 )
@@ -73,19 +95,21 @@ def format_model(m: ModelResult, level: float) -> str:
         return "  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip()
 
     out = [
-        f"{terminal(m.model)}: {n_docs} documents, T={m.horizon}, L={m.window}; mean over documents "
-        f"[{100 * level:.0f}% document-bootstrap CI]",
+        f"{terminal(m.model)}: {n_docs} documents; T = {m.horizon} tokens generated per "
+        f"trajectory; L = {m.window} lags traced after each first divergence (its branches)",
+        "policies (short label = full spec):",
+        *policy_legend(m.policies, labels),
+        f"mean over documents [{100 * level:.0f}% document-bootstrap CI]:",
         fmt(head),
         *map(fmt, cells),
     ]
-    if m.window < m.horizon:
+    if interval or any(UNOBSERVED in c for line in cells for c in line):
         out.append(
-            "  (branches traced to L < T: the tail after L is unobserved, so E[M]/T is given "
-            "as its sharp interval)"
+            f"  {UNOBSERVED}: branches were traced for L = {m.window} of T = {m.horizon} steps, "
+            "so the mismatches after lag L are not seen and rho is unknown; E[M]/T is given as "
+            "'in [lower, upper]', the sharp interval of values compatible with what was seen. "
+            "Trace with --window >= --horizon to observe both."
         )
-    full = [f"  {labels[p]} = {terminal(p)}" for p in m.policies if labels[p] != terminal(p)]
-    if full:
-        out += ["policies:", *full]
     return "\n".join(out) + "\n"
 
 

@@ -79,18 +79,31 @@ def _subplots(figsize: tuple[float, float]) -> tuple[Any, Any]:
 def make_figures(tables: dict[str, Rows], folder: Path, stamp: str = "") -> dict[str, bytes]:
     """Draw every figure, save it as PNG in ``folder`` and return the PNG bytes by name.
     ``stamp`` (the plan hash and settings) is printed in a corner of every figure."""
-
     folder.mkdir(parents=True, exist_ok=True)
     out: dict[str, bytes] = {}
-
-    def save(fig: Any, name: str) -> None:
+    for name, fig in draw_figures(tables).items():
         buf = io.BytesIO()
-        fig.tight_layout()
         if stamp:
             fig.text(0.995, 0.005, stamp, ha="right", va="bottom", fontsize=7, color="0.4")
         fig.savefig(buf, format="png", dpi=110)
         out[name] = buf.getvalue()
         (folder / f"{name}.png").write_bytes(out[name])
+    return out
+
+
+def _legend_outside(ax: Any) -> None:
+    """The legend right of the axes, where it cannot cover a bar or an error bar."""
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.02, 1.0), borderaxespad=0.0)
+
+
+def draw_figures(tables: dict[str, Rows]) -> dict[str, Any]:
+    """Every figure of the report as a matplotlib ``Figure`` (laid out, not saved), by name:
+    survival, hazard, branch_tv_by_lag, decomposition, sharp_interval, early_vs_late."""
+    figures: dict[str, Any] = {}
+
+    def save(fig: Any, name: str) -> None:
+        fig.tight_layout()
+        figures[name] = fig
 
     series = _series(tables)
     # Policy specs are long ("snapkv:retain=0.5,window=32,..."): one parameter per line.
@@ -123,12 +136,12 @@ def make_figures(tables: dict[str, Rows], folder: Path, stamp: str = "") -> dict
     _curve_plot(ax, tables, "branch_tv")
     ax.set(
         xlabel="lag after divergence",
-        ylabel="branch-aligned TV (O-weighted)",
+        ylabel="branch-aligned TV (O-weighted: see caption)",
         title="Branch-aligned TV by lag",
     )
     save(fig, "branch_tv_by_lag")
 
-    fig, ax = _subplots(figsize=(max(4, 1.3 * len(series) + 2), 4))
+    fig, ax = _subplots(figsize=(max(4, 1.3 * len(series) + 2) + 2, 4))
     T = {m: h for m, h in _horizons(tables).items()}
     xs = range(len(series))
     first = [q(m, p, "first_mismatch")["estimate"] for m, p in series]
@@ -136,10 +149,11 @@ def make_figures(tables: dict[str, Rows], folder: Path, stamp: str = "") -> dict
     tail = [q(m, p, "tail_contribution")["estimate"] / T[m] for m, p in series]
     exposure = [q(m, p, "tail_exposure")["estimate"] / T[m] for m, p in series]
     ax.bar(xs, first, label="first mismatch P(tau<=T)/T")
-    ax.bar(xs, window, bottom=first, label="window (lags 1..L_w)")
+    ax.bar(xs, window, bottom=first, label="window (lags 1..L_w after tau)")
     low = [f + w for f, w in zip(first, window, strict=True)]
     seen = [t if t == t else 0.0 for t in tail]  # NaN: tail not observed
-    ax.bar(xs, seen, bottom=low, label="tail (lags > L_w)")
+    if any(t > 0 for t in seen):  # no tail drawn, none named in the legend
+        ax.bar(xs, seen, bottom=low, label="tail (lags > L_w)")
     unseen = [e if t != t else 0.0 for t, e in zip(tail, exposure, strict=True)]
     if any(unseen):
         ax.bar(xs, unseen, bottom=low, fill=False, hatch="//", label="unobserved tail (at most)")
@@ -156,8 +170,8 @@ def make_figures(tables: dict[str, Rows], folder: Path, stamp: str = "") -> dict
         capsize=4,
     )
     ax.set_xticks(list(xs), labels, fontsize=7)
-    ax.set(ylabel="E[M]/T", title="Decomposition of E[M]/T (bar: CI)")
-    ax.legend(fontsize=7)
+    ax.set(ylabel="E[M]/T", title="Decomposition of E[M]/T (black: CI)")
+    _legend_outside(ax)
     save(fig, "decomposition")
 
     fig, ax = _subplots(figsize=(max(4, 1.3 * len(series) + 2), 4))
@@ -171,7 +185,7 @@ def make_figures(tables: dict[str, Rows], folder: Path, stamp: str = "") -> dict
     ax.set(ylabel="E[M]/T", title="Sharp interval (bar), CI (line), point (dot)")
     save(fig, "sharp_interval")
 
-    fig, ax = _subplots(figsize=(max(4, 1.3 * len(series) + 2), 4))
+    fig, ax = _subplots(figsize=(max(4, 1.3 * len(series) + 2) + 1.5, 4))
     width = 0.38
     for j, name in enumerate(("early_tv", "late_tv")):
         rows = [q(m, p, name) for m, p in series]
@@ -184,10 +198,10 @@ def make_figures(tables: dict[str, Rows], folder: Path, stamp: str = "") -> dict
                 [r["ci_high"] - r["estimate"] for r in rows],
             ],
             capsize=3,
-            label=name.replace("_tv", " half of the window"),
+            label="early lags 1..s" if name == "early_tv" else "late lags s+1..L_w",
         )
     ax.set_xticks(list(xs), labels, fontsize=7)
     ax.set(ylabel="branch-aligned TV", title="Early vs late window")
-    ax.legend(fontsize=7)
+    _legend_outside(ax)
     save(fig, "early_vs_late")
-    return out
+    return figures

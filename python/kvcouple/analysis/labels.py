@@ -1,15 +1,65 @@
-"""Short policy labels for tables and figures.
+"""How policies and numbers are written in tables, figures and the terminal.
 
 Stores record each policy's canonical spec with every parameter spelled out
 (``snapkv:retain=0.5,window=32,kernel=7,pool=avg``); reports label columns with the spec
 minus the parameters at their registered defaults (``snapkv:retain=0.5``) and list the full
-specs in a legend.
+specs once, in a legend.
+
+Numbers follow one rule everywhere (:func:`number`): :data:`SIGNIFICANT` significant figures.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import Any
+
+SIGNIFICANT = 3
+
+
+def number(value: float, integer: bool = False) -> str:
+    """``value`` to :data:`SIGNIFICANT` significant figures: ``0.605``, ``0.0189``, ``12.3``;
+    exact zero as ``0``, magnitudes of 1000 and more as whole numbers (no exponent).
+
+    Parameters
+    ----------
+    value : float
+        A finite number (``nan`` and infinities are written as ``nan``, ``inf``).
+    integer : bool, default False
+        An integer-valued quantity (a step, a count): written as a whole number.
+
+    Returns
+    -------
+    str
+        The number as text.
+    """
+    v = float(value)
+    if not math.isfinite(v):
+        return str(v)
+    if integer or abs(v) >= 10**SIGNIFICANT:
+        return f"{v:.0f}"
+    if v == 0:
+        return "0"
+    text = f"{v:#.{SIGNIFICANT}g}"
+    if "e+" in text:  # 999.7 rounds up to 1.00e+03
+        return f"{v:.0f}"
+    return text.rstrip(".") if "e" not in text else text
+
+
+def percent(value: float) -> str:
+    """A fraction as a percentage by the same rule: ``0.605`` -> ``60.5%``.
+
+    Parameters
+    ----------
+    value : float
+        A fraction (1.0 is 100%).
+
+    Returns
+    -------
+    str
+        The percentage as text.
+    """
+    return number(100 * value) + "%"
 
 
 def short_label(spec: str) -> str:

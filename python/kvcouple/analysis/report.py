@@ -27,10 +27,11 @@ import warnings
 from pathlib import Path
 from typing import Any, TypeGuard
 
+from kvcouple.analysis.console import run_stamp
 from kvcouple.analysis.engine import AnalysisResult
-from kvcouple.analysis.labels import policy_labels
+from kvcouple.analysis.labels import number, percent, policy_labels
 from kvcouple.analysis.report_html import html_page
-from kvcouple.analysis.stats import QUANTITIES
+from kvcouple.analysis.stats import DISCRETE, NOT_INTERPRETABLE, QUANTITIES
 from kvcouple.analysis.tables import EMPTY_COLUMNS, json_safe, table_meta, tidy_tables, write_csv
 from kvcouple.errors import InvalidInputError, MissingExtraError, require
 from kvcouple.textsafe import markdown_cell, terminal
@@ -38,7 +39,7 @@ from kvcouple.textsafe import markdown_cell, terminal
 
 def _fmt(v: Any) -> str:
     if isinstance(v, float):
-        return "nan" if math.isnan(v) else f"{v:.4g}"
+        return "nan" if math.isnan(v) else number(v)
     return markdown_cell(v)
 
 
@@ -47,6 +48,20 @@ def markdown_table(rows: list[dict[str, Any]], columns: list[str]) -> str:
     return head + "".join(
         "| " + " | ".join(_fmt(r.get(c, "")) for c in columns) + " |\n" for r in rows
     )
+
+
+def compact_table(rows: list[dict[str, Any]], columns: list[str]) -> str:
+    """:func:`markdown_table` that fits a page: a column with one value in every row (of two
+    or more) is said once above the table (``In every row: model: kvcouple-default.``)."""
+    keep, constant = [], []
+    for c in columns:
+        values = {str(r.get(c, "")) for r in rows}
+        (constant if len(rows) > 1 and len(values) == 1 else keep).append(c)
+    above = ""
+    if constant and keep:
+        said = "; ".join(f"{markdown_cell(c)}: {_fmt(rows[0].get(c, ''))}" for c in constant)
+        above = f"In every row: {said}.\n\n"
+    return above + markdown_table(rows, keep if above else columns)
 
 
 SUMMARY_ROWS = (
@@ -73,16 +88,84 @@ DIFFERENCE_QUANTITIES = (
     "rho",
     "late_minus_early_tv",
 )
+DIFFERENCE_TITLES = {
+    "mismatch_fraction": "E[M]/T",
+    "occurrence": "occurrence",
+    "exposure": "exposure",
+    "rho": "rho",
+    "late_minus_early_tv": "late - early TV",
+}
+# The report's symbols, listed at its end (and said in words where they first appear).
+SYMBOLS = [
+    "- T: tokens generated per trajectory (the horizon).",
+    "- tau: the first step at which the two coupled models emit different tokens.",
+    "- M: the number of the T tokens that differ; E[M]/T its expected fraction.",
+    "- exposure: E[(T - tau)+]/T, the share of the horizon left after tau.",
+    "- rho: the mismatch rate after tau (differing tokens per token of exposure).",
+    "- L: lags traced after a first divergence (the branch length, `kvcouple trace --window`).",
+    "- L_w: lags after tau the analysis counts as observed (`kvcouple analyze --window`; "
+    "default L); later lags are the tail.",
+    "- s: the last lag of the early window (lags 1..s; the late window is s+1..L_w); default "
+    "L_w // 2.",
+    "- O: a replicate's probability of diverging within T (its occurrence estimate). "
+    "O-weighted: branch quantities averaged with each replicate's branches weighted by O, so "
+    "that they describe diverged trajectories.",
+    "- Gap terms (B vs A): m = E[M]/T, f = P(tau<=T)/T, e = exposure; d = B minus A (df, de, "
+    "drho); _bar = the mean of A and B.",
+]
 
 
-def _ci(r: dict[str, Any] | None, key: str = "estimate", pct: bool = False) -> str:
-    """``0.2294 [0.2059, 0.2579]`` (or percentages); ``n/a`` when not estimable."""
+def _ci(
+    r: dict[str, Any] | None,
+    key: str = "estimate",
+    pct: bool = False,
+    integer: bool = False,
+    low: str = "ci_low",
+    high: str = "ci_high",
+) -> str:
+    """``0.229 [0.206, 0.258]`` (or percentages; whole numbers for steps); ``n/a`` when not
+    estimable. Three significant figures, as everywhere (:func:`~kvcouple.analysis.labels.number`)."""
     if r is None or not _finite(r.get(key)):
         return "n/a"
-    f = (lambda v: f"{100 * v:.0f}%") if pct else (lambda v: f"{v:.4g}")
-    if not (_finite(r.get("ci_low")) and _finite(r.get("ci_high"))):
+
+    def f(v: float) -> str:
+        return percent(v) if pct else number(v, integer=integer)
+
+    if not (_finite(r.get(low)) and _finite(r.get(high))):
         return f(r[key])
-    return f"{f(r[key])} [{f(r['ci_low'])}, {f(r['ci_high'])}]"
+    return f"{f(r[key])} [{f(r[low])}, {f(r[high])}]"
+
+
+def report_labels(result: AnalysisResult, markdown: bool = True) -> dict[str, str]:
+    """One short label per policy for the whole report (every model's policies together);
+    the legend in the headline gives each one's full spec. ``markdown``: escaped for direct
+    use in Markdown table text (not for :func:`markdown_table`, which escapes its cells)."""
+    specs: list[str] = []
+    for m in result.models:
+        specs += [p for p in m.policies if p not in specs]
+    labels = policy_labels(specs)
+    return {p: markdown_cell(lab) if markdown else lab for p, lab in labels.items()}
+
+
+def legend_table(result: AnalysisResult) -> list[str]:
+    """Every policy once: its short label (used in the rest of the report) and full spec."""
+    labels = report_labels(result)
+    rows = [f"| {labels[p]} | {markdown_cell(p)} |" for p in labels]
+    return [
+        "Policies compared: the short label used in the rest of this report, and the full spec "
+        "with every parameter (as stored).",
+        "",
+        "| label | full spec |",
+        "|---|---|",
+        *rows,
+        "",
+    ]
+
+
+def _split(result: AnalysisResult, obs_window: int) -> int:
+    """s, the last early lag of the early/late window split (default: half of L_w)."""
+    split = result.settings.get("early_late_split")
+    return obs_window // 2 if split in (None, "half") else int(split)
 
 
 def _finite(v: Any) -> TypeGuard[float]:
@@ -101,9 +184,9 @@ def _excludes_zero(r: dict[str, Any]) -> bool:
 def headline(result: AnalysisResult, tables: dict[str, list[dict[str, Any]]]) -> list[str]:
     """The report's first section: per policy, in words, then each compared pair's gap."""
     level = f"{100 * result.settings.get('ci', 0.95):.0f}%"
-    lines = ["## Headline\n"]
+    lines = ["## Headline\n", *legend_table(result)]
+    labels = report_labels(result)
     for m in result.models:
-        labels = {p: terminal(lab) for p, lab in policy_labels(m.policies).items()}
         q = _lookup(tables["summary"], m.model)
         if len(result.models) > 1:
             lines.append(f"**{terminal(m.model)}**\n")
@@ -114,17 +197,20 @@ def headline(result: AnalysisResult, tables: dict[str, list[dict[str, Any]]]) ->
             exp_ = q.get((pol, "exposure"))
             words = [
                 f"- **{labels[pol]}** diverges from the full-cache model in "
-                f"{_ci(occ, pct=True)} of trajectories within T = {m.horizon} tokens"
+                f"{_ci(occ, pct=True)} of trajectories within the T = {m.horizon} generated "
+                "tokens"
             ]
             if med is not None and _finite(med.get("estimate")):
-                words.append(f", at step {med['estimate']:.0f} on median when it does")
+                words.append(
+                    f", at step {number(med['estimate'], integer=True)} on median when it does"
+                )
             if rho is not None and _finite(rho.get("estimate")):
                 words.append(f"; after divergence {_ci(rho, pct=True)} of tokens differ")
             if frac is not None and _finite(frac.get("estimate")):
                 exposure_share = ""
                 if exp_ is not None and _finite(exp_.get("estimate")) and frac["estimate"] > 0:
                     s = exp_["estimate"] * rho["estimate"] / frac["estimate"]  # type: ignore[index]
-                    exposure_share = f", {100 * s:.0f}% of it post-divergence exposure x rate"
+                    exposure_share = f", {percent(s)} of it post-divergence exposure x rate"
                 words.append(
                     f". In all, a fraction E[M]/T = {_ci(frac)} of the generated tokens "
                     f"differ{exposure_share}."
@@ -132,9 +218,10 @@ def headline(result: AnalysisResult, tables: dict[str, list[dict[str, Any]]]) ->
             else:
                 lo, hi = q.get((pol, "interval_lower")), q.get((pol, "interval_upper"))
                 words.append(
-                    f". Branches were traced for L = {m.window} of T = {m.horizon} steps, so "
-                    f"E[M]/T is known only to lie in the sharp interval "
-                    f"[{_ci(lo)}, {_ci(hi)}]."
+                    f". Branches (the continuations after a first divergence) were traced for "
+                    f"L = {m.window} of T = {m.horizon} steps, so rho is unknown and E[M]/T is "
+                    f"known only to lie in the sharp interval [{_ci(lo)}, {_ci(hi)}] (the values "
+                    "compatible with what was observed)."
                 )
             lines.append("".join(words))
         gaps: dict[tuple[str, str], dict[str, dict[str, Any]]] = {}
@@ -153,11 +240,31 @@ def headline(result: AnalysisResult, tables: dict[str, list[dict[str, Any]]]) ->
             )
             if _excludes_zero(gap) and share is not None and _finite(share.get("estimate")):
                 sentence += f"; post-divergence exposure explains {_ci(share, pct=True)} of the gap"
+                sentence += _share_note(share, terms)
             elif not _excludes_zero(gap):
                 sentence += "; the CI includes 0, so there is no clear gap to attribute"
             lines.append(sentence + ".")
     lines.append("")
     return lines
+
+
+def _share_note(share: dict[str, Any], terms: dict[str, dict[str, Any]]) -> str:
+    """Why an exposure share can pass 100% (or 0%): the other terms pull the other way."""
+    est, lo, hi = share["estimate"], share.get("ci_low"), share.get("ci_high")
+    rest = [terms.get(k, {}).get("estimate") for k in ("delta_first_mismatch", "rate_term")]
+    if est > 1 or est < 0:
+        other = sum(v for v in rest if _finite(v))
+        return (
+            f" (more than all of it, or less than none: the first-mismatch and rate terms "
+            f"together, {number(other)}, go the other way, so the exposure term alone is larger "
+            "than the gap; see Gap attribution)"
+        )
+    if (_finite(hi) and hi > 1) or (_finite(lo) and lo < 0):
+        return (
+            " (its interval passes 100% or 0%: the share is a ratio over a gap that is small "
+            "next to its own uncertainty)"
+        )
+    return ""
 
 
 HOW_TO_READ = """## How to read this
@@ -185,37 +292,26 @@ def _wide(
     head += "|---|" + "---|" * len(policies) + "\n"
     body = ""
     for key, title in rows:
-        cells = [_ci(q.get((p, key))) for p in policies]
+        cells = [_ci(q.get((p, key)), integer=key in DISCRETE) for p in policies]
         if all(c == "n/a" for c in cells):
             continue
         body += f"| {title} | " + " | ".join(cells) + " |\n"
     return head + body
 
 
-def _legend(policies: list[str], labels: dict[str, str]) -> list[str]:
-    """Short labels -> full specs, for the labels that are not the spec itself."""
-    full = [p for p in policies if labels[p] != markdown_cell(p)]
-    if not full:
-        return []
-    short = policy_labels(policies)
-    return [
-        "",
-        "Policies: " + "; ".join(f"{terminal(short[p])} = `{terminal(p)}`" for p in full) + ".",
-    ]
-
-
 def flags(result: AnalysisResult, tables: dict[str, list[dict[str, Any]]]) -> list[str]:
     """What the reader must know before trusting the numbers: the preregistration stamp
     first, then every caveat that applies."""
-    out = [f"**{terminal(result.preregistration)}**"]
+    out = [f"**{run_stamp(result)}**"]
     for m in result.models:
         n = len(m.docs)
         name = terminal(m.model)
         if m.window + 1 < m.horizon:
             out.append(
                 f"{name}: branches were traced for L = {m.window} lags of T = {m.horizon} "
-                "steps; what happens later is unobserved, so E[M]/T and rho are given as the "
-                "sharp interval of values compatible with the observed window."
+                "steps after each first divergence; what happens later is unobserved, so rho "
+                "is not estimated and E[M]/T is given as the sharp interval of values "
+                "compatible with the observed window."
             )
         if n < 20:
             out.append(
@@ -257,13 +353,18 @@ FIGURES = {
     "decomposition": (
         "Decomposition of E[M]/T",
         "Each bar stacks the first-mismatch contribution P(tau<=T)/T, the post-divergence "
-        "mismatches inside the observation window and those after it; the black line is the "
-        "CI of E[M]/T. The parts above the first one are exposure x rho: compare their heights "
+        "mismatches inside the observation window (lags 1..L_w after the first divergence tau, "
+        "L_w being the lags the analysis counts as observed) and, where any, those after it "
+        "(the tail; hatched: unobserved, at most this much); the black line is the CI of "
+        "E[M]/T. The parts above the first one are exposure x rho: compare their heights "
         "across policies to see whether a gap comes from diverging or from drifting.",
     ),
     "branch_tv_by_lag": (
         "Branch-aligned TV by lag after the first divergence",
-        "Lag 0 is the divergence step itself, whose TV is the (usually small) hazard that "
+        "The mean TV between the two models' next-token distributions at each lag after the "
+        "first divergence, over the branches traced (each replicate's branches weighted by its "
+        "probability O of diverging at all, 'O-weighted', so that the mean is that of diverged "
+        "trajectories). Lag 0 is the divergence step itself, whose TV is the (usually small) hazard that "
         "happened to produce different tokens; from lag 1 on, the two models continue from "
         "different prefixes and TV jumps, which is why rho is high. Only trajectories that "
         "diverged early reach the last lags, so the right end rests on few branches and is "
@@ -276,9 +377,9 @@ FIGURES = {
     ),
     "early_vs_late": (
         "Early vs late branch-aligned TV",
-        "Branch-aligned TV averaged over the first and the second half of the window after "
-        "divergence. Late above early means the two generations keep drifting apart instead "
-        "of re-synchronising.",
+        "Branch-aligned TV (O-weighted, as in the TV-by-lag figure) averaged over the early "
+        "lags 1..s and the late lags s+1..L_w after divergence ({split}). Late above early "
+        "means the two generations keep drifting apart instead of re-synchronising.",
     ),
 }
 COLLAPSED = (
@@ -292,6 +393,13 @@ def _caption(name: str, result: AnalysisResult) -> tuple[str, str]:
     title, text = FIGURES.get(name, (name, ""))
     if name == "sharp_interval" and all(m.window + 1 >= m.horizon for m in result.models):
         text += COLLAPSED
+    if name == "early_vs_late":
+        split = "; ".join(
+            f"{terminal(m.model) + ': ' if len(result.models) > 1 else ''}"
+            f"s = {_split(result, m.obs_window)}, L_w = {m.obs_window}"
+            for m in result.models
+        )
+        text = text.format(split=split)
     return title, text
 
 
@@ -319,8 +427,8 @@ def markdown_report(
     lines += ["## Flags\n", *[f"- {f}" for f in flags(result, tables)], ""]
     lines.append(HOW_TO_READ)
     level = f"{100 * result.settings.get('ci', 0.95):.0f}%"
+    labels = report_labels(result)
     for m in result.models:
-        labels = {p: markdown_cell(lab) for p, lab in policy_labels(m.policies).items()}
         q = _lookup(tables["summary"], m.model)
         where = f" ({terminal(m.model)})" if len(result.models) > 1 else ""
         # Branches traced to the horizon: the sharp interval is the point estimate itself.
@@ -328,13 +436,18 @@ def markdown_report(
         rows = tuple(r for r in SUMMARY_ROWS if not (collapsed and r[0].startswith("interval_")))
         lines += [
             f"## Decomposition by policy{where}\n",
-            f"Means over {len(m.docs)} documents [{level} document-bootstrap CI]; T = "
-            f"{m.horizon}, L = {m.window}, L_w = {m.obs_window}.\n",
+            f"Means over {len(m.docs)} documents [{level} document-bootstrap CI]; "
+            f"T = {m.horizon} tokens generated per trajectory; L = {m.window} lags traced "
+            f"after each first divergence; L_w = {m.obs_window} lags counted as observed by "
+            "this analysis (its window, at most L).\n",
             _wide(q, m.policies, labels, rows),
         ]
-        lines += _legend(m.policies, labels)
+        s_lag = _split(result, m.obs_window)
         lines += [
             f"\n## Timing and drift after divergence{where}\n",
+            f"Branch TV: the TV between the two models' next-token distributions after the "
+            f"first divergence, O-weighted (each replicate weighted by its probability O of "
+            f"diverging); early window: lags 1..s, late: lags s+1..L_w, with s = {s_lag}.\n",
             _wide(q, m.policies, labels, WINDOW_ROWS),
         ]
         pairs: dict[tuple[str, str], dict[str, dict[str, Any]]] = {}
@@ -348,8 +461,10 @@ def markdown_report(
             lines += [
                 f"\n## Paired policy differences (B - A){where}\n",
                 "Per document, then averaged; intervals that exclude 0 mark established "
-                "differences.\n",
-                "| B vs A | " + " | ".join(DIFFERENCE_QUANTITIES) + " |",
+                "differences. late - early TV: the late-window branch TV minus the early one.\n",
+                "| B vs A | "
+                + " | ".join(DIFFERENCE_TITLES[k] for k in DIFFERENCE_QUANTITIES)
+                + " |",
                 "|---|" + "---|" * len(DIFFERENCE_QUANTITIES),
             ]
             for (a, b), d in pairs.items():
@@ -368,7 +483,7 @@ def markdown_report(
     if tables["recompute_summary"]:
         lines += [
             "\n## Recorded vs recomputed TVs\n",
-            markdown_table(
+            compact_table(
                 tables["recompute_summary"],
                 ["model", "rows_checked", "max_abs_diff", "disagreements", "tolerance"],
             ),
@@ -376,12 +491,19 @@ def markdown_report(
     if tables["skipped"]:
         lines += [
             "\n## Skipped documents\n",
-            markdown_table(tables["skipped"], ["store", "doc_id", "reason"]),
+            compact_table(tables["skipped"], ["store", "doc_id", "reason"]),
         ]
+    stamp = (
+        ["- **exploratory (no plan)**"]
+        if result.plan_hash == "none"
+        else [
+            f"- **{terminal(result.preregistration)}**",
+            f"- plan: {terminal(result.plan_name or 'unnamed')} (hash `{result.plan_hash}`)",
+        ]
+    )
     lines += [
         "\n## Settings\n",
-        f"- **{terminal(result.preregistration)}**",
-        f"- plan: {terminal(result.plan_name or 'none')} (hash `{result.plan_hash}`)",
+        *stamp,
         f"- documents: {result.doc_set}; estimator: {result.estimator} "
         f"({'mismatch indicators, Rao-Blackwellised' if result.estimator == 'indicator' else 'branch-aligned TVs'})",
         f"- bootstrap: {result.settings.get('n_boot')} document resamples, seed "
@@ -394,6 +516,7 @@ def markdown_report(
             for m in result.models
         ),
     ]
+    lines += ["\n## Symbols\n", *SYMBOLS]
     lines += ["\n## Quantities\n"] + [f"- `{k}`: {v}" for k, v in QUANTITIES.items()]
     return "\n".join(lines) + "\n"
 
@@ -406,82 +529,137 @@ def _output(out: Path, name: str) -> Path:
     return path
 
 
+GAP_COLUMNS = (
+    ("gap", "gap m_B - m_A"),
+    ("delta_first_mismatch", "df (first mismatch)"),
+    ("exposure_term", "rho_bar de (exposure)"),
+    ("rate_term", "e_bar drho (rate)"),
+    ("exposure_share", "exposure share"),
+)
+GAP_INTRO = (
+    "The gap in E[M]/T between policies B and A splits exactly into three terms (SPEC section "
+    "3): m_B - m_A = df + rho_bar de + e_bar drho, where m = E[M]/T, f = P(tau<=T)/T (the "
+    "first-mismatch contribution), e = the exposure E[(T-tau)+]/T and rho = the mismatch rate; "
+    "d is B minus A (df = f_B - f_A) and _bar the mean of A and B. The exposure share "
+    "rho_bar de / (m_B - m_A) is the part of the gap that comes from B diverging earlier or "
+    "more often rather than drifting faster once diverged. It passes 100% (or falls below 0%) "
+    "when the other two terms go the other way, and its interval is wide when the gap is small "
+    "next to its uncertainty; a share whose gap CI includes 0 is flagged"
+)
+
+
+def _pairs(rows: list[dict[str, Any]]) -> dict[tuple[str, str, str], list[dict[str, Any]]]:
+    """Rows grouped by (model, policy_a, policy_b), in their order."""
+    out: dict[tuple[str, str, str], list[dict[str, Any]]] = {}
+    for r in rows:
+        out.setdefault((r["model"], r["policy_a"], r["policy_b"]), []).append(r)
+    return out
+
+
+def _by_model(
+    groups: dict[tuple[str, str, str], list[dict[str, Any]]],
+) -> dict[str, list[tuple[str, str, list[dict[str, Any]]]]]:
+    out: dict[str, list[tuple[str, str, list[dict[str, Any]]]]] = {}
+    for (model, a, b), rows in groups.items():
+        out.setdefault(model, []).append((a, b, rows))
+    return out
+
+
+def _model_note(model: str, several: bool) -> list[str]:
+    return [f"Model: {markdown_cell(model)}.\n"] if several else []
+
+
 def statistics_sections(
     result: AnalysisResult, tables: dict[str, list[dict[str, Any]]]
 ) -> list[str]:
     """The confirmatory-statistics sections: gap attribution (with the exposure-share flag),
     survival comparisons (RMST, survival difference with its simultaneous band) and the
-    plan's tests. Self-contained so the report's layout can change around it."""
+    plan's tests. Self-contained so the report's layout can change around it. One row per
+    pair of policies (short labels; B vs A), the model said above each table, not in a column."""
+    labels = report_labels(result)
     lines: list[str] = []
-    if tables["gap_attribution"]:
+
+    def pair(a: str, b: str) -> str:
+        return f"{labels.get(b, markdown_cell(b))} vs {labels.get(a, markdown_cell(a))}"
+
+    gaps = _by_model(_pairs(tables["gap_attribution"]))
+    if gaps:
         ref = result.settings.get("reference")
         lines += [
-            "\n## Gap attribution: m_B - m_A = df + rho_bar de + e_bar drho\n",
-            f"Gaps are b - a{f' with a = the reference {ref!r}' if ref else ' for every pair'}."
-            " An exposure share whose gap CI includes 0 is flagged *not interpretable*.\n",
-            markdown_table(
-                tables["gap_attribution"],
-                ["model", "policy_a", "policy_b", "term", "estimate", "ci_low", "ci_high", "note"],
-            ),
+            "\n## Gap attribution\n",
+            f"{GAP_INTRO} *{NOT_INTERPRETABLE}*. Gaps are B - A"
+            f"{f' with A = the reference {markdown_cell(ref)}' if ref else ' for every pair'}.\n",
         ]
+        for model, pairs in gaps.items():
+            lines += _model_note(model, len(gaps) > 1)
+            lines += [
+                "| B vs A | " + " | ".join(t for _, t in GAP_COLUMNS) + " |",
+                "|---|" + "---|" * len(GAP_COLUMNS),
+            ]
+            for a, b, rows in pairs:
+                terms = {r["term"]: r for r in rows}
+                cells = []
+                for key, _ in GAP_COLUMNS:
+                    r = terms.get(key)
+                    cell = _ci(r, pct=key == "exposure_share")
+                    if r is not None and r.get("note"):
+                        cell += f" ({markdown_cell(r['note'])})"
+                    cells.append(cell)
+                lines.append(f"| {pair(a, b)} | " + " | ".join(cells) + " |")
+            lines.append("")
     surv = tables.get("survival_differences", [])
     if surv:
-        rmst = [r for r in tables["differences"] if r["quantity"] == "rmst"]
+        rmst = _by_model(_pairs([r for r in tables["differences"] if r["quantity"] == "rmst"]))
         lines += [
             "\n## Survival comparisons\n",
-            "Restricted mean time to divergence E[min(tau, T)] (tokens), paired difference b - a:",
-            "",
-            markdown_table(
-                rmst, ["model", "policy_a", "policy_b", "difference", "ci_low", "ci_high"]
-            ),
-            "Survival difference S_b(t) - S_a(t): largest |difference| and whether the "
-            "simultaneous band (all steps at once) excludes 0 anywhere:",
-            "",
+            "Restricted mean time to divergence E[min(tau, T)] (tokens), paired difference "
+            "B - A, and the survival difference S_B(t) - S_A(t): its largest |value| (at step "
+            "t, with the simultaneous band, which covers all steps at once) and at how many "
+            "steps the band excludes 0.\n",
         ]
-        summary = []
-        keys = sorted({(r["model"], r["policy_a"], r["policy_b"]) for r in surv}, key=str)
-        for key in keys:
-            rows = [r for r in surv if (r["model"], r["policy_a"], r["policy_b"]) == key]
-            top = max(
-                rows,
-                key=lambda r: abs(r["difference"]) if r["difference"] == r["difference"] else -1,
-            )
-            apart = [r["step"] for r in rows if r["band_low"] > 0 or r["band_high"] < 0]
-            summary.append(
-                {
-                    "model": key[0],
-                    "policy_a": key[1],
-                    "policy_b": key[2],
-                    "max_step": top["step"],
-                    "max_difference": top["difference"],
-                    "band_low": top["band_low"],
-                    "band_high": top["band_high"],
-                    "steps_band_excludes_0": f"{len(apart)} of {len(rows)}",
-                }
-            )
-        lines.append(
-            markdown_table(
-                summary,
-                [
-                    "model",
-                    "policy_a",
-                    "policy_b",
-                    "max_step",
-                    "max_difference",
-                    "band_low",
-                    "band_high",
-                    "steps_band_excludes_0",
-                ],
-            )  # fmt: skip
-        )
+        bands = _by_model(_pairs(surv))
+        for model, pairs in bands.items():
+            lines += _model_note(model, len(bands) > 1)
+            lines += [
+                "| B vs A | RMST difference (tokens) | largest S_B - S_A [band] | at step "
+                "| steps the band excludes 0 |",
+                "|---|---|---|---|---|",
+            ]
+            diffs = {(a, b): rows[0] for a, b, rows in rmst.get(model, [])}
+            for a, b, rows in pairs:
+                top = max(
+                    rows,
+                    key=lambda r: (
+                        abs(r["difference"]) if r["difference"] == r["difference"] else -1
+                    ),
+                )
+                apart = [r["step"] for r in rows if r["band_low"] > 0 or r["band_high"] < 0]
+                d = diffs.get((a, b))
+                cells = [
+                    _ci(d, key="difference") if d is not None else "n/a",
+                    _ci(top, key="difference", low="band_low", high="band_high"),
+                    str(top["step"]),
+                    f"{len(apart)} of {len(rows)}",
+                ]
+                lines.append(f"| {pair(a, b)} | " + " | ".join(cells) + " |")
+            lines.append("")
     if tables["tests"]:
+        raw = report_labels(result, markdown=False)
+        rows = [
+            {
+                **r,
+                "tested": raw.get(r["policy"], r["policy"])
+                if r["policy"]
+                else f"{raw.get(r['policy_b'], r['policy_b'])} - "
+                f"{raw.get(r['policy_a'], r['policy_a'])}",
+                "estimate [CI]": _ci(r),
+            }
+            for r in tables["tests"]
+        ]
         lines += [
             f"\n## Prespecified tests ({result.doc_set} documents; {terminal(result.preregistration)})\n",
-            markdown_table(
-                [
-                    {**r, "tested": r["policy"] or f"{r['policy_b']} - {r['policy_a']}"}
-                    for r in tables["tests"]
-                ],
+            compact_table(
+                rows,
                 [
                     "comparison",
                     "model",
@@ -489,9 +667,7 @@ def statistics_sections(
                     "tested",
                     "direction",
                     "value",
-                    "estimate",
-                    "ci_low",
-                    "ci_high",
+                    "estimate [CI]",
                     "p_value",
                     "p_adjusted",
                     "reject_h0",
@@ -575,10 +751,12 @@ def write_report(
     if figures:
         from kvcouple.analysis.figures import make_figures
 
-        stamp = (
-            f"plan {result.plan_hash[:12]} | {result.estimator} | docs: {result.doc_set} | "
-            + result.preregistration.split(":")[0]
+        plan = (
+            "exploratory (no plan)"
+            if result.plan_hash == "none"
+            else f"plan {result.plan_hash[:12]} | " + result.preregistration.split(":")[0]
         )
+        stamp = f"{plan} | {result.estimator} | docs: {result.doc_set}"
         folder = _output(out, "figures")
         folder.mkdir(exist_ok=True)
         for f in folder.iterdir():  # links planted inside too

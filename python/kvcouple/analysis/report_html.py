@@ -1,4 +1,8 @@
-"""The report as one self-contained HTML page, rendered from its Markdown (same content)."""
+"""The report as one self-contained HTML page, rendered from its Markdown (same content).
+
+Tables fit the page: every table sits in its own box that scrolls sideways when the table is
+wider than the page (``.table-box``, ``overflow-x: auto``), and a cell may wrap between an
+estimate and its interval (``0.605 [0.561, 0.632]``) but not inside the interval."""
 
 from __future__ import annotations
 
@@ -6,6 +10,13 @@ import html
 import re
 
 from kvcouple.textsafe import split_markdown_row
+
+_INTERVAL = re.compile(r"(\[[^\[\]]*\])")
+
+
+def _cell(text: str) -> str:
+    """One table cell's HTML: :func:`_inline`, each bracketed interval kept on one line."""
+    return _INTERVAL.sub(r'<span class="ci">\1</span>', _inline(text))
 
 
 def _inline(text: str) -> str:
@@ -39,12 +50,12 @@ def html_page(markdown: str, images: dict[str, bytes], title: str) -> str:
                 continue
             tag = "th" if not in_table else "td"
             if not in_table:
-                body.append("<table>")
+                body.append('<div class="table-box"><table>')
                 in_table = True
-            body.append("<tr>" + "".join(f"<{tag}>{_inline(c)}</{tag}>" for c in cells) + "</tr>")
+            body.append("<tr>" + "".join(f"<{tag}>{_cell(c)}</{tag}>" for c in cells) + "</tr>")
             continue
         if in_table:
-            body.append("</table>")
+            body.append("</table></div>")
             in_table = False
         if in_list and not line.startswith("- "):
             body.append("</ul>")
@@ -79,14 +90,16 @@ def html_page(markdown: str, images: dict[str, bytes], title: str) -> str:
             flush()
     flush()
     if in_table:
-        body.append("</table>")
+        body.append("</table></div>")
     if in_list:
         body.append("</ul>")
     style = (
         "body{font-family:system-ui,sans-serif;max-width:1100px;margin:2em auto;padding:0 1em;"
         "color:#222;line-height:1.45}h1{font-size:1.6em}h2{margin-top:1.6em;border-bottom:1px solid #ddd}"
-        "table{border-collapse:collapse;margin:1em 0;font-size:92%}"
-        "td,th{border:1px solid #ccc;padding:4px 9px;text-align:right;white-space:nowrap}"
+        ".table-box{max-width:100%;overflow-x:auto;margin:1em 0}"
+        "table{border-collapse:collapse;font-size:92%}"
+        "td,th{border:1px solid #ccc;padding:4px 9px;text-align:right;vertical-align:top}"
+        ".ci{white-space:nowrap}"
         "td:first-child,th:first-child{text-align:left}th{background:#f0f0f0}"
         "img{max-width:100%}figure{margin:1.5em 0}figcaption{font-size:95%;color:#333;max-width:900px}"
         "code{background:#f4f4f4;padding:0 3px}li{margin:.3em 0}"
