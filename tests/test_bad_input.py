@@ -351,11 +351,11 @@ def test_random_pair_arguments(tmp_path, capsys, argv, text):
 
 
 def test_memory_limits_are_checked_before_allocating(tmp_path, monkeypatch):
-    import kvcouple.store.reader as reader
+    import kvcouple.resources as resources
     from kvcouple.errors import ResourceLimitError
     from kvcouple.synth.trace_store import write_synthetic_trace_store
 
-    monkeypatch.setattr(reader, "available_memory", lambda: 10**6)
+    monkeypatch.setattr(resources, "available_memory", lambda: 10**6)
     pair = synth.random_pair(3, 2, seed=0)
     with pytest.raises(ResourceLimitError, match="replicates = 100000"):
         synth.estimate(pair, 3, 2, replicates=100_000)

@@ -28,7 +28,8 @@ from kvcouple.analysis.tasks import (
     run_docs,
 )
 from kvcouple.errors import InvalidInputError, StoreError
-from kvcouple.store.reader import TraceStoreReader, check_memory
+from kvcouple.resources import check_memory
+from kvcouple.store.reader import TraceStoreReader
 
 # Defined here, or in kvcouple.analysis.tasks (the per-document task) and importable from here
 # as before.

@@ -8,7 +8,7 @@ their module."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 from kvcouple.policies.context import PolicyContext
 from kvcouple.policies.errors import PolicyError
@@ -16,7 +16,19 @@ from kvcouple.policies.errors import PolicyError
 if TYPE_CHECKING:
     import torch
 
-    from kvcouple.policies.base import Policy
+
+class RulePolicy(Protocol):
+    """What a rule uses of its policy (every :class:`kvcouple.policies.Policy` is one; named
+    structurally so that this module, which ``policies.base`` builds rules from, need not
+    import it back)."""
+
+    params: dict[str, Any]
+
+    def spec(self) -> str: ...
+
+    def select(self, ctx: PolicyContext, keep: int) -> torch.Tensor: ...
+
+    def decode_query_window(self) -> int: ...
 
 
 @dataclass
@@ -148,7 +160,7 @@ class DecodeRule:
 
     Parameters
     ----------
-    policy : Policy
+    policy : RulePolicy
         The policy the rule belongs to (its ``every`` parameter sets how often it evicts).
     budget : int
         Entries each row, layer and KV head keeps.
@@ -156,7 +168,7 @@ class DecodeRule:
 
     needs_attention: ClassVar[bool] = False
 
-    def __init__(self, policy: Policy, budget: int):
+    def __init__(self, policy: RulePolicy, budget: int):
         self.policy = policy
         self.budget = budget
         self.every = int(policy.params.get("every") or 1)
@@ -184,7 +196,7 @@ class SlotScoreRule(DecodeRule):
 
     Parameters
     ----------
-    policy : Policy
+    policy : RulePolicy
         The policy the rule belongs to (its ``every`` parameter sets how often it evicts).
     budget : int
         Entries each row, layer and KV head keeps.
@@ -216,7 +228,7 @@ class RescoreRule(DecodeRule):
 
     Parameters
     ----------
-    policy : Policy
+    policy : RulePolicy
         The policy whose :meth:`Policy.select` is re-run.
     budget : int
         Entries each row, layer and KV head keeps.
@@ -224,7 +236,7 @@ class RescoreRule(DecodeRule):
         Seed of the per-row generators given to randomised policies (default 0).
     """
 
-    def __init__(self, policy: Policy, budget: int, seed: int = 0):
+    def __init__(self, policy: RulePolicy, budget: int, seed: int = 0):
         super().__init__(policy, budget)
         self.seed = seed
 

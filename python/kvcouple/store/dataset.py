@@ -7,6 +7,7 @@ import os
 from typing import Any
 
 from kvcouple.errors import StoreError
+from kvcouple.store.reader import TraceStoreReader
 
 
 def open_trace_store(
@@ -49,8 +50,6 @@ def open_trace_store(
         The store was written with another schema version.
     """
     import xarray as xr
-
-    from kvcouple.store.reader import TraceStoreReader
 
     reader = TraceStoreReader(path, storage_options)
     if not allow_incomplete:

@@ -28,11 +28,12 @@ from typing import Any
 
 import numpy as np
 
-from kvcouple.errors import ResourceLimitError, SchemaVersionError, StoreError
+from kvcouple.errors import SchemaVersionError, StoreError
 
-# open_trace_store (the xarray view) and UNIT_SLACK (a value rule) moved to their own modules
+# check_memory (kvcouple.resources) and UNIT_SLACK (a value rule) moved to their own modules
 # and stay importable from here.
-from kvcouple.store.dataset import open_trace_store as open_trace_store
+from kvcouple.resources import available_memory as available_memory
+from kvcouple.resources import check_memory as check_memory
 from kvcouple.store.schema import RULES, SCHEMA_VERSION, Record, disallowed, variables
 from kvcouple.store.schema import UNIT_SLACK as UNIT_SLACK
 
@@ -557,28 +558,3 @@ class TraceStoreReader:
 
 def bytes_needed(*shape: int, itemsize: int = 8) -> int:
     return int(math.prod(shape)) * itemsize
-
-
-def check_memory(what: str, nbytes: int, fraction: float = 0.8) -> None:
-    """Refuse an allocation of ``nbytes`` that would not fit in the memory available now."""
-    avail = available_memory()
-    if avail is not None and nbytes > fraction * avail:
-        raise ResourceLimitError(
-            f"{what} needs {nbytes / 1e9:.3g} GB but only {avail / 1e9:.3g} GB of memory is "
-            f"available; ask for less"
-        )
-
-
-def available_memory() -> int | None:
-    """Bytes of memory available to this process now (Linux MemAvailable, else sysconf)."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    try:
-        return int(os.sysconf("SC_AVPHYS_PAGES")) * int(os.sysconf("SC_PAGE_SIZE"))
-    except (ValueError, OSError, AttributeError):
-        return None

@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from kvcouple.errors import StoreError
+from kvcouple.store.schema import RUN_KEYS
 
 REGISTRY_NAME = "kvcouple_plan_registry.json"
 REGISTRY_FORMAT = "kvcouple plan registry 1"
@@ -144,8 +145,6 @@ def append(content: dict[str, Any], entry: dict[str, Any]) -> dict[str, Any]:
 def load(store: str | os.PathLike[str], store_attrs: dict[str, Any]) -> dict[str, Any]:
     """The store's registry, checked against the store: raises :class:`RegistryError` saying
     whether it was deleted, replaced or edited."""
-    from kvcouple.store.writer import RUN_KEYS
-
     path = registry_path(store)
     if not path.exists():
         if store_attrs.get(MARKER_ATTR):

@@ -269,3 +269,25 @@ def disallowed(
         bad = v < 0
         allowed = ">= 0"
     return bad, allowed
+
+# Attributes that define a run: resuming with any of them changed would mix two runs (the
+# writer refuses it; the plan registry's id is their fingerprint).
+RUN_KEYS = (
+    "model_id",
+    "model_revision",
+    "dtype",
+    "decoding",
+    "policies",
+    "horizon",
+    "window",
+    "branches",
+    "replicates",
+    "record",
+    "vocab_size",
+    "seed",
+    "doc_ids",
+    "source",
+    "eos_token_id",
+    "prompts_sha256",
+    "attn_implementation",
+)

@@ -16,36 +16,20 @@ from pathlib import Path
 from typing import Any, Literal
 
 import numpy as np
-import zarr
 
-from kvcouple.errors import StoreError
+from kvcouple.errors import MissingExtraError, StoreError
 from kvcouple.store import registry
 from kvcouple.store.reader import is_url
+from kvcouple.store.schema import RUN_KEYS as RUN_KEYS
 from kvcouple.store.schema import SCHEMA_VERSION, Record, variables
+
+try:  # the layout and the resume checks need no zarr; writing does (TraceStoreWriter.open)
+    import zarr
+except ModuleNotFoundError:  # pragma: no cover - a tracer-only environment
+    zarr = None  # type: ignore[assignment]
 
 # Aim for chunks of a few MB to tens of MB (SPEC section 8).
 _TARGET_CHUNK_BYTES = 16 * 2**20
-
-# Attributes that define a run: resuming with any of them changed would mix two runs.
-RUN_KEYS = (
-    "model_id",
-    "model_revision",
-    "dtype",
-    "decoding",
-    "policies",
-    "horizon",
-    "window",
-    "branches",
-    "replicates",
-    "record",
-    "vocab_size",
-    "seed",
-    "doc_ids",
-    "source",
-    "eos_token_id",
-    "prompts_sha256",
-    "attn_implementation",
-)
 
 # What a mismatch of some run keys means, in the user's terms ({old}: the store's, {new}: this
 # run's); other keys get a generic message.
@@ -412,6 +396,10 @@ class TraceStoreWriter:
         ``attrs`` must hold the run-defining keys of :data:`RUN_KEYS` that apply; a store that
         exists with different values raises :class:`StoreError` naming the first difference.
         """
+        if zarr is None:
+            raise MissingExtraError(
+                "writing a trace store needs zarr, which is not installed: pip install 'zarr>=2.16'"
+            )
         layout.validate()
         store: str | Path = str(path) if is_url(str(path)) else Path(path)
         full_attrs = _jsonable(

@@ -20,7 +20,7 @@ import numpy.typing as npt
 
 from kvcouple import _core
 from kvcouple.errors import InvalidInputError
-from kvcouple.store.reader import check_memory
+from kvcouple.resources import check_memory
 from kvcouple.synth.pairs import KernelPair, check_seed
 
 Method = Literal["naive", "rb", "rb-tv"]

@@ -33,7 +33,9 @@ from kvcouple import cliargs
 from kvcouple._core import __version__ as kvcouple_version
 from kvcouple.errors import InvalidInputError
 from kvcouple.kernels import couple, divergences
-from kvcouple.store.reader import check_memory, is_url
+from kvcouple.resources import check_memory
+from kvcouple.store.identity import run_identity
+from kvcouple.store.reader import is_url
 from kvcouple.store.schema import Record, empty_arrays, variables
 from kvcouple.store.writer import StoreLayout, TraceStoreWriter
 from kvcouple.synth.pairs import KernelPair, check_seed, load_pair, pair_from_mapping
@@ -260,34 +262,30 @@ def write_synthetic_trace_store(
             f"replicates x branches = {replicates} x {branches} is beyond the {MAX_BRANCHES} "
             "branches per document the synthetic simulator traces"
         )
-    layout = StoreLayout(
-        doc_ids=[f"doc{d:04d}" for d in range(len(starts))],
-        policies=list(emitters),
+    seed = check_seed(seed)
+    for s in starts:  # checked before the store is created
+        if s is not None:
+            for e in emitters.values():
+                with_starts(e, *s)
+    layout, attrs = run_identity(
+        [f"doc{d:04d}" for d in range(len(starts))],
+        [(n, n, {}) for n in emitters],
         horizon=horizon,
         window=window,
         branches=branches,
         replicates=replicates,
         vocab_size=vocab.pop(),
         record=Record.parse(record),
+        model_id=model_id,
+        seed=int(seed),
+        decoding={"temperature": 1.0, "top_k": None, "top_p": None},
+        eos_token_id=None,
+        source="synthetic",
+        model_revision="",
+        dtype="float64",
+        kvcouple_version=kvcouple_version,
+        synthetic_starts=[list(s) if s else None for s in starts],
     )
-    seed = check_seed(seed)
-    for s in starts:  # checked before the store is created
-        if s is not None:
-            for e in emitters.values():
-                with_starts(e, *s)
-    attrs = {
-        "model_id": model_id,
-        "model_revision": "",
-        "dtype": "float64",
-        "kvcouple_version": kvcouple_version,
-        "decoding": {"temperature": 1.0, "top_k": None, "top_p": None},
-        "policies": [{"spec": n, "name": n, "params": {}} for n in emitters],
-        "seed": int(seed),
-        "estimator": "rb",
-        "source": "synthetic",
-        "eos_token_id": None,
-        "synthetic_starts": [list(s) if s else None for s in starts],
-    }
     # One document's arrays are built in memory: refuse what cannot fit before writing.
     sizes = layout.sizes()
     doc_bytes = sum(

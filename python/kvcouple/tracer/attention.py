@@ -34,14 +34,24 @@ from typing import Any
 
 import torch
 
-from kvcouple.errors import InvalidInputError
+from kvcouple.tracer.model import WRAPPER_PREFIX as _PREFIX
+from kvcouple.tracer.model import UnsupportedModelError, facts
+from kvcouple.tracer.model import uses_interface as uses_interface
 
+__all__ = [
+    "ForwardState",
+    "PrefixGroup",
+    "QueryCapture",
+    "SharedPrefix",
+    "UnsupportedModelError",
+    "active",
+    "allowed_keys",
+    "interface_available",
+    "prefix_attention",
+    "prefix_supported",
+    "uses_interface",
+]
 
-class UnsupportedModelError(InvalidInputError):
-    """A model whose cache or attention the tracer cannot serve exactly."""
-
-
-_PREFIX = "kvcouple_"
 _STATE = threading.local()
 
 
@@ -96,15 +106,6 @@ def _current() -> ForwardState | None:
 
 def _captures() -> list[QueryCapture]:
     return list(getattr(_STATE, "captures", ()))
-
-
-def uses_interface(model: Any) -> bool:
-    """Whether the model's attention dispatches through transformers' attention interface
-    (its modeling module imports ``ALL_ATTENTION_FUNCTIONS`` and defines
-    ``eager_attention_forward``)."""
-    module = sys.modules.get(type(model).__module__)
-    names = vars(module) if module is not None else {}
-    return "ALL_ATTENTION_FUNCTIONS" in names and "eager_attention_forward" in names
 
 
 def _registered() -> bool:
@@ -344,28 +345,24 @@ def active(
         )
 
 
+def _configured(model: Any) -> str:
+    """The implementation the model's config names right now (the wrapper's, while a tracer
+    forward pass runs)."""
+    return str(getattr(model.config, "_attn_implementation", None) or "eager")
+
+
 def _wrapped(model: Any) -> bool:
-    impl = getattr(model.config, "_attn_implementation", None) or ""
-    return impl.startswith(_PREFIX) and uses_interface(model)
+    return _configured(model).startswith(_PREFIX) and facts(model).attention_interface
 
 
 def prefix_supported(model: Any) -> bool:
     """Whether shared-prefix attention can serve ``model`` exactly: its attention dispatches
     through the interface with ``sdpa`` or ``eager``, and no layer has a sliding window, a
     logit soft-cap or attention sinks."""
-    from kvcouple.tracer.support import layer_windows, text_config
-
-    impl = getattr(model.config, "_attn_implementation", None) or "eager"
-    if impl.startswith(_PREFIX):
-        impl = impl[len(_PREFIX) :]
-    if impl not in ("sdpa", "eager") or not uses_interface(model) or not _registered():
+    f = facts(model)
+    if f.attn_implementation not in ("sdpa", "eager") or not f.attention_interface:
         return False
-    cfg = text_config(model)
-    if any(w is not None for w in layer_windows(cfg)):
-        return False
-    if getattr(cfg, "attn_logit_softcapping", None) is not None:
-        return False
-    return not any(hasattr(m, "sinks") for m in model.modules())
+    return _registered() and not f.windowed and f.softcap is None and not f.sinks
 
 
 def _set_impl(model: Any, impl: str) -> None:
@@ -374,25 +371,16 @@ def _set_impl(model: Any, impl: str) -> None:
 
 def _switch(model: Any) -> str | None:
     """Point the model at the wrapper; returns the implementation to restore, or None."""
-    impl = getattr(model.config, "_attn_implementation", None) or "eager"
-    if impl.startswith(_PREFIX) or impl not in ("sdpa", "eager") or not uses_interface(model):
+    impl = _configured(model)
+    if impl.startswith(_PREFIX) or impl not in ("sdpa", "eager"):
+        return None
+    if not facts(model).attention_interface:
         return None
     if not _registered():
         return None
     _register()
     _set_impl(model, _PREFIX + impl)
     return impl
-
-
-def _module_scaling(model: Any) -> float:
-    for m in model.modules():
-        if hasattr(m, "layer_idx") and isinstance(getattr(m, "scaling", None), (int, float)):
-            return float(m.scaling)
-    cfg = (
-        model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
-    )
-    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    return float(head_dim**-0.5)
 
 
 @dataclass
@@ -424,19 +412,19 @@ class QueryCapture:
         """``keep_queries``: keep only each layer's last ``keep_queries`` queries (None: all);
         ``accumulate``: sum each layer's attention over all its queries while recording (in
         chunks of :data:`ACCUMULATE_CHUNK`), for :meth:`accumulated_attention`."""
-        impl = getattr(model.config, "_attn_implementation", None) or "eager"
-        if not uses_interface(model) or not _registered():
+        f = facts(model)
+        if not f.attention_interface or not _registered():
             raise UnsupportedModelError(
-                f"{type(model).__name__} ({model.config.model_type}): its attention does not go "
+                f"{f.name}: its attention does not go "
                 "through transformers' attention interface, so policies scored by attention "
                 "(snapkv, h2o, tova) cannot see what it attends to"
             )
-        self.impl = impl
+        self.impl = f.attn_implementation
         self.calls: dict[int, _Call] = {}
         self.keep_queries = keep_queries
         self.accumulate = accumulate
         self.accumulated: dict[int, torch.Tensor] = {}
-        self._default_scaling = _module_scaling(model)
+        self._default_scaling = f.scaling
 
     def __enter__(self) -> QueryCapture:
         _STATE.captures = _captures() + [self]

@@ -26,14 +26,10 @@ import torch
 from kvcouple.store.schema import empty_arrays
 from kvcouple.tracer.prefill import Prefill
 from kvcouple.tracer.records import HostRecords, branch_record, staged_names
+from kvcouple.tracer.rows import Rows, StepHook
 from kvcouple.tracer.settings import TraceSettings
-from kvcouple.tracer.trajectories import (
-    EosState,
-    Rows,
-    StepHook,
-    Trajectories,
-    coupled_step,
-)
+from kvcouple.tracer.step import EosState, coupled_step
+from kvcouple.tracer.trajectories import Trajectories
 
 
 @dataclass

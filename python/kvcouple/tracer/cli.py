@@ -47,6 +47,13 @@ def register(subparsers: Any) -> None:
         help="eviction policy, e.g. snapkv:retain=0.5 (repeatable)",
     )
     add_plugin_argument(p)
+    _size_arguments(p)
+    _run_arguments(p)
+    p.set_defaults(func=run)
+
+
+def _size_arguments(p: argparse.ArgumentParser) -> None:
+    """What is traced per document, and within what memory."""
     p.add_argument("--horizon", type=int, default=64, help="T: new tokens per trajectory")
     p.add_argument("--replicates", type=int, default=8, help="R: overlap paths per document")
     p.add_argument("--branches", type=int, default=1, help="K: residual branches per path")
@@ -91,6 +98,10 @@ def register(subparsers: Any) -> None:
         help="print the memory plan of every document (cache bytes for P, Q, branches, "
         "activations; the chosen branch batch) and exit without loading weights or writing",
     )
+
+
+def _run_arguments(p: argparse.ArgumentParser) -> None:
+    """The decoding transform, EOS, seed, output and device."""
     p.add_argument(
         "--temperature", type=float, default=1.0, help="sampling temperature of both sides"
     )
@@ -125,7 +136,6 @@ def register(subparsers: Any) -> None:
     )
     p.add_argument("--attn", default="sdpa", help="attention implementation: sdpa or eager")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
-    p.set_defaults(func=run)
 
 
 def add_plugin_argument(p: argparse.ArgumentParser) -> None:

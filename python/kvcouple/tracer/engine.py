@@ -42,7 +42,6 @@ from kvcouple.tracer.branches import (
 )
 from kvcouple.tracer.decode import DecodeEvictor
 from kvcouple.tracer.layout import SharedRows, SplitRows
-from kvcouple.tracer.memory import ModelShape, choose_layout
 from kvcouple.tracer.prefill import Prefill, gather_kept, select
 from kvcouple.tracer.records import (
     SCHEMA,
@@ -52,8 +51,11 @@ from kvcouple.tracer.records import (
     staged_names,
     to_host,
 )
+from kvcouple.tracer.rows import Rows, StepHook
 from kvcouple.tracer.settings import Decoding, TraceSettings
-from kvcouple.tracer.trajectories import EosState, Rows, StepHook, Trajectories, coupled_step
+from kvcouple.tracer.shape import ModelShape, choose_layout
+from kvcouple.tracer.step import EosState, coupled_step
+from kvcouple.tracer.trajectories import Trajectories
 
 __all__ = [
     "Decoding",
@@ -61,6 +63,7 @@ __all__ = [
     "TraceSettings",
     "branch_times",
     "overlap_path",
+    "prepare",
     "random_streams",
     "trace_policy",
 ]
@@ -75,19 +78,22 @@ def overlap_path(
     path_u: torch.Tensor,
     hook: StepHook | None = None,
     idx: torch.Tensor | None = None,
+    layout: str | None = None,
 ) -> Path:
     """The ``R`` overlap paths of one (document, policy); ``hook`` evicts while decoding;
-    ``idx`` (the kept positions) lets sliding-window layers run."""
+    ``idx`` (the kept positions) lets sliding-window layers run; ``layout``: the cache layout
+    (None: chosen here, by :func:`~kvcouple.tracer.shape.choose_layout`)."""
     R, T = settings.replicates, settings.horizon
-    kept_length = int(kept[0][0].shape[2]) + 1
-    layout = choose_layout(
-        ModelShape.of_model(model),
-        pre.prompt_length,
-        kept_length,
-        R,
-        hook is not None,
-        settings.cache_layout,
-    )
+    if layout is None:
+        kept_length = int(kept[0][0].shape[2]) + 1
+        layout = choose_layout(
+            ModelShape.of_model(model),
+            pre.prompt_length,
+            kept_length,
+            R,
+            hook is not None,
+            settings.cache_layout,
+        )
     rows: Rows
     if layout == "shared":
         rows = SharedRows.start(model, pre.kv, kept, R, T)
@@ -242,8 +248,8 @@ def trace_policy(
 
 
 @dataclass
-class _Unit:
-    """One (document, policy) of a batch, its eviction chosen."""
+class Unit:
+    """One (document, policy), its eviction and cache layout chosen (:func:`prepare`)."""
 
     pre: Prefill
     settings: TraceSettings
@@ -252,22 +258,40 @@ class _Unit:
     idx: torch.Tensor
     kept: list[tuple[torch.Tensor, torch.Tensor]]
     rule: DecodeRule | None
+    layout: str
 
     @property
     def kept_length(self) -> int:
         return int(self.idx.shape[-1]) + 1
 
 
-def _prepare(
-    pre: Prefill, policy: Policy, settings: TraceSettings, seed: int, doc: int, policy_index: int
-) -> _Unit:
+def prepare(
+    shape: ModelShape,
+    pre: Prefill,
+    policy: Policy,
+    settings: TraceSettings,
+    seed: int,
+    doc: int,
+    policy_index: int,
+) -> Unit:
+    """What one (document, policy) evicts: the policy's admission (a gated policy, page,
+    decides per input what it applies), its selection seeded by the (document, policy)'s own
+    stream, its decode-time rule, and the cache layout it runs in."""
     streams = random_streams(seed, doc, policy_index, settings)
     policy_seed = int(streams["policy_seed"][0])
-    # A gated policy (page) decides per input what it applies; others apply themselves.
     admission = policy.admit(pre.context())
     idx = select(admission.policy, pre, torch.Generator().manual_seed(policy_seed))
-    rule = admission.policy.decode_rule(int(idx.shape[-1]) + 1, seed=policy_seed)
-    return _Unit(pre, settings, streams, admission, idx, gather_kept(pre.kv, idx), rule)
+    kept_length = int(idx.shape[-1]) + 1
+    rule = admission.policy.decode_rule(kept_length, seed=policy_seed)
+    layout = choose_layout(
+        shape,
+        pre.prompt_length,
+        kept_length,
+        settings.replicates,
+        rule is not None,
+        settings.cache_layout,
+    )
+    return Unit(pre, settings, streams, admission, idx, gather_kept(pre.kv, idx), rule, layout)
 
 
 @torch.inference_mode()
@@ -283,23 +307,16 @@ def trace_units(
     paths run as one batch (the weights read once per step for all of them), then all their
     branches, forked from it; otherwise one document after another. The records equal
     one-at-a-time tracing to float noise (every uniform is drawn per document)."""
-    units = [_prepare(pre, policy, s, seed, d, policy_index) for pre, s, d in documents]
     shape = ModelShape.of_model(model)
-    shared = len(units) > 1 and all(
-        u.rule is None
-        and choose_layout(
-            shape,
-            u.pre.prompt_length,
-            u.kept_length,
-            u.settings.replicates,
-            False,
-            u.settings.cache_layout,
-        )
-        == "shared"
-        for u in units
-    )
-    if not shared:
+    units = [prepare(shape, pre, policy, s, seed, d, policy_index) for pre, s, d in documents]
+    if len(units) == 1 or any(u.layout != "shared" for u in units):
         return [_trace_unit(model, u) for u in units]
+    return _trace_shared_batch(model, units)
+
+
+def _trace_shared_batch(model: Any, units: list[Unit]) -> list[PolicyTrace]:
+    """Documents in the shared layout: their overlap paths as one batch, then their branches
+    forked from it."""
     settings = units[0].settings
     R, T = settings.replicates, settings.horizon
     device = units[0].pre.input_ids.device
@@ -344,14 +361,16 @@ def trace_units(
     return out
 
 
-def _trace_unit(model: Any, unit: _Unit) -> PolicyTrace:
+def _trace_unit(model: Any, unit: Unit) -> PolicyTrace:
     """One (document, policy) on its own: the overlap path, then its branches."""
     pre, settings, rule = unit.pre, unit.settings, unit.rule
     device = pre.input_ids.device
     path_u = torch.as_tensor(unit.streams["path"], device=device)
     strategy: BranchStrategy
     if rule is None:
-        path = overlap_path(model, pre, unit.kept, settings, path_u, idx=unit.idx)
+        path = overlap_path(
+            model, pre, unit.kept, settings, path_u, idx=unit.idx, layout=unit.layout
+        )
         strategy = ForkBranches(path, pre.prefix_length)
     else:
         decode_rule = rule
@@ -360,15 +379,14 @@ def _trace_unit(model: Any, unit: _Unit) -> PolicyTrace:
             return DecodeEvictor(model, pre, unit.idx, decode_rule, replicates)
 
         R = settings.replicates
-        path = overlap_path(
-            model, pre, unit.kept, settings, path_u, make_hook(torch.arange(R, device=device))
-        )
+        hook = make_hook(torch.arange(R, device=device))
+        path = overlap_path(model, pre, unit.kept, settings, path_u, hook, layout=unit.layout)
         path.rows = None  # branches replay from the prompt cache; free the path's cache
         strategy = ReplayBranches(model, pre, unit.kept, make_hook)
     return _finish(unit, path, strategy)
 
 
-def _finish(unit: _Unit, path: Path, strategy: BranchStrategy) -> PolicyTrace:
+def _finish(unit: Unit, path: Path, strategy: BranchStrategy) -> PolicyTrace:
     """The branches of one (document, policy) and its store arrays."""
     pre, settings = unit.pre, unit.settings
     branch_u = torch.as_tensor(unit.streams["branch"], device=pre.input_ids.device)
@@ -380,7 +398,7 @@ def _finish(unit: _Unit, path: Path, strategy: BranchStrategy) -> PolicyTrace:
 
 
 def _policy_trace(
-    unit: _Unit, records: dict[str, np.ndarray], branch_tokens: int, batches: int
+    unit: Unit, records: dict[str, np.ndarray], branch_tokens: int, batches: int
 ) -> PolicyTrace:
     """One (document, policy)'s store arrays from its path and branch records."""
     pre, settings, admission = unit.pre, unit.settings, unit.admission

@@ -1,16 +1,24 @@
-"""Caches that grow in place: each layer's keys and values live in a buffer preallocated for
-the columns a batch will reach, and a step writes its new column into it.
+"""The tracer's caches: every cache function, in one place.
 
-transformers' ``DynamicCache`` grows by ``torch.cat`` every step, which rewrites the whole
-cache (at 32k tokens and 16 rows of an 8B model, ~128 GB of memory traffic per step) and
-briefly holds one layer twice. A :class:`PreallocatedLayer` is a ``DynamicLayer`` whose
-``keys``/``values`` are views of the filled part of its buffers, so everything that reads a
-dynamic cache (the model's attention, :func:`kvcouple.tracer.compat.cache_tensors`, in-place
-decode-time eviction) works unchanged. A batch that outgrows its capacity is moved to a larger
-buffer (a quarter more, at least 64 columns), never failing.
+A :class:`TracerCache` is transformers' ``DynamicCache`` (built empty and filled with
+``cache.update(keys, values, layer_idx)``, every version from 4.45 on) that also holds each
+entry's original position per row, layer and KV head (:func:`cache_positions`), which
+sliding-window layers are masked by. Its tensors are read through ``cache.layers[i].keys /
+.values`` (4.56+) or ``cache.key_cache[i]`` / ``cache.value_cache[i]`` (older).
 
-Needs the cache-layer API of transformers 4.56+; with older releases :func:`cache_with_capacity`
-builds the plain dynamic cache (same results, concatenating).
+Caches grow in place: each layer's keys and values live in a buffer preallocated for the
+columns a batch will reach, and a step writes its new column into it. transformers'
+``DynamicCache`` grows by ``torch.cat`` every step, which rewrites the whole cache (at 32k
+tokens and 16 rows of an 8B model, ~128 GB of memory traffic per step) and briefly holds one
+layer twice. A :class:`PreallocatedLayer` is a ``DynamicLayer`` whose ``keys``/``values`` are
+views of the filled part of its buffers, so everything that reads a dynamic cache (the model's
+attention, :func:`cache_tensors`, in-place decode-time eviction) works unchanged. A batch that
+outgrows its capacity is moved to a larger buffer (a quarter more, at least 64 columns), never
+failing. Entry positions and the decode-time evictor's slot state grow the same way
+(:func:`append_columns`).
+
+Needs the cache-layer API of transformers 4.56+ for preallocation; with older releases
+:func:`cache_with_capacity` builds the plain dynamic cache (same results, concatenating).
 """
 
 from __future__ import annotations
@@ -19,10 +27,30 @@ from collections.abc import Iterable
 from typing import Any
 
 import torch
+from transformers.cache_utils import DynamicCache
 
-from kvcouple.tracer import compat
+from kvcouple.tracer.model import UnsupportedModelError
 
 _MIN_GROWTH = 64
+
+
+class TracerCache(DynamicCache):  # type: ignore[misc]
+    """A dynamic cache that knows the original position of each of its entries.
+
+    ``positions``: per layer ``(batch, kv_heads or 1, length)``; ``[]`` while nothing is
+    cached (every position known), ``None`` where unknown (a cache built without them: then
+    sliding-window layers refuse to run on it). ``position_storage``: the buffers the
+    positions are views of (:func:`append_columns`)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.positions: list[torch.Tensor] | None = []
+        self.position_storage: list[torch.Tensor | None] | None = None
+
+
+def new_cache() -> TracerCache:
+    """An empty cache whose layers are created as they are filled."""
+    return TracerCache()
 
 
 def _layer_class() -> Any:
@@ -88,23 +116,125 @@ def cache_with_capacity(
     layers: Iterable[tuple[torch.Tensor, torch.Tensor]],
     room: int,
     positions: list[torch.Tensor] | None = None,
-) -> Any:
-    """A dynamic cache holding the given per-layer ``(keys, values)`` with room for ``room``
-    more columns per layer. ``layers`` may be a generator: each layer's tensors are copied
-    into their buffers and can be freed before the next layer is produced. ``positions``: per
-    layer, each entry's original position (see :func:`kvcouple.tracer.compat.cache_from_tensors`)."""
-    cache = compat.new_cache()
+) -> TracerCache:
+    """A cache holding the given per-layer ``(keys, values)`` with room for ``room`` more
+    columns per layer. ``layers`` may be a generator: each layer's tensors are copied into
+    their buffers and can be freed before the next layer is produced. ``positions``: per
+    layer, the original position of every entry, ``(batch, kv_heads or 1, length)`` (hidden
+    padding may hold anything); ``None`` where they are not known."""
+    cache = new_cache()
     if PreallocatedLayer is None:  # no cache layers: a plain dynamic cache, concatenating
         for layer, (k, v) in enumerate(layers):
             cache.update(k, v, layer)
-        cache.kvcouple_positions = positions
+        cache.positions = positions
         return cache
     cache.layers = [PreallocatedLayer(k, v, int(k.shape[-2]) + room) for k, v in layers]
     # Layers are given, not created on first update.
     if hasattr(cache, "layer_class_to_replicate"):
         cache.layer_class_to_replicate = None
-    cache.kvcouple_positions = positions
+    cache.positions = positions
     return cache
+
+
+def cache_from_tensors(
+    kv: Iterable[tuple[torch.Tensor, torch.Tensor]],
+    positions: list[torch.Tensor] | None = None,
+    room: int = 0,
+) -> TracerCache:
+    """:func:`cache_with_capacity` with the positions first (``kv`` may be a generator)."""
+    return cache_with_capacity(kv, room, positions)
+
+
+def cache_tensors(cache: Any) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Per-layer ``(keys, values)`` of a dynamic cache, ``(batch, kv_heads, length, head_dim)``."""
+    layers = getattr(cache, "layers", None)
+    if layers is not None:
+        return [(layer.keys, layer.values) for layer in layers]
+    if hasattr(cache, "key_cache"):
+        return list(zip(cache.key_cache, cache.value_cache, strict=False))
+    raise UnsupportedModelError(f"cannot read the tensors of a {type(cache).__name__}")
+
+
+def cache_length(cache: Any) -> int:
+    return int(cache_tensors(cache)[0][0].shape[-2])
+
+
+def has_entries(cache: Any) -> bool:
+    try:
+        return int(cache.get_seq_length()) > 0
+    except Exception:  # an empty cache of some versions has no layers to ask
+        return False
+
+
+def cache_positions(cache: Any) -> list[torch.Tensor] | None:
+    """Per layer, the original position of each entry of a cache the tracer built or filled:
+    ``(batch, kv_heads or 1, length)``; ``None`` if unknown (not a :class:`TracerCache`, one
+    built without them, or one whose entries no longer match them)."""
+    known = cache.positions if isinstance(cache, TracerCache) else None
+    if known is None:
+        return None
+    lengths = [int(k.shape[-2]) for k, _ in cache_tensors(cache)] if has_entries(cache) else []
+    if not known:
+        return known if not lengths else None
+    if len(known) != len(lengths) or any(
+        int(p.shape[-1]) != n for p, n in zip(known, lengths, strict=True)
+    ):
+        return None
+    return known
+
+
+def extend_positions(
+    cache: Any, position_ids: torch.Tensor, layers: int
+) -> list[torch.Tensor] | None:
+    """Append the fed tokens' positions ``(batch, q)`` to every layer's entry positions
+    (before the forward pass that caches them); the positions the pass attends by."""
+    known = cache_positions(cache)
+    new = position_ids[:, None, :].to(torch.int32)
+    storage: list[torch.Tensor | None] | None = None
+    if known is None:
+        out = None
+    elif not known:
+        out = [new for _ in range(layers)]
+    else:
+        rooms = getattr(cache, "position_storage", None)
+        if rooms is None or len(rooms) != len(known):
+            rooms = [None] * len(known)
+        grown = [
+            append_columns(p, new.to(p.device), room) for p, room in zip(known, rooms, strict=True)
+        ]
+        out = [view for view, _ in grown]
+        storage = [room for _, room in grown]
+    if isinstance(cache, TracerCache):
+        cache.positions, cache.position_storage = out, storage
+    return out
+
+
+def forget_positions(cache: Any) -> None:
+    """Entry positions are not tracked for this cache (no sliding window needs them)."""
+    if isinstance(cache, TracerCache):
+        cache.positions = cache.position_storage = None
+
+
+def append_columns(
+    known: torch.Tensor, new: torch.Tensor, storage: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``known`` ``(rows, heads, n)`` with ``new`` ``(rows, 1, q)`` appended, and the storage
+    it is a view of: written in place where ``storage`` (behind ``known``) has room, else in a
+    new one with a quarter more (at least 64 columns), as the caches grow. A concatenation per
+    step and layer would copy every column. Entry positions of windowed models and the
+    decode-time evictor's slot state grow this way."""
+    rows, heads, n = known.shape
+    q = new.shape[-1]
+    if (
+        storage is None
+        or storage.shape[-1] < n + q
+        or storage.shape[:2] != known.shape[:2]
+        or storage.data_ptr() != known.data_ptr()
+    ):
+        storage = known.new_empty(rows, heads, n + q + max(_MIN_GROWTH, n // 4))
+        storage[..., :n] = known
+    storage[..., n : n + q] = new.expand(rows, heads, q)
+    return storage[..., : n + q], storage
 
 
 def fork_cache(
@@ -116,15 +246,15 @@ def fork_cache(
     columns = int(limit.max())
     layers = (
         (k[:, :, :columns].index_select(0, index), v[:, :, :columns].index_select(0, index))
-        for k, v in compat.cache_tensors(cache)
+        for k, v in cache_tensors(cache)
     )
-    positions = compat.cache_positions(cache)
+    positions = cache_positions(cache)
     if positions is not None:
         positions = [p[..., :columns].index_select(0, index) for p in positions]
     seen = torch.arange(columns, device=limit.device)[None, :] < limit[:, None]
     if valid is not None:
         seen &= valid.index_select(0, index)[:, :columns]
-    return compat.cache_from_tensors(layers, positions, steps), seen
+    return cache_with_capacity(layers, steps, positions), seen
 
 
 def cache_bytes(cache: Any) -> int:
@@ -135,7 +265,7 @@ def cache_bytes(cache: Any) -> int:
             if t is not None:
                 seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
     if not seen:
-        for k, v in compat.cache_tensors(cache):
+        for k, v in cache_tensors(cache):
             for t in (k, v):
                 seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
     return sum(seen.values())

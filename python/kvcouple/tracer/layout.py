@@ -35,37 +35,11 @@ import torch
 from kvcouple.tracer import compat
 from kvcouple.tracer.attention import PrefixGroup, SharedPrefix
 from kvcouple.tracer.kvcache import cache_bytes, fork_cache
+from kvcouple.tracer.rows import CacheRows
 
 
-def _with_new_column(
-    valid: torch.Tensor | None, dtype: torch.dtype
-) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    """Per-row visibility with the column a step is about to write (visible to its own row),
-    and the step's additive mask; (None, None) where every row sees every column."""
-    if valid is None:
-        return None, None
-    ones = torch.ones(valid.shape[0], 1, dtype=torch.bool, device=valid.device)
-    valid = torch.cat([valid, ones], dim=1)
-    return valid, compat.additive_mask(valid, dtype)
-
-
-class _Batch:
+class _Batch(CacheRows):
     """Rows sharing one cache: per-row visibility (None: every column) and positions."""
-
-    def __init__(self, model: Any, cache: Any, valid: torch.Tensor | None, positions: torch.Tensor):
-        self.model = model
-        self.cache = cache
-        self.valid = valid
-        self.positions = positions
-        self.dtype = compat.cache_tensors(cache)[0][0].dtype
-
-    def step(self, tokens: torch.Tensor) -> torch.Tensor:
-        self.valid, mask = _with_new_column(self.valid, self.dtype)
-        logits = compat.forward(
-            self.model, tokens[:, None], self.cache, self.positions[:, None], mask
-        )
-        self.positions = self.positions + 1
-        return logits
 
     def fork(self, index: torch.Tensor, limit: torch.Tensor, steps: int) -> _Batch:
         """Copies of rows ``index`` seeing columns ``< limit`` (per new row), with room for
@@ -141,7 +115,7 @@ class SplitRows:
         return cache_bytes(self.p.cache) + cache_bytes(self.q.cache)
 
 
-class SharedRows:
+class SharedRows(CacheRows):
     """P rows then Q rows in one batch whose cache holds only each row's own columns; every row
     attends first to its group's prefix (see the module docstring).
 
@@ -160,10 +134,12 @@ class SharedRows:
         groups: list[PrefixGroup],
         offsets: torch.Tensor,
     ):
-        self.model, self.cache, self.valid, self.positions = model, cache, valid, positions
+        shared = SharedPrefix(groups)
+        super().__init__(
+            model, cache, valid, positions, prefix=shared, dtype=groups[0].kv[0][0].dtype
+        )
         self.offsets = offsets
-        self.shared = SharedPrefix(groups)
-        self.dtype = groups[0].kv[0][0].dtype
+        self.shared = shared
 
     @classmethod
     def start(
@@ -213,20 +189,6 @@ class SharedRows:
     @property
     def rows(self) -> int:
         return int(self.positions.shape[0]) // 2
-
-    def step(self, tokens: torch.Tensor) -> torch.Tensor:
-        """Feed one token per row (P rows then Q rows); returns ``(rows, vocab)``."""
-        self.valid, mask = _with_new_column(self.valid, self.dtype)
-        logits = compat.forward(
-            self.model,
-            tokens[:, None],
-            self.cache,
-            self.positions[:, None],
-            mask,
-            prefix=self.shared,
-        )
-        self.positions = self.positions + 1
-        return logits
 
     def fork(self, index: torch.Tensor, visible_before: torch.Tensor, steps: int = 0) -> SharedRows:
         """Copies of rows ``index`` (``B`` P rows, then the ``B`` matching Q rows) seeing only

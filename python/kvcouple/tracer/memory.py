@@ -32,10 +32,31 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
+
 from kvcouple.errors import InvalidInputError
 from kvcouple.policies import Policy
-from kvcouple.tracer.attention import prefix_supported
-from kvcouple.tracer.support import layer_windows
+from kvcouple.tracer.prefill import query_needs
+from kvcouple.tracer.shape import ModelShape, choose_layout
+
+__all__ = [
+    "DEFAULT_MARGIN",
+    "GiB",
+    "DocumentPlan",
+    "MemoryPlanError",
+    "ModelShape",
+    "Sizes",
+    "choose_branch_batch",
+    "choose_layout",
+    "device_budget",
+    "document_budget",
+    "format_plan",
+    "human",
+    "plan_document",
+    "plan_documents",
+    "plan_loaded",
+    "refusal",
+]
 
 GiB = 2**30
 
@@ -50,84 +71,6 @@ _VOCAB_TEMPORARIES = 12
 
 class MemoryPlanError(InvalidInputError):
     """A document whose trace cannot fit the device memory, even one branch at a time."""
-
-
-@dataclass(frozen=True)
-class ModelShape:
-    """What of a model decides the tracer's memory."""
-
-    layers: int
-    kv_heads: int
-    head_dim: int
-    query_heads: int
-    hidden: int
-    intermediate: int
-    vocab: int
-    itemsize: int
-    weight_bytes: int
-    attn_implementation: str = "sdpa"
-    windowed: bool = False  # some layer has a sliding window: caches track entry positions
-    shared_prefix: bool = False  # shared-prefix attention serves it (attention.prefix_supported)
-
-    @property
-    def token_bytes(self) -> int:
-        """One cached token of one row: keys and values of every layer and KV head."""
-        return 2 * self.layers * self.kv_heads * self.head_dim * self.itemsize
-
-    @classmethod
-    def of_config(cls, config: Any, itemsize: int, weight_bytes: int) -> ModelShape:
-        cfg = config.get_text_config() if hasattr(config, "get_text_config") else config
-        heads = int(cfg.num_attention_heads)
-        hidden = int(cfg.hidden_size)
-        head_dim = getattr(cfg, "head_dim", None) or hidden // heads
-        return cls(
-            layers=int(cfg.num_hidden_layers),
-            kv_heads=int(getattr(cfg, "num_key_value_heads", None) or heads),
-            head_dim=int(head_dim),
-            query_heads=heads,
-            hidden=hidden,
-            intermediate=int(getattr(cfg, "intermediate_size", None) or 4 * hidden),
-            vocab=int(cfg.vocab_size),
-            itemsize=itemsize,
-            weight_bytes=weight_bytes,
-            attn_implementation=str(getattr(config, "_attn_implementation", None) or "eager"),
-            windowed=any(w is not None for w in layer_windows(cfg)),
-        )
-
-    @classmethod
-    def of_model(cls, model: Any) -> ModelShape:
-        """The shape of a loaded model; its weights are counted as they are held."""
-        from kvcouple.tracer.prefill import vocab_size
-
-        tensors = [*model.parameters(), *model.buffers()]
-        weight_bytes = sum(t.numel() * t.element_size() for t in tensors)
-        itemsize = next(model.parameters()).element_size()
-        shape = cls.of_config(model.config, itemsize, weight_bytes)
-        # The logits' width can exceed config.vocab_size (padded embeddings).
-        return _replace(shape, vocab=vocab_size(model), shared_prefix=prefix_supported(model))
-
-    @classmethod
-    def of_unloaded(cls, config: Any, dtype: Any) -> ModelShape:
-        """The shape of a model from its config alone: weights counted on the meta device."""
-        import torch
-        from transformers import AutoModelForCausalLM
-
-        with torch.device("meta"):
-            meta = AutoModelForCausalLM.from_config(config)
-        itemsize = torch.empty((), dtype=dtype).element_size()
-        numel = sum(t.numel() for t in [*meta.parameters(), *meta.buffers()])
-        shape = cls.of_config(config, itemsize, numel * itemsize)
-        shape = _replace(shape, shared_prefix=prefix_supported(meta))
-        head = meta.get_output_embeddings() if hasattr(meta, "get_output_embeddings") else None
-        if head is not None and hasattr(head, "weight"):
-            shape = _replace(shape, vocab=int(head.weight.shape[0]))
-        return shape
-
-
-def _replace(shape: ModelShape, **changes: Any) -> ModelShape:
-    from dataclasses import replace
-
-    return replace(shape, **changes)
 
 
 @dataclass(frozen=True)
@@ -183,8 +126,6 @@ def human(b: int | None) -> str:
 def _capture_bytes(shape: ModelShape, policies: Sequence[Policy], n1: int) -> int:
     """What the prefill's capture keeps: the last queries the policies read, and each
     layer's accumulated attention (float32) where they read that."""
-    from kvcouple.tracer.prefill import query_needs
-
     needed, keep, accumulate = query_needs(policies)
     if not needed:
         return 0
@@ -199,8 +140,6 @@ def _scoring_bytes(shape: ModelShape, policies: Sequence[Policy], n1: int) -> tu
     """Attention buffers of scoring, float32: (while selecting, while prefilling). Window
     scorers keep every layer's window attention until selection ends; accumulated attention
     is summed during the prefill, 256 queries at a time."""
-    from kvcouple.tracer.prefill import query_needs
-
     needed, keep, accumulate = query_needs(policies)
     if not needed:
         return 0, 0
@@ -233,41 +172,6 @@ def _decode_activations(shape: ModelShape, rows: int, length: int, shared: bool 
     per_head = 8 + shape.itemsize if shared else 4
     attention = rows * length * (shape.query_heads * per_head + shape.itemsize + 1)
     return vocab + attention
-
-
-def choose_layout(
-    shape: ModelShape,
-    prompt_length: int,
-    kept_length: int,
-    replicates: int,
-    decode_time: bool,
-    setting: str = "auto",
-) -> str:
-    """The cache layout of one (document, policy) (:mod:`kvcouple.tracer.layout`):
-
-    - ``"shared"``: one batch; P rows attend to the prompt's cache and Q rows to the kept
-      entries, each held once, plus their own columns (one softmax over both);
-    - ``"split"``: P rows and Q rows as two batches, Q holding only its kept entries;
-    - ``"joint"``: one batch, Q rows padded to the prefix length and masked.
-
-    ``auto`` shares wherever the model allows it (:attr:`ModelShape.shared_prefix`): it holds
-    and reads the least. Otherwise it splits when the padded columns the joint layout would
-    read every step outweigh the weights the split layout's second forward pass reads again
-    (both passes are bound by memory traffic when decoding): on an 8B model at retain=0.5 and
-    R=8, prompts from about 30k tokens. ``shared`` on a model it cannot serve falls back the
-    same way. Decode-time eviction changes the Q rows' cache in place and stays joint, and so
-    do models with sliding-window layers (whatever the setting).
-    """
-    if decode_time or shape.windowed:
-        return "joint"
-    if setting in ("auto", "shared") and shape.shared_prefix:
-        return "shared"
-    if kept_length >= prompt_length:
-        return "joint"
-    if setting in ("joint", "split"):
-        return setting
-    padded = replicates * (prompt_length - kept_length) * shape.token_bytes
-    return "split" if padded >= shape.weight_bytes else "joint"
 
 
 @dataclass
@@ -432,8 +336,6 @@ def refusal(plan: DocumentPlan) -> str:
 def device_budget(device: Any, margin: float = DEFAULT_MARGIN, reserve: int = 0) -> int | None:
     """Bytes a document may use on ``device``: free memory (plus what torch's allocator holds
     unused) less ``reserve`` (weights not loaded yet), less a ``margin`` share. None off CUDA."""
-    import torch
-
     device = torch.device(device)
     if device.type != "cuda" or not torch.cuda.is_available():
         return None

@@ -12,8 +12,15 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+import torch
 
 from kvcouple.policies import Policy, parse_policy
+from kvcouple.tracer.engine import prepare
+from kvcouple.tracer.model import refresh
+from kvcouple.tracer.prefill import prefill
+from kvcouple.tracer.settings import TraceSettings
+from kvcouple.tracer.shape import ModelShape
+from kvcouple.tracer.trajectories import Trajectories
 
 
 @dataclass(frozen=True)
@@ -47,12 +54,14 @@ def first_step(
     policies: Sequence[Policy | str],
     *,
     seed: int = 0,
+    doc_index: int = 0,
 ) -> list[FirstStep]:
     """Next-token logits of the first generated token, full cache vs each policy's evicted cache.
 
-    The prompt minus its last token is prefilled once; each policy selects the entries to keep
-    (prompt-time eviction, exactly as :func:`kvcouple.tracer.trace` does), and the last prompt
-    token is fed to both caches. ``softmax(logits_p)`` and ``softmax(logits_q)`` are the
+    The prompt minus its last token is prefilled once; each policy is admitted and selects the
+    entries to keep exactly as :func:`kvcouple.tracer.trace` does (a gated policy decides
+    what it applies; randomised policies draw from the seed of their (document, policy)),
+    and the last prompt token is fed to both caches. ``softmax(logits_p)`` and ``softmax(logits_q)`` are the
     ``(p_1, q_1)`` the coupling starts from, before any decoding transform.
 
     Parameters
@@ -64,7 +73,10 @@ def first_step(
     policies : sequence of Policy or str
         Policies or their specs (``"snapkv:retain=0.5"``).
     seed : int, default 0
-        Seeds policies that draw at random (``random``).
+        The run's seed: with ``doc_index`` and each policy's place in ``policies`` it seeds
+        policies that draw at random (``random``) as ``trace`` does.
+    doc_index : int, default 0
+        The document's index in the run.
 
     Returns
     -------
@@ -78,29 +90,20 @@ def first_step(
     kvcouple.policies.PolicyError
         A spec does not parse, or a policy's parameters are invalid.
     """
-    import torch
-
-    from kvcouple.tracer.prefill import gather_kept, prefill, select
-    from kvcouple.tracer.trajectories import Trajectories
-
+    refresh(model)
     pols = [parse_policy(p) if isinstance(p, str) else p for p in policies]
     ids = torch.as_tensor(input_ids, dtype=torch.long).reshape(-1)
-    pre = prefill(model, ids, any(p.NEEDS_QUERIES for p in pols))
+    pre = prefill(model, ids, any(p.NEEDS_QUERIES for p in pols), policies=pols)
     last = pre.input_ids[-1:]
+    shape = ModelShape.of_model(model)
+    settings = TraceSettings(horizon=1)  # the seeds do not depend on the sizes
     out = []
     with torch.inference_mode():
-        for pol in pols:
-            generator = torch.Generator(device="cpu").manual_seed(int(seed))
-            kept = gather_kept(pre.kv, select(pol, pre, generator))
-            rows = Trajectories.start(model, pre, kept, copies=1)
+        for i, pol in enumerate(pols):
+            unit = prepare(shape, pre, pol, settings, seed, doc_index, i)
+            rows = Trajectories.start(model, pre, unit.kept, copies=1, idx=unit.idx)
             logits = rows.step(torch.cat([last, last])).double().cpu().numpy()
             out.append(
-                FirstStep(
-                    pol.spec(),
-                    logits[0],
-                    logits[1],
-                    int(kept[0][0].shape[2]) + 1,
-                    pre.prompt_length,
-                )
+                FirstStep(pol.spec(), logits[0], logits[1], unit.kept_length, pre.prompt_length)
             )
     return out

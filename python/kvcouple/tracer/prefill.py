@@ -20,6 +20,9 @@ from kvcouple.errors import InvalidInputError
 from kvcouple.policies import Policy, PolicyContext
 from kvcouple.policies.context import LayerInputCapture
 from kvcouple.tracer import compat, support
+from kvcouple.tracer.model import attn_implementation as attn_implementation
+from kvcouple.tracer.model import facts
+from kvcouple.tracer.model import vocab_size as vocab_size
 
 
 class PromptTooShortError(InvalidInputError):
@@ -63,7 +66,7 @@ class Prefill:
 
 
 def num_query_heads(model: Any) -> int:
-    return int(support.text_config(model).num_attention_heads)
+    return facts(model).query_heads
 
 
 def query_needs(policies: Sequence[Policy]) -> tuple[bool, int | None, bool]:
@@ -123,19 +126,6 @@ class _ScoredPolicy:
     """Stands for "some policy scored by attention" in the support check."""
 
     NEEDS_QUERIES = True
-
-
-def attn_implementation(model: Any) -> str:
-    """The attention implementation the model runs with (``sdpa``, ``eager``, ...)."""
-    return str(getattr(model.config, "_attn_implementation", None) or "eager")
-
-
-def vocab_size(model: Any) -> int:
-    """The width of the model's logits."""
-    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    if head is not None and hasattr(head, "weight"):
-        return int(head.weight.shape[0])
-    return int(model.config.vocab_size)
 
 
 @torch.inference_mode()

@@ -11,6 +11,12 @@ from __future__ import annotations
 import re
 from typing import Any
 
+import torch
+import transformers
+
+from kvcouple import __version__
+from kvcouple.tracer.model import attn_implementation
+
 _COMMIT = re.compile(r"^[0-9a-f]{40}$")
 _SNAPSHOT = re.compile(r"(?:^|/)snapshots/([0-9a-f]{40})(?:/|$)")
 
@@ -35,8 +41,6 @@ def resolved_revision(model: Any, requested: str | None = None) -> str:
 
 def device_name(device: Any) -> str:
     """The CUDA device's name (e.g. ``"NVIDIA H200"``), or the device type (``"cpu"``)."""
-    import torch
-
     device = torch.device(device)
     if device.type == "cuda":
         return str(torch.cuda.get_device_name(device))
@@ -45,12 +49,6 @@ def device_name(device: Any) -> str:
 
 def provenance(model: Any, requested_revision: str | None = None) -> dict[str, str]:
     """Store attributes describing the software, the device and the exact model traced."""
-    import torch
-    import transformers
-
-    from kvcouple import __version__
-    from kvcouple.tracer.prefill import attn_implementation
-
     param = next(model.parameters())
     return {
         "kvcouple_version": __version__,

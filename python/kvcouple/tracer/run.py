@@ -18,27 +18,35 @@ free memory; else to float noise, as any change of batch).
 from __future__ import annotations
 
 import functools
+import hashlib
+import json
 import os
 import time
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+import torch
+from tqdm import tqdm  # type: ignore[import-untyped]
 
 from kvcouple.errors import InvalidInputError
 from kvcouple.policies import Policy, parse_policy
 from kvcouple.store import StoreLayout, TraceStoreWriter
+from kvcouple.store.identity import run_identity
 from kvcouple.store.reader import is_url
 from kvcouple.store.writer import VocabularyMismatchError as VocabularyMismatchError
 from kvcouple.tracer.engine import trace_units
 from kvcouple.tracer.memory import DocumentPlan, plan_loaded
-from kvcouple.tracer.prefill import prefill, vocab_size
+from kvcouple.tracer.model import facts, refresh
+from kvcouple.tracer.model import model_eos_ids as model_eos_ids
+from kvcouple.tracer.prefill import prefill
 from kvcouple.tracer.prompts import Prompt
 from kvcouple.tracer.provenance import provenance
 from kvcouple.tracer.settings import TraceSettings
-from kvcouple.tracer.support import check_support
+from kvcouple.tracer.support import ModelSupport, UnsupportedModelError, check_support
 
 
 @dataclass
@@ -51,29 +59,50 @@ class DocumentTrace:
     branch_batches: int
 
 
-def trace_document_records(
-    model: Any,
-    input_ids: Sequence[int],
-    policies: Sequence[Policy | str],
-    settings: TraceSettings,
-    *,
-    seed: int = 0,
-    doc_index: int = 0,
-    doc_id: str = "",
-    on_policy: Callable[[], object] | None = None,
-) -> DocumentTrace:
-    """Trace one prompt under every policy; ``on_policy()`` is called after each policy."""
-    import torch
+def with_model_eos(model: Any, settings: TraceSettings) -> TraceSettings:
+    """``settings`` with its EOS ids resolved: ``None`` means the model's own."""
+    if settings.eos_token_ids is not None:
+        return settings
+    return replace(settings, eos_token_ids=facts(model).eos_ids)
 
-    pols = [parse_policy(p) if isinstance(p, str) else p for p in policies]
-    if settings.branch_batch == "auto":
-        (plan,) = plan_loaded(model, [(doc_id, len(input_ids))], pols, settings)
-        settings = replace(settings, branch_batch=plan.branch_batch)
-    ids = torch.as_tensor(list(input_ids), dtype=torch.long)
-    (doc,) = trace_documents_records(
-        model, [(ids, doc_index, doc_id, settings)], pols, seed=seed, on_policy=on_policy
+
+# model -> the (attention implementation, policy specs) whose probe document has run.
+_PROBED: weakref.WeakKeyDictionary[Any, set[tuple[Any, ...]]] = weakref.WeakKeyDictionary()
+
+
+def check_model(model: Any, policies: Sequence[Policy]) -> ModelSupport:
+    """Refuse a model or policy the tracer cannot serve (:func:`~kvcouple.tracer.support.
+    check_support`), then trace a short probe document under every policy, plus an evicting
+    one: whatever would fail mid-store fails here, before a store exists."""
+    support = check_support(model, policies)
+    key = (facts(model).attn_implementation, tuple(sorted(p.spec() for p in policies)))
+    probed = _PROBED.setdefault(model, set())
+    if key not in probed:
+        _probe_engine(model, list(policies))
+        probed.add(key)
+    return support
+
+
+def _probe_engine(model: Any, policies: list[Policy]) -> None:
+    """Every policy once through the real tracer (prefill, selection, overlap path and a
+    branch) on a short prompt, one at a time (a failure names its policy)."""
+    f = facts(model)
+    vocab = int(getattr(f.config, "vocab_size", 2))
+    ids = torch.tensor([(3 * i + 1) % max(vocab, 1) for i in range(8)])
+    settings = TraceSettings(
+        horizon=2, replicates=1, branches=1, window=1, eos_token_ids=(), branch_batch=None
     )
-    return doc
+    with torch.inference_mode():
+        for policy in [parse_policy("recent:budget=3"), *policies]:
+            try:
+                _trace_batch(model, [(ids, 0, "probe", settings)], [policy], seed=0)
+            except UnsupportedModelError as e:
+                raise UnsupportedModelError(f"{f.name}: {policy.spec()}: {e}") from None
+            except Exception as e:
+                raise UnsupportedModelError(
+                    f"{f.name}: the tracer's probe run of {policy.spec()} failed "
+                    f"({type(e).__name__}: {e}); this architecture is not supported"
+                ) from None
 
 
 def trace_documents_records(
@@ -85,12 +114,24 @@ def trace_documents_records(
     on_policy: Callable[[], object] | None = None,
 ) -> list[DocumentTrace]:
     """Trace a batch of documents ``(input_ids, doc index, doc id, settings)`` under every
-    policy (settings differ at most in their branch batch); each policy's overlap paths run
-    as one batch where the cache layout allows it (:func:`~kvcouple.tracer.engine.
-    trace_units`). ``on_policy()`` is called after each policy."""
-    import torch
+    policy (settings differ at most in their branch batch; EOS ids ``None``: the model's);
+    each policy's overlap paths run as one batch where the cache layout allows it
+    (:func:`~kvcouple.tracer.engine.trace_units`). ``on_policy()`` is called after each
+    policy."""
+    check_model(model, policies)  # kept per model: refuses before any work
+    documents = [(ids, d, i, with_model_eos(model, s)) for ids, d, i, s in documents]
+    return _trace_batch(model, documents, policies, seed=seed, on_policy=on_policy)
 
-    check_support(model, policies)  # cached per model: refuses before any work
+
+def _trace_batch(
+    model: Any,
+    documents: Sequence[tuple[Any, int, str, TraceSettings]],
+    policies: Sequence[Policy],
+    *,
+    seed: int,
+    on_policy: Callable[[], object] | None = None,
+) -> list[DocumentTrace]:
+    """:func:`trace_documents_records` of a model and policies already checked."""
     need = any(p.NEEDS_QUERIES for p in policies)
     pres = [
         prefill(model, torch.as_tensor(ids, dtype=torch.long), need, doc=doc_id, policies=policies)
@@ -208,15 +249,14 @@ def trace_document(
     kvcouple.tracer.prefill.PromptTooShortError
         The prompt is too short.
     """
-    doc = trace_document_records(
-        model,
-        input_ids,
-        policies,
-        settings,
-        seed=seed,
-        doc_index=doc_index,
-        doc_id=doc_id,
-        on_policy=on_policy,
+    pols = [parse_policy(p) if isinstance(p, str) else p for p in policies]
+    refresh(model)
+    if settings.branch_batch == "auto":
+        (plan,) = plan_loaded(model, [(doc_id, len(input_ids))], pols, settings)
+        settings = replace(settings, branch_batch=plan.branch_batch)
+    ids = torch.as_tensor(list(input_ids), dtype=torch.long)
+    (doc,) = trace_documents_records(
+        model, [(ids, doc_index, doc_id, settings)], pols, seed=seed, on_policy=on_policy
     )
     return doc.arrays, doc.generated_tokens
 
@@ -233,6 +273,12 @@ class RunSummary:
     branch_batches: int = 0
     seconds: float = 0.0
     occurrence: dict[str, float] = field(default_factory=dict)
+
+    def add(self, doc: int, traced: DocumentTrace) -> None:
+        """Count a document written."""
+        self.traced.append(doc)
+        self.generated_tokens += traced.generated_tokens
+        self.branch_batches += traced.branch_batches
 
     @property
     def tokens_per_second(self) -> float:
@@ -252,15 +298,6 @@ class RunSummary:
         return "\n".join(lines)
 
 
-def model_eos_ids(model: Any) -> tuple[int, ...]:
-    """The EOS token ids a model declares (generation config first, then model config)."""
-    for source in (getattr(model, "generation_config", None), model.config):
-        eos = getattr(source, "eos_token_id", None)
-        if eos is not None:
-            return tuple(int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos]))
-    return ()
-
-
 def parse_shard(text: str) -> tuple[int, int]:
     """``"i/N"`` -> ``(i, N)`` with ``0 <= i < N``."""
     try:
@@ -274,9 +311,6 @@ def parse_shard(text: str) -> tuple[int, int]:
 
 def prompts_digest(prompts: Sequence[Prompt]) -> str:
     """SHA-256 of the documents' ids and token ids: a resumed run must trace the same prompts."""
-    import hashlib
-    import json
-
     text = json.dumps([[p.id, list(p.input_ids)] for p in prompts], separators=(",", ":"))
     return hashlib.sha256(text.encode()).hexdigest()
 
@@ -342,45 +376,12 @@ def trace(
     kvcouple.errors.StoreError
         ``out`` exists with other settings (the first difference is named).
     """
-    import torch
-    from tqdm import tqdm  # type: ignore[import-untyped]
-
-    eos_ids = model_eos_ids(model) if settings.eos_token_ids is None else settings.eos_token_ids
-    settings = replace(settings, eos_token_ids=eos_ids)
-    pols = [parse_policy(p) if isinstance(p, str) else p for p in policies]
-    if not pols:
-        raise InvalidInputError("give at least one policy")
-    specs = [p.spec() for p in pols]
-    if len(set(specs)) != len(specs):
-        raise InvalidInputError(f"a policy is given twice: {specs}")
-    if not prompts:
-        raise InvalidInputError("no prompts to trace")
-    check_support(model, pols)  # before the store exists: never a store with a crashed document
+    refresh(model)
+    settings = with_model_eos(model, settings)
+    pols = _run_policies(policies, prompts)
+    check_model(model, pols)  # before the store exists: never a store with a crashed document
     out = str(out) if is_url(str(out)) else Path(out)  # object storage: s3://bucket/run.zarr
-    vocab = vocab_size(model)
-    digest = prompts_digest(prompts)
-    layout = StoreLayout(
-        doc_ids=[p.id for p in prompts],
-        policies=specs,
-        horizon=settings.horizon,
-        window=settings.window,
-        branches=settings.branches,
-        replicates=settings.replicates,
-        vocab_size=vocab,
-        record=settings.record,
-    )
-    attrs = {
-        "model_id": model_id,
-        "decoding": settings.decoding.as_dict(),
-        "policies": [{"spec": p.spec(), "name": p.name, "params": p.params} for p in pols],
-        "seed": seed,
-        "eos_token_id": list(eos_ids),
-        "prompts_sha256": digest,
-        "estimator": "rb",
-        "source": "model",
-        # Versions, device, dtype, attention implementation, the resolved model revision.
-        **provenance(model, model_revision),
-    }
+    layout, attrs = store_identity(model, prompts, pols, settings, seed, model_id, model_revision)
     index, count = shard
     mine = [d for d in range(len(prompts)) if d % count == index]
     # Planned before the store is touched: a document that cannot fit is refused up front.
@@ -389,55 +390,103 @@ def trace(
     writer = TraceStoreWriter.open(out, layout, attrs)
     done = writer.completed()
     todo = [d for d in mine if not done[d]]
+    summary = RunSummary(out, len(prompts), skipped=len(mine) - len(todo))
     if max_docs is not None:
         todo = todo[:max_docs]
-    summary = RunSummary(
-        out, len(prompts), skipped=len(mine) - len([d for d in mine if not done[d]])
+    chosen = set(todo)
+    batches = [
+        (batch, [d for d in batch if d in chosen])
+        for batch in document_batches(mine, plans, settings)
+    ]
+    _write_batches(model, prompts, pols, settings, plans, batches, writer, summary, seed, progress)
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    return summary
+
+
+def _run_policies(policies: Sequence[Policy | str], prompts: Sequence[Prompt]) -> list[Policy]:
+    """The run's policies, parsed; refuses none, one given twice, or no prompts."""
+    pols = [parse_policy(p) if isinstance(p, str) else p for p in policies]
+    if not pols:
+        raise InvalidInputError("give at least one policy")
+    specs = [p.spec() for p in pols]
+    if len(set(specs)) != len(specs):
+        raise InvalidInputError(f"a policy is given twice: {specs}")
+    if not prompts:
+        raise InvalidInputError("no prompts to trace")
+    return pols
+
+
+def store_identity(
+    model: Any,
+    prompts: Sequence[Prompt],
+    policies: Sequence[Policy],
+    settings: TraceSettings,
+    seed: int,
+    model_id: str,
+    model_revision: str,
+) -> tuple[StoreLayout, dict[str, Any]]:
+    """The store layout and run attributes of a traced run (EOS ids resolved)."""
+    return run_identity(
+        [p.id for p in prompts],
+        [(p.spec(), p.name, p.params) for p in policies],
+        horizon=settings.horizon,
+        window=settings.window,
+        branches=settings.branches,
+        replicates=settings.replicates,
+        vocab_size=facts(model).vocab,
+        record=settings.record,
+        model_id=model_id,
+        seed=seed,
+        decoding=settings.decoding.as_dict(),
+        eos_token_id=list(settings.eos_token_ids or ()),
+        source="model",
+        prompts_sha256=prompts_digest(prompts),
+        # Versions, device, dtype, attention implementation, the resolved model revision.
+        **provenance(model, model_revision),
     )
-    occ_sum = np.zeros(len(pols))
+
+
+def _write_batches(
+    model: Any,
+    prompts: Sequence[Prompt],
+    policies: list[Policy],
+    settings: TraceSettings,
+    plans: dict[int, DocumentPlan],
+    batches: list[tuple[list[int], list[int]]],
+    writer: TraceStoreWriter,
+    summary: RunSummary,
+    seed: int,
+    progress: bool,
+) -> None:
+    """Trace each batch ``(documents, those to write)`` whole and write the documents to
+    write (a resumed batch is traced whole again: its records are an uninterrupted run's)."""
+    occurrence = np.zeros(len(policies))
     start = time.perf_counter()
-    bar = tqdm(
-        total=len(todo) * len(pols), unit="doc-policy", disable=not progress, desc="kvcouple trace"
-    )
+    total = sum(len(write) for _, write in batches) * len(policies)
+    bar = tqdm(total=total, unit="doc-policy", disable=not progress, desc="kvcouple trace")
     try:
-        left = len(todo)
-        for batch in document_batches(mine, plans, settings):
-            write = [d for d in batch if not done[d]][:left]
+        for batch, write in batches:
             if not write:
                 continue
             docs = [
-                (
-                    prompts[d].input_ids,
-                    d,
-                    prompts[d].id,
-                    replace(settings, branch_batch=plans[d].branch_batch),
-                )
-                for d in batch
+                (prompts[d].input_ids, d, prompts[d].id, replace(settings, branch_batch=b))
+                for d, b in ((d, plans[d].branch_batch) for d in batch)
             ]
-            traced = trace_documents_records(
-                model, docs, pols, seed=seed, on_policy=functools.partial(bar.update, len(write))
-            )
+            update = functools.partial(bar.update, len(write))
+            traced = _trace_batch(model, docs, policies, seed=seed, on_policy=update)
             for d, doc in zip(batch, traced, strict=True):
-                if d not in write:
-                    continue
-                writer.write_doc(d, doc.arrays)
-                summary.traced.append(d)
-                summary.generated_tokens += doc.generated_tokens
-                summary.branch_batches += doc.branch_batches
-                hazard = doc.arrays["hazard"].astype(np.float64)  # (policy, rep, step)
-                occ_sum += (1 - np.prod(1 - hazard, axis=-1)).mean(axis=-1)
-            left -= len(write)
+                if d in write:
+                    writer.write_doc(d, doc.arrays)
+                    summary.add(d, doc)
+                    hazard = doc.arrays["hazard"].astype(np.float64)  # (policy, rep, step)
+                    occurrence += (1 - np.prod(1 - hazard, axis=-1)).mean(axis=-1)
             elapsed = time.perf_counter() - start
             bar.set_postfix(tok_s=f"{summary.generated_tokens / max(elapsed, 1e-9):.0f}")
-            if left <= 0:
-                break
     finally:
         bar.close()
     summary.seconds = time.perf_counter() - start
     if summary.traced:
-        summary.occurrence = dict(
-            zip(specs, (occ_sum / len(summary.traced)).tolist(), strict=False)
-        )
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
-    return summary
+        specs = [p.spec() for p in policies]
+        mean = (occurrence / len(summary.traced)).tolist()
+        summary.occurrence = dict(zip(specs, mean, strict=True))

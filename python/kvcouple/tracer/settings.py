@@ -80,14 +80,15 @@ class TraceSettings:
     window: int = 0
     decoding: Decoding = field(default_factory=Decoding)
     record: Record = field(default_factory=Record)
-    # Absorbing EOS ids; None (the default) means the model's own, resolved by `trace`
-    # exactly as `kvcouple trace` does; () means no absorbing EOS.
+    # Absorbing EOS ids; None (the default) means the model's own, resolved where a model is
+    # traced (kvcouple.tracer.run.with_model_eos: trace, trace_document, kvcouple trace);
+    # () means no absorbing EOS.
     eos_token_ids: tuple[int, ...] | None = None
     # Most branches traced in one batch (each is two rows with a copy of the cache); None: all;
     # "auto": the largest that fits the device, chosen per document by the memory plan
     # (kvcouple.tracer.memory) in trace/trace_document (every branch when memory is unknown).
     branch_batch: int | Literal["auto"] | None = "auto"
-    # Cache layout of one-shot policies (kvcouple.tracer.memory.choose_layout).
+    # Cache layout of one-shot policies (kvcouple.tracer.shape.choose_layout).
     cache_layout: Literal["auto", "joint", "split", "shared"] = "auto"
     # Documents traced as one batch (kvcouple.tracer.run.document_batches).
     doc_batch: int | Literal["auto"] = "auto"

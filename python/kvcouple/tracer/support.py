@@ -19,20 +19,36 @@ architecture and the reason, any model (and policy kind) the tracer cannot trace
 
 Then a three-token probe runs the tracer's own forward passes (prefill, a re-fed token on an
 evicted cache, and the attention capture when a policy needs it) and compares them with a
-plain masked forward; any exception or (in float32) any difference refuses the model too, so
-an unknown architecture fails here, never in the middle of a store.
+plain masked forward; any exception or (in float32) any difference refuses the model too.
+The run layer (:func:`kvcouple.tracer.run.check_model`) then traces a short probe document
+under every policy, so an unknown architecture fails before a store exists, never in the
+middle of one.
+
+Verdicts are kept in a side table owned by this module (keyed by the model, weakly).
 """
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from kvcouple.tracer import attention
-from kvcouple.tracer.attention import UnsupportedModelError
+import torch
 
-__all__ = ["ModelSupport", "UnsupportedModelError", "check_support", "describe"]
+from kvcouple.tracer import attention, compat
+from kvcouple.tracer.model import ModelFacts, UnsupportedModelError, facts, refresh
+from kvcouple.tracer.model import layer_windows as layer_windows
+from kvcouple.tracer.model import text_config as text_config
+
+__all__ = [
+    "ModelSupport",
+    "UnsupportedModelError",
+    "check_support",
+    "describe",
+    "layer_windows",
+    "text_config",
+]
 
 _ATTENTION_LAYERS = {"full_attention", "sliding_attention"}
 
@@ -47,31 +63,9 @@ class ModelSupport:
     scores_refusal: str  # why not, when they cannot
 
 
-def text_config(model: Any) -> Any:
-    cfg = model.config
-    return cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
-
-
-def _name(model: Any) -> str:
-    return f"{type(model).__name__} ({getattr(text_config(model), 'model_type', '?')})"
-
-
-def layer_windows(cfg: Any) -> list[int | None]:
-    """Each layer's sliding window as the model's config declares it (None: full attention)."""
-    n = int(cfg.num_hidden_layers)
-    window = getattr(cfg, "sliding_window", None)
-    types = getattr(cfg, "layer_types", None)
-    if types is not None:
-        return [window if t == "sliding_attention" else None for t in types]
-    if window and getattr(cfg, "use_sliding_window", True):
-        return [int(window)] * n
-    return [None] * n
-
-
-def _model_refusal(model: Any) -> str | None:
+def _model_refusal(f: ModelFacts) -> str | None:
     """Why the tracer cannot serve this model at all (None when it can, pending the probe)."""
-    cfg = text_config(model)
-    impl = getattr(model.config, "_attn_implementation", None) or "eager"
+    cfg, impl = f.config, f.attn_implementation
     if impl not in ("sdpa", "eager"):
         return (
             f"attention implementation {impl!r} takes no 4-D attention masks; load the model "
@@ -98,8 +92,8 @@ def _model_refusal(model: Any) -> str | None:
             "ALiBi position biases are built from a 2-D padding mask, which the tracer's 4-D "
             "eviction masks replace"
         )
-    if any(w is not None for w in layer_windows(cfg)):
-        if not attention.uses_interface(model):
+    if f.windowed:
+        if not f.attention_interface:
             return (
                 "sliding-window layers, but the attention does not dispatch through "
                 "transformers' attention interface, so the tracer cannot apply the window per "
@@ -110,8 +104,8 @@ def _model_refusal(model: Any) -> str | None:
     return None
 
 
-def _scores_refusal(model: Any) -> str:
-    if not attention.uses_interface(model) or not attention.interface_available():
+def _scores_refusal(f: ModelFacts) -> str:
+    if not f.attention_interface or not attention.interface_available():
         return (
             "its attention does not dispatch through transformers' attention interface, so "
             "policies scored by attention (snapkv, h2o, tova) cannot see what it attends to"
@@ -119,75 +113,70 @@ def _scores_refusal(model: Any) -> str:
     return ""
 
 
-def _decode_refusal(model: Any, scored: bool) -> str:
+def _decode_refusal(f: ModelFacts, scored: bool) -> str:
     """Why decode-time eviction cannot run exactly on this model ("" when it can)."""
-    cfg = text_config(model)
-    if any(w is not None for w in layer_windows(cfg)):
+    if f.windowed:
         # Evicting while decoding moves entries within the cache, so their positions, which
         # the sliding-window masks are built from, are not tracked.
         return "sliding-window layers"
-    if scored and getattr(cfg, "attn_logit_softcapping", None):
+    if scored and f.softcap:
         return "attention soft-capping (its per-step scores are plain softmax attention)"
-    if scored and any(name.endswith("sinks") for name, _ in model.named_parameters()):
+    if scored and f.sinks:
         return "attention sinks (its per-step scores are plain softmax attention)"
     return ""
 
 
-def check_support(model: Any, policies: Sequence[Any] = ()) -> ModelSupport:
-    """Refuse (:class:`UnsupportedModelError`) a model or policy the tracer cannot serve
-    exactly; return what it found otherwise. Cached on the model per kind of policy."""
-    needs_scores = any(getattr(p, "NEEDS_QUERIES", False) for p in policies)
-    decode = any(getattr(p, "decode_time", False) for p in policies)
-    impl = getattr(model.config, "_attn_implementation", None)
-    specs = tuple(sorted(p.spec() for p in policies if hasattr(p, "spec")))
-    key = (impl, needs_scores, decode, specs)
-    cached = getattr(model, "_kvcouple_support", {})
-    if key in cached:
-        return cached[key]
-    if getattr(model, "_kvcouple_probing", False):  # the probe's own trace
-        return _PROBING
-    name = _name(model)
-    why = _model_refusal(model)
+# model -> {(attention implementation, scored, decode-time, specs): verdict}
+_VERDICTS: weakref.WeakKeyDictionary[Any, dict[tuple[Any, ...], ModelSupport]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def _refuse_statically(f: ModelFacts, policies: Sequence[Any]) -> str:
+    """Refuse what the config alone rules out; returns why scored policies cannot run."""
+    why = _model_refusal(f)
     if why:
-        raise UnsupportedModelError(f"{name}: the tracer cannot serve this model: {why}")
-    scores_why = _scores_refusal(model)
-    if needs_scores and scores_why:
-        raise UnsupportedModelError(f"{name}: {scores_why}")
-    if decode:
-        scored = any(
-            getattr(p, "decode_time", False) and getattr(p, "NEEDS_QUERIES", False)
-            for p in policies
-        )
-        decode_why = _decode_refusal(model, scored)
+        raise UnsupportedModelError(f"{f.name}: the tracer cannot serve this model: {why}")
+    scores_why = _scores_refusal(f)
+    if scores_why and any(getattr(p, "NEEDS_QUERIES", False) for p in policies):
+        raise UnsupportedModelError(f"{f.name}: {scores_why}")
+    decoding = [p for p in policies if getattr(p, "decode_time", False)]
+    if decoding:
+        scored = any(getattr(p, "NEEDS_QUERIES", False) for p in decoding)
+        decode_why = _decode_refusal(f, scored)
         if decode_why:
             raise UnsupportedModelError(
-                f"{name}: decode-time eviction (mode=decode) is not exact with this model's "
+                f"{f.name}: decode-time eviction (mode=decode) is not exact with this model's "
                 f"{decode_why}; use mode=prefill"
             )
-    _probe(model, name, needs_scores)
-    _probe_engine(model, name, [p for p in policies if hasattr(p, "spec")])
-    windows = tuple(sorted({w for w in layer_windows(text_config(model)) if w is not None}))
-    result = ModelSupport(
-        str(getattr(text_config(model), "model_type", "")), windows, not scores_why, scores_why
-    )
-    try:
-        model._kvcouple_support = {**cached, key: result}
-    except AttributeError:  # pragma: no cover - exotic wrappers
-        pass
-    return result
+    return scores_why
 
 
-def _probe(model: Any, name: str, needs_scores: bool) -> None:
+def check_support(model: Any, policies: Sequence[Any] = ()) -> ModelSupport:
+    """Refuse (:class:`UnsupportedModelError`) a model or policy the tracer cannot serve
+    exactly; return what it found otherwise. Kept per model and kind of policy."""
+    needs_scores = any(getattr(p, "NEEDS_QUERIES", False) for p in policies)
+    decode = any(getattr(p, "decode_time", False) for p in policies)
+    specs = tuple(sorted(p.spec() for p in policies if hasattr(p, "spec")))
+    f = facts(model)
+    key = (f.attn_implementation, needs_scores, decode, specs)
+    known = _VERDICTS.setdefault(model, {})
+    if key in known:
+        return known[key]
+    f = refresh(model)  # a first check: the model as it is now
+    scores_why = _refuse_statically(f, policies)
+    _probe(model, f, needs_scores)
+    windows = tuple(sorted({w for w in f.windows if w is not None}))
+    known[key] = ModelSupport(f.model_type, windows, not scores_why, scores_why)
+    return known[key]
+
+
+def _probe(model: Any, f: ModelFacts, needs_scores: bool) -> None:
     """Three tokens through the tracer's forward passes, checked against a plain forward."""
-    import torch
-
-    from kvcouple.tracer import compat
-
-    cfg = text_config(model)
+    name, layers = f.name, f.layers
     device = next(model.parameters()).device
-    vocab = int(getattr(cfg, "vocab_size", 2))
+    vocab = int(getattr(f.config, "vocab_size", 2))
     ids = (torch.arange(4, device=device) + 1) % max(vocab, 1)
-    layers = int(cfg.num_hidden_layers)
     try:
         with torch.inference_mode():
             cache = compat.new_cache()
@@ -228,7 +217,7 @@ def _probe(model: Any, name: str, needs_scores: bool) -> None:
             f"{name}: the tracer's probe forward failed ({type(e).__name__}: {e}); this "
             "architecture is not supported"
         ) from None
-    windows = [w for w in layer_windows(cfg) if w is not None]
+    windows = [w for w in f.windows if w is not None]
     if windows and min(windows) < 4:
         return  # the plain reference would need the window per layer
     if dtype == torch.float32 and not torch.allclose(got.float(), want.float(), atol=1e-4):
@@ -237,40 +226,6 @@ def _probe(model: Any, name: str, needs_scores: bool) -> None:
             f"{name}: the tracer's cached, masked forward differs from a plain masked forward "
             f"(max logit difference {diff:.2e}); this architecture is not supported"
         )
-
-
-_PROBING = ModelSupport("", (), True, "")
-
-
-def _probe_engine(model: Any, name: str, policies: list[Any]) -> None:
-    """Every given policy once through the real tracer (prefill, selection, overlap path and a
-    branch) on a short prompt, plus an evicting one: whatever would fail mid-store fails here."""
-    import torch
-
-    from kvcouple.policies import parse_policy
-    from kvcouple.tracer.engine import TraceSettings
-    from kvcouple.tracer.run import trace_document
-
-    cfg = text_config(model)
-    vocab = int(getattr(cfg, "vocab_size", 2))
-    prompt = [(3 * i + 1) % max(vocab, 1) for i in range(8)]
-    probes = [parse_policy("recent:budget=3"), *policies]
-    settings = TraceSettings(horizon=2, replicates=1, branches=1, window=1, eos_token_ids=())
-    model._kvcouple_probing = True
-    try:
-        with torch.inference_mode():
-            for policy in probes:  # one at a time: a failure names its policy
-                try:
-                    trace_document(model, prompt, [policy], settings)
-                except UnsupportedModelError as e:
-                    raise UnsupportedModelError(f"{name}: {policy.spec()}: {e}") from None
-                except Exception as e:
-                    raise UnsupportedModelError(
-                        f"{name}: the tracer's probe run of {policy.spec()} failed "
-                        f"({type(e).__name__}: {e}); this architecture is not supported"
-                    ) from None
-    finally:
-        model._kvcouple_probing = False
 
 
 def _check_layout(kv: list[tuple[Any, Any]], layers: int, name: str) -> None:

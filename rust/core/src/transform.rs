@@ -1,6 +1,6 @@
 //! The decoding transform (temperature, top-k, top-p) that turns logits into the kernel.
 //!
-//! The same rule is implemented in torch (`kvcouple.tracer.sampling`) so that a traced
+//! The same rule is implemented in torch (`kvcouple.torch_coupling`) so that a traced
 //! distribution and one recomputed here from stored logits agree:
 //! 1. `z = logits / temperature`;
 //! 2. top-k keeps every entry `>=` the k-th largest value (ties at the cut are kept);

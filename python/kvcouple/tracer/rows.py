@@ -1,0 +1,97 @@
+"""Rows of trajectories on a cache, and the one step that feeds them a token.
+
+A batch of rows holds ``B`` P rows then ``B`` Q rows in some cache layout
+(:class:`~kvcouple.tracer.trajectories.Trajectories`: one joint batch;
+:class:`~kvcouple.tracer.layout.SplitRows`: two batches; :class:`~kvcouple.tracer.layout.
+SharedRows`: prefixes held once). Every layout's batches are :class:`CacheRows`: one cache,
+per-row visibility of its columns and per-row positions, stepped by :meth:`CacheRows.step`
+(the new column, the mask, the forward pass, an optional :class:`StepHook`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from contextlib import AbstractContextManager
+from typing import Any, Protocol
+
+import torch
+
+from kvcouple.tracer import compat
+from kvcouple.tracer.attention import SharedPrefix
+
+
+class StepHook(Protocol):
+    """Something that watches every step of a batch and may change its cache (decode-time
+    eviction): ``capture()`` wraps the forward pass, ``after_step`` runs after it."""
+
+    def capture(self) -> AbstractContextManager[Any]: ...
+
+    def after_step(self, rows: Any) -> None: ...
+
+
+class Rows(Protocol):
+    """``B`` P rows then ``B`` Q rows in some cache layout."""
+
+    def step(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Feed one token per row; returns ``(2B, vocab)`` logits."""
+        ...
+
+    def fork(self, index: torch.Tensor, visible_before: torch.Tensor, steps: int = 0) -> Rows:
+        """Copies of rows ``index`` that see the path columns before ``visible_before`` (P's
+        columns), positioned to feed the token of that column, with room for ``steps``."""
+        ...
+
+
+def new_column(
+    valid: torch.Tensor | None, dtype: torch.dtype, masked: bool = True
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """Per-row visibility with the column a step is about to write (visible to its own row),
+    and the step's additive mask (None unless ``masked``); (None, None) where every row sees
+    every column (``valid`` None)."""
+    if valid is None:
+        return None, None
+    ones = torch.ones(valid.shape[0], 1, dtype=torch.bool, device=valid.device)
+    valid = torch.cat([valid, ones], dim=1)
+    return valid, compat.additive_mask(valid, dtype) if masked else None
+
+
+class CacheRows:
+    """Rows sharing one cache: per-row visibility ``valid`` ``(rows, columns)`` (None: every
+    column), per-row ``positions`` (of the next token fed), the prefixes they attend to first
+    (``prefix``, the shared layout) and a :class:`StepHook`."""
+
+    def __init__(
+        self,
+        model: Any,
+        cache: Any,
+        valid: torch.Tensor | None,
+        positions: torch.Tensor,
+        *,
+        masked: bool = True,
+        hook: StepHook | None = None,
+        prefix: SharedPrefix | None = None,
+        dtype: torch.dtype | None = None,
+    ):
+        self.model, self.cache, self.valid, self.positions = model, cache, valid, positions
+        self.masked = masked  # False: every row sees every column, no mask needed
+        self.hook = hook
+        self.prefix = prefix
+        self.dtype = dtype if dtype is not None else compat.cache_tensors(cache)[0][0].dtype
+
+    def step(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Feed one token per row; returns ``(rows, vocab)`` logits."""
+        self.valid, mask = new_column(self.valid, self.dtype, self.masked)
+        capture = self.hook.capture() if self.hook is not None else contextlib.nullcontext()
+        with capture:
+            logits = compat.forward(
+                self.model,
+                tokens[:, None],
+                self.cache,
+                self.positions[:, None],
+                mask,
+                prefix=self.prefix,
+            )
+        if self.hook is not None:
+            self.hook.after_step(self)
+        self.positions = self.positions + 1
+        return logits
