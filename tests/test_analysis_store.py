@@ -16,6 +16,7 @@ from kvcouple.cli import main
 from kvcouple.errors import SchemaVersionError, StoreError
 from kvcouple.store import SCHEMA_VERSION
 from kvcouple.synth.trace_store import write_synthetic_trace_store
+from store_helpers import set_root_attr
 
 PAIRS = {
     "a": {"P": np.full((5, 5), 0.2), "Q": np.full((5, 5), 0.2) * 0.7 + 0.3 * np.eye(5), "start": 0},
@@ -121,12 +122,7 @@ def test_damaged_documents_are_skipped_when_asked(copy, tmp_path, capsys):
 
 
 def _set_schema_version(path, version):
-    for name in (".zattrs", ".zmetadata"):
-        f = path / name
-        meta = json.loads(f.read_text())
-        target = meta["metadata"][".zattrs"] if name == ".zmetadata" else meta
-        target["schema_version"] = version
-        f.write_text(json.dumps(meta))
+    set_root_attr(path, "schema_version", version)
 
 
 def test_other_schema_version_is_refused(copy, tmp_path, capsys):

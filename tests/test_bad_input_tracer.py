@@ -6,7 +6,6 @@ function that fails the test if it is called.
 
 from __future__ import annotations
 
-import json
 import time
 from pathlib import Path
 
@@ -19,6 +18,7 @@ from kvcouple.cli import main
 from kvcouple.models import model_source
 from kvcouple.policies import PolicyError, parse_policy
 from kvcouple.synth.trace_store import write_synthetic_trace_store
+from store_helpers import set_root_attr
 
 
 def _cli(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str]:
@@ -230,12 +230,7 @@ def test_writer_refuses_non_store_paths(tmp_path, capsys, pair_file):
 
 
 def _set_schema_version(path: Path, version: object) -> None:
-    for name in (".zattrs", ".zmetadata"):
-        f = path / name
-        meta = json.loads(f.read_text())
-        target = meta["metadata"][".zattrs"] if name == ".zmetadata" else meta
-        target["schema_version"] = version
-        f.write_text(json.dumps(meta))
+    set_root_attr(path, "schema_version", version)
 
 
 @pytest.mark.parametrize("version", ["1", "2", 1.0, None, [2]])

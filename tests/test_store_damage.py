@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import json
 import shutil
 
 import numpy as np
@@ -15,6 +14,7 @@ from kvcouple.cli import main
 from kvcouple.errors import ResourceLimitError, StoreError
 from kvcouple.store.reader import TraceStoreReader
 from kvcouple.synth.trace_store import write_synthetic_trace_store
+from store_helpers import set_root_attr
 
 PAIRS = {
     "a": {"P": np.full((5, 5), 0.2), "Q": np.full((5, 5), 0.2) * 0.7 + 0.3 * np.eye(5), "start": 0},
@@ -38,16 +38,8 @@ def copy(store, tmp_path):
 
 
 def set_attr(path, key, value=None, *, delete=False):
-    """Edit a group attribute the way a user's editor would (both metadata documents)."""
-    for name in (".zattrs", ".zmetadata"):
-        f = path / name
-        meta = json.loads(f.read_text())
-        target = meta["metadata"][".zattrs"] if name == ".zmetadata" else meta
-        if delete:
-            target.pop(key)
-        else:
-            target[key] = value
-        f.write_text(json.dumps(meta))
+    """Edit a group attribute the way a user's editor would (every metadata document)."""
+    set_root_attr(path, key, value, delete=delete)
 
 
 def refused(path, tmp_path, capsys, pattern):

@@ -61,6 +61,7 @@ def store_blocks_tv(
     blocks: npt.NDArray[np.int64],
     dtype: str,
     *,
+    row_tolerance: float | None = None,
     decode_only: bool = False,
 ) -> tuple[npt.NDArray[np.float64], tuple[str, str, str] | None]: ...
 

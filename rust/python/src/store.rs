@@ -10,22 +10,40 @@ use pyo3::prelude::*;
 
 use crate::errors::{InternalError, InvalidInputError, ShapeError};
 
-/// `(kind, key, message)` of a failed read: kind is "missing", "decode" or "unsupported".
+/// `(kind, key, message)` of a failed read: kind is "missing", "decode", "checksum",
+/// "unsupported" or "value" (then message is `what;i0,i1,...;value`, `what` "entry" or "sum",
+/// for the reader to word like its own value checks).
 type ProblemTuple = (String, String, String);
 
 fn as_tuple(p: Problem) -> ProblemTuple {
     match p {
         Problem::Missing { key } => ("missing".into(), key, String::new()),
         Problem::Decode { key, message } => ("decode".into(), key, message),
+        Problem::Checksum { key, message } => ("checksum".into(), key, message),
         Problem::Unsupported { message } => ("unsupported".into(), String::new(), message),
+        Problem::Value {
+            key,
+            index,
+            value,
+            what,
+        } => {
+            let at: Vec<String> = index.iter().map(|i| i.to_string()).collect();
+            (
+                "value".into(),
+                key,
+                format!("{what};{};{value:?}", at.join(",")),
+            )
+        }
     }
 }
 
 /// Row TVs of the blocks `blocks[i, axis] = (start, stop)` of arrays `p` and `q` in the local
-/// store `root`, decoded with zarrs in parallel; returns `(tvs, problem)` where `problem` is
-/// None or `(kind, key, message)` (nothing is raised for store damage: the reader names it).
+/// store `root`, decoded with zarrs in parallel (checksums verified); with `row_tolerance`,
+/// every row must first be a distribution summing to 1 within it. Returns `(tvs, problem)`
+/// where `problem` is None or `(kind, key, message)` (nothing is raised for store damage: the
+/// reader names it).
 #[pyfunction]
-#[pyo3(signature = (root, p, q, blocks, dtype, *, decode_only=false))]
+#[pyo3(signature = (root, p, q, blocks, dtype, *, row_tolerance=None, decode_only=false))]
 pub fn store_blocks_tv<'py>(
     py: Python<'py>,
     root: &str,
@@ -33,6 +51,7 @@ pub fn store_blocks_tv<'py>(
     q: &str,
     blocks: PyReadonlyArray3<'py, i64>,
     dtype: &str,
+    row_tolerance: Option<f64>,
     decode_only: bool,
 ) -> PyResult<(Bound<'py, PyArray1<f64>>, Option<ProblemTuple>)> {
     let kind = match dtype {
@@ -53,6 +72,11 @@ pub fn store_blocks_tv<'py>(
     let flat = blocks
         .as_slice()
         .map_err(|_| ShapeError::new_err("blocks must be C-contiguous"))?;
+    if row_tolerance.is_some_and(|t| t.is_nan() || t < 0.0) {
+        return Err(InvalidInputError::new_err(
+            "row_tolerance must be a number >= 0",
+        ));
+    }
     if flat.iter().any(|&v| v < 0) {
         return Err(InvalidInputError::new_err("block bounds must be >= 0"));
     }
@@ -69,7 +93,7 @@ pub fn store_blocks_tv<'py>(
         catch_unwind(AssertUnwindSafe(|| {
             let pv = Variable::open(&root, &p)?;
             let qv = Variable::open(&root, &q)?;
-            blocks_tv(&pv, &qv, &ranges, kind, decode_only)
+            blocks_tv(&pv, &qv, &ranges, kind, row_tolerance, decode_only)
         }))
     });
     match result {

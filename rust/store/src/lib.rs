@@ -7,8 +7,11 @@
 //! Memory is a block pair per thread, whatever the store's size.
 //!
 //! A chunk file that is absent is an error here (Zarr would return its fill value), and so is
-//! one that does not decode; both name the chunk key. An array zarrs cannot open (a codec it
-//! lacks) is reported as unsupported so the caller can fall back to zarr-python.
+//! one that does not decode or fails its checksum (crc32c, or Zstd's frame checksum, always
+//! verified); all name the chunk key. With a tolerance, every decoded row must be a
+//! distribution (all NaN, or finite, >= 0 and summing to 1): the first that is not is named by
+//! its chunk and index. An array zarrs cannot open (a codec it lacks) is reported as
+//! unsupported so the caller can fall back to zarr-python.
 
 use std::ops::Range;
 use std::sync::Arc;
@@ -20,15 +23,27 @@ use zarrs::storage::ReadableStorageTraits;
 
 use kvcouple_core::parallel;
 use kvcouple_core::rows::{Dtype, Rows};
-use kvcouple_core::stats::recompute::row_tv;
+use kvcouple_core::stats::recompute::{row_check, row_tv, RowViolation};
 
 /// Why a read failed, with the chunk key where there is one.
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
 pub enum Problem {
     #[error("chunk {key} is missing")]
     Missing { key: String },
     #[error("chunk {key} cannot be decoded ({message})")]
     Decode { key: String, message: String },
+    /// The chunk's bytes do not match their stored checksum.
+    #[error("chunk {key} fails its checksum ({message})")]
+    Checksum { key: String, message: String },
+    /// A decoded row is not a distribution: element `index` (one entry per axis; for a bad
+    /// sum the last entry is -1) holds `value` (`what` is "entry" or "sum").
+    #[error("chunk {key} holds {value} at {index:?} ({what})")]
+    Value {
+        key: String,
+        index: Vec<i64>,
+        value: f64,
+        what: &'static str,
+    },
     #[error("{message}")]
     Unsupported { message: String },
 }
@@ -118,10 +133,13 @@ impl Variable {
                     .array
                     .retrieve_chunk_opt::<ArrayBytes<'static>>(&idx, options)
                 {
-                    return Problem::Decode {
-                        key: self.array.chunk_key(&idx).as_str().to_string(),
-                        message: e.to_string(),
-                    };
+                    let key = self.array.chunk_key(&idx).as_str().to_string();
+                    let message = e.to_string();
+                    // zarrs' crc32c codec and zstd's frame check both say "checksum".
+                    if message.to_lowercase().contains("checksum") {
+                        return Problem::Checksum { key, message };
+                    }
+                    return Problem::Decode { key, message };
                 }
             }
         }
@@ -130,6 +148,88 @@ impl Variable {
             message,
         }
     }
+
+    /// The key of the stored object holding element `index`.
+    fn key_of(&self, index: &[u64]) -> String {
+        let one: Vec<Range<u64>> = index.iter().map(|&i| i..i + 1).collect();
+        self.array
+            .chunks_in_array_subset(&ArraySubset::new_with_ranges(&one))
+            .ok()
+            .flatten()
+            .and_then(|c| (&c.indices()).into_iter().next())
+            .map(|idx| self.array.chunk_key(&idx).as_str().to_string())
+            .unwrap_or_else(|| self.array.path().to_string())
+    }
+}
+
+/// Rows of a decoded block as `Rows` (the decoded bytes are only byte-aligned: a copy).
+enum Owned {
+    Half(Vec<u16>, bool),
+    F32(Vec<f32>),
+    F64(Vec<f64>),
+}
+
+impl Owned {
+    fn new(bytes: &[u8], kind: Dtype) -> Self {
+        match kind {
+            Dtype::F16 | Dtype::BF16 => {
+                Owned::Half(bytemuck::pod_collect_to_vec(bytes), kind == Dtype::F16)
+            }
+            Dtype::F32 => Owned::F32(bytemuck::pod_collect_to_vec(bytes)),
+            Dtype::F64 => Owned::F64(bytemuck::pod_collect_to_vec(bytes)),
+        }
+    }
+
+    fn rows(&self) -> Rows<'_> {
+        match self {
+            Owned::Half(v, true) => Rows::F16(v),
+            Owned::Half(v, false) => Rows::BF16(v),
+            Owned::F32(v) => Rows::F32(v),
+            Owned::F64(v) => Rows::F64(v),
+        }
+    }
+}
+
+/// The first row of a decoded block that is not a distribution, named by chunk and index.
+fn check_block(
+    var: &Variable,
+    rows: &Rows,
+    block: &[Range<u64>],
+    vocab: usize,
+    tolerance: f64,
+) -> Result<(), Problem> {
+    let n = rows.len() / vocab;
+    let violation = row_check(*rows, n, vocab, tolerance).map_err(|e| Problem::Unsupported {
+        message: e.to_string(),
+    })?;
+    let Some(v) = violation else {
+        return Ok(());
+    };
+    let (row, col, value, what) = match v {
+        RowViolation::Entry { row, col, value } => (row, Some(col), value, "entry"),
+        RowViolation::Sum { row, sum } => (row, None, sum, "sum"),
+    };
+    // Unravel the row over the block's leading axes (C order), then offset by the block.
+    let lead = &block[..block.len() - 1];
+    let mut index = vec![0u64; block.len()];
+    let mut rest = row as u64;
+    for (ax, r) in lead.iter().enumerate().rev() {
+        let len = r.end - r.start;
+        index[ax] = r.start + rest % len;
+        rest /= len;
+    }
+    index[block.len() - 1] = col.unwrap_or(0) as u64;
+    let key = var.key_of(&index);
+    let mut out: Vec<i64> = index.iter().map(|&i| i as i64).collect();
+    if col.is_none() {
+        out[block.len() - 1] = -1;
+    }
+    Err(Problem::Value {
+        key,
+        index: out,
+        value,
+        what,
+    })
 }
 
 fn itemsize(kind: Dtype) -> usize {
@@ -141,42 +241,21 @@ fn itemsize(kind: Dtype) -> usize {
 }
 
 /// Row TVs of one decoded block pair (`rows x vocab`, raw bytes in `kind`).
-fn block_tv(p: &[u8], q: &[u8], rows: usize, vocab: usize, kind: Dtype) -> Vec<f64> {
-    // The decoded bytes are only byte-aligned: copy into typed vectors (a memcpy, small next to
-    // decompression) rather than reinterpret.
-    let run = |pr: Rows, qr: Rows| row_tv(pr, qr, rows, vocab).unwrap_or_default();
-    match kind {
-        Dtype::F16 | Dtype::BF16 => {
-            let a: Vec<u16> = bytemuck::pod_collect_to_vec(p);
-            let b: Vec<u16> = bytemuck::pod_collect_to_vec(q);
-            if kind == Dtype::F16 {
-                run(Rows::F16(&a), Rows::F16(&b))
-            } else {
-                run(Rows::BF16(&a), Rows::BF16(&b))
-            }
-        }
-        Dtype::F32 => {
-            let a: Vec<f32> = bytemuck::pod_collect_to_vec(p);
-            let b: Vec<f32> = bytemuck::pod_collect_to_vec(q);
-            run(Rows::F32(&a), Rows::F32(&b))
-        }
-        Dtype::F64 => {
-            let a: Vec<f64> = bytemuck::pod_collect_to_vec(p);
-            let b: Vec<f64> = bytemuck::pod_collect_to_vec(q);
-            run(Rows::F64(&a), Rows::F64(&b))
-        }
-    }
+fn block_tv(p: &Owned, q: &Owned, rows: usize, vocab: usize) -> Vec<f64> {
+    row_tv(p.rows(), q.rows(), rows, vocab).unwrap_or_default()
 }
 
 /// The TVs of every row of every block: `blocks[i]` gives one range per axis of `p` (the last
 /// axis, the vocabulary, whole). Blocks are decoded and consumed in parallel; the result holds
-/// the blocks' rows one after another, in the order given. With `decode_only` nothing is
-/// computed (every row is 0): the decode floor, measured on the same code path.
+/// the blocks' rows one after another, in the order given. With `tolerance`, every row of `p`
+/// and `q` is checked to be a distribution first ([`row_check`]). With `decode_only` nothing
+/// is computed or checked (every row is 0): the decode floor, measured on the same code path.
 pub fn blocks_tv(
     p: &Variable,
     q: &Variable,
     blocks: &[Vec<Range<u64>>],
     kind: Dtype,
+    tolerance: Option<f64>,
     decode_only: bool,
 ) -> Result<Vec<f64>, Problem> {
     if p.shape() != q.shape() {
@@ -209,7 +288,10 @@ pub fn blocks_tv(
         }
     }
     // One block per task: the codecs inside a task run serially, the tasks fill the cores.
-    let options = CodecOptions::default().with_concurrent_target(1);
+    // Checksums are verified whatever zarrs' global configuration says.
+    let options = CodecOptions::default()
+        .with_concurrent_target(1)
+        .with_validate_checksums(true);
     let per_block: Vec<Result<Vec<f64>, Problem>> = parallel::install(|| {
         blocks
             .par_iter()
@@ -231,7 +313,12 @@ pub fn blocks_tv(
                 if decode_only {
                     return Ok(vec![0.0; rows]);
                 }
-                Ok(block_tv(&pb, &qb, rows, vocab, kind))
+                let (pr, qr) = (Owned::new(&pb, kind), Owned::new(&qb, kind));
+                if let Some(tol) = tolerance {
+                    check_block(p, &pr.rows(), b, vocab, tol)?;
+                    check_block(q, &qr.rows(), b, vocab, tol)?;
+                }
+                Ok(block_tv(&pr, &qr, rows, vocab))
             })
             .collect()
     });
@@ -265,6 +352,7 @@ mod tests {
             .iter()
             .flat_map(|h| h.to_le_bytes())
             .collect();
-        assert_eq!(block_tv(&p, &q, 2, 4, Dtype::F16), vec![1.0, 0.0]);
+        let (p, q) = (Owned::new(&p, Dtype::F16), Owned::new(&q, Dtype::F16));
+        assert_eq!(block_tv(&p, &q, 2, 4), vec![1.0, 0.0]);
     }
 }

@@ -143,6 +143,128 @@ fn one_row_f16_portable(a: &[u16], b: &[u16]) -> f64 {
     0.5 * total
 }
 
+/// Why a stored distribution row is not one (see [`row_check`]).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum RowViolation {
+    /// Entry `col` of `row` is NaN, infinite or negative in a row that is not all NaN.
+    Entry { row: usize, col: usize, value: f64 },
+    /// The entries of `row` are finite and >= 0 but sum to `sum`, not 1 within the tolerance.
+    Sum { row: usize, sum: f64 },
+}
+
+/// The first row (in row order) of `rows x vocab` that is not a stored distribution: every row
+/// must be all NaN (never recorded) or finite, >= 0 and sum to 1 within `tolerance` (the
+/// caller derives it from the storage format; `kvcouple.store.schema.row_sum_tolerance`).
+/// The same rule as the reader's `distribution_problems`, for the store engine.
+pub fn row_check(
+    p: Rows,
+    rows: usize,
+    vocab: usize,
+    tolerance: f64,
+) -> KvResult<Option<RowViolation>> {
+    if vocab == 0 || p.len() != rows * vocab {
+        return Err(KvError::Shape(format!(
+            "row_check: {} elements for {rows} rows of {vocab}",
+            p.len()
+        )));
+    }
+    Ok(parallel::install(|| {
+        (0..rows)
+            .into_par_iter()
+            .with_min_len(4)
+            .map(|r| check_one_row(&p, r, vocab, tolerance))
+            .find_first(|v| v.is_some())
+            .flatten()
+    }))
+}
+
+fn check_one_row(p: &Rows, r: usize, vocab: usize, tolerance: f64) -> Option<RowViolation> {
+    let base = r * vocab;
+    let (sum, nans, first_bad) = match p {
+        Rows::F16(a) => row_sum_f16(&a[base..base + vocab]),
+        _ => {
+            let mut buf = [0.0f64; BLOCK];
+            let (mut sum, mut nans, mut first_bad) = (0.0f64, 0usize, None);
+            let mut start = 0;
+            while start < vocab {
+                let n = BLOCK.min(vocab - start);
+                p.load(base + start, &mut buf[..n]);
+                for (j, &x) in buf[..n].iter().enumerate() {
+                    nans += x.is_nan() as usize;
+                    if first_bad.is_none() && (!x.is_finite() || x < 0.0) {
+                        first_bad = Some(start + j);
+                    }
+                    sum += x;
+                }
+                start += n;
+            }
+            (sum, nans, first_bad)
+        }
+    };
+    if nans == vocab {
+        return None; // never recorded
+    }
+    if let Some(col) = first_bad {
+        let value = match p {
+            // The half table holds finite halves only: name NaN and infinities by their bits.
+            Rows::F16(a) if a[base + col] & 0x7c00 == 0x7c00 => {
+                let h = a[base + col];
+                if h & 0x03ff != 0 {
+                    f64::NAN
+                } else if h & 0x8000 != 0 {
+                    f64::NEG_INFINITY
+                } else {
+                    f64::INFINITY
+                }
+            }
+            _ => p.get(base + col),
+        };
+        return Some(RowViolation::Entry { row: r, col, value });
+    }
+    if (sum - 1.0).abs() > tolerance {
+        return Some(RowViolation::Sum { row: r, sum });
+    }
+    None
+}
+
+/// Sum, NaN count and first NaN/infinite/negative entry of one half-precision row, from the
+/// bits (no float compare on a NaN); the sum as in `row_tv`: f32 lanes per block, f64 total.
+fn row_sum_f16(a: &[u16]) -> (f64, usize, Option<usize>) {
+    let mut total = 0.0f64;
+    let mut nans = 0usize;
+    let mut first_bad = None;
+    for (b, block) in a.chunks(BLOCK).enumerate() {
+        let mut flagged = 0u16;
+        for &h in block {
+            let nonfinite = (h & 0x7c00 == 0x7c00) as u16;
+            let negative = ((h & 0x8000 != 0) & (h & 0x7fff != 0)) as u16;
+            flagged |= nonfinite | negative;
+        }
+        let mut lanes = [0.0f32; 16];
+        let full = block.len() - block.len() % 16;
+        for c in block[..full].chunks_exact(16) {
+            for j in 0..16 {
+                lanes[j] += f16_to_f32_exact(c[j]);
+            }
+        }
+        for (j, &h) in block[full..].iter().enumerate() {
+            lanes[j] += f16_to_f32_exact(h);
+        }
+        if flagged != 0 {
+            for (i, &h) in block.iter().enumerate() {
+                let nan = h & 0x7c00 == 0x7c00 && h & 0x03ff != 0;
+                nans += nan as usize;
+                let bad = h & 0x7c00 == 0x7c00 || (h & 0x8000 != 0 && h & 0x7fff != 0);
+                if bad && first_bad.is_none() {
+                    first_bad = Some(b * BLOCK + i);
+                }
+            }
+        }
+        total += lanes.iter().map(|&x| x as f64).sum::<f64>();
+    }
+    (total, nans, first_bad)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -210,5 +332,38 @@ mod tests {
         assert_eq!(tv, vec![1.0]);
         assert!(row_tv(Rows::F16(&p), Rows::F16(&q), 2, 4).is_err());
         assert!(row_tv(Rows::F16(&p), Rows::BF16(&q), 1, 4).is_err());
+    }
+    #[test]
+    fn row_check_accepts_distributions_and_unrecorded_rows() {
+        // 0x3800 = 0.5, 0x3400 = 0.25, 0x7e00 = NaN, 0xb400 = -0.25, 0x8000 = -0.
+        let ok = [
+            0x3800u16, 0x3400, 0x3400, 0x8000, 0x7e00, 0x7e00, 0x7e00, 0x7e00,
+        ];
+        assert_eq!(row_check(Rows::F16(&ok), 2, 4, 1e-3).unwrap(), None);
+        let nan = [0x3800u16, 0x3400, 0x7e00, 0x3400];
+        assert!(matches!(
+            row_check(Rows::F16(&nan), 1, 4, 1e-3).unwrap(),
+            Some(RowViolation::Entry { row: 0, col: 2, value }) if value.is_nan()
+        ));
+        let neg = [0x3800u16, 0x3800, 0x3400, 0xb400, 0x3800, 0x3400, 0x3400, 0];
+        assert_eq!(
+            row_check(Rows::F16(&neg), 2, 4, 1e-3).unwrap(),
+            Some(RowViolation::Entry {
+                row: 0,
+                col: 3,
+                value: -0.25
+            })
+        );
+        let short = [0x3800u16, 0x3400, 0, 0, 0x3800, 0x3800, 0, 0];
+        assert_eq!(
+            row_check(Rows::F16(&short), 2, 4, 1e-3).unwrap(),
+            Some(RowViolation::Sum { row: 0, sum: 0.75 })
+        );
+        let f64_rows = [0.5, 0.5, 0.25, 0.7];
+        assert!(matches!(
+            row_check(Rows::F64(&f64_rows), 2, 2, 1e-3).unwrap(),
+            Some(RowViolation::Sum { row: 1, .. })
+        ));
+        assert!(row_check(Rows::F64(&f64_rows), 3, 2, 1e-3).is_err());
     }
 }
