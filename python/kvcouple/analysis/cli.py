@@ -104,6 +104,7 @@ def store_summary(
         "documents_done": len(reader.done),
         "unfinished": [ids[i] for i in reader.unfinished()][:20],
         "size_bytes": reader.size_bytes(),
+        "checksums": reader.checksums,
     }
     if check:
         out["problems"] = reader.check(data=True)
@@ -149,6 +150,7 @@ def _info(args: argparse.Namespace) -> int:
         f"K={info['branches']} R={info['replicates']} vocab={info['vocab_size']}"
     )
     print(f"  policies  {', '.join(map(str, info['policies']))}")
+    print(f"  checksums {info['checksums']}")
     print(
         f"  documents {info['documents_done']} of {info['documents']} done"
         + (f"; unfinished: {', '.join(info['unfinished'])}" if info["unfinished"] else "")

@@ -414,6 +414,8 @@ def analyze(
         "recompute": recompute,
         "tolerance": tolerance,
         "stores": [str(p) for p in paths],
+        # What protected each store's chunks ("no checksums" for stores before schema 3).
+        "store_checksums": {info.path: info.checksums for info in infos},
     }
     if cfg["pool_models"]:
         result.pooled = pool_gaps(result.models, cfg)

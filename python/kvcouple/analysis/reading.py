@@ -16,13 +16,16 @@ import numpy as np
 
 from kvcouple.errors import StoreError
 from kvcouple.store.reader import TraceStoreReader
+from kvcouple.store.schema import CHECKED_ONLY
 
 # Disagreement between recorded and recomputed TV that still counts as agreement: storing a
 # probability in a half format rounds it by a relative 2^-11 (float16) or 2^-8 (bfloat16), so
 # TV = 1/2 sum |p - q| moves by at most about that much (plus underflowed tiny entries).
 TOLERANCE = {"float16": 2e-3, "bfloat16": 1e-2, "float32": 1e-5, "float64": 1e-9}
 
-SUMMARY_READ = ("hazard", "tokens", "branch_step", "branch_mismatch", "branch_tv")
+# What a document's task reads (and so checks against the schema's value rules): the fields
+# the estimates use, then the ones read only to be checked.
+SUMMARY_READ = ("hazard", "tokens", "branch_step", "branch_mismatch", "branch_tv", *CHECKED_ONLY)
 
 # Recomputed quantity -> (stored p, stored q, recorded TV), for the path and the branches.
 PAIRS = {"path": ("p", "q", "hazard"), "branch": ("branch_p", "branch_q", "branch_tv")}
@@ -99,6 +102,9 @@ def recompute_full(
             if nxt is not None:
                 pending.append(pool.submit(load, nxt))
             where, pol, sel, pn, qn, recorded_name = job
+            origin = (doc, pol, *(s.start for s in sel[2:]))
+            reader.check_values(pn, p, origin)  # rows must be distributions, as in the engine
+            reader.check_values(qn, q, origin)
             check.bytes_read += p.nbytes + q.nbytes
             vocab = p.shape[-1]
             pb, kind = _as_bits(np.ascontiguousarray(p))
@@ -169,13 +175,20 @@ def _compare(
     policy: str,
 ) -> None:
     seen = np.isfinite(tv) & np.isfinite(recorded)
-    check.rows_checked += int(seen.sum())
-    if not seen.any():
+    # A TV recorded without its distributions (or the reverse) is a disagreement too, not a
+    # row to skip. The one legitimate case: the path's hazard is 0 after a stop, where no
+    # distribution is recorded.
+    stopped = (recorded == 0) if where == "path" else np.zeros_like(seen)
+    lone = (np.isnan(tv) & np.isfinite(recorded) & ~stopped) | (
+        np.isfinite(tv) & np.isnan(recorded)
+    )
+    check.rows_checked += int(seen.sum() + lone.sum())
+    if not seen.any() and not lone.any():
         return
     diff = np.abs(tv - recorded)
     diff[~seen] = 0.0
     check.max_abs_diff = max(check.max_abs_diff, float(diff.max()))
-    for flat in np.flatnonzero(diff > tol)[:100]:  # a handful names the problem
+    for flat in np.flatnonzero((diff > tol) | lone)[:100]:  # a handful names the problem
         idx = np.unravel_index(flat, block_shape)
         offs = [s.start for s in sel[2:-1]]
         pos = [int(i) + o for i, o in zip(idx, offs, strict=True)]

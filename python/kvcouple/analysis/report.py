@@ -512,7 +512,8 @@ def markdown_report(
         "- stores: "
         + ", ".join(
             f"`{terminal(m.store)}` ({terminal(m.model)}: T={m.horizon}, L={m.window}, "
-            f"L_w={m.obs_window}, {len(m.docs)} documents)"
+            f"L_w={m.obs_window}, {len(m.docs)} documents; "
+            f"{result.settings.get('store_checksums', {}).get(m.store, 'checksums unknown')})"
             for m in result.models
         ),
     ]

@@ -10,9 +10,11 @@ indexing (or the Rust store engine, ``kvcouple._core.store_blocks_tv``), never t
 chunk.
 
 Every block read is checked: its chunk files must exist (Zarr would silently return the fill
-value for a missing one), must decode, and must hold values the schema allows (hazard and TVs
-in [0, 1] or NaN, mismatch in {-1, 0, 1}, tokens in [-1, vocab), branch steps within the
-horizon: :data:`kvcouple.store.schema.RULES`). A failure raises
+value for a missing one), must decode and match their checksums (schema version 3; version 2
+stores have none and are reported as such: :attr:`TraceStoreReader.checksums`), and must hold
+values the schema allows (hazard and TVs in [0, 1] or NaN, mismatch in {-1, 0, 1}, tokens in
+[-1, vocab), branch steps within the horizon, stored distributions summing to 1, prompt and
+cache lengths in range: :data:`kvcouple.store.schema.RULES`). A failure raises
 :class:`~kvcouple.errors.StoreError` naming the variable, the chunk, the document and the store.
 """
 
@@ -34,7 +36,17 @@ from kvcouple.errors import SchemaVersionError, StoreError
 # and stay importable from here.
 from kvcouple.resources import available_memory as available_memory
 from kvcouple.resources import check_memory as check_memory
-from kvcouple.store.schema import RULES, SCHEMA_VERSION, Record, disallowed, variables
+from kvcouple.store.schema import (
+    CHECKSUMS_SINCE,
+    READABLE_VERSIONS,
+    RULES,
+    SCHEMA_VERSION,
+    Record,
+    disallowed,
+    distribution_problems,
+    row_sum_tolerance,
+    variables,
+)
 from kvcouple.store.schema import UNIT_SLACK as UNIT_SLACK
 
 # Coordinates written by the writer (dimension name -> first value); doc_id labels documents.
@@ -70,6 +82,51 @@ def is_url(path: str) -> bool:
 
 def _fmt_index(idx: tuple[int, ...]) -> str:
     return "(" + ", ".join(map(str, idx)) + ")"
+
+
+# Codecs that checksum a chunk: Zarr v3 names (crc32c) and numcodecs ids (Zarr v2 filters).
+_CHECKSUM_CODECS = ("crc32c", "crc32", "adler32", "fletcher32", "jenkins_lookup3")
+
+
+def _checksum_kind(meta: Any) -> str | None:
+    """The checksum a node's codec metadata (a JSON-like tree) puts on every chunk: a
+    checksum codec's name, ``"zstd checksum"`` for Zstd frames written with their checksum
+    flag, else None."""
+    if isinstance(meta, dict):
+        name = meta.get("name", meta.get("id"))
+        if name in _CHECKSUM_CODECS:
+            return str(name)
+        config = meta.get("configuration", meta)
+        if name == "zstd" and isinstance(config, dict) and config.get("checksum") is True:
+            return "zstd checksum"
+        # Inside a shard, the chunks' own codecs (not the shard index's) are what count.
+        children = [v for k, v in meta.items() if k != "index_codecs"]
+    elif isinstance(meta, list | tuple):
+        children = list(meta)
+    else:
+        return None
+    for child in children:
+        found = _checksum_kind(child)
+        if found is not None:
+            return found
+    return None
+
+
+def _codec_metadata(arr: Any) -> Any:
+    """An array's codecs as JSON-like metadata (zarr 3: the node's metadata; zarr 2: its
+    compressor and filters)."""
+    meta = getattr(arr, "metadata", None)
+    if meta is not None and hasattr(meta, "to_dict"):
+        d = meta.to_dict()
+        return [d.get("codecs"), d.get("compressor"), d.get("filters")]
+    compressor = getattr(arr, "compressor", None)
+    filters = getattr(arr, "filters", None) or []
+    return [c.get_config() for c in (compressor, *filters) if c is not None]
+
+
+def _is_checksum_failure(err: Exception) -> bool:
+    # zarr's crc32c codec, numcodecs' checksum codecs and zstd's frame check all say so.
+    return "checksum" in str(err).lower()
 
 
 class TraceStoreReader:
@@ -139,12 +196,14 @@ class TraceStoreReader:
                 f"{self.path}: attribute schema_version is {version!r} "
                 f"({type(version).__name__}), not an integer: the store's attributes are damaged"
             )
-        if version != SCHEMA_VERSION:
+        if version not in READABLE_VERSIONS:
+            readable = ", ".join(map(str, READABLE_VERSIONS))
             raise SchemaVersionError(
                 f"{self.path} was written with trace-store schema version {version}; this "
-                f"kvcouple (reads version {SCHEMA_VERSION}) cannot read it. Re-trace, or use the "
-                f"kvcouple release that wrote it."
+                f"kvcouple (reads versions {readable}; writes {SCHEMA_VERSION}) cannot read it. "
+                f"Re-trace, or use the kvcouple release that wrote it."
             )
+        self.schema_version = version
         self.attrs = attrs
         try:
             self.record_level = Record.parse(str(attrs.get("record")))
@@ -177,7 +236,28 @@ class TraceStoreReader:
                         f"{self.path}: coordinate {dim!r} is not {first}..{first + self.dims[dim] - 1}"
                         f"; the store is damaged"
                     )
+        self.checksums = self._checksums()
         self.completed_flags, self.flag_errors = self._read_completed()
+
+    def _checksums(self) -> str:
+        """What protects the chunks, in words: ``"crc32c on every chunk"`` (or another
+        checksum), ``"no checksums"`` for stores written before schema version 3, or which
+        variables lack one (a store re-written by a tool that dropped the codecs)."""
+        names = [*self.variables, DOC_ID, POLICY]
+        kinds = {n: _checksum_kind(_codec_metadata(self.array(n))) for n in names}
+        found = sorted({k for k in kinds.values() if k is not None})
+        lacking = [n for n, k in kinds.items() if k is None]
+        if not found:
+            why = (
+                f"schema version {self.schema_version}"
+                if self.schema_version < CHECKSUMS_SINCE
+                else "re-written without them"
+            )
+            return f"no checksums ({why})"
+        if lacking:
+            shown = ", ".join(lacking[:5]) + (" ..." if len(lacking) > 5 else "")
+            return f"{' and '.join(found)} on some variables; no checksums on {shown}"
+        return f"{' and '.join(found)} on every chunk"
 
     def _check_shapes(self) -> dict[str, int]:
         """Every schema variable present with its dimensions; sizes agree across variables and
@@ -400,12 +480,52 @@ class TraceStoreReader:
             try:
                 arr[cell_sel]
             except Exception as inner:
+                key = self.chunk_key(name, cell)
+                if _is_checksum_failure(inner):
+                    return self._checksum_error(
+                        name, key, label, f"{type(inner).__name__}: {inner}"
+                    )
                 return StoreError(
-                    f"{self.path}: chunk {self.chunk_key(name, cell)} of variable {name!r}"
+                    f"{self.path}: chunk {key} of variable {name!r}"
                     f"{label} cannot be decoded ({type(inner).__name__}: {inner}); the store is "
                     f"damaged."
                 )
         return StoreError(f"{self.path}: variable {name!r}{label} cannot be read: {err}")
+
+    def _checksum_error(self, name: str, key: str, label: str, detail: str) -> StoreError:
+        return StoreError(
+            f"{self.path}: chunk {key} of variable {name!r}{label} cannot be decoded: it fails "
+            f"its checksum, so its bytes changed after they were written ({detail}); the store "
+            f"is damaged. Re-trace that document, or pass --allow-incomplete to analyse the "
+            f"others."
+        )
+
+    def row_tolerance(self, name: str) -> float:
+        """How far a row of the stored distribution ``name`` may sum from 1 (its format's
+        rounding: :func:`kvcouple.store.schema.row_sum_tolerance`)."""
+        arr = self.array(name)
+        kind = "bfloat16" if arr.dtype.name == "bfloat16" else np.dtype(arr.dtype).name
+        return row_sum_tolerance(kind, int(arr.shape[-1]))
+
+    def _prompt_length(self, doc: int) -> int:
+        cache = self.__dict__.setdefault("_prompt_lengths", {})
+        if doc not in cache:
+            cache[doc] = int(self.read_doc("prompt_length", doc))
+        return int(cache[doc])
+
+    def _value_error(
+        self, name: str, full_pos: tuple[int, ...], shown: str, allowed: str
+    ) -> StoreError:
+        """A value the schema does not allow, named by chunk, document and element (for a row
+        whose sum is wrong, the element is the row: its last index is omitted)."""
+        grid = self.storage_grid(name)
+        where = full_pos + (0,) * (len(grid) - len(full_pos))
+        key = self.chunk_key(name, tuple(p // c for p, c in zip(where, grid, strict=True)))
+        label = self._doc_label(name, (int(full_pos[0]),)) if full_pos else ""
+        return StoreError(
+            f"{self.path}: chunk {key} of variable {name!r}{label} holds {shown} at "
+            f"{_fmt_index(full_pos)}; values must be {allowed}. The store is damaged."
+        )
 
     def check_values(self, name: str, block: np.ndarray, origin: tuple[int, ...]) -> None:
         """Raise naming the chunk and element of the first value the schema does not allow.
@@ -413,19 +533,29 @@ class TraceStoreReader:
         rule = RULES.get(name)
         if rule is None or block.size == 0:
             return
+        lead = tuple(int(o) for o in origin[: len(origin) - block.ndim])
+        offset = origin[len(origin) - block.ndim :]
+        if rule == "distribution":
+            found = distribution_problems(block, self.row_tolerance(name))
+            if found is None:
+                return
+            first, allowed = found
+            whole_row = int(first[-1]) < 0
+            idx = tuple(int(i) for i in (first[:-1] if whole_row else first))
+            pos = lead + tuple(i + int(o) for i, o in zip(idx, offset, strict=False))
+            shown = "a row" if whole_row else repr(block[idx].item())
+            raise self._value_error(name, pos, shown, allowed)
         bad, allowed = disallowed(rule, block, self.dims, self.attrs.get("vocab_size"))
+        if rule == "kept" and lead:
+            # At most the document's prompt: kept_length counts prompt positions kept.
+            limit = self._prompt_length(lead[0])
+            bad = bad | (block > limit)
+            allowed = f"in [1, {limit}] (the document's prompt_length)"
         if not bad.any():
             return
         at = np.unravel_index(int(np.flatnonzero(bad.reshape(-1))[0]), block.shape)
-        pos = tuple(int(i) + o for i, o in zip(at, origin[len(origin) - block.ndim :], strict=True))
-        full_pos = tuple(origin[: len(origin) - block.ndim]) + pos
-        grid = self.storage_grid(name)
-        key = self.chunk_key(name, tuple(p // c for p, c in zip(full_pos, grid, strict=True)))
-        label = self._doc_label(name, (int(full_pos[0]),)) if full_pos else ""
-        raise StoreError(
-            f"{self.path}: chunk {key} of variable {name!r}{label} holds {block[at].item()!r} at "
-            f"{_fmt_index(full_pos)}; values must be {allowed}. The store is damaged."
-        )
+        pos = lead + tuple(int(i) + int(o) for i, o in zip(at, offset, strict=True))
+        raise self._value_error(name, pos, repr(block[at].item()), allowed)
 
     def read_doc(self, name: str, doc: int) -> np.ndarray:
         """Every value of one document of ``name`` (its first axis is ``doc``), checked."""
@@ -459,8 +589,10 @@ class TraceStoreReader:
         """TV of every row (last axis: the distribution) of the blocks ``sels`` (each an index
         or a slice per axis, the last axis whole) of ``p_name`` against ``q_name``, decoded and
         computed by the Rust engine (zarrs, all cores, GIL released), the blocks' rows one after
-        another. None where the engine cannot read this store (object storage, a codec zarrs
-        lacks, ``KVCOUPLE_STORE_ENGINE=zarr``): the caller then reads with :meth:`read`."""
+        another. Every row of both is checked first to be a distribution (as
+        :meth:`check_values` does), and every chunk against its checksum. None where the engine
+        cannot read this store (object storage, a codec zarrs lacks,
+        ``KVCOUPLE_STORE_ENGINE=zarr``): the caller then reads with :meth:`read`."""
         if self._engine_off:
             return None
         from kvcouple import _core
@@ -475,8 +607,15 @@ class TraceStoreReader:
                 else:
                     start, stop = int(s), int(s) + 1
                 blocks[i, ax] = (start, stop)
+        # One tolerance for both: p and q share the format and the vocabulary.
         tv, problem = _core.store_blocks_tv(
-            self.path, p.path, self.array(q_name).path, blocks, kind, decode_only=decode_only
+            self.path,
+            p.path,
+            self.array(q_name).path,
+            blocks,
+            kind,
+            row_tolerance=self.row_tolerance(p_name),
+            decode_only=decode_only,
         )
         if problem is None:
             return np.asarray(tv)
@@ -500,6 +639,26 @@ class TraceStoreReader:
             raise StoreError(
                 f"{self.path}: chunk {key} of variable {name!r}{label} is missing; the store is "
                 f"damaged. Re-trace that document, or pass --allow-incomplete to analyse the others."
+            )
+        if what == "checksum":
+            raise self._checksum_error(name, key, label, message)
+        if what == "value":
+            # "entry;i0,...,iN;value" or "sum;i0,...,-1;sum" (the engine's row check).
+            kind_, at, value = message.split(";")
+            pos = tuple(int(i) for i in at.split(","))
+            if kind_ == "sum":
+                tol = self.row_tolerance(name)
+                raise self._value_error(
+                    name,
+                    pos[:-1],
+                    "a row",
+                    f"rows summing to 1 within {tol:.2g} (this row sums to {float(value):.6g})",
+                )
+            raise self._value_error(
+                name,
+                pos,
+                repr(float(value)),
+                "finite and >= 0 in a recorded row (an unrecorded row is all NaN)",
             )
         raise StoreError(
             f"{self.path}: chunk {key} of variable {name!r}{label} cannot be decoded ({message}); "

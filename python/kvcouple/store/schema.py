@@ -1,6 +1,8 @@
 """The trace-store layout (SPEC section 8): one xarray Dataset in a Zarr store per run.
 
-Schema version 2 (version 1 had no gate variables). Dimensions: ``doc, policy, rep, step (1..T), branch (1..K), lag (0..L)``,
+Schema version 3: every chunk carries a checksum (Zarr format 3 with the ``crc32c`` codec after
+Zstd; with zarr-python 2, Zarr format 2 with Zstd's own frame checksum). Version 2 stores (no
+checksums) are still read; version 1 had no gate variables. Dimensions: ``doc, policy, rep, step (1..T), branch (1..K), lag (0..L)``,
 ``k`` (top-k records) and ``vocab`` (full records). Readable by plain ``xarray.open_zarr``.
 
 Variables (every record level):
@@ -61,7 +63,11 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
+# Versions this kvcouple reads: 2 has the same layout without chunk checksums.
+READABLE_VERSIONS = (2, 3)
+# The first version whose writer puts a checksum on every chunk.
+CHECKSUMS_SINCE = 3
 
 # Sentinels for unobserved entries (after a stop, past the horizon, no branch).
 NO_TOKEN = -1
@@ -211,7 +217,10 @@ def empty_arrays(
 
 
 # Allowed values by variable (checked on every block read). "unit": [0, 1] or NaN;
-# "nonneg": >= 0 or NaN; "token": [-1, vocab); "ternary": {-1, 0, 1}; "step": [0, horizon].
+# "nonneg": >= 0 or NaN (KL, entropies); "token": [-1, vocab); "ternary": {-1, 0, 1};
+# "step": [0, horizon]; "prompt": >= 1; "kept": in [1, the document's prompt_length] (checked
+# by the reader, which knows the prompt); "distribution": every row (last axis) all NaN
+# (unrecorded) or finite, >= 0 and summing to 1 within :func:`row_sum_tolerance`.
 RULES: dict[str, str] = {
     "hazard": "unit",
     "branch_tv": "unit",
@@ -225,33 +234,94 @@ RULES: dict[str, str] = {
     "branch_mismatch": "ternary",
     "gate_class": "ternary",
     "branch_step": "step",
-    "prompt_length": "count",
-    "kept_length": "count",
+    "prompt_length": "prompt",
+    "kept_length": "kept",
 }
 for _side in ("p", "q"):
     for _pre in ("", "branch_"):
         RULES[f"{_pre}topk_ids_{_side}"] = "token"
         RULES[f"{_pre}topk_probs_{_side}"] = "unit"
         RULES[f"{_pre}tail_mass_{_side}"] = "unit"
-        RULES[f"{_pre}{_side}"] = "unit"
+        RULES[f"{_pre}{_side}"] = "distribution"
+
+# Variables the analysis does not compute with but reads to check (a damaged value anywhere in
+# a document refuses it): the path's divergences and the prompt and cache lengths.
+CHECKED_ONLY = ("kl_pq", "kl_qp", "entropy_p", "entropy_q", "prompt_length", "kept_length")
 
 # Probabilities and TVs computed in float arithmetic may leave [0, 1] by rounding only.
 UNIT_SLACK = 1e-5
+# KL and entropies are float32 sums over the vocabulary (reduced in a tree on the device): the
+# rounding error is about log2(V) * 2^-24 * sum |p log p| <= 17 * 6e-8 * log(V) ~ 1.2e-5 nats
+# for V = 128k, so a true 0 may be stored as a slightly negative number; 1e-4 nats covers it
+# with margin and still refuses any real negative divergence.
+DIVERGENCE_SLACK = 1e-4
+
+# Relative rounding of one stored entry by format (half the spacing of the significand) and
+# the smallest spacing (below the normal range the absolute error is half of it).
+_UNIT_ROUNDOFF = {
+    "float16": 2.0**-11,
+    "bfloat16": 2.0**-8,
+    "float32": 2.0**-24,
+    "float64": 2.0**-53,
+}
+_SUBNORMAL_SPACING = {
+    "float16": 2.0**-24,
+    "bfloat16": 2.0**-133,
+    "float32": 2.0**-149,
+    "float64": 0.0,
+}
+
+
+def row_sum_tolerance(dtype: str, vocab: int) -> float:
+    """How far a stored distribution's row sum may be from 1 by rounding alone.
+
+    Storing entry ``x`` rounds it by at most ``u * x`` (``u`` = 2^-11 for float16) where ``x``
+    is a normal number and by at most half the subnormal spacing (2^-25 for float16) below
+    that, so the row sum moves by at most ``u * sum(x) + V * spacing / 2``. The distribution
+    itself was normalised in float32 before storing (its sum is 1 within ~2^-20 even summed
+    in float32 over 128k entries), so the tolerance is ``u + V * spacing / 2 + 2^-20``:
+    for float16, 4.9e-4 + 3e-8 V (4.4e-3 at V = 128k). Anything further from 1 is damage.
+    """
+    u = _UNIT_ROUNDOFF.get(dtype, 2.0**-8)
+    return u + vocab * _SUBNORMAL_SPACING.get(dtype, 0.0) / 2 + 2.0**-20
+
+
+def distribution_problems(block: np.ndarray, tolerance: float) -> tuple[np.ndarray, str] | None:
+    """The first element of ``block`` (rows along the last axis) that breaks the
+    "distribution" rule, as an index into ``block`` and the reason in words; None if every row
+    is either all NaN (unrecorded) or finite, >= 0 and summing to 1 within ``tolerance``."""
+    with np.errstate(invalid="ignore", over="ignore"):
+        nan = np.isnan(block)
+        unrecorded = nan.all(-1, keepdims=True)
+        bad = (~np.isfinite(block) | (block < 0)) & ~unrecorded
+        if bad.any():
+            at = np.unravel_index(int(np.flatnonzero(bad.reshape(-1))[0]), block.shape)
+            return np.array(at), "finite and >= 0 in a recorded row (an unrecorded row is all NaN)"
+        sums = block.sum(-1, dtype=np.float64)
+        off = ~unrecorded[..., 0] & (np.abs(sums - 1.0) > tolerance)
+    if off.any():
+        row = np.unravel_index(int(np.flatnonzero(off.reshape(-1))[0]), off.shape)
+        return np.array((*row, -1)), (
+            f"rows summing to 1 within {tolerance:.2g} (this row sums to {float(sums[row]):.6g})"
+        )
+    return None
 
 
 def disallowed(
     rule: str, v: np.ndarray, dims: Mapping[str, int], vocab_size: Any = None
 ) -> tuple[np.ndarray, str]:
-    """The values of block ``v`` that ``rule`` (a value of :data:`RULES`) does not allow, as a
+    """The values of block ``v`` that ``rule`` (a value of :data:`RULES` other than
+    "distribution", which is row-wise: :func:`distribution_problems`) does not allow, as a
     mask, and the allowed values in words. ``dims`` are the store's dimension sizes (``step``:
-    the horizon; ``vocab`` bounds tokens unless the store's ``vocab_size`` attribute is given)."""
+    the horizon; ``vocab`` bounds tokens unless the store's ``vocab_size`` attribute is given).
+    "kept" is checked here against >= 1 only (the reader bounds it by the prompt)."""
     if rule == "unit":
         with np.errstate(invalid="ignore"):
             bad = ~(np.isnan(v) | ((v >= -UNIT_SLACK) & (v <= 1 + UNIT_SLACK)))
         allowed = "in [0, 1] or NaN"
     elif rule == "nonneg":
         with np.errstate(invalid="ignore"):
-            bad = ~(np.isnan(v) | (v >= -UNIT_SLACK))
+            bad = ~(np.isnan(v) | (v >= -DIVERGENCE_SLACK))
         allowed = ">= 0 or NaN"
     elif rule == "token":
         bad = (v < -1) | (v >= dims["vocab"] if "vocab" in dims else False)
@@ -265,10 +335,13 @@ def disallowed(
         horizon = dims["step"]
         bad = (v < 0) | (v > horizon)
         allowed = f"in [0, {horizon}] (the horizon)"
-    else:  # count
-        bad = v < 0
-        allowed = ">= 0"
+    elif rule in ("prompt", "kept"):
+        bad = v < 1
+        allowed = ">= 1 (a prompt has at least one token)" if rule == "prompt" else ">= 1"
+    else:
+        raise ValueError(f"no elementwise rule {rule!r}")
     return bad, allowed
+
 
 # Attributes that define a run: resuming with any of them changed would mix two runs (the
 # writer refuses it; the plan registry's id is their fingerprint).
