@@ -165,7 +165,7 @@ def test_refusals_before_any_model():
     assert parse_policy(spec).spec() == spec
 
 
-def test_cli_trace_with_a_kvpress_press_and_analysis(tmp_path, capsys):
+def test_cli_trace_with_a_kvpress_press_and_analysis(tmp_path, capsys, monkeypatch):
     """``kvcouple trace --policy kvpress:KnormPress,...`` on the embedded model, next to the
     built-in ``knorm``; the analysis reads the store; a non-scorer press is refused before any
     model loads (the model path does not exist)."""
@@ -193,7 +193,13 @@ def test_cli_trace_with_a_kvpress_press_and_analysis(tmp_path, capsys):
     results = json.loads((report / "results.json").read_text())
     assert spec in json.dumps(results)
     capsys.readouterr()
-    bad = ["trace", "--model", str(tmp_path / "no-such-model"), "--prompts", str(prompts)]
-    assert main([*bad, "--out", str(tmp_path / "x.zarr"), "--policy", "kvpress:AdaKVPress"]) == 2
+
+    def no_load(*args, **kwargs):
+        raise AssertionError("the model was loaded")
+
+    monkeypatch.setattr("kvcouple.models.load_model", no_load)
+    bad = ["trace", "--prompts", str(prompts), "--out", str(tmp_path / "x.zarr")]
+    assert main([*bad, "--policy", "kvpress:AdaKVPress"]) == 2
     err = capsys.readouterr().err
-    assert "AdaKVPress is not a scorer press" in err and "no-such-model" not in err
+    assert "AdaKVPress is not a scorer press" in err and "loaded" not in err
+    assert not (tmp_path / "x.zarr").exists()

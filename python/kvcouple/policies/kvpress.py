@@ -54,6 +54,7 @@ _OWN = ("retain", "budget", "mode", "every")
 def import_kvpress() -> Any:
     """The kvpress module, or :class:`~kvcouple.errors.MissingExtraError` saying how to install
     it (or why the installed one cannot be imported)."""
+    ours = _own_attention_functions()
     try:
         import kvpress  # type: ignore[import-not-found,unused-ignore]
     except ModuleNotFoundError as e:
@@ -65,7 +66,35 @@ def import_kvpress() -> Any:
             f"kvpress is installed but cannot be imported ({e}); kvpress 0.5 needs "
             f"transformers>=4.56,<5.3: {INSTALL}"
         ) from e
+    finally:
+        _restore(ours)
     return kvpress
+
+
+# kvcouple's own entries in transformers' attention registry (kvcouple.tracer.attention
+# registers them under this prefix).
+_OWN_PREFIX = "kvcouple_"
+
+
+def _own_attention_functions() -> dict[str, Any]:
+    """kvcouple's registered attention functions, before kvpress's first import wraps every
+    registered function (its wrapper passes ``dropout`` positionally, which kvcouple's refuses)."""
+    import sys
+
+    if "kvpress" in sys.modules:
+        return {}
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    return {k: v for k, v in ALL_ATTENTION_FUNCTIONS.items() if k.startswith(_OWN_PREFIX)}
+
+
+def _restore(ours: dict[str, Any]) -> None:
+    if not ours:
+        return
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    for name, fn in ours.items():
+        ALL_ATTENTION_FUNCTIONS[name] = fn
 
 
 def _field_kind(hint: Any) -> tuple[type, bool, tuple[Any, ...] | None] | None:

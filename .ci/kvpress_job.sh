@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# kvpress interop: kvcouple's `kvpress:` policies keep exactly what kvpress's own pipeline
+# keeps (prefill), for every kvpress ScorerPress that runs on a tiny Llama on CPU, and
+# `tova:heads=all` / `observed` equal TOVAPress / ObservedAttentionPress
+# (tests/interop/test_kvpress.py). kvpress pins transformers<5.3, so this runs in its own fresh
+# virtual environment: the built wheel with its `kvpress` extra (kvpress 0.5.5 and the
+# transformers it accepts), plus pytest.
+# Usage: .ci/kvpress_job.sh WHEEL
+set -euo pipefail
+wheel=$(realpath "$1")
+PYTHON=${PYTHON:-python3}
+export HF_HUB_OFFLINE=1 PIP_DISABLE_PIP_VERSION_CHECK=1
+venv=build/venv-kvpress
+rm -rf "$venv"
+$PYTHON -m venv "$venv"
+"$venv/bin/pip" install -q "$wheel[kvpress]" "kvpress==0.5.5" pytest hypothesis
+# The test skips where kvpress cannot be imported: make sure it can, so the job tests something.
+"$venv/bin/python" - <<'PY'
+import importlib.metadata as md
+
+import kvpress  # noqa: F401
+
+print("kvpress", md.version("kvpress"), "transformers", md.version("transformers"),
+      "torch", md.version("torch"))
+PY
+# kvcouple comes from the wheel (the checkout keeps its sources under python/, not on the path).
+"$venv/bin/python" -m pytest -q -p no:cacheprovider -rs tests/interop/test_kvpress.py
