@@ -88,7 +88,7 @@ def test_markdown_and_html_carry_the_same_content(full_report):
     ]
     for cell in md_cells:  # the interval kept on one line in HTML
         est, ci = cell.split(" ", 1)
-        assert f'<td>{est} <span class="ci">{ci}</span></td>' in page
+        assert f'<td class="num">{est} <span class="ci">{ci}</span></td>' in page
 
 
 def test_an_unobserved_tail_is_flagged_and_given_as_an_interval(tmp_path):

@@ -252,12 +252,17 @@ def _share_note(share: dict[str, Any], terms: dict[str, dict[str, Any]]) -> str:
     """Why an exposure share can pass 100% (or 0%): the other terms pull the other way."""
     est, lo, hi = share["estimate"], share.get("ci_low"), share.get("ci_high")
     rest = [terms.get(k, {}).get("estimate") for k in ("delta_first_mismatch", "rate_term")]
-    if est > 1 or est < 0:
-        other = sum(v for v in rest if _finite(v))
+    other = number(sum(v for v in rest if _finite(v)))
+    if est > 1:
         return (
-            f" (more than all of it, or less than none: the first-mismatch and rate terms "
-            f"together, {number(other)}, go the other way, so the exposure term alone is larger "
-            "than the gap; see Gap attribution)"
+            f" (more than all of it: the first-mismatch and rate terms together ({other}) go "
+            "the other way, so the exposure term alone is larger than the gap; see Gap "
+            "attribution)"
+        )
+    if est < 0:
+        return (
+            f" (less than none: the exposure term goes against the gap, which the "
+            f"first-mismatch and rate terms ({other}) more than make up; see Gap attribution)"
         )
     if (_finite(hi) and hi > 1) or (_finite(lo) and lo < 0):
         return (

@@ -14,9 +14,15 @@ from kvcouple.textsafe import split_markdown_row
 _INTERVAL = re.compile(r"(\[[^\[\]]*\])")
 
 
-def _cell(text: str) -> str:
-    """One table cell's HTML: :func:`_inline`, each bracketed interval kept on one line."""
-    return _INTERVAL.sub(r'<span class="ci">\1</span>', _inline(text))
+_NUMBER = re.compile(r"^(-?\d|n/a$|nan$)")
+
+
+def _cell(tag: str, text: str) -> str:
+    """One table cell: :func:`_inline`, each bracketed interval kept on one line; numbers
+    right-aligned (class ``num``), text left-aligned."""
+    body = _INTERVAL.sub(r'<span class="ci">\1</span>', _inline(text))
+    num = ' class="num"' if tag == "td" and _NUMBER.match(text) else ""
+    return f"<{tag}{num}>{body}</{tag}>"
 
 
 def _inline(text: str) -> str:
@@ -52,7 +58,7 @@ def html_page(markdown: str, images: dict[str, bytes], title: str) -> str:
             if not in_table:
                 body.append('<div class="table-box"><table>')
                 in_table = True
-            body.append("<tr>" + "".join(f"<{tag}>{_cell(c)}</{tag}>" for c in cells) + "</tr>")
+            body.append("<tr>" + "".join(_cell(tag, c) for c in cells) + "</tr>")
             continue
         if in_table:
             body.append("</table></div>")
@@ -98,9 +104,8 @@ def html_page(markdown: str, images: dict[str, bytes], title: str) -> str:
         "color:#222;line-height:1.45}h1{font-size:1.6em}h2{margin-top:1.6em;border-bottom:1px solid #ddd}"
         ".table-box{max-width:100%;overflow-x:auto;margin:1em 0}"
         "table{border-collapse:collapse;font-size:92%}"
-        "td,th{border:1px solid #ccc;padding:4px 9px;text-align:right;vertical-align:top}"
-        ".ci{white-space:nowrap}"
-        "td:first-child,th:first-child{text-align:left}th{background:#f0f0f0}"
+        "td,th{border:1px solid #ccc;padding:4px 9px;text-align:left;vertical-align:top}"
+        "td.num{text-align:right}.ci{white-space:nowrap}th{background:#f0f0f0}"
         "img{max-width:100%}figure{margin:1.5em 0}figcaption{font-size:95%;color:#333;max-width:900px}"
         "code{background:#f4f4f4;padding:0 3px}li{margin:.3em 0}"
     )
