@@ -56,6 +56,7 @@ from typing import Any
 from kvcouple.analysis.bootstrap import CI_METHODS, DEFAULT_CI_METHOD
 from kvcouple.analysis.stats import QUANTITIES
 from kvcouple.errors import InvalidInputError
+from kvcouple.store.schema import RUN_KEYS
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -434,8 +435,6 @@ def register_plan(plan: Plan, store: str | os.PathLike[str]) -> dict[str, Any]:
     except reg.RegistryError:
         if attrs.get(reg.MARKER_ATTR) or reg.registry_path(store).exists():
             raise
-        from kvcouple.store.writer import RUN_KEYS
-
         content = reg.new_registry(reg.fingerprint(attrs, RUN_KEYS))  # an older store
         content["fingerprint_keys"] = reg.fingerprint_keys(RUN_KEYS)
     first = _registered(content, plan, str(store))

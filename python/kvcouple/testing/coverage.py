@@ -57,20 +57,23 @@ class CoverageRow:
 
 
 def coverage_rows() -> list[CoverageRow]:
-    """What the support check says of each tiny architecture (torch and transformers needed)."""
+    """What the tracer's checks (the support check and the probe document,
+    :func:`kvcouple.tracer.run.check_model`) say of each tiny architecture (torch and
+    transformers needed)."""
     from kvcouple.policies import parse_policy
-    from kvcouple.tracer.support import UnsupportedModelError, check_support
+    from kvcouple.tracer.run import check_model
+    from kvcouple.tracer.support import UnsupportedModelError
 
     rows = []
     for arch in COVERAGE_ARCHS:
         model = tiny_model(arch, seed=7)
         try:
-            support = check_support(model)
+            support = check_model(model, [])
         except UnsupportedModelError as e:
             rows.append(CoverageRow(arch, "refused", _reason(str(e))))
             continue
         try:
-            check_support(model, [parse_policy("snapkv:retain=0.5")])
+            check_model(model, [parse_policy("snapkv:retain=0.5")])
         except UnsupportedModelError as e:
             rows.append(
                 CoverageRow(arch, "exact (attention-scored policies refused)", _reason(str(e)))

@@ -13,7 +13,26 @@ processes (one per GPU) fill one store. torch is imported only when the command 
 from __future__ import annotations
 
 import argparse
+import json
+import math
+from pathlib import Path
 from typing import Any, Literal
+
+from kvcouple.cliargs import MAX_COUNT
+from kvcouple.errors import InvalidInputError, require
+from kvcouple.models import (
+    check_hub_model,
+    default_model_path,
+    default_prompts_path,
+    dtype_keyword,
+    load_model,
+    model_source,
+    resolve_dtype,
+)
+from kvcouple.policies import parse_policy
+from kvcouple.policies.plugins import load_plugins
+from kvcouple.store import Record
+from kvcouple.tracer.prompts import check_prompt_file, load_prompts
 
 
 def register(subparsers: Any) -> None:
@@ -153,14 +172,11 @@ def add_plugin_argument(p: argparse.ArgumentParser) -> None:
 def _load(load_model: Any, args: argparse.Namespace, extra: dict[str, Any]) -> tuple[Any, Any]:
     """The model and its tokenizer; a local model directory without tokenizer files loads with
     no tokenizer (its prompts must then be given as input_ids)."""
-    from pathlib import Path
 
     if _has_tokenizer(args):
         return load_model(args.model, device=args.device, dtype=args.dtype, **extra)
     import torch
     from transformers import AutoModelForCausalLM
-
-    from kvcouple.models import dtype_keyword, resolve_dtype
 
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     extra = {**extra, dtype_keyword(): resolve_dtype(args.dtype, device)}
@@ -173,7 +189,6 @@ def _load(load_model: Any, args: argparse.Namespace, extra: dict[str, Any]) -> t
 
 def _has_tokenizer(args: argparse.Namespace) -> bool:
     """False for a local model directory without tokenizer files."""
-    from pathlib import Path
 
     local = Path(args.model) if args.model is not None else None
     return (
@@ -206,12 +221,10 @@ def dry_run(args: argparse.Namespace, policies: list[Any], branch_batch: int | s
     """Print the memory plan of every document of this shard from the model's config and the
     prompts' lengths (no weights loaded, nothing written); 1 if a document would be refused."""
     from dataclasses import replace
-    from pathlib import Path
 
     import torch
     from transformers import AutoConfig, AutoTokenizer
 
-    from kvcouple.models import default_model_path, default_prompts_path, resolve_dtype
     from kvcouple.tracer.memory import (
         GiB,
         ModelShape,
@@ -221,7 +234,6 @@ def dry_run(args: argparse.Namespace, policies: list[Any], branch_batch: int | s
         plan_documents,
         refusal,
     )
-    from kvcouple.tracer.prompts import load_prompts
     from kvcouple.tracer.run import parse_shard
 
     source = Path(args.model).expanduser() if args.model else default_model_path()
@@ -279,9 +291,6 @@ def dry_run(args: argparse.Namespace, policies: list[Any], branch_batch: int | s
 def run(args: argparse.Namespace) -> int:
     """Run ``kvcouple trace``; returns the exit code."""
     # Validate everything cheap before loading a model.
-    from kvcouple.policies import parse_policy
-    from kvcouple.policies.plugins import load_plugins
-    from kvcouple.store import Record
     from kvcouple.tracer.run import parse_shard
 
     check_arguments(args)
@@ -305,9 +314,7 @@ def run(args: argparse.Namespace) -> int:
             raise ValueError("--prompts is required with --model")
         return dry_run(args, policies, branch_batch)
 
-    from kvcouple.models import default_prompts_path, load_model
     from kvcouple.tracer.prefill import vocab_size
-    from kvcouple.tracer.prompts import check_prompt_file, load_prompts
     from kvcouple.tracer.run import trace
     from kvcouple.tracer.settings import Decoding, TraceSettings
 
@@ -364,12 +371,6 @@ def run(args: argparse.Namespace) -> int:
 def check_arguments(args: argparse.Namespace) -> None:
     """The checks of ``kvcouple trace`` arguments that need no model (run before loading one);
     each error names the option."""
-    import math
-    from pathlib import Path
-
-    from kvcouple.cliargs import MAX_COUNT
-    from kvcouple.errors import InvalidInputError
-    from kvcouple.models import check_hub_model, model_source
 
     for name in ("horizon", "replicates", "branches", "window"):
         v = getattr(args, name)
@@ -412,7 +413,6 @@ def check_arguments(args: argparse.Namespace) -> None:
 
 def check_eos(eos: list[int] | None, vocab: int | None, whose: str) -> None:
     """``--eos`` ids must be token ids of the vocabulary (else EOS would never fire)."""
-    from kvcouple.errors import InvalidInputError
 
     for e in eos or ():
         if e < 0 or (vocab is not None and e >= vocab):
@@ -421,7 +421,6 @@ def check_eos(eos: list[int] | None, vocab: int | None, whose: str) -> None:
 
 
 def _config_vocab(model_dir: Any) -> int | None:
-    import json
 
     try:
         config = json.loads((model_dir / "config.json").read_text())
@@ -432,10 +431,8 @@ def _config_vocab(model_dir: Any) -> int | None:
 
 
 def _check_device(device: str | None, dtype: str | None) -> None:
-    from kvcouple.errors import InvalidInputError, require
 
     torch = require("torch", "kvcouple trace")
-    from kvcouple.models import resolve_dtype
 
     try:
         dev = torch.device(device if device is not None else "cpu")
