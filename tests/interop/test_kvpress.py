@@ -203,3 +203,35 @@ def test_cli_trace_with_a_kvpress_press_and_analysis(tmp_path, capsys, monkeypat
     err = capsys.readouterr().err
     assert "AdaKVPress is not a scorer press" in err and "loaded" not in err
     assert not (tmp_path / "x.zarr").exists()
+
+
+def test_kvpress_imported_after_kvcouple_attended():
+    """kvpress wraps every registered attention function when first imported; kvcouple's own
+    entries (registered by an earlier trace) stay kvcouple's, so tracing goes on working."""
+    import subprocess
+    import sys
+    import textwrap
+
+    code = textwrap.dedent(
+        """
+        import sys
+        import torch
+        assert "kvpress" not in sys.modules
+        from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+        from kvcouple.policies import parse_policy
+        from kvcouple.testing import tiny_model
+        from kvcouple.tracer.prefill import prefill, select
+        m = tiny_model("llama", seed=7, attn_implementation="sdpa")
+        ids = torch.arange(1, 30)
+        snap = parse_policy("snapkv:budget=9,window=4")
+        select(snap, prefill(m, ids, True, policies=[snap]))  # registers kvcouple_sdpa
+        ours = ALL_ATTENTION_FUNCTIONS["kvcouple_sdpa"]
+        press = parse_policy("kvpress:SnapKVPress,budget=9,window_size=4")  # imports kvpress
+        assert "kvpress" in sys.modules and ALL_ATTENTION_FUNCTIONS["kvcouple_sdpa"] is ours
+        idx = select(press, prefill(m, ids, False, policies=[press]))
+        print(tuple(idx.shape))
+        """
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip().endswith("(2, 2, 8)")  # (layers, kv_heads, kept - 1)
