@@ -293,3 +293,25 @@ def test_demo_refuses_bad_settings_before_making_a_folder(tmp_path, capsys, argv
     err = capsys.readouterr().err
     assert err.startswith("kvcouple demo: error: ") and message in err, err
     assert not out.exists()
+
+
+@pytest.mark.torch
+def test_demo_traces_a_plugin_policy_and_says_when_nothing_is_left(tmp_path):
+    pytest.importorskip("transformers")
+    file = tmp_path / "fc_demo_policy.py"
+    file.write_text(PLUGIN.format(cls="FcDemo", name="fcdemo"))
+    out = tmp_path / "demo"
+    argv = [sys.executable, "-m", "kvcouple.cli", "demo", "--out", str(out), "--docs", "1"]
+    argv += ["--horizon", "3", "--replicates", "2", "--branches", "1", "--jobs", "1", "--quiet"]
+    argv += ["--plugin", str(file), "--policy", "fcdemo:retain=0.5"]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    first = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=600)
+    assert first.returncode == 0, first.stderr
+    assert "== traced 1 document in" in first.stdout
+    assert "  fcdemo:retain=0.5 = fcdemo:retain=0.5,power=1.0" in first.stdout
+    (run,) = out.glob("run-*")  # DIR/run-<hash>/: --out is the parent folder
+    assert (run / "run.zarr").is_dir() and (run / "report" / "report.html").is_file()
+    again = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=600)
+    assert again.returncode == 0, again.stderr
+    assert "1 of 1 documents already traced" in again.stdout
+    assert "nothing left to trace" in again.stdout and "== traced" not in again.stdout

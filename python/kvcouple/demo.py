@@ -137,7 +137,7 @@ def run(args: argparse.Namespace) -> int:
         todo = n_docs - before
         jobs = max(1, min(args.jobs or cores(), todo))
         if todo == 0:
-            print(f"== kvcouple demo: all {n_docs} documents are already traced in {store}")
+            print(f"== kvcouple demo: {n_docs} of {n_docs} documents already traced in {store}")
         else:
             resumed = f", resuming: {before} of {n_docs} already traced" if before else ""
             print(
@@ -155,7 +155,8 @@ def run(args: argparse.Namespace) -> int:
     if todo == 0:
         print("== nothing left to trace (the store's settings were checked)")
     else:
-        print(f"== traced {todo} documents in {time.perf_counter() - start:.0f} s")
+        docs = "document" if todo == 1 else "documents"
+        print(f"== traced {todo} {docs} in {time.perf_counter() - start:.0f} s")
     report = out / "report"
     print(f"== kvcouple demo: analysing {store} into {report}")
     argv = ["analyze", str(store), "--out", str(report)]
