@@ -235,3 +235,37 @@ def test_kvpress_imported_after_kvcouple_attended():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip().endswith("(2, 2, 8)")  # (layers, kv_heads, kept - 1)
+
+
+@pytest.mark.parametrize("press, builtin", [("KnormPress", "knorm"), ("StreamingLLMPress", None)])
+def test_kvpress_policy_while_decoding(tmp_path, press, builtin):
+    """``mode=decode`` re-scores the current cache with the press's own score, as kvpress's
+    DecodingPress does: ``kvpress:KnormPress`` traces exactly as the built-in ``knorm`` (the
+    same kept entries at every step, so the same store); presses reading hidden states are
+    refused with mode=decode (test_refusals_before_any_model)."""
+    import xarray as xr
+
+    from kvcouple.tracer import Prompt, TraceSettings, trace
+
+    m = model("sdpa")
+    prompts = [Prompt("a", tuple(PROMPT.tolist())), Prompt("b", tuple(PROMPT.tolist()[::-1]))]
+    settings = TraceSettings(horizon=6, replicates=2, branches=1, window=4)
+    spec = f"kvpress:{press},budget=12,mode=decode" + (",n_sink=2" if builtin is None else "")
+    trace(m, prompts, [spec], settings, tmp_path / "press.zarr", seed=0, progress=False)
+    ds = xr.open_zarr(tmp_path / "press.zarr")
+    assert bool(ds["completed"].all())
+    if builtin is None:
+        return
+    trace(
+        m,
+        prompts,
+        [f"{builtin}:budget=12,mode=decode"],
+        settings,
+        tmp_path / "own.zarr",
+        seed=0,
+        progress=False,
+    )
+    own = xr.open_zarr(tmp_path / "own.zarr")
+    for name in ds.data_vars:
+        if ds[name].dtype.kind in "fiub":
+            np.testing.assert_array_equal(ds[name].values, own[name].values, err_msg=name)
