@@ -53,7 +53,8 @@ def markdown_table(rows: list[dict[str, Any]], columns: list[str]) -> str:
 def compact_table(rows: list[dict[str, Any]], columns: list[str]) -> str:
     """:func:`markdown_table` that fits a page: a column with one value in every row (of two
     or more) is said once above the table (``In every row: model: kvcouple-default.``)."""
-    keep, constant = [], []
+    keep: list[str] = []
+    constant: list[str] = []
     for c in columns:
         values = {str(r.get(c, "")) for r in rows}
         (constant if len(rows) > 1 and len(values) == 1 else keep).append(c)
