@@ -1,7 +1,7 @@
 """Every module a kvcouple command imports is declared by the extra that command needs.
 
-The analysis core runs in a subprocess under an import hook that records each import made by a
-kvcouple module of a top-level module that is neither the standard library nor a dependency the
+The analysis core runs in a subprocess under an import hook that records each import statement
+(and ``importlib.import_module`` call) made by a kvcouple module of a top-level module that is neither the standard library nor a dependency the
 package declares for that command (core, or core plus named extras), read from the installed
 package's own metadata. scipy in the analysis (declared only by the test extra) failed the
 README's main command on a fresh machine; this catches it where the dev install hides it.
@@ -60,34 +60,39 @@ def declared_modules(extras: set[str]) -> set[str]:
 
 HOOK = textwrap.dedent(
     r"""
-    import importlib.abc, json, sys
+    import builtins, importlib, json, sys
     allowed = set(json.loads(sys.argv[1]))
     report = sys.argv[2]
     found = []
 
-    class Recorder(importlib.abc.MetaPathFinder):
-        def find_spec(self, name, path=None, target=None):
-            top = name.partition(".")[0]
-            if top in allowed or top in sys.stdlib_module_names or top in ("kvcouple", "__main__"):
-                return None
-            frame = sys._getframe(1)
-            while frame is not None and (
-                frame.f_code.co_filename.startswith("<frozen")
-                or frame.f_globals.get("__name__", "").startswith("importlib")
-            ):
-                frame = frame.f_back
-            importer = frame.f_globals.get("__name__", "") if frame is not None else ""
-            if importer.partition(".")[0] == "kvcouple":
-                found.append([importer, name])
-            return None
+    def note(importer, name):
+        top = name.partition(".")[0]
+        if importer.partition(".")[0] != "kvcouple" or top == "kvcouple":
+            return
+        if top not in allowed and top not in sys.stdlib_module_names:
+            found.append([importer, name])
 
-    sys.meta_path.insert(0, Recorder())
+    # Every import statement, whether or not the module is loaded already (a dependency's own
+    # import of it would hide a meta-path finder), and every importlib.import_module call.
+    original_import = builtins.__import__
+    def recorded_import(name, globals=None, locals=None, fromlist=(), level=0):
+        if level == 0 and globals is not None:
+            note(globals.get("__name__", ""), name)
+        return original_import(name, globals, locals, fromlist, level)
+    builtins.__import__ = recorded_import
+
+    original_import_module = importlib.import_module
+    def recorded_import_module(name, package=None):
+        if not name.startswith("."):
+            note(sys._getframe(1).f_globals.get("__name__", ""), name)
+        return original_import_module(name, package)
+    importlib.import_module = recorded_import_module
+
     import atexit
-    atexit.register(lambda: open(report, "w").write(json.dumps(found)))
+    atexit.register(lambda: open(report, "w").write(json.dumps(sorted(set(map(tuple, found))))))
     sys.argv = ["kvcouple", *sys.argv[3:]]
     from kvcouple.cli import main
-    code = main()
-    sys.exit(code)
+    sys.exit(main())
     """
 )
 
