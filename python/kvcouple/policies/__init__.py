@@ -72,7 +72,9 @@ def parse_policy(spec: str) -> Policy:
     name = name.strip().lower()
     if name not in POLICIES:
         raise UnknownPolicyError(
-            f"unknown policy {name!r} in {spec!r}; known policies: {', '.join(sorted(POLICIES))}"
+            f"unknown policy {name!r} in {spec!r}; known policies: {', '.join(sorted(POLICIES))} "
+            "(a plug-in policy is registered by importing its module: `kvcouple trace --plugin "
+            "MODULE`, or its package's kvcouple.policies entry point)"
         )
     params: dict[str, str] = {}
     items = [s for s in (s.strip() for s in rest.split(",")) if s]
