@@ -250,10 +250,10 @@ def _codecs(compress: bool) -> dict[str, Any]:
         # Zarr format 2 has one compressor and no place for a checksum of the stored bytes:
         # Zstd's own checksum (XXH64 of the content, checked on every decode) stands in.
         return {"compressor": numcodecs.Zstd(level=1, checksum=True)}
-    except TypeError:  # numcodecs < 0.12 has no zstd checksum
+    except TypeError:  # numcodecs < 0.13 has no zstd checksum
         raise StoreError(
             f"writing a trace store with zarr-python {zarr.__version__} needs numcodecs >= "
-            f"0.12 (zstd checksums; this is {numcodecs.__version__}): upgrade numcodecs, or "
+            f"0.13 (zstd checksums; this is {numcodecs.__version__}): upgrade numcodecs, or "
             "install zarr >= 3"
         ) from None
 
