@@ -139,31 +139,70 @@ def test_the_api_reference_documents_the_public_functions(browser):
     assert "kvcouple.decoding" not in text  # a module that does not exist
 
 
-# Four policies with long specs (six pairs), as stored: every parameter spelled out.
+# Four policies with long specs (six pairs), as stored: every parameter spelled out; two
+# models, a plan's tests and gaps pooled across the models: every kind of table the report has.
 REPORT_POLICIES = {
     "snapkv:retain=0.5,window=32,kernel=7,pool=avg": 0.7,
     "snapkv:budget=64,window=32,kernel=7,pool=avg": 0.5,
     "recent:retain=0.5": 0.4,
     "streaming:retain=0.25,sinks=4": 0.3,
 }
+REPORT_PLAN = """
+name = "width check"
+estimator = "indicator"
+n_boot = 100
+seed = 1
+pool_models = true
+
+[documents]
+split = { exploratory_fraction = 0.25, seed = 1 }
+
+[[comparisons]]
+name = "late-window branch TV exceeds early-window TV (SnapKV 50%)"
+metric = "late_minus_early_tv"
+policy = "snapkv:retain=0.5,window=32,kernel=7,pool=avg"
+direction = "greater"
+
+[[comparisons]]
+name = "SnapKV 50% loses fewer tokens than recent 50%"
+metric = "mismatch_fraction"
+a = "recent:retain=0.5"
+b = "snapkv:retain=0.5,window=32,kernel=7,pool=avg"
+direction = "less"
+"""
 
 
 @pytest.fixture(scope="module")
 def report_page(tmp_path_factory) -> Path:
     pytest.importorskip("matplotlib")
     from kvcouple import synth
-    from kvcouple.analysis import analyze, write_report
+    from kvcouple.analysis import analyze, load_plan, write_report
     from kvcouple.synth.trace_store import write_synthetic_trace_store
 
     tmp = tmp_path_factory.mktemp("report-width")
-    pairs = {
-        spec: synth.random_pair(5, 5, seed=2, closeness=c) for spec, c in REPORT_POLICIES.items()
-    }
-    store = write_synthetic_trace_store(
-        tmp / "s.zarr", pairs, horizon=12, window=4, replicates=8, branches=1, docs=10, seed=0
-    )
-    out = write_report(analyze(store, n_boot=100, seed=0), tmp / "report")
-    return out / "report.html"
+    stores = []
+    for model, seed in (("llama-3.1-8b-instruct", 2), ("qwen2.5-7b-instruct", 3)):
+        pairs = {
+            spec: synth.random_pair(5, 5, seed=seed, closeness=c)
+            for spec, c in REPORT_POLICIES.items()
+        }
+        stores.append(
+            write_synthetic_trace_store(
+                tmp / f"{model}.zarr",
+                pairs,
+                horizon=12,
+                window=4,
+                replicates=8,
+                docs=12,
+                seed=0,
+                model_id=model,
+            )  # fmt: skip
+        )
+    (tmp / "plan.toml").write_text(REPORT_PLAN)
+    plan = load_plan(tmp / "plan.toml")
+    result = analyze(stores, plan=plan, doc_set="confirmatory", allow_unregistered=True)
+    assert result.tests  # the tests table is in the report
+    return write_report(result, tmp / "report") / "report.html"
 
 
 def test_report_tables_fit_a_1280px_page(browser, report_page: Path):
@@ -174,7 +213,14 @@ def test_report_tables_fit_a_1280px_page(browser, report_page: Path):
     (scroll, client), tables = _overflow(browser)
     assert scroll <= client, f"the report is {scroll} px wide in a {client} px window"
     heads = [t[1] for t in tables]
-    for want in ("quantity", "B vs A\tgap", "B vs A\tE[M]/T", "B vs A\tRMST"):
+    for want in (
+        "label",
+        "quantity",
+        "B vs A\tgap",
+        "B vs A\tE[M]/T",
+        "B vs A\tRMST",
+        "comparison",
+    ):
         assert any(h.startswith(want) for h in heads), (want, heads)
     for i, head, width, box, right, page_right, overflow_x in tables:
         assert overflow_x == "auto", (i, head, "a table outside its scrolling box")
