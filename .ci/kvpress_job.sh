@@ -4,7 +4,9 @@
 # `tova:heads=all` / `observed` equal TOVAPress / ObservedAttentionPress
 # (tests/interop/test_kvpress.py). kvpress pins transformers<5.3, so this runs in its own fresh
 # virtual environment: the built wheel with its `kvpress` extra (kvpress 0.5.5 and the
-# transformers it accepts), plus pytest.
+# transformers it accepts), plus pytest. The same environment has pyarrow and datasets (the
+# `prompts` extra), so `kvcouple prompts` from Parquet and saved datasets is tested here too
+# (tests/test_prompts.py; elsewhere those cases skip).
 # Usage: .ci/kvpress_job.sh WHEEL
 set -euo pipefail
 wheel=$(realpath "$1")
@@ -13,15 +15,18 @@ export HF_HUB_OFFLINE=1 PIP_DISABLE_PIP_VERSION_CHECK=1
 venv=build/venv-kvpress
 rm -rf "$venv"
 $PYTHON -m venv "$venv"
-"$venv/bin/pip" install -q "$wheel[kvpress]" "kvpress==0.5.5" pytest hypothesis
+"$venv/bin/pip" install -q "$wheel[kvpress,prompts]" "kvpress==0.5.5" pytest hypothesis
 # The test skips where kvpress cannot be imported: make sure it can, so the job tests something.
 "$venv/bin/python" - <<'PY'
 import importlib.metadata as md
 
+import datasets  # noqa: F401
 import kvpress  # noqa: F401
+import pyarrow  # noqa: F401
 
 print("kvpress", md.version("kvpress"), "transformers", md.version("transformers"),
       "torch", md.version("torch"))
 PY
 # kvcouple comes from the wheel (the checkout keeps its sources under python/, not on the path).
-"$venv/bin/python" -m pytest -q -p no:cacheprovider -rs tests/interop/test_kvpress.py
+"$venv/bin/python" -m pytest -q -p no:cacheprovider -rs tests/interop/test_kvpress.py \
+    tests/test_prompts.py

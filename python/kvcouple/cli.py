@@ -25,6 +25,7 @@ _AREAS = [
     "kvcouple.tracer.cli",  # kvcouple trace ...
     "kvcouple.analysis.cli",  # kvcouple analyze / info ...
     "kvcouple.demo",  # kvcouple demo
+    "kvcouple.prompts.cli",  # kvcouple prompts
 ]
 
 

@@ -29,6 +29,7 @@ __all__ = [
     "default_prompts_path",
     "dtype_keyword",
     "load_model",
+    "load_tokenizer",
     "check_hub_model",
     "model_source",
     "offline_mode",
@@ -268,3 +269,33 @@ def load_model(
     model.to(dev)  # type: ignore[arg-type]
     model.eval()
     return model, tokenizer
+
+
+def load_tokenizer(name_or_path: str | Path | None = None, *, revision: str | None = None) -> Any:
+    """The tokenizer of a model, without loading the model: the embedded default model's for
+    ``None``, a local model directory's (never touching the network), or a Hub id's.
+
+    Parameters
+    ----------
+    name_or_path:
+        ``None``, a local directory or a Hugging Face Hub id (as :func:`load_model`).
+    revision:
+        The Hub revision (ignored for local directories).
+    """
+    source, local = model_source(name_or_path)
+    if not local:
+        check_hub_model(str(source), revision)
+    require("transformers", "loading a tokenizer")
+    from transformers import AutoTokenizer
+
+    kwargs: dict[str, Any] = {}
+    if local or offline_mode():
+        kwargs["local_files_only"] = True
+    if revision and not local:
+        kwargs["revision"] = revision
+    try:
+        return AutoTokenizer.from_pretrained(source, **kwargs)
+    except (OSError, ValueError) as e:
+        raise InvalidInputError(
+            f"the tokenizer of {os.fspath(source)} cannot be loaded: {_first_line(e)}"
+        ) from e

@@ -151,9 +151,7 @@ class Plan:
             raise PlanError(f"document set must be exploratory or confirmatory, got {which!r}")
         if "split" in docs:
             split = docs["split"]
-            frac = float(split["exploratory_fraction"])
-            seed = str(split["seed"])
-            return [d for d in doc_ids if (_unit_hash(seed, d) < frac) == (which == "exploratory")]
+            return split_documents(doc_ids, split["exploratory_fraction"], split["seed"], which)
         listed = set(docs.get(which, []))
         if not listed:
             raise PlanError(
@@ -166,6 +164,17 @@ class Plan:
                 f"the plan's {which} documents are not in the store(s): {', '.join(unknown[:10])}"
             )
         return [d for d in doc_ids if d in listed]
+
+
+def split_documents(
+    doc_ids: list[str], exploratory_fraction: float, seed: int, which: str
+) -> list[str]:
+    """The exploratory or confirmatory documents among ``doc_ids`` (in their order) under
+    ``split = { exploratory_fraction, seed }``: a document is exploratory when the SHA-256 of
+    the seed and its id, read as a number in [0, 1), is below the fraction. It depends on the
+    id alone, so adding documents never moves another between the sets."""
+    frac, key = float(exploratory_fraction), str(seed)
+    return [d for d in doc_ids if (_unit_hash(key, d) < frac) == (which == "exploratory")]
 
 
 def _unit_hash(seed: str, doc_id: str) -> float:

@@ -37,7 +37,9 @@ class Prompt:
     input_ids: tuple[int, ...]
 
 
-def _tokenize(tokenizer: Any, text: str, chat_template: bool) -> list[int]:
+def tokenize_text(tokenizer: Any, text: str, chat_template: bool) -> list[int]:
+    """The token ids of ``text``: through the tokenizer's chat template (one user turn and the
+    generation prompt) or with its special tokens added."""
     if chat_template:
         ids = tokenizer.apply_chat_template(
             [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True
@@ -89,7 +91,7 @@ def load_prompts(
                     f"{where}: a text prompt needs a tokenizer (the model has none); "
                     'give "input_ids" instead'
                 )
-            ids = _tokenize(tokenizer, text, chat_template)
+            ids = tokenize_text(tokenizer, text, chat_template)
         if not ids:
             raise PromptFileError(f"{where}: empty prompt (document {doc_id!r})")
         prompts.append(Prompt(doc_id, tuple(ids)))
