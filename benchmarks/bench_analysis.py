@@ -56,22 +56,42 @@ def _cpu_seconds() -> float:
     return r.ru_utime + r.ru_stime
 
 
-def raw_decode(store: str, threads: int) -> dict[str, float]:
-    """Every chunk file decompressed with its array's numcodecs compressor, all threads."""
+def _bytes_codecs(meta_file: Path) -> list[object]:
+    """An array's byte codecs as numcodecs codecs, in decoding order: the compressor (Zarr
+    format 2), or the codecs after ``bytes`` reversed (format 3: crc32c, then zstd)."""
     import numcodecs
 
+    meta = json.loads(meta_file.read_text())
+    if meta_file.name == ".zarray":
+        return [numcodecs.get_codec(meta["compressor"])] if meta.get("compressor") else []
+    if meta.get("node_type") != "array":
+        return []
+    out: list[object] = []
+    for c in reversed(meta["codecs"]):
+        config = c.get("configuration", {})
+        if c["name"] == "crc32c":
+            out.append(numcodecs.CRC32C())  # verified, as every reader does
+        elif c["name"] == "zstd":
+            out.append(numcodecs.Zstd(level=config.get("level", 1)))
+    return out
+
+
+def raw_decode(store: str, threads: int) -> dict[str, float]:
+    """Every chunk file checked and decompressed with its array's codecs (numcodecs), all
+    threads."""
     jobs = []
-    for meta_file in Path(store).glob("*/.zarray"):
-        meta = json.loads(meta_file.read_text())
-        codec = numcodecs.get_codec(meta["compressor"]) if meta.get("compressor") else None
+    for meta_file in [*Path(store).glob("*/.zarray"), *Path(store).glob("*/zarr.json")]:
+        codecs = _bytes_codecs(meta_file)
         for f in meta_file.parent.iterdir():
-            if not f.name.startswith("."):
-                jobs.append((f, codec))
+            if not f.name.startswith(".") and f.name != "zarr.json":
+                jobs.append((f, codecs))
     t, cpu = time.perf_counter(), _cpu_seconds()
 
-    def one(job: tuple[Path, object]) -> int:
-        raw = job[0].read_bytes()
-        return len(job[1].decode(raw)) if job[1] is not None else len(raw)  # type: ignore[attr-defined]
+    def one(job: tuple[Path, list[object]]) -> int:
+        data = job[0].read_bytes()
+        for codec in job[1]:
+            data = codec.decode(data)  # type: ignore[attr-defined]
+        return len(data)
 
     with ThreadPoolExecutor(threads) as pool:
         decoded = sum(pool.map(one, jobs))
