@@ -47,7 +47,7 @@ def test_demo_prints_the_decomposition_quietly_into_its_directory(tmp_path: Path
     # Every policy once with its full spec, before the table; the run named in words.
     assert "  snapkv:retain=0.5 = snapkv:retain=0.5,window=32,kernel=7,pool=avg" in out.stdout
     assert "  recent:retain=0.5 = recent:retain=0.5" in out.stdout
-    assert "T = 6 tokens generated per trajectory; L = 6 lags traced" in out.stdout
+    assert "T = 6 tokens generated per trajectory,\n  L = 6 lags traced" in out.stdout
     assert "exploratory (no plan); wrote" in out.stdout and "plan hash" not in out.stdout
     values = {row: re.findall(NUMBER, line) for row, line in lines.items()}
     for row, cells in values.items():

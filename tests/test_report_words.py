@@ -56,7 +56,8 @@ def test_the_terminal_table_defines_its_symbols_and_lists_every_policy(stores):
     full, short, _ = stores
     text = format_decomposition(full)
     lines = text.splitlines()
-    assert "T = 10 tokens generated per trajectory; L = 9 lags traced" in lines[0]
+    assert lines[0].endswith(": 6 documents; T = 10 tokens generated per trajectory,")
+    assert lines[1] == "  L = 9 lags traced after each first divergence (its branches)"
     legend = lines.index("policies (short label = full spec):")
     assert lines[legend + 1] == f"  snapkv:retain=0.5 = {SNAP}"
     assert lines[legend + 2] == f"  {RECENT.ljust(17)} = {RECENT}"

@@ -96,7 +96,8 @@ def format_model(m: ModelResult, level: float) -> str:
 
     out = [
         f"{terminal(m.model)}: {n_docs} documents; T = {m.horizon} tokens generated per "
-        f"trajectory; L = {m.window} lags traced after each first divergence (its branches)",
+        "trajectory,",
+        f"  L = {m.window} lags traced after each first divergence (its branches)",
         "policies (short label = full spec):",
         *policy_legend(m.policies, labels),
         f"mean over documents [{100 * level:.0f}% document-bootstrap CI]:",
