@@ -23,7 +23,7 @@ use zarrs::storage::ReadableStorageTraits;
 
 use kvcouple_core::parallel;
 use kvcouple_core::rows::{Dtype, Rows};
-use kvcouple_core::stats::recompute::{row_check, row_tv, RowViolation};
+use kvcouple_core::stats::recompute::{row_tv, row_tv_checked, RowViolation};
 
 /// Why a read failed, with the chunk key where there is one.
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
@@ -190,46 +190,34 @@ impl Owned {
     }
 }
 
-/// The first row of a decoded block that is not a distribution, named by chunk and index.
-fn check_block(
-    var: &Variable,
-    rows: &Rows,
-    block: &[Range<u64>],
-    vocab: usize,
-    tolerance: f64,
-) -> Result<(), Problem> {
-    let n = rows.len() / vocab;
-    let violation = row_check(*rows, n, vocab, tolerance).map_err(|e| Problem::Unsupported {
-        message: e.to_string(),
-    })?;
-    let Some(v) = violation else {
-        return Ok(());
-    };
-    let (row, col, value, what) = match v {
+/// Row `violation` of a decoded block (`block`: its range per axis) as a problem naming the
+/// chunk and the element (for a bad sum, the row; the last index is then -1).
+fn value_problem(var: &Variable, block: &[Range<u64>], violation: RowViolation) -> Problem {
+    let (row, col, value, what) = match violation {
         RowViolation::Entry { row, col, value } => (row, Some(col), value, "entry"),
         RowViolation::Sum { row, sum } => (row, None, sum, "sum"),
     };
     // Unravel the row over the block's leading axes (C order), then offset by the block.
-    let lead = &block[..block.len() - 1];
+    let last = block.len() - 1;
     let mut index = vec![0u64; block.len()];
     let mut rest = row as u64;
-    for (ax, r) in lead.iter().enumerate().rev() {
+    for (ax, r) in block[..last].iter().enumerate().rev() {
         let len = r.end - r.start;
         index[ax] = r.start + rest % len;
         rest /= len;
     }
-    index[block.len() - 1] = col.unwrap_or(0) as u64;
+    index[last] = col.unwrap_or(0) as u64;
     let key = var.key_of(&index);
     let mut out: Vec<i64> = index.iter().map(|&i| i as i64).collect();
     if col.is_none() {
-        out[block.len() - 1] = -1;
+        out[last] = -1;
     }
-    Err(Problem::Value {
+    Problem::Value {
         key,
         index: out,
         value,
         what,
-    })
+    }
 }
 
 fn itemsize(kind: Dtype) -> usize {
@@ -314,11 +302,17 @@ pub fn blocks_tv(
                     return Ok(vec![0.0; rows]);
                 }
                 let (pr, qr) = (Owned::new(&pb, kind), Owned::new(&qb, kind));
-                if let Some(tol) = tolerance {
-                    check_block(p, &pr.rows(), b, vocab, tol)?;
-                    check_block(q, &qr.rows(), b, vocab, tol)?;
+                let Some(tol) = tolerance else {
+                    return Ok(block_tv(&pr, &qr, rows, vocab));
+                };
+                // Checked and computed in one pass over the rows.
+                match row_tv_checked(pr.rows(), qr.rows(), rows, vocab, tol) {
+                    Ok(Ok(tv)) => Ok(tv),
+                    Ok(Err((side, v))) => Err(value_problem(if side == 0 { p } else { q }, b, v)),
+                    Err(e) => Err(Problem::Unsupported {
+                        message: e.to_string(),
+                    }),
                 }
-                Ok(block_tv(&pr, &qr, rows, vocab))
             })
             .collect()
     });

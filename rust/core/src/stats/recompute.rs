@@ -16,6 +16,17 @@ const LANES: usize = 8;
 
 /// `TV(p_r, q_r) = 1/2 sum_v |p_r(v) - q_r(v)|` for each row, NaN for unrecorded rows.
 pub fn row_tv(p: Rows, q: Rows, rows: usize, vocab: usize) -> KvResult<Vec<f64>> {
+    check_tv_shapes(&p, &q, rows, vocab)?;
+    Ok(parallel::install(|| {
+        (0..rows)
+            .into_par_iter()
+            .with_min_len(4)
+            .map(|r| one_row(&p, &q, r * vocab, vocab))
+            .collect()
+    }))
+}
+
+fn check_tv_shapes(p: &Rows, q: &Rows, rows: usize, vocab: usize) -> KvResult<()> {
     if vocab == 0 {
         return Err(KvError::Shape("row_tv: vocab is empty".into()));
     }
@@ -31,13 +42,7 @@ pub fn row_tv(p: Rows, q: Rows, rows: usize, vocab: usize) -> KvResult<Vec<f64>>
             "row_tv: p and q must have the same dtype".into(),
         ));
     }
-    Ok(parallel::install(|| {
-        (0..rows)
-            .into_par_iter()
-            .with_min_len(4)
-            .map(|r| one_row(&p, &q, r * vocab, vocab))
-            .collect()
-    }))
+    Ok(())
 }
 
 #[inline]
@@ -141,6 +146,114 @@ fn one_row_f16_portable(a: &[u16], b: &[u16]) -> f64 {
         total += block;
     }
     0.5 * total
+}
+
+/// [`row_tv`] and [`row_check`] of both sides in one pass over the rows: the TVs, or the first
+/// row (in row order, `p` before `q`) that is not a distribution, with its side (0: `p`,
+/// 1: `q`). Half-precision rows are read once: the TV and both sums share the loop, and only a
+/// row holding a NaN, an infinity or a negative entry is scanned again to say which.
+pub fn row_tv_checked(
+    p: Rows,
+    q: Rows,
+    rows: usize,
+    vocab: usize,
+    tolerance: f64,
+) -> KvResult<Result<Vec<f64>, (usize, RowViolation)>> {
+    check_tv_shapes(&p, &q, rows, vocab)?;
+    let per_row: Vec<Result<f64, (usize, RowViolation)>> = parallel::install(|| {
+        (0..rows)
+            .into_par_iter()
+            .with_min_len(4)
+            .map(|r| checked_row(&p, &q, r, vocab, tolerance))
+            .collect()
+    });
+    Ok(per_row.into_iter().collect())
+}
+
+fn checked_row(
+    p: &Rows,
+    q: &Rows,
+    r: usize,
+    vocab: usize,
+    tolerance: f64,
+) -> Result<f64, (usize, RowViolation)> {
+    let base = r * vocab;
+    if let (Rows::F16(a), Rows::F16(b)) = (p, q) {
+        let (tv, sa, sb, flagged) = fused_row_f16(&a[base..base + vocab], &b[base..base + vocab]);
+        if !flagged {
+            if (sa - 1.0).abs() > tolerance {
+                return Err((0, RowViolation::Sum { row: r, sum: sa }));
+            }
+            if (sb - 1.0).abs() > tolerance {
+                return Err((1, RowViolation::Sum { row: r, sum: sb }));
+            }
+            return Ok(tv);
+        }
+    }
+    for (side, rows) in [p, q].into_iter().enumerate() {
+        if let Some(v) = check_one_row(rows, r, vocab, tolerance) {
+            return Err((side, v));
+        }
+    }
+    Ok(one_row(p, q, base, vocab)) // NaN where a side is unrecorded
+}
+
+/// One pass over a pair of half rows: TV, both sums, and whether any entry is NaN, infinite
+/// or negative (then the sums mean nothing and the caller scans the row). Accumulation as in
+/// `one_row_f16`: f32 lanes per block, blocks added in f64.
+fn fused_row_f16(a: &[u16], b: &[u16]) -> (f64, f64, f64, bool) {
+    #[cfg(target_arch = "x86_64")]
+    {
+        if std::arch::is_x86_feature_detected!("avx2") {
+            // SAFETY: the CPU supports AVX2 (checked just above); the function is plain safe
+            // Rust compiled with that feature enabled.
+            return unsafe { fused_row_f16_avx2(a, b) };
+        }
+    }
+    fused_row_f16_portable(a, b)
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+unsafe fn fused_row_f16_avx2(a: &[u16], b: &[u16]) -> (f64, f64, f64, bool) {
+    fused_row_f16_portable(a, b)
+}
+
+#[inline(always)]
+fn fused_row_f16_portable(a: &[u16], b: &[u16]) -> (f64, f64, f64, bool) {
+    const L: usize = 16;
+    let (mut tv, mut sa, mut sb) = (0.0f64, 0.0f64, 0.0f64);
+    let mut flagged = 0u16;
+    for (ba, bb) in a.chunks(BLOCK).zip(b.chunks(BLOCK)) {
+        for (&x, &y) in ba.iter().zip(bb) {
+            // Exponent all ones (NaN, infinity) or sign set on a nonzero value (negative).
+            flagged |= (x & 0x7c00 == 0x7c00) as u16 | (y & 0x7c00 == 0x7c00) as u16;
+            flagged |= ((x & 0x8000 != 0) & (x & 0x7fff != 0)) as u16;
+            flagged |= ((y & 0x8000 != 0) & (y & 0x7fff != 0)) as u16;
+        }
+        let mut lt = [0.0f32; L];
+        let mut la = [0.0f32; L];
+        let mut lb = [0.0f32; L];
+        let full = ba.len() - ba.len() % L;
+        for (ca, cb) in ba[..full].chunks_exact(L).zip(bb[..full].chunks_exact(L)) {
+            for j in 0..L {
+                let (x, y) = (f16_to_f32_exact(ca[j]), f16_to_f32_exact(cb[j]));
+                lt[j] += (x - y).abs();
+                la[j] += x;
+                lb[j] += y;
+            }
+        }
+        for j in full..ba.len() {
+            let (x, y) = (f16_to_f32_exact(ba[j]), f16_to_f32_exact(bb[j]));
+            lt[0] += (x - y).abs();
+            la[0] += x;
+            lb[0] += y;
+        }
+        tv += lt.iter().map(|&v| v as f64).sum::<f64>();
+        sa += la.iter().map(|&v| v as f64).sum::<f64>();
+        sb += lb.iter().map(|&v| v as f64).sum::<f64>();
+    }
+    (0.5 * tv, sa, sb, flagged != 0)
 }
 
 /// Why a stored distribution row is not one (see [`row_check`]).
@@ -365,5 +478,71 @@ mod tests {
             Some(RowViolation::Sum { row: 1, .. })
         ));
         assert!(row_check(Rows::F64(&f64_rows), 3, 2, 1e-3).is_err());
+    }
+    /// The nearest half to a value in [0, 65504] (positive halves are ordered as their bits).
+    fn to_half(x: f64) -> u16 {
+        let (mut lo, mut hi) = (0u16, 0x7bffu16);
+        while lo < hi {
+            let mid = lo + (hi - lo) / 2;
+            if (f16_to_f32_exact(mid) as f64) < x {
+                lo = mid + 1;
+            } else {
+                hi = mid;
+            }
+        }
+        let below = lo.saturating_sub(1);
+        if (x - f16_to_f32_exact(below) as f64).abs() < (f16_to_f32_exact(lo) as f64 - x).abs() {
+            below
+        } else {
+            lo
+        }
+    }
+
+    #[test]
+    fn fused_check_agrees_with_the_separate_passes() {
+        let vocab = 2500; // not a multiple of the block or the lanes
+        let rows = 4;
+        let halves = |seed: u32| -> Vec<u16> {
+            // A distribution in float16: equal weights with a few larger ones.
+            let mut v: Vec<f64> = (0..vocab as u32)
+                .map(|i| 1.0 + ((i * 7919 + seed) % 13) as f64)
+                .collect();
+            let total: f64 = v.iter().sum();
+            v.iter_mut().for_each(|x| *x /= total);
+            v.iter().map(|&x| to_half(x)).collect()
+        };
+        let mut p: Vec<u16> = (0..rows as u32).flat_map(halves).collect();
+        let q: Vec<u16> = (10..10 + rows as u32).flat_map(halves).collect();
+        let tol = 1e-3;
+        let tv = row_tv(Rows::F16(&p), Rows::F16(&q), rows, vocab).unwrap();
+        let fused = row_tv_checked(Rows::F16(&p), Rows::F16(&q), rows, vocab, tol).unwrap();
+        assert_eq!(fused.unwrap(), tv);
+        // Row 2 of q all NaN (unrecorded): allowed, its TV NaN.
+        let mut q2 = q.clone();
+        q2[2 * vocab..3 * vocab].fill(0x7e00);
+        let fused = row_tv_checked(Rows::F16(&p), Rows::F16(&q2), rows, vocab, tol).unwrap();
+        let fused = fused.unwrap();
+        assert!(fused[2].is_nan() && fused[1] == tv[1]);
+        // A negative entry in p's row 3 and a short row 1 of q: row 1 comes first.
+        p[3 * vocab + 5] = 0x8001;
+        let mut q3 = q.clone();
+        q3[vocab..2 * vocab]
+            .iter_mut()
+            .take(vocab / 2)
+            .for_each(|h| *h = 0);
+        let err = row_tv_checked(Rows::F16(&p), Rows::F16(&q3), rows, vocab, tol).unwrap();
+        assert!(
+            matches!(err, Err((1, RowViolation::Sum { row: 1, .. }))),
+            "{err:?}"
+        );
+        let err = row_tv_checked(Rows::F16(&p), Rows::F16(&q), rows, vocab, tol).unwrap();
+        assert!(
+            matches!(err, Err((0, RowViolation::Entry { row: 3, col: 5, value })) if value < 0.0),
+            "{err:?}"
+        );
+        assert_eq!(
+            row_check(Rows::F16(&p), rows, vocab, tol).unwrap(),
+            err.err().map(|e| e.1)
+        );
     }
 }
