@@ -90,7 +90,8 @@ first-contact: ## Fresh venvs from the built wheel: `[all]` runs the demo, no ex
 COMPAT_TESTS = tests/test_kernels.py tests/test_coupling.py tests/test_kernel_errors.py \
 	tests/test_synth_exact.py tests/test_synth_pairs.py tests/test_synth_estimators.py \
 	tests/test_analysis_store.py tests/test_analysis_synthetic.py tests/test_analysis_plan.py \
-	tests/test_store_damage.py tests/test_store_rechunk.py tests/test_tv_only.py
+	tests/test_store_damage.py tests/test_store_rechunk.py tests/test_tv_only.py \
+	tests/test_store_integrity.py
 
 compat-py310: wheel ## The wheel and torch-free suites on Python 3.10 (zarr 2)
 	@py=$$(ls $$(pyenv root 2>/dev/null)/versions/3.10*/bin/python 2>/dev/null | head -1); \
