@@ -311,3 +311,17 @@ def test_row_sum_tolerance_is_the_float16_rounding_of_the_entries():
         assert abs(float((0.99 * p.astype(np.float64)).sum()) - 1.0) > tol
     assert row_sum_tolerance("float16", 5) == pytest.approx(2.0**-11, rel=1e-2)
     assert row_sum_tolerance("bfloat16", vocab) == pytest.approx(2.0**-8, rel=1e-2)
+
+
+@pytest.mark.skipif(ZARR3, reason="zarr-python 2 only: Zarr format 2 with zstd checksums")
+def test_zarr2_without_zstd_checksums_refuses_to_write(tmp_path, monkeypatch):
+    import numcodecs
+
+    class OldZstd:  # numcodecs < 0.13: no checksum flag
+        def __init__(self, level: int = 1):
+            self.level = level
+
+    monkeypatch.setattr(numcodecs, "Zstd", OldZstd)
+    with pytest.raises(StoreError, match=r"needs numcodecs >= 0\.13 \(zstd checksums"):
+        write_synthetic_trace_store(tmp_path / "s.zarr", PAIRS, horizon=3, replicates=2)
+    assert not (tmp_path / "s.zarr").exists()
