@@ -30,6 +30,20 @@ pub fn bootstrap_means<'py>(
     flat.reshape([n_boot, cols])
 }
 
+/// How many times each document is drawn in each resample (n_boot x docs, uint32): the
+/// resamples `bootstrap_means` makes with the same seed.
+#[pyfunction]
+#[pyo3(signature = (docs, n_boot, seed))]
+pub fn bootstrap_counts<'py>(
+    py: Python<'py>,
+    docs: usize,
+    n_boot: usize,
+    seed: u64,
+) -> PyResult<Bound<'py, PyArray2<u32>>> {
+    let out = py.detach(|| guard(|| bootstrap::bootstrap_counts(docs, n_boot, seed)))?;
+    out.into_pyarray(py).reshape([n_boot, docs])
+}
+
 /// Percentile or BCa intervals of k statistics: `reps` (n_boot x k), `point` (k), `jack`
 /// (n_jack x k, leave-one-document-out values; used by BCa). Returns (k x 4): lower, upper,
 /// z0, acceleration.
@@ -90,6 +104,7 @@ pub fn row_tv<'py>(
 
 pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(bootstrap_means, m)?)?;
+    m.add_function(wrap_pyfunction!(bootstrap_counts, m)?)?;
     m.add_function(wrap_pyfunction!(bootstrap_intervals, m)?)?;
     m.add_function(wrap_pyfunction!(row_tv, m)?)?;
     Ok(())

@@ -43,6 +43,35 @@ impl SplitMix64 {
     }
 }
 
+/// The documents replicate `b` draws, in order: the one definition of a resample.
+fn draws(seed: u64, b: usize, docs: usize) -> impl Iterator<Item = usize> {
+    let mut rng = SplitMix64::stream(seed, b as u64);
+    (0..docs).map(move |_| rng.below(docs))
+}
+
+/// How many times each document is drawn in each of `n_boot` resamples (`n_boot x docs`,
+/// row-major): the resamples of [`bootstrap_means`] with the same `seed`. The studentized
+/// interval needs them to recompute a jackknife inside every resample.
+pub fn bootstrap_counts(docs: usize, n_boot: usize, seed: u64) -> KvResult<Vec<u32>> {
+    if docs == 0 {
+        return Err(KvError::Shape(
+            "bootstrap needs at least one document, got 0".into(),
+        ));
+    }
+    if n_boot == 0 {
+        return Err(KvError::InvalidArgument("n_boot must be at least 1".into()));
+    }
+    let mut out = vec![0u32; n_boot * docs];
+    parallel::install(|| {
+        out.par_chunks_mut(docs).enumerate().for_each(|(b, row)| {
+            for d in draws(seed, b, docs) {
+                row[d] += 1;
+            }
+        })
+    });
+    Ok(out)
+}
+
 /// Column means of `n_boot` bootstrap resamples of the rows of `values` (`docs x cols`,
 /// row-major). Returns `n_boot x cols`, row-major.
 pub fn bootstrap_means(
@@ -69,10 +98,8 @@ pub fn bootstrap_means(
     let mut out = vec![0.0; n_boot * cols];
     parallel::install(|| {
         out.par_chunks_mut(cols).enumerate().for_each(|(b, row)| {
-            let mut rng = SplitMix64::stream(seed, b as u64);
             let mut counts = vec![0.0f64; cols];
-            for _ in 0..docs {
-                let d = rng.below(docs);
+            for d in draws(seed, b, docs) {
                 let src = &values[d * cols..(d + 1) * cols];
                 for ((acc, n), &v) in row.iter_mut().zip(counts.iter_mut()).zip(src) {
                     if v.is_finite() {
@@ -118,6 +145,28 @@ mod tests {
         let mean0: f64 = out.chunks(2).map(|r| r[0]).sum::<f64>() / 500.0;
         assert!((mean0 - 4.5).abs() < 0.05, "{mean0}");
         assert!(out.chunks(2).all(|r| r[1] == 1.0));
+    }
+
+    #[test]
+    fn counts_are_the_resamples_of_the_means() {
+        let (docs, cols, n_boot) = (7usize, 3usize, 50usize);
+        let values: Vec<f64> = (0..docs * cols).map(|i| (i as f64 * 0.7).cos()).collect();
+        let means = bootstrap_means(&values, docs, cols, n_boot, 11).unwrap();
+        let counts = bootstrap_counts(docs, n_boot, 11).unwrap();
+        for b in 0..n_boot {
+            let row = &counts[b * docs..(b + 1) * docs];
+            assert_eq!(row.iter().sum::<u32>() as usize, docs);
+            for c in 0..cols {
+                let m: f64 = (0..docs)
+                    .map(|d| row[d] as f64 * values[d * cols + c])
+                    .sum::<f64>()
+                    / docs as f64;
+                assert!((m - means[b * cols + c]).abs() < 1e-12, "{b} {c}");
+            }
+        }
+        assert_ne!(counts, bootstrap_counts(docs, n_boot, 12).unwrap());
+        assert!(bootstrap_counts(0, 5, 0).is_err());
+        assert!(bootstrap_counts(3, 0, 0).is_err());
     }
 
     #[test]
