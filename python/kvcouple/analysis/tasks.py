@@ -27,10 +27,10 @@ from kvcouple.analysis.reading import (
     recompute_full,
     recompute_topk,
 )
-from kvcouple.errors import InvalidInputError, StoreError, require
+from kvcouple.errors import StoreError
+from kvcouple.scheduler import check_scheduler as check_scheduler
+from kvcouple.scheduler import connect_client as connect_client
 from kvcouple.store.reader import TraceStoreReader
-
-_CONNECT_TIMEOUT = 5  # seconds to reach a Dask scheduler (distributed's default is 30)
 
 
 @dataclass(frozen=True)
@@ -118,22 +118,6 @@ def _limit_worker_threads(threads: int | None = None, dask_worker: Any = None) -
     return kvcouple.get_num_threads()
 
 
-def connect_client(client: Any, scheduler: str | None) -> tuple[Any, bool]:
-    """The Dask client to run on and whether it was opened here (and must be closed): ``client``
-    itself, one connected to ``scheduler``, or None (run locally)."""
-    if client is not None:
-        return client, False
-    if scheduler is None:
-        return None, False
-    require("distributed", "--scheduler")
-    from distributed import Client
-
-    try:
-        return Client(scheduler, timeout=_CONNECT_TIMEOUT), True
-    except (OSError, TimeoutError) as e:
-        raise InvalidInputError(f"scheduler = {scheduler!r}: cannot connect ({e})") from None
-
-
 def run_docs(
     tasks: list[tuple[TraceStoreReader, int]],
     options: Options,
@@ -171,31 +155,3 @@ def run_docs(
         return list(client.gather(futures))
     finally:
         bar.close()
-
-
-def check_scheduler(scheduler: Any) -> None:
-    """A ``tcp://host:port`` address must accept a connection within a few seconds."""
-    import socket
-    from urllib.parse import urlsplit
-
-    if not isinstance(scheduler, str) or not scheduler:
-        raise InvalidInputError(
-            f"scheduler must be an address such as tcp://host:8786, got {scheduler!r}"
-        )
-    parts = urlsplit(scheduler if "://" in scheduler else f"tcp://{scheduler}")
-    if parts.scheme not in ("tcp", "tls"):
-        return  # other transports (inproc, ucx): let distributed judge
-    try:
-        host, port = parts.hostname, parts.port
-    except ValueError as e:
-        raise InvalidInputError(f"scheduler = {scheduler!r}: {e}") from None
-    if not host or port is None:
-        raise InvalidInputError(
-            f"scheduler = {scheduler!r} needs a host and a port (tcp://host:8786)"
-        )
-    try:
-        socket.create_connection((host, port), timeout=_CONNECT_TIMEOUT).close()
-    except OSError as e:
-        raise InvalidInputError(
-            f"scheduler = {scheduler!r} is not reachable ({e.strerror or e})"
-        ) from None
