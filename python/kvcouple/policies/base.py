@@ -248,6 +248,13 @@ class Policy:
         query-scored policies unless they say otherwise, 0 for the rest."""
         return 32 if self.NEEDS_QUERIES else 0
 
+    def selects_per_head(self) -> bool:
+        """Whether :meth:`select` treats every layer's KV heads each on its own, drawing
+        nothing at random: then a context whose heads are several caches' heads selects for
+        each as for itself, and the decode-time :class:`RescoreRule` runs once over every row
+        of a batch (its rows folded into the head axis). Default: no (one call per row)."""
+        return False
+
     def validate(self) -> None:
         """Check parameter values; raise :class:`PolicyParameterError`."""
 

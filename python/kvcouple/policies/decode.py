@@ -30,6 +30,8 @@ class RulePolicy(Protocol):
 
     def decode_query_window(self) -> int: ...
 
+    def selects_per_head(self) -> bool: ...
+
 
 @dataclass
 class DecodeContext(PolicyContext):
@@ -38,7 +40,7 @@ class DecodeContext(PolicyContext):
     Keys and values are the entries the row holds now, sorted by original position per KV head
     (``key_positions[l]``: ``(kv_heads, length)``). Queries are those of the most recent tokens
     (``recent_queries[l]``: ``(query_heads, W, head_dim)``, oldest first, at
-    ``query_positions``), so :meth:`window_attention` is the attention of the last ``window``
+    ``query_positions``, ``(W,)`` or per query head ``(query_heads, W)``), so :meth:`window_attention` is the attention of the last ``window``
     generated (or prompt) tokens, causal by original position. Accumulated attention over every
     query is not kept while decoding. The attributes not listed below are those of
     :class:`PolicyContext`.
@@ -51,7 +53,8 @@ class DecodeContext(PolicyContext):
         Per layer, ``(query_heads, W, head_dim)`` queries of the most recent tokens, oldest
         first.
     query_positions : torch.Tensor or None
-        Original positions of those queries.
+        Original positions of those queries: ``(W,)``, or ``(query_heads, W)`` when rows
+        were folded into the head axis (:class:`RescoreRule`).
     """
 
     key_positions: list[torch.Tensor] = field(default_factory=list)
@@ -76,8 +79,10 @@ class DecodeContext(PolicyContext):
         scale = self.scaling if self.scaling is not None else q.shape[-1] ** -0.5
         logits = torch.matmul(q, k.transpose(-1, -2)) * scale  # (query_heads, window, length)
         key_pos = self.key_positions[layer].repeat_interleave(self.group_size, dim=0)
-        query_pos = self.query_positions[self.query_positions.shape[0] - window :]
-        logits = logits.masked_fill(key_pos[:, None, :] > query_pos[None, :, None], float("-inf"))
+        query_pos = self.query_positions[..., self.query_positions.shape[-1] - window :]
+        if query_pos.dim() == 1:
+            query_pos = query_pos[None]
+        logits = logits.masked_fill(key_pos[:, None, :] > query_pos[:, :, None], float("-inf"))
         self._cache[key] = torch.softmax(logits, dim=-1)
         return self._cache[key]
 
@@ -130,6 +135,14 @@ class DecodeCache:
         the rule asks for a query window (``None`` otherwise).
     query_positions : torch.Tensor or None
         ``(B, W)`` positions of those queries (``None`` without a query window).
+    held : int or None
+        Slots every row holds visible, the same for each row (the tracer knows it on the host,
+        so a rule need not read it back from the device); ``None``: unknown.
+    current_position : int or None
+        ``current``, when every row fed the same position (known on the host); ``None``:
+        unknown.
+    row_ids : tuple of int or None
+        ``rows`` on the host (``None``: unknown).
     """
 
     layer: int
@@ -144,6 +157,9 @@ class DecodeCache:
     attention: torch.Tensor | None = None
     queries: torch.Tensor | None = None
     query_positions: torch.Tensor | None = None
+    held: int | None = None
+    current_position: int | None = None
+    row_ids: tuple[int, ...] | None = None
 
     @property
     def positions(self) -> torch.Tensor:
@@ -226,6 +242,13 @@ class RescoreRule(DecodeRule):
     """The generic rule: every ``every`` steps, re-run the policy's own :meth:`Policy.select`
     on each row's current cache (a :class:`DecodeContext`) and keep what it keeps.
 
+    No host round trip: the rows' visible slots are found by a sort (every row holds the same
+    number, :attr:`DecodeCache.held`), not by ``nonzero``. A policy whose selection treats every
+    KV head on its own (:meth:`Policy.selects_per_head`) sees the whole batch as one context,
+    its rows folded into the KV-head axis (row ``b``'s KV head ``h`` is head ``b * kv_heads +
+    h``; its query heads follow, so GQA groups stay aligned): one ``select`` call for every row.
+    Others (randomised ones draw per row) get one context per row.
+
     Parameters
     ----------
     policy : RulePolicy
@@ -244,41 +267,78 @@ class RescoreRule(DecodeRule):
     def query_window(self) -> int:
         return self.policy.decode_query_window()
 
+    def _generator(self, row: int, current: int) -> torch.Generator:
+        import torch
+
+        # Randomised policies draw from (seed, trajectory, position): a replayed branch evicts
+        # exactly as its path did.
+        return torch.Generator().manual_seed(
+            (self.seed * 1_000_003 + row * 65_537 + current) % 2**63
+        )
+
     def keep(self, caches: list[DecodeCache]) -> list[torch.Tensor]:
         import torch
 
         first = caches[0]
         rows = first.visible.shape[0]
+        held = first.held
+        if held is None:  # not known on the host: read back (a sync)
+            counts = first.visible.sum(-1)
+            held = int(counts[0])
+            if not bool((counts == held).all()):
+                raise ValueError("RescoreRule needs every row to hold as many entries")
+        # Per layer, each row's visible slots by original position, per KV head: hidden
+        # slots sort last (a position no entry has), then the first ``held`` are kept.
+        orders, keys, values, key_positions = [], [], [], []
+        hidden = torch.iinfo(torch.int64).max
+        for cache in caches:
+            pos = cache.positions.to(torch.int64).masked_fill(~cache.visible[:, None, :], hidden)
+            order = torch.argsort(pos, dim=-1, stable=True)[..., :held]  # (B, kv, V)
+            index = order[..., None].expand(-1, -1, -1, cache.keys.shape[-1])
+            orders.append(order)
+            keys.append(cache.keys.gather(2, index))
+            values.append(cache.values.gather(2, index))
+            key_positions.append(pos.gather(2, order))
+        kv_heads = first.keys.shape[1]
+        if self.policy.selects_per_head():
+            queries = [
+                c.queries.flatten(0, 1) for c in caches if c.queries is not None
+            ]  # (B * query_heads, W, D)
+            query_positions = None
+            if first.query_positions is not None:
+                heads = first.num_query_heads
+                query_positions = first.query_positions.repeat_interleave(
+                    heads, dim=0, output_size=rows * heads
+                )
+            ctx = DecodeContext(
+                keys=[k.flatten(0, 1) for k in keys],
+                values=[v.flatten(0, 1) for v in values],
+                scaling=first.scaling,
+                num_query_heads=rows * first.num_query_heads,
+                key_positions=[p.flatten(0, 1) for p in key_positions],
+                recent_queries=queries,
+                query_positions=query_positions,
+            )
+            idx = self.policy.select(ctx, self.budget)  # (layers, B * kv_heads, budget)
+            idx = idx.to(first.keys.device).view(len(caches), rows, kv_heads, -1)
+            return [order.gather(2, i) for order, i in zip(orders, idx, strict=True)]
+        row_ids = first.row_ids if first.row_ids is not None else tuple(first.rows.tolist())
+        current = first.current_position
         kept: list[list[torch.Tensor]] = [[] for _ in caches]
         for b in range(rows):
-            slots = torch.nonzero(first.visible[b]).flatten()
-            keys, values, key_positions, order = [], [], [], []
-            for cache in caches:
-                pos = cache.positions[b][:, slots]  # (kv_heads, V)
-                sort = torch.argsort(pos, dim=-1, stable=True)
-                slot_order = slots[sort]  # (kv_heads, V) slots by position
-                index = slot_order[..., None].expand(-1, -1, cache.keys.shape[-1])
-                keys.append(cache.keys[b].gather(1, index))
-                values.append(cache.values[b].gather(1, index))
-                key_positions.append(pos.gather(1, sort))
-                order.append(slot_order)
-            queries = [c.queries[b] for c in caches if c.queries is not None]
             ctx = DecodeContext(
-                keys=keys,
-                values=values,
+                keys=[k[b] for k in keys],
+                values=[v[b] for v in values],
                 scaling=first.scaling,
                 num_query_heads=first.num_query_heads,
-                # Randomised policies draw from (seed, trajectory, position): a replayed branch
-                # evicts exactly as its path did.
-                generator=torch.Generator().manual_seed(
-                    (self.seed * 1_000_003 + int(first.rows[b]) * 65_537 + int(first.current[b]))
-                    % 2**63
+                generator=self._generator(
+                    row_ids[b], current if current is not None else int(first.current[b])
                 ),
-                key_positions=key_positions,
-                recent_queries=queries,
+                key_positions=[p[b] for p in key_positions],
+                recent_queries=[c.queries[b] for c in caches if c.queries is not None],
                 query_positions=None if first.query_positions is None else first.query_positions[b],
             )
             idx = self.policy.select(ctx, self.budget)  # (layers, kv_heads, budget)
-            for layer, slot_order in enumerate(order):
-                kept[layer].append(slot_order.gather(1, idx[layer].to(slot_order.device)))
+            for layer, order in enumerate(orders):
+                kept[layer].append(order[b].gather(1, idx[layer].to(order.device)))
         return [torch.stack(k) for k in kept]

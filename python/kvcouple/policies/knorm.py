@@ -21,5 +21,8 @@ class KNorm(ScorePolicy):
 
     name = "knorm"
 
+    def selects_per_head(self) -> bool:
+        return True
+
     def score(self, ctx: PolicyContext, layer: int):
         return -ctx.keys[layer].float().norm(dim=-1)

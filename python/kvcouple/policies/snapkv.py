@@ -53,6 +53,9 @@ class SnapKV(Policy):
         if p["pool"] not in ("avg", "max"):
             raise PolicyParameterError(f"snapkv: pool must be 'avg' or 'max', got {p['pool']!r}")
 
+    def selects_per_head(self) -> bool:
+        return True
+
     def decode_query_window(self) -> int:
         return int(self.params["window"])
 

@@ -22,6 +22,9 @@ class ValueDiff(ScorePolicy):
 
     name = "valuediff"
 
+    def selects_per_head(self) -> bool:
+        return True
+
     def score(self, ctx: PolicyContext, layer: int):
         v = ctx.values[layer].float()
         return (v - v.mean(dim=1, keepdim=True)).norm(dim=-1)

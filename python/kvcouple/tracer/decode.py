@@ -41,6 +41,7 @@ class DecodeEvictor:
         self.rule = rule
         self.rows = slice(copies, 2 * copies)
         self.replicates = replicates
+        self.row_ids = tuple(int(r) for r in replicates.tolist())  # once, for seeded rules
         window = rule.query_window
         needs_queries = rule.needs_attention or window > 0
         self._capture = compat.QueryCapture(model) if needs_queries else None
@@ -50,6 +51,12 @@ class DecodeEvictor:
         self.scaling = self._capture.scaling if self._capture is not None else 1.0
         n1, keep = pre.prefix_length, idx.shape[-1]
         pad = n1 - keep
+        # Every Q row starts with the same ``keep`` entries at the same position and is fed one
+        # token per step, so how many entries each holds and where it is are known here, on
+        # the host: eviction is decided without reading the device (checked on the device,
+        # asynchronously, in after_step).
+        self.held = int(keep)
+        self.position = int(n1)
         started = rule.start(ctx, idx)
         self.state: list[dict[str, torch.Tensor]] = []
         for layer in range(ctx.num_layers):
@@ -93,6 +100,9 @@ class DecodeEvictor:
     def after_step(self, rows: Trajectories) -> None:
         valid = rows.valid[self.rows]  # (Bq, S) including the new column
         current = rows.positions[self.rows]  # position of the token just fed
+        self.held += 1
+        # (an async check: a device assertion, no host round trip)
+        torch._assert_async((valid.sum(-1) == self.held).all() & (current == self.position).all())
         caches = []
         zeros = torch.zeros(current.shape[0], 1, 1, device=current.device)  # new slots' scores
         for layer, (keys, values) in enumerate(compat.cache_tensors(rows.cache)):
@@ -136,29 +146,30 @@ class DecodeEvictor:
                 attention=attention,
                 queries=queries,
                 query_positions=query_positions,
+                held=self.held,
+                current_position=self.position,
+                row_ids=self.row_ids,
             )
             self.rule.observe(cache)
             caches.append(cache)
-        over = valid.sum(-1) - self.rule.budget >= self.rule.every
-        if not bool(over.any()):
+        self.position += 1
+        if self.held - self.rule.budget < self.rule.every:
             return
+        # Every row is over its budget by ``every``: all of them evict.
         kept = self.rule.keep(caches)
         home = valid & (valid.cumsum(-1) <= self.rule.budget)
         tail = valid & ~home
         for cache, keep in zip(caches, kept, strict=True):
-            _compact(cache, keep, home, tail, over)
-        rows.valid[self.rows] = valid & ~(tail & over[:, None])
+            _compact(cache, keep, home, tail)
+        rows.valid[self.rows] = home
+        self.held = self.rule.budget
 
 
 def _compact(
-    cache: DecodeCache,
-    keep: torch.Tensor,
-    home: torch.Tensor,
-    tail: torch.Tensor,
-    over: torch.Tensor,
+    cache: DecodeCache, keep: torch.Tensor, home: torch.Tensor, tail: torch.Tensor
 ) -> None:
     """Move the kept entries of ``tail`` columns into the ``home`` slots of evicted entries,
-    per row and KV head, in place (rows not ``over`` stay as they are)."""
+    per row and KV head, in place."""
     shape = cache.state["position"].shape  # (B, kv_heads, S)
     kept = torch.zeros(shape, dtype=torch.bool, device=keep.device).scatter_(2, keep, True)
     hole = home[:, None, :] & ~kept
@@ -167,7 +178,7 @@ def _compact(
     movers = torch.argsort((~mover).to(torch.int8), dim=-1, stable=True)
     count = hole.sum(-1, keepdim=True)
     rank = torch.arange(shape[-1], device=keep.device)
-    source = torch.where((rank < count) & over[:, None, None], movers, holes)
+    source = torch.where(rank < count, movers, holes)
     for tensor in (cache.keys, cache.values, *cache.state.values()):
         src, dst = source, holes
         if tensor.dim() == 4:
