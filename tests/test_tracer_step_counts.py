@@ -1,0 +1,88 @@
+"""Per decoding step, what a GPU would pay for (kvcouple.testing.op_counter): no host sync in
+any layout or decode-time rule, and ATen ops within a loose factor of `generate` on the same
+rows (benchmarks/step_ops.py prints the exact figures on a 32-layer model)."""
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+from kvcouple.policies.snapkv import SnapKV  # noqa: E402
+from kvcouple.testing.op_counter import per_step  # noqa: E402
+from kvcouple.testing.tiny_models import tiny_model  # noqa: E402
+from kvcouple.tracer import TraceSettings, trace_document  # noqa: E402
+
+R = 4
+HORIZONS = (3, 7)
+PROMPT = np.random.default_rng(0).integers(1, 120, 24).tolist()
+
+# (policy, layout, bound on ops per step against generate's). A 6-layer model: the per-step
+# work outside the layers (decoding transform, coupling, records) weighs more than on the
+# 32-layer benchmark, so the bounds sit above the benchmark's ratios.
+CASES = [
+    ("snapkv:retain=0.5,window=4", "shared", 2.6),
+    ("snapkv:retain=0.5,window=4", "joint", 1.7),
+    ("snapkv:retain=0.5,window=4", "split", 2.7),
+    ("h2o:retain=0.5,mode=decode", "auto", 4.6),
+    ("streaming:retain=0.5,mode=decode", "auto", 4.0),
+    ("recent:retain=0.5,mode=decode", "auto", 4.4),
+    ("snapkv:retain=0.5,window=4,mode=decode", "auto", 4.2),
+]
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_model("llama", num_hidden_layers=6, attn_implementation="sdpa")
+
+
+@pytest.fixture(scope="module")
+def generate_ops(model):
+    def run(horizon: int) -> None:
+        ids = torch.tensor([PROMPT] * (2 * R))
+        with torch.inference_mode():
+            model.generate(
+                ids,
+                attention_mask=torch.ones_like(ids),
+                do_sample=True,
+                top_k=0,
+                max_new_tokens=horizon,
+                min_new_tokens=horizon,
+                pad_token_id=0,
+            )
+
+    counts = per_step(run, HORIZONS)
+    assert counts.ops_per_step > 0
+    return counts.ops_per_step
+
+
+def _trace(model, policy: str, layout: str, horizon: int):
+    settings = TraceSettings(
+        horizon=horizon, replicates=R, branches=1, window=0, cache_layout=layout
+    )
+    return trace_document(model, PROMPT, [policy], settings, seed=1)
+
+
+@pytest.mark.parametrize(("policy", "layout", "bound"), CASES)
+def test_no_host_sync_per_step_and_ops_near_generate(model, generate_ops, policy, layout, bound):
+    counts = per_step(lambda h: _trace(model, policy, layout, h), HORIZONS)
+    assert counts.syncs_per_step == 0, counts.sync_sites_per_step
+    ratio = counts.ops_per_step / generate_ops
+    assert 0 < ratio < bound, (policy, layout, counts.ops_per_step, generate_ops)
+
+
+def test_rescore_rule_rows_folded_into_heads_select_as_row_by_row(model, monkeypatch):
+    """RescoreRule runs a per-head policy's selection once over every row (rows folded into
+    the KV-head axis): the same records as one selection per row."""
+    settings = TraceSettings(horizon=6, replicates=3, branches=2, window=2)
+    spec = ["snapkv:budget=9,window=3,kernel=3,mode=decode"]
+    folded, _ = trace_document(model, PROMPT, spec, settings, seed=4)
+    monkeypatch.setattr(SnapKV, "selects_per_head", lambda self: False)
+    by_row, _ = trace_document(model, PROMPT, spec, settings, seed=4)
+    assert folded.keys() == by_row.keys()
+    for name in folded:
+        a, b = np.asarray(folded[name]), np.asarray(by_row[name])
+        if a.dtype.kind == "f":
+            np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-9, err_msg=name)
+        else:
+            np.testing.assert_array_equal(a, b, err_msg=name)
