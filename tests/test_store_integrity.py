@@ -165,6 +165,7 @@ def test_old_stores_without_checksums_still_analyse(store, tmp_path, capsys, eng
     assert "schema v2" in out and "checksums no checksums (schema version 2)" in out
     report = tmp_path / "r"
     assert main(["analyze", str(old), "--out", str(report), "--no-figures", "--n-boot", "20"]) == 0
+    assert "has no checksums (schema version 2)" in capsys.readouterr().err
     meta = json.loads((report / "results.json").read_text())["meta"]
     assert meta["store_checksums"] == {str(old): "no checksums (schema version 2)"}
     assert "no checksums (schema version 2)" in (report / "report.md").read_text()

@@ -29,7 +29,7 @@ import numpy as np
 from kvcouple.analysis.distributions import norm_cdf, norm_ppf, t_cdf, t_ppf
 
 if TYPE_CHECKING:
-    from kvcouple.analysis.stats import Table
+    from kvcouple.analysis.estimates import Table
 
 Getter = Callable[[str], np.ndarray]
 StatFn = Callable[[Getter], np.ndarray]

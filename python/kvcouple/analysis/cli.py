@@ -59,6 +59,13 @@ def _analyze(args: argparse.Namespace) -> int:
             f"skipped {terminal(s['doc_id'])} ({terminal(s['store'])}): {terminal(s['reason'])}",
             file=sys.stderr,
         )
+    for store, checksums in result.settings.get("store_checksums", {}).items():
+        if checksums.startswith("no checksums"):
+            print(
+                f"note: {terminal(store)} has {checksums}: damage that still decodes is caught "
+                "only by the value checks",
+                file=sys.stderr,
+            )
     n_bad = len(result.checks())
     if n_bad:
         print(

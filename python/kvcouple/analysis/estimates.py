@@ -19,7 +19,7 @@ standard deviation over replicates divided by ``sqrt(R)``. Quantities that need 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -161,3 +161,15 @@ def estimate_unit(
     return UnitEstimate(
         values, stderr, survival, pmf, tv_lag_num, tv_lag_den, median_tau, tail_observed
     )
+
+
+@dataclass
+class Table:
+    """Per-document columns of one model (what the document bootstrap resamples): ``cols[name]`` is an array over documents."""
+
+    doc_ids: list[str]
+    cols: dict[str, np.ndarray] = field(default_factory=dict)
+
+    def matrix(self) -> tuple[list[str], np.ndarray]:
+        names = list(self.cols)
+        return names, np.ascontiguousarray(np.column_stack([self.cols[n] for n in names]))

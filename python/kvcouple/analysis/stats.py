@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from itertools import combinations
 from typing import Any
 
@@ -36,7 +35,7 @@ from kvcouple.analysis.bootstrap import (
     jackknife_means,
     normal_scores,
 )
-from kvcouple.analysis.estimates import SCALARS, UnitEstimate
+from kvcouple.analysis.estimates import SCALARS, Table, UnitEstimate
 
 # Defined here, or in kvcouple.analysis.bootstrap and importable from here as before.
 __all__ = [
@@ -95,18 +94,6 @@ DISCRETE = ("median_tau",)  # integer-valued: percentile intervals only
 PERCENTILE_TERMS = ("exposure_share",)  # gap terms with percentile intervals only
 GAP_TERMS = ("gap", "delta_first_mismatch", "exposure_term", "rate_term", "exposure_share")
 NOT_INTERPRETABLE = "not interpretable: the gap's CI includes 0"
-
-
-@dataclass
-class Table:
-    """Per-document columns of one model: ``cols[name]`` is an array over documents."""
-
-    doc_ids: list[str]
-    cols: dict[str, np.ndarray] = field(default_factory=dict)
-
-    def matrix(self) -> tuple[list[str], np.ndarray]:
-        names = list(self.cols)
-        return names, np.ascontiguousarray(np.column_stack([self.cols[n] for n in names]))
 
 
 def build_table(
