@@ -26,11 +26,14 @@ from kvcouple.models import (
     default_prompts_path,
     dtype_keyword,
     load_model,
+    load_tokenizer,
     model_source,
+    offline_mode,
     resolve_dtype,
 )
 from kvcouple.policies import parse_policy
 from kvcouple.policies.plugins import load_plugins
+from kvcouple.scheduler import check_scheduler, connect_client
 from kvcouple.store import Record
 from kvcouple.tracer.prompts import check_prompt_file, load_prompts
 
@@ -155,6 +158,14 @@ def _run_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--attn", default="sdpa", help="attention implementation: sdpa or eager")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
+    p.add_argument(
+        "--scheduler",
+        default=None,
+        metavar="ADDRESS",
+        help="trace on a Dask cluster (tcp://host:8786): each document batch is a task; every "
+        "worker loads the model once and writes into --out, which all must reach (shared "
+        "storage or s3://); see docs/distributed-tracing.md",
+    )
 
 
 def add_plugin_argument(p: argparse.ArgumentParser) -> None:
@@ -251,6 +262,8 @@ def dry_run(args: argparse.Namespace, policies: list[Any], branch_batch: int | s
         chat_template=args.chat_template,
         vocab_size=shape.vocab,
     )
+    if args.scheduler is not None:  # the plan in the workers' memory, not this machine's
+        return dry_run_workers(args, policies, branch_batch, shape, prompts)
     index, count = parse_shard(args.shard)
     mine = [p for d, p in enumerate(prompts) if d % count == index]
     memory = None if args.memory is None else int(args.memory * GiB)
@@ -286,6 +299,66 @@ def dry_run(args: argparse.Namespace, policies: list[Any], branch_batch: int | s
     for plan in refused:
         print("refused: " + refusal(plan))
     return 1 if refused else 0
+
+
+def dry_run_workers(
+    args: argparse.Namespace, policies: list[Any], branch_batch: int | str, shape: Any, prompts: Any
+) -> int:
+    """``--dry-run --scheduler``: the plan the run would make (against the smallest worker's
+    free memory, weights not loaded yet, or ``--memory``) and, per worker, its device, free
+    memory and the batches it could take; 1 if a document would be refused."""
+    from kvcouple.scheduler import connect_client
+    from kvcouple.tracer.distributed import format_workers, run_budget, worker_info
+    from kvcouple.tracer.memory import (
+        GiB,
+        Sizes,
+        document_budget,
+        format_plan,
+        plan_documents,
+        refusal,
+    )
+    from kvcouple.tracer.run import document_batches, parse_shard
+    from kvcouple.tracer.settings import TraceSettings
+
+    client, _ = connect_client(None, args.scheduler)
+    try:
+        infos = client.run(worker_info, _worker_model(args), shape.weight_bytes)
+    finally:
+        client.close()
+    index, count = parse_shard(args.shard)
+    mine = [p for d, p in enumerate(prompts) if d % count == index]
+    memory = None if args.memory is None else int(args.memory * GiB)
+    budget = run_budget(infos.values()) if memory is None else document_budget(shape, None, memory)
+    where = (
+        f"{args.memory:g} GiB given"
+        if memory is not None
+        else "the smallest worker's free memory"
+        if budget is not None
+        else "unknown on CPU workers: no limit"
+    )
+    sizes = Sizes(args.horizon, args.replicates, args.branches, args.window, args.cache_layout)
+    documents = [(p.id, len(p.input_ids)) for p in mine]
+    plans = plan_documents(shape, documents, policies, sizes, branch_batch, budget, refuse=False)
+    print(format_plan(shape, plans, budget, where))
+    refused = [p for p in plans if not p.fits]
+    if not refused:
+        doc_batch = _positive_or_auto("--doc-batch", args.doc_batch)
+        settings = TraceSettings(args.horizon, args.replicates, doc_batch=doc_batch)
+        batches = document_batches(range(len(plans)), dict(enumerate(plans)), settings)
+        print(format_workers(infos, batches, dict(enumerate(plans))))
+    for plan in refused:
+        print("refused: " + refusal(plan))
+    return 1 if refused else 0
+
+
+def _worker_model(args: argparse.Namespace) -> Any:
+    """How the workers load ``--model`` (a local directory by its absolute path; they resolve
+    ``--device`` themselves)."""
+    from kvcouple.tracer.distributed import WorkerModel
+
+    source, local = model_source(args.model)
+    where = str(Path(source).resolve()) if local else str(source)
+    return WorkerModel(where, args.revision, args.dtype, args.attn, args.device)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -332,10 +405,21 @@ def run(args: argparse.Namespace) -> int:
         from transformers.utils import logging as hf_logging
 
         hf_logging.disable_progress_bar()
-    model, tokenizer = _load(load_model, args, extra)
-    check_eos(args.eos, vocab_size(model), "the model's")
+    if args.scheduler is None:
+        model, tokenizer = _load(load_model, args, extra)
+        vocab = vocab_size(model)
+    else:  # the workers load the model; here only its tokenizer and vocabulary
+        from transformers import AutoConfig
+
+        model = _worker_model(args)
+        kw = {"revision": args.revision} if args.revision else {}
+        tokenizer = load_tokenizer(args.model, **kw) if _has_tokenizer(args) else None
+        local = model_source(args.model)[1] or offline_mode() is not None
+        config = AutoConfig.from_pretrained(model.source, local_files_only=local, **kw)
+        vocab = config.get_text_config().vocab_size
+    check_eos(args.eos, vocab, "the model's")
     prompts = load_prompts(
-        prompts_path, tokenizer, chat_template=args.chat_template, vocab_size=vocab_size(model)
+        prompts_path, tokenizer, chat_template=args.chat_template, vocab_size=vocab
     )
     eos = () if args.no_eos else tuple(args.eos) if args.eos else None  # None: the model's
     settings = TraceSettings(
@@ -350,20 +434,26 @@ def run(args: argparse.Namespace) -> int:
         cache_layout=args.cache_layout,
         doc_batch=doc_batch,  # type: ignore[arg-type]
     )
-    summary = trace(
-        model,
-        prompts,
-        policies,
-        settings,
-        args.out,
-        seed=args.seed,
-        model_id=args.model or "kvcouple-default",
-        model_revision=args.revision or "",
-        shard=shard,
-        max_docs=args.max_docs,
-        progress=not args.quiet,
-        memory=None if args.memory is None else int(args.memory * 2**30),
-    )
+    client, owned = connect_client(None, args.scheduler)  # checked reachable before
+    try:
+        summary = trace(
+            model,
+            prompts,
+            policies,
+            settings,
+            args.out,
+            seed=args.seed,
+            model_id=args.model or "kvcouple-default",
+            model_revision=args.revision or "",
+            shard=shard,
+            max_docs=args.max_docs,
+            progress=not args.quiet,
+            memory=None if args.memory is None else int(args.memory * 2**30),
+            client=client,
+        )
+    finally:
+        if owned:
+            client.close()
     print(summary.format())
     return 0
 
@@ -401,6 +491,9 @@ def check_arguments(args: argparse.Namespace) -> None:
             raise InvalidInputError(
                 f"--out {args.out} is {what}, not a trace store: give a new path"
             )
+    if args.scheduler is not None:  # unreachable: fail in seconds, before any model loads
+        require("distributed", "trace --scheduler")
+        check_scheduler(args.scheduler)
     source, local = model_source(args.model)
     if not local:  # a Hub id: cached, or the Hub reachable; else fail now, not after retries
         check_hub_model(str(source), args.revision)

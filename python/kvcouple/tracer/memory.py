@@ -55,6 +55,7 @@ __all__ = [
     "plan_document",
     "plan_documents",
     "plan_loaded",
+    "run_sizes",
     "refusal",
 ]
 
@@ -433,13 +434,18 @@ def plan_loaded(
     """:func:`plan_documents` for a loaded model on its device, with a run's ``TraceSettings``."""
     shape = ModelShape.of_model(model)
     budget = document_budget(shape, next(model.parameters()).device, memory)
-    sizes = Sizes(
+    sizes = run_sizes(settings)
+    return plan_documents(
+        shape, documents, policies, sizes, settings.branch_batch, budget, refuse=refuse
+    )
+
+
+def run_sizes(settings: Any) -> Sizes:
+    """The :class:`Sizes` of a run's ``TraceSettings``."""
+    return Sizes(
         settings.horizon,
         settings.replicates,
         settings.branches,
         settings.window,
         getattr(settings, "cache_layout", "auto"),
-    )
-    return plan_documents(
-        shape, documents, policies, sizes, settings.branch_batch, budget, refuse=refuse
     )

@@ -38,14 +38,35 @@ from kvcouple.store import StoreLayout, TraceStoreWriter
 from kvcouple.store.identity import run_identity
 from kvcouple.store.reader import is_url
 from kvcouple.store.writer import VocabularyMismatchError as VocabularyMismatchError
+from kvcouple.tracer.distributed import (
+    RETRIES,
+    WORKER_MODELS,
+    WorkerInfo,
+    WorkerModel,
+    check_fits,
+    local_path,
+    release_models,
+    report,
+    run_budget,
+    run_tasks,
+    worker_address,
+    worker_info,
+)
 from kvcouple.tracer.engine import trace_units
-from kvcouple.tracer.memory import DocumentPlan, plan_loaded
+from kvcouple.tracer.memory import (
+    DocumentPlan,
+    document_budget,
+    plan_documents,
+    plan_loaded,
+    run_sizes,
+)
 from kvcouple.tracer.model import facts, refresh
 from kvcouple.tracer.model import model_eos_ids as model_eos_ids
 from kvcouple.tracer.prefill import prefill
 from kvcouple.tracer.prompts import Prompt
 from kvcouple.tracer.provenance import provenance
 from kvcouple.tracer.settings import TraceSettings
+from kvcouple.tracer.shape import ModelShape
 from kvcouple.tracer.support import ModelSupport, UnsupportedModelError, check_support
 
 
@@ -57,6 +78,16 @@ class DocumentTrace:
     arrays: dict[str, np.ndarray]
     generated_tokens: int
     branch_batches: int
+
+
+@dataclass
+class Written:
+    """What a document written to the store adds to the run's summary."""
+
+    doc: int
+    generated_tokens: int
+    branch_batches: int
+    occurrence: np.ndarray  # per policy: the mean over replicates of P(tau <= T)
 
 
 def with_model_eos(model: Any, settings: TraceSettings) -> TraceSettings:
@@ -273,12 +304,25 @@ class RunSummary:
     branch_batches: int = 0
     seconds: float = 0.0
     occurrence: dict[str, float] = field(default_factory=dict)
+    # Worker address -> models it loaded during the run (a Dask run; {} in one process).
+    model_loads: dict[str, int] = field(default_factory=dict)
+    _occurrence: dict[int, np.ndarray] = field(default_factory=dict, repr=False)
 
-    def add(self, doc: int, traced: DocumentTrace) -> None:
+    def add(self, written: Written) -> None:
         """Count a document written."""
-        self.traced.append(doc)
-        self.generated_tokens += traced.generated_tokens
-        self.branch_batches += traced.branch_batches
+        self.traced.append(written.doc)
+        self.generated_tokens += written.generated_tokens
+        self.branch_batches += written.branch_batches
+        self._occurrence[written.doc] = written.occurrence
+
+    def finish(self, policies: Sequence[Policy], seconds: float) -> None:
+        """The mean occurrence per policy, over the documents in index order (the same sum
+        whatever order they were written in)."""
+        self.seconds = seconds
+        self.traced.sort()
+        if self.traced:
+            mean = np.mean([self._occurrence[d] for d in self.traced], axis=0).tolist()
+            self.occurrence = dict(zip([p.spec() for p in policies], mean, strict=True))
 
     @property
     def tokens_per_second(self) -> float:
@@ -329,6 +373,7 @@ def trace(
     max_docs: int | None = None,
     progress: bool = True,
     memory: int | None = None,
+    client: Any = None,
 ) -> RunSummary:
     """Trace every prompt under every policy into the store at ``out`` (created or resumed).
 
@@ -361,6 +406,13 @@ def trace(
     memory : int, optional
         Bytes of device memory the run may use, weights included (default: the CUDA device's
         free memory; unknown on CPU).
+    client : distributed.Client, optional
+        Trace on this Dask cluster (docs/distributed-tracing.md): each document batch is one
+        task; every worker loads the model once (``model`` may then be a
+        :class:`~kvcouple.tracer.distributed.WorkerModel`; a loaded model stands for its
+        source, dtype and attention) and writes its documents into ``out``, which every
+        worker must reach (a shared filesystem or ``s3://``). The store equals one
+        process's.
 
     Returns
     -------
@@ -375,7 +427,16 @@ def trace(
         store's.
     kvcouple.errors.StoreError
         ``out`` exists with other settings (the first difference is named).
+    kvcouple.tracer.memory.MemoryPlanError
+        A document, or on a cluster a batch on the worker that took it, cannot fit.
     """
+    if client is not None:
+        spec = model if isinstance(model, WorkerModel) else WorkerModel.of(model, model_revision)
+        return _trace_on_cluster(
+            client, spec, prompts, policies, settings, out, seed=seed, model_id=model_id,
+            model_revision=model_revision, shard=shard, max_docs=max_docs,
+            progress=progress, memory=memory,
+        )  # fmt: skip
     refresh(model)
     settings = with_model_eos(model, settings)
     pols = _run_policies(policies, prompts)
@@ -401,6 +462,154 @@ def trace(
     _write_batches(model, prompts, pols, settings, plans, batches, writer, summary, seed, progress)
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
+    return summary
+
+
+@dataclass(frozen=True)
+class _Setup:
+    """What the setup task tells the client: the run's settings (EOS resolved), its store
+    identity, the model's shape and which documents the store already has."""
+
+    settings: TraceSettings
+    layout: StoreLayout
+    attrs: dict[str, Any]
+    shape: ModelShape
+    completed: np.ndarray
+
+
+def _setup_task(
+    spec: WorkerModel,
+    prompts: Sequence[Prompt],
+    policies: list[Policy],
+    settings: TraceSettings,
+    out: str,
+    seed: int,
+    model_id: str,
+    model_revision: str,
+) -> _Setup:
+    """On one worker: the steps of :func:`trace` before its batches (EOS, the engine probe,
+    the store identity, the store created or resumed)."""
+    model = WORKER_MODELS.get(spec)
+    refresh(model)
+    settings = with_model_eos(model, settings)
+    check_model(model, policies)
+    layout, attrs = store_identity(
+        model, prompts, policies, settings, seed, model_id, model_revision
+    )
+    writer = TraceStoreWriter.open(out, layout, attrs)
+    return _Setup(settings, layout, attrs, ModelShape.of_model(model), writer.completed())
+
+
+def _batch_task(
+    spec: WorkerModel,
+    docs: list[tuple[int, Sequence[int], str, TraceSettings]],
+    write: list[int],
+    plans: list[DocumentPlan],
+    policies: list[Policy],
+    out: str,
+    layout: StoreLayout,
+    attrs: dict[str, Any],
+    seed: int,
+    topic: str,
+    index: int,
+) -> tuple[list[Written], str, int]:
+    """One document batch on a worker: the documents of ``write`` the store still lacks
+    (a retried task retraces its batch and rewrites what its lost run left unfinished).
+    Returns the documents written, the worker and the models it has loaded in this run."""
+    writer = TraceStoreWriter.open(out, layout, attrs)
+    done = writer.completed()
+    write = [d for d in write if not done[d]]
+    written: list[Written] = []
+    if write:
+        model = WORKER_MODELS.get(spec)
+        refresh(model)
+        check_fits(plans, model)
+        policy = iter(range(len(policies)))
+        on_policy = lambda: report(topic, [index, next(policy)])  # noqa: E731
+        written = write_batch(model, docs, write, policies, writer, seed, on_policy)
+    return written, worker_address(), WORKER_MODELS.loads
+
+
+def _trace_on_cluster(
+    client: Any,
+    spec: WorkerModel,
+    prompts: Sequence[Prompt],
+    policies: Sequence[Policy | str],
+    settings: TraceSettings,
+    out: str | os.PathLike[str],
+    *,
+    seed: int,
+    model_id: str,
+    model_revision: str,
+    shard: tuple[int, int],
+    max_docs: int | None,
+    progress: bool,
+    memory: int | None,
+) -> RunSummary:
+    """:func:`trace`'s steps with the model on the workers: the setup on one worker, the
+    plans against the smallest worker's free memory (or ``memory``), then one task a batch."""
+    pols = _run_policies(policies, prompts)
+    out = str(out) if is_url(str(out)) else Path(out)
+    where = str(out) if isinstance(out, str) else local_path(out)
+    client.run(release_models)  # what an interrupted run left loaded: loads count per run
+    setup = client.submit(
+        _setup_task, spec, list(prompts), pols, settings, where, seed, model_id, model_revision,
+        pure=False, retries=RETRIES,
+    ).result()  # fmt: skip
+    settings = setup.settings
+    index, count = shard
+    mine = [d for d in range(len(prompts)) if d % count == index]
+    infos: dict[str, WorkerInfo] = client.run(worker_info, spec, setup.shape.weight_bytes)
+    # Every worker's plan is the same plan: the smallest free memory, or the given memory.
+    budget = (
+        run_budget(infos.values()) if memory is None else document_budget(setup.shape, None, memory)
+    )
+    documents = [(prompts[d].id, len(prompts[d].input_ids)) for d in mine]
+    found = plan_documents(
+        setup.shape, documents, pols, run_sizes(settings), settings.branch_batch, budget
+    )
+    plans = dict(zip(mine, found, strict=True))
+    todo = [d for d in mine if not setup.completed[d]]
+    summary = RunSummary(out, len(prompts), skipped=len(mine) - len(todo))
+    if max_docs is not None:
+        todo = todo[:max_docs]
+    chosen = set(todo)
+    topic = f"kvcouple-trace-{os.getpid()}-{time.time_ns()}"
+    tasks, weight = [], {}
+    for i, batch in enumerate(document_batches(mine, plans, settings)):
+        write = [d for d in batch if d in chosen]
+        if write:
+            docs = _batch_documents(prompts, settings, plans, batch)
+            args = (spec, docs, write, [plans[d] for d in batch], pols, where, setup.layout,
+                    setup.attrs, seed, topic, i)  # fmt: skip
+            tasks.append((f"{topic}-batch-{i}", args))
+            weight[i] = len(write)
+    counted: set[tuple[int, int]] = set()  # (batch, policy): a retried task counts once
+    total = sum(weight.values()) * len(pols)
+    bar = tqdm(total=total, unit="doc-policy", disable=not progress, desc="kvcouple trace")
+    start = time.perf_counter()
+
+    def on_event(event: list[int]) -> None:
+        if tuple(event) not in counted:
+            counted.add((event[0], event[1]))
+            bar.update(weight[event[0]])
+
+    def on_result(result: tuple[list[Written], str, int]) -> None:
+        written, worker, loads = result
+        for w in written:
+            summary.add(w)
+        summary.model_loads[worker] = max(loads, summary.model_loads.get(worker, 0))
+        elapsed = time.perf_counter() - start
+        bar.set_postfix(tok_s=f"{summary.generated_tokens / max(elapsed, 1e-9):.0f}")
+
+    try:
+        run_tasks(client, _batch_task, tasks, topic=topic, on_event=on_event, on_result=on_result)
+        bar.update(total - bar.n)  # events still in flight when the last result came
+    finally:
+        bar.close()
+    summary.finish(pols, time.perf_counter() - start)
+    for worker, loads in client.run(release_models).items():
+        summary.model_loads[worker] = max(loads, summary.model_loads.get(worker, 0))
     return summary
 
 
@@ -447,6 +656,48 @@ def store_identity(
     )
 
 
+def write_batch(
+    model: Any,
+    batch: Sequence[tuple[int, Sequence[int], str, TraceSettings]],
+    write: Sequence[int],
+    policies: Sequence[Policy],
+    writer: TraceStoreWriter,
+    seed: int,
+    on_policy: Callable[[], object] | None = None,
+) -> list[Written]:
+    """Trace a batch ``(doc index, token ids, doc id, settings)`` whole and write the
+    documents in ``write`` (a resumed batch is traced whole again: its records are an
+    uninterrupted run's). The step of a single process and of a Dask task alike."""
+    docs = [(ids, d, doc_id, s) for d, ids, doc_id, s in batch]
+    traced = _trace_batch(model, docs, policies, seed=seed, on_policy=on_policy)
+    out = []
+    for (d, *_), doc in zip(batch, traced, strict=True):
+        if d in write:
+            writer.write_doc(d, doc.arrays)
+            hazard = doc.arrays["hazard"].astype(np.float64)  # (policy, rep, step)
+            occurrence = (1 - np.prod(1 - hazard, axis=-1)).mean(axis=-1)
+            out.append(Written(d, doc.generated_tokens, doc.branch_batches, occurrence))
+    return out
+
+
+def _batch_documents(
+    prompts: Sequence[Prompt],
+    settings: TraceSettings,
+    plans: dict[int, DocumentPlan],
+    batch: list[int],
+) -> list[tuple[int, Sequence[int], str, TraceSettings]]:
+    """A batch's documents as :func:`write_batch` takes them (each at its planned branch batch)."""
+    return [
+        (
+            d,
+            prompts[d].input_ids,
+            prompts[d].id,
+            replace(settings, branch_batch=plans[d].branch_batch),
+        )
+        for d in batch
+    ]
+
+
 def _write_batches(
     model: Any,
     prompts: Sequence[Prompt],
@@ -459,9 +710,7 @@ def _write_batches(
     seed: int,
     progress: bool,
 ) -> None:
-    """Trace each batch ``(documents, those to write)`` whole and write the documents to
-    write (a resumed batch is traced whole again: its records are an uninterrupted run's)."""
-    occurrence = np.zeros(len(policies))
+    """Each batch ``(documents, those to write)`` through :func:`write_batch`, in order."""
     start = time.perf_counter()
     total = sum(len(write) for _, write in batches) * len(policies)
     bar = tqdm(total=total, unit="doc-policy", disable=not progress, desc="kvcouple trace")
@@ -469,24 +718,12 @@ def _write_batches(
         for batch, write in batches:
             if not write:
                 continue
-            docs = [
-                (prompts[d].input_ids, d, prompts[d].id, replace(settings, branch_batch=b))
-                for d, b in ((d, plans[d].branch_batch) for d in batch)
-            ]
+            docs = _batch_documents(prompts, settings, plans, batch)
             update = functools.partial(bar.update, len(write))
-            traced = _trace_batch(model, docs, policies, seed=seed, on_policy=update)
-            for d, doc in zip(batch, traced, strict=True):
-                if d in write:
-                    writer.write_doc(d, doc.arrays)
-                    summary.add(d, doc)
-                    hazard = doc.arrays["hazard"].astype(np.float64)  # (policy, rep, step)
-                    occurrence += (1 - np.prod(1 - hazard, axis=-1)).mean(axis=-1)
+            for written in write_batch(model, docs, write, policies, writer, seed, update):
+                summary.add(written)
             elapsed = time.perf_counter() - start
             bar.set_postfix(tok_s=f"{summary.generated_tokens / max(elapsed, 1e-9):.0f}")
     finally:
         bar.close()
-    summary.seconds = time.perf_counter() - start
-    if summary.traced:
-        specs = [p.spec() for p in policies]
-        mean = (occurrence / len(summary.traced)).tolist()
-        summary.occurrence = dict(zip(specs, mean, strict=True))
+    summary.finish(policies, time.perf_counter() - start)
