@@ -18,9 +18,12 @@ case), the layer's ``sliding_window``, ``softcap`` and sinks. It does two things
   included.
 - **Shared prefixes.** With a :class:`SharedPrefix` (the ``shared`` cache layout,
   :mod:`kvcouple.tracer.layout`) the cache holds only each row's own suffix; every row also
-  attends to its group's prefix, held once for all the group's rows. The prefix scores are one
-  matrix product for all the group's rows (the prefix is read once per step, not once per
-  row), and one softmax covers them and the row's own columns (:func:`prefix_attention`).
+  attends to its group's prefix, held once for all the group's rows. Cascade attention
+  (:func:`prefix_attention`): each group's prefix is one fused attention call for all the
+  group's rows (the prefix is read once per step, not once per row) that also returns its
+  log-sum-exp, the rows' own columns another, and the two are merged exactly by their
+  log-sum-exps. No score tensor as wide as the prefix is materialised where the device has a
+  kernel that returns the log-sum-exp (:func:`attend_lse`).
 """
 
 from __future__ import annotations
@@ -76,11 +79,19 @@ class PrefixGroup:
 
 @dataclass
 class SharedPrefix:
-    """The prefix groups of a batch (they cover every row), and the layers that used them."""
+    """The prefix groups of a batch, in row order (they cover every row once), and the
+    layers that used them."""
 
     groups: list[PrefixGroup]
     served: set[int] = field(default_factory=set)
-    _buffer: torch.Tensor | None = None
+
+    def __post_init__(self) -> None:
+        stop = 0
+        for g in self.groups:
+            if g.start != stop or g.stop < g.start:
+                raise ValueError("prefix groups must cover consecutive rows, in order")
+            stop = g.stop
+        self.rows = stop
 
     @property
     def layers(self) -> int:
@@ -89,15 +100,6 @@ class SharedPrefix:
     def width(self, layer: int) -> int:
         """The longest prefix of ``layer``."""
         return max(int(g.kv[layer][0].shape[-2]) for g in self.groups)
-
-    def scores_buffer(self, shape: tuple[int, ...], device: torch.device) -> torch.Tensor:
-        """A float32 buffer for the prefix scores, ``-inf`` where no group writes: kept for
-        the batch's life (each layer writes the same columns: its groups' prefixes)."""
-        buffer = self._buffer
-        if buffer is None or tuple(buffer.shape) != shape or buffer.device != device:
-            buffer = torch.full(shape, float("-inf"), dtype=torch.float32, device=device)
-            self._buffer = buffer
-        return buffer
 
 
 def _current() -> ForwardState | None:
@@ -210,6 +212,38 @@ def _refuse_for_prefix(module: Any, window: Any, kwargs: dict[str, Any]) -> None
         raise UnsupportedModelError("queries cannot be captured with shared-prefix attention")
 
 
+def attend_lse(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    mask: torch.Tensor | None,
+    scaling: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax attention of ``query`` ``(B, h, L, d)`` over ``key``/``value`` ``(B, h, S, d)``
+    (``S >= 1``; ``mask``: additive, broadcastable to ``(B, h, L, S)``, never hiding every
+    key of a query) and its log-sum-exp: ``(B, h, L, d)`` in the query's dtype and ``(B, h,
+    L)`` in float32 (float64 for float64 inputs).
+
+    On CPU one fused kernel (PyTorch's flash attention for CPU, which returns the log-sum-exp
+    and materialises no score tensor); elsewhere the same numbers by matrix products and
+    ``logsumexp`` (the fused kernels of other devices are not wired until measured there).
+    """
+    if query.device.type == "cpu" and query.shape[-1] == value.shape[-1]:
+        if mask is not None:
+            mask = mask.to(query.dtype)
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            query, key, value, 0.0, False, attn_mask=mask, scale=scaling
+        )
+        return out, lse
+    wide = torch.promote_types(query.dtype, torch.float32)
+    scores = torch.matmul(query, key.transpose(-1, -2)).to(wide) * scaling
+    if mask is not None:
+        scores = scores + mask.to(wide)
+    lse = torch.logsumexp(scores, dim=-1)
+    probs = torch.exp(scores - lse[..., None]).to(value.dtype)
+    return torch.matmul(probs, value).to(query.dtype), lse
+
+
 def prefix_attention(
     query: torch.Tensor,
     key: torch.Tensor,
@@ -221,56 +255,59 @@ def prefix_attention(
 ) -> torch.Tensor:
     """Attention of ``query`` ``(B, heads, q, d)`` over each row's group prefix followed by
     its own ``key``/``value`` ``(B, kv_heads, s, d)`` (visible where ``mask`` ``(B, 1 or
-    heads, q, >= s)`` allows; None: everywhere). Returns ``(B, q, heads, d_v)`` like
-    transformers' attention functions.
+    heads, q, >= s)`` allows; None: everywhere; a row always sees its newest column). Returns
+    ``(B, q, heads, d_v)`` like transformers' attention functions.
 
-    One softmax over both parts, as eager attention computes it (scores in the model's dtype,
-    softmax in float32): the prefix scores of each group are one matrix product for all its
-    rows (and every query head sharing a KV head), so each prefix is read once per layer, and
-    written into a per-batch buffer of the longest prefix's width whose unused columns stay
-    ``-inf``. A handful of operations per layer and group: on a GPU their launches, not the
-    prefix's bytes, bound a short prompt's step.
+    Cascade attention: the prefix part and the own part are two softmax attentions, each with
+    its log-sum-exp ``lse_p``, ``lse_o``; attention over both is exactly ``o_p w + o_o (1 -
+    w)`` with ``w = exp(lse_p) / (exp(lse_p) + exp(lse_o)) = sigmoid(lse_p - lse_o)``, in
+    float32. Query heads sharing a KV head are one set of query rows (GQA without copies), and
+    a group's rows are folded into the query axis so that its prefix is read once per layer.
     """
     B, heads, q, d = query.shape
     kv_heads = key.shape[1]
     group = heads // kv_heads
     gq = group * q
-    dv = value.shape[-1]
     # Query heads h = kv * group + j share KV head kv: rows of (B, kv_heads, group * q, d).
     qg = query.reshape(B, kv_heads, gq, d)
-    covered = sum(g.stop - g.start for g in prefix.groups)
-    if covered != B:
-        raise ValueError(f"prefix groups cover {covered} rows of a batch of {B}")
-    width = prefix.width(layer)
-    scores = prefix.scores_buffer((B, kv_heads, gq, width), query.device)
-    for g in prefix.groups:
-        rows, kp = g.stop - g.start, g.kv[layer][0]
-        n = kp.shape[-2]
-        if rows and n:
-            qp = qg[g.start : g.stop].transpose(0, 1).reshape(kv_heads, rows * gq, d)
-            part = torch.matmul(qp, kp[0].transpose(-1, -2)).view(kv_heads, rows, gq, n)
-            scores[g.start : g.stop, :, :, :n] = part.transpose(0, 1)
-    own = torch.matmul(qg, key.transpose(-1, -2)).float()  # (B, kv, gq, s)
+    if prefix.rows != B:
+        raise ValueError(f"prefix groups cover {prefix.rows} rows of a batch of {B}")
+    m = None
     if mask is not None:
         m = mask[..., : key.shape[-2]]
+        if m.dtype == torch.bool:
+            m = torch.zeros(m.shape, dtype=query.dtype, device=m.device).masked_fill(
+                ~m, torch.finfo(query.dtype).min
+            )
         if q == 1 and m.shape[1] == 1:
             pass  # (B, 1, 1, s) broadcasts over (B, kv, group, s)
         elif m.shape[1] == 1:
             m = m.expand(B, 1, q, -1)[:, :, None].expand(B, 1, group, q, -1).reshape(B, 1, gq, -1)
         else:
             m = m.expand(B, -1, q, -1).reshape(B, kv_heads, gq, -1)
-        own = own.masked_fill(~m, float("-inf")) if m.dtype == torch.bool else own + m.float()
-    probs = torch.softmax(torch.cat([scores, own], dim=-1) * scaling, dim=-1).to(value.dtype)
-    out = torch.matmul(probs[..., width:], value).float()  # (B, kv, gq, dv)
+    own, own_lse = attend_lse(qg, key, value, m, scaling)  # (B, kv, gq, d), (B, kv, gq)
+    qt = qg.transpose(0, 1)  # (kv, B, gq, d): a group's rows are consecutive query rows
+    outs, lses = [], []
     for g in prefix.groups:
-        rows, vp = g.stop - g.start, g.kv[layer][1]
-        n = vp.shape[-2]
-        if rows and n:
-            p = probs[g.start : g.stop, :, :, :n].transpose(0, 1).reshape(kv_heads, rows * gq, n)
-            part = torch.matmul(p, vp[0]).view(kv_heads, rows, gq, dv)
-            out[g.start : g.stop] += part.transpose(0, 1)
-    out = out.reshape(B, heads, q, dv).transpose(1, 2).contiguous()
-    return out.to(query.dtype)
+        rows = g.stop - g.start
+        if not rows:
+            continue
+        kp, vp = g.kv[layer]
+        if kp.shape[-2]:
+            qp = qt[:, g.start : g.stop].reshape(1, kv_heads, rows * gq, d)
+            out, lse = attend_lse(qp, kp, vp, None, scaling)
+        else:  # an empty prefix: weight 0
+            out = own.new_zeros(1, kv_heads, rows * gq, own.shape[-1])
+            lse = own_lse.new_full((1, kv_heads, rows * gq), float("-inf"))
+        outs.append(out)
+        lses.append(lse)
+    pre = torch.cat(outs, dim=2).view(kv_heads, B, gq, -1).transpose(0, 1)  # (B, kv, gq, d)
+    pre_lse = torch.cat(lses, dim=2).view(kv_heads, B, gq).transpose(0, 1)
+    weight = torch.sigmoid(pre_lse - own_lse)[..., None]
+    if own.dtype != weight.dtype:
+        own, pre = own.to(weight.dtype), pre.to(weight.dtype)
+    out = torch.lerp(own, pre, weight).view(B, heads, q, -1).transpose(1, 2).contiguous()
+    return out if out.dtype == query.dtype else out.to(query.dtype)
 
 
 def allowed_keys(

@@ -208,12 +208,10 @@ def _plan_policy(
 
     if layout == "shared":
         # The prefixes are the prompt's cache and the kept cache (held already): the rows
-        # hold their own columns only, and a fork copies none of the prefix. Each batch keeps
-        # a float32 buffer of its rows' prefix scores (query heads x the longest prefix).
-        scores = shape.query_heads * n1 * 4
-        path_p = path_q = R * (T * c + scores)
+        # hold their own columns only, and a fork copies none of the prefix.
+        path_p = path_q = R * T * c
         path_act = _decode_activations(shape, 2 * R, n1 + T, shared=True)
-        branches = 2 * batch * ((T + L) * c + scores)
+        branches = 2 * batch * (T + L) * c
         fork_act = _decode_activations(shape, 2 * batch, n1 + T + L, shared=True)
         phases = {
             "path": held + path_p + path_q + path_act,
