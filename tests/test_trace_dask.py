@@ -1,0 +1,247 @@
+"""``trace(..., client=)`` and ``kvcouple trace --scheduler`` on a Dask ``LocalCluster`` of two
+worker processes (one thread each) with the embedded model: the store equals a single
+process's array by array (local and ``s3://``), a worker killed mid-run and an interrupted
+client both end in the same store, each worker loads the model once per run, and an address
+nobody listens on fails in seconds.
+
+Marked ``dask`` (select with ``-m dask``): the cluster's processes each import torch, which
+is CPU-heavy on a small machine.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import numpy as np
+import pytest
+
+pytest.importorskip("distributed")
+torch = pytest.importorskip("torch")
+
+from distributed import Client, LocalCluster  # noqa: E402
+
+from kvcouple.cli import main as cli_main  # noqa: E402
+from kvcouple.models import default_prompts_path, load_model  # noqa: E402
+from kvcouple.policies import parse_policy  # noqa: E402
+from kvcouple.testing.s3 import ServerUnavailable, local_s3  # noqa: E402
+from kvcouple.tracer import TraceSettings, load_prompts, trace  # noqa: E402
+from kvcouple.tracer.distributed import WorkerModel, check_fits  # noqa: E402
+from kvcouple.tracer.memory import MemoryPlanError, plan_loaded  # noqa: E402
+
+pytestmark = [pytest.mark.dask, pytest.mark.torch]
+
+POLICIES = ["snapkv:retain=0.5", "recent:retain=0.5"]
+KW = {"seed": 3, "model_id": "kvcouple-default", "progress": False}
+# Two documents a batch, so a lost task leaves a batch half done.
+SMALL = TraceSettings(horizon=4, replicates=2, branches=1, window=2, doc_batch=2)
+LONG = TraceSettings(horizon=24, replicates=4, branches=2, window=4, doc_batch=2)
+
+
+@pytest.fixture(scope="module")
+def model_and_prompts():
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)  # as the workers (Dask gives each worker process one thread)
+    model, tokenizer = load_model(None, device="cpu")
+    yield model, load_prompts(default_prompts_path(), tokenizer)
+    torch.set_num_threads(old)
+
+
+@pytest.fixture(scope="module")
+def bucket():
+    """``s3://...`` of a moto server, or None; started before the cluster so that the
+    workers inherit its endpoint and credentials."""
+    try:
+        with local_s3() as url:
+            yield url
+    except ServerUnavailable:
+        yield None
+
+
+@pytest.fixture(scope="module")
+def client(bucket):
+    with (
+        LocalCluster(
+            n_workers=2, threads_per_worker=1, processes=True, dashboard_address=":0"
+        ) as cluster,
+        Client(cluster) as c,
+    ):
+        yield c
+
+
+def arrays(store):
+    import zarr
+
+    group = zarr.open_group(str(store), mode="r")
+    return {name: np.asarray(a[...]) for name, a in group.arrays()}, dict(group.attrs)
+
+
+def assert_same_store(a, b):
+    """Every array and attribute of two stores equal (NaN where NaN)."""
+    arr_a, attrs_a = arrays(a)
+    arr_b, attrs_b = arrays(b)
+    assert sorted(arr_a) == sorted(arr_b)
+    assert attrs_a == attrs_b
+    for name in arr_a:
+        assert arr_a[name].dtype == arr_b[name].dtype, name
+        np.testing.assert_array_equal(arr_a[name], arr_b[name], err_msg=name)
+    assert arr_a["completed"].all()
+
+
+def test_two_workers_equal_one_process_local_and_s3(model_and_prompts, client, bucket, tmp_path):
+    model, prompts = model_and_prompts
+    prompts = prompts[:4]
+    start = time.perf_counter()
+    ref = trace(model, prompts, POLICIES, SMALL, tmp_path / "ref.zarr", **KW)
+    one = time.perf_counter() - start
+    start = time.perf_counter()
+    run = trace(model, prompts, POLICIES, SMALL, tmp_path / "dask.zarr", client=client, **KW)
+    two = time.perf_counter() - start
+    print(f"one process {one:.2f} s, two workers {two:.2f} s (setup and model loads included)")
+    assert run.traced == ref.traced == [0, 1, 2, 3]
+    assert run.generated_tokens == ref.generated_tokens
+    assert run.occurrence == pytest.approx(ref.occurrence, abs=1e-12)
+    # Each worker loaded the model once in this run (the setup's worker too, only once).
+    assert sorted(run.model_loads.values()) == [1, 1], run.model_loads
+    assert_same_store(tmp_path / "ref.zarr", tmp_path / "dask.zarr")
+    # Rerunning finds the store done; the next run loads again, once a worker.
+    again = trace(model, prompts, POLICIES, SMALL, tmp_path / "dask.zarr", client=client, **KW)
+    assert again.traced == [] and again.skipped == 4
+    if bucket is None:
+        pytest.skip("no local S3 server (moto[server], s3fs)")
+    spec = WorkerModel.of(model)
+    url = f"{bucket}/dask.zarr"
+    remote = trace(spec, prompts, POLICIES, SMALL, url, client=client, **KW)
+    assert remote.traced == [0, 1, 2, 3]
+    assert sorted(remote.model_loads.values()) == [1, 1], remote.model_loads
+    assert_same_store(tmp_path / "ref.zarr", url)
+
+
+def _busy_worker(client) -> str | None:
+    """A worker running one of the run's batch tasks now."""
+    for address, keys in client.processing().items():
+        if any("-batch-" in str(k) for k in keys):
+            return address
+    return None
+
+
+def test_killed_worker_task_is_retried_to_the_same_store(model_and_prompts, client, tmp_path):
+    import zarr
+
+    model, prompts = model_and_prompts
+    prompts = prompts[:6]
+    ref = tmp_path / "ref.zarr"
+    trace(model, prompts, POLICIES, LONG, ref, **KW)
+    out = tmp_path / "killed.zarr"
+    result: dict = {}
+
+    def run() -> None:
+        try:
+            result["summary"] = trace(model, prompts, POLICIES, LONG, out, client=client, **KW)
+        except BaseException as e:  # noqa: BLE001 - reported below
+            result["error"] = e
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    killed = None
+    deadline = time.monotonic() + 300
+    while thread.is_alive() and killed is None and time.monotonic() < deadline:
+        try:
+            done = np.asarray(zarr.open_group(str(out), mode="r")["completed"][...])
+        except Exception:  # the store is not there yet
+            done = np.zeros(1, dtype=bool)
+        busy = _busy_worker(client) if done.any() else None
+        if busy is not None:
+            pid = client.run(os.getpid, workers=[busy])[busy]
+            os.kill(pid, signal.SIGKILL)  # mid-batch: its nanny starts a new worker
+            killed = (busy, int(done.sum()))
+        time.sleep(0.05)
+    thread.join(300)
+    assert killed is not None, "no worker was busy after the first document"
+    print(f"killed {killed[0]} with {killed[1]} of {len(prompts)} documents done")
+    assert "error" not in result, result.get("error")
+    assert sorted(result["summary"].traced) == list(range(6))
+    assert_same_store(ref, out)
+    client.wait_for_workers(2, timeout=120)
+
+
+def test_interrupted_client_reruns_to_the_same_store(model_and_prompts, client, tmp_path):
+    import zarr
+
+    model, prompts = model_and_prompts
+    docs = tmp_path / "docs.jsonl"
+    # Five batches: when the client stops, at most the two running ones still finish.
+    lines = [json.dumps({"id": p.id, "input_ids": list(p.input_ids)}) for p in prompts[:10]]
+    docs.write_text("\n".join(lines) + "\n")
+    args = ["trace", "--prompts", str(docs), "--quiet", "--seed", "3", "--device", "cpu"]
+    args += [x for p in POLICIES for x in ("--policy", p)]
+    args += ["--horizon", "24", "--replicates", "4", "--branches", "2", "--window", "4"]
+    args += ["--doc-batch", "2"]
+    out = tmp_path / "interrupted.zarr"
+    address = client.scheduler.address
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "kvcouple.cli", *args, "--out", str(out), "--scheduler", address],
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    )
+    deadline = time.monotonic() + 300
+    while proc.poll() is None and time.monotonic() < deadline:
+        try:
+            if np.asarray(zarr.open_group(str(out), mode="r")["completed"][...]).any():
+                break
+        except Exception:  # the store is not there yet
+            pass
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=120)
+    _drain(client)  # tasks already running when the client left still finish
+    finished = np.asarray(zarr.open_group(str(out), mode="r")["completed"][...])
+    print(f"interrupted (exit {proc.returncode}) with {finished.sum()} of 10 documents done")
+    assert not finished.all(), "the run finished before it was interrupted"
+    assert proc.returncode != 0, err.decode()
+    assert cli_main([*args, "--out", str(out), "--scheduler", address]) == 0
+    ref = tmp_path / "ref.zarr"
+    assert cli_main([*args, "--out", str(ref)]) == 0
+    assert_same_store(ref, out)
+
+
+def _drain(client, timeout: float = 120) -> None:
+    """Wait until no worker runs a task."""
+    deadline = time.monotonic() + timeout
+    while any(client.processing().values()) and time.monotonic() < deadline:
+        time.sleep(0.1)
+
+
+def test_unreachable_scheduler_fails_in_seconds(tmp_path, capsys):
+    start = time.monotonic()
+    code = cli_main(
+        ["trace", "--policy", "full", "--out", str(tmp_path / "x.zarr"),
+         "--scheduler", "tcp://127.0.0.1:1"]
+    )  # fmt: skip
+    elapsed = time.monotonic() - start
+    err = capsys.readouterr().err.strip()
+    assert code != 0 and elapsed < 15, (code, elapsed)
+    assert len(err.splitlines()) == 1 and "not reachable" in err, err
+    assert not (tmp_path / "x.zarr").exists()
+
+
+def test_a_batch_the_device_cannot_hold_fails_with_the_plans_figure(model_and_prompts, monkeypatch):
+    """A worker checks a batch against its device's free memory before tracing it; off CUDA
+    there is no figure, so the budget is set here."""
+    import kvcouple.tracer.distributed as distributed
+
+    model, prompts = model_and_prompts
+    docs = [(p.id, len(p.input_ids)) for p in prompts[:2]]
+    plans = plan_loaded(model, docs, [parse_policy(p) for p in POLICIES], SMALL)
+    need = sum(p.peak for p in plans)
+    monkeypatch.setattr(distributed, "device_budget", lambda device: need - 1)
+    with pytest.raises(MemoryPlanError, match=r"needs .*MiB at its peak"):
+        check_fits(plans, model)
+    monkeypatch.setattr(distributed, "device_budget", lambda device: need)
+    check_fits(plans, model)  # exactly the plan's figure fits
