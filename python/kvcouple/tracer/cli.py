@@ -34,7 +34,8 @@ from kvcouple.models import (
 from kvcouple.policies import parse_policy
 from kvcouple.policies.plugins import load_plugins
 from kvcouple.scheduler import check_scheduler, connect_client
-from kvcouple.store import Record
+from kvcouple.store import Record, StoreLayout
+from kvcouple.store.background import format_host
 from kvcouple.tracer.prompts import check_prompt_file, load_prompts
 
 
@@ -296,9 +297,19 @@ def dry_run(args: argparse.Namespace, policies: list[Any], branch_batch: int | s
             + (", ..." if len(batches) > 8 else "")
             + ")"
         )
+        print(host_plan(args, policies, shape.vocab, [len(b) for b in batches]))
     for plan in refused:
         print("refused: " + refusal(plan))
     return 1 if refused else 0
+
+
+def host_plan(args: argparse.Namespace, policies: list[Any], vocab: int, batches: list[int]) -> str:
+    """The plan's host-memory line: the records of a batch tracing and of those being written."""
+    layout = StoreLayout(
+        ["-"], [p.spec() for p in policies], args.horizon, args.window, args.branches,
+        args.replicates, vocab, Record.parse(args.record),
+    )  # fmt: skip
+    return format_host(layout, batches)
 
 
 def dry_run_workers(
@@ -387,7 +398,6 @@ def run(args: argparse.Namespace) -> int:
             raise ValueError("--prompts is required with --model")
         return dry_run(args, policies, branch_batch)
 
-    from kvcouple.tracer.prefill import vocab_size
     from kvcouple.tracer.run import trace
     from kvcouple.tracer.settings import Decoding, TraceSettings
 
@@ -405,18 +415,7 @@ def run(args: argparse.Namespace) -> int:
         from transformers.utils import logging as hf_logging
 
         hf_logging.disable_progress_bar()
-    if args.scheduler is None:
-        model, tokenizer = _load(load_model, args, extra)
-        vocab = vocab_size(model)
-    else:  # the workers load the model; here only its tokenizer and vocabulary
-        from transformers import AutoConfig
-
-        model = _worker_model(args)
-        kw = {"revision": args.revision} if args.revision else {}
-        tokenizer = load_tokenizer(args.model, **kw) if _has_tokenizer(args) else None
-        local = model_source(args.model)[1] or offline_mode() is not None
-        config = AutoConfig.from_pretrained(model.source, local_files_only=local, **kw)
-        vocab = config.get_text_config().vocab_size
+    model, tokenizer, vocab = _model_and_vocabulary(args, extra)
     check_eos(args.eos, vocab, "the model's")
     prompts = load_prompts(
         prompts_path, tokenizer, chat_template=args.chat_template, vocab_size=vocab
@@ -456,6 +455,25 @@ def run(args: argparse.Namespace) -> int:
             client.close()
     print(summary.format())
     return 0
+
+
+def _model_and_vocabulary(args: argparse.Namespace, extra: dict[str, Any]) -> tuple[Any, Any, int]:
+    """The model (loaded here, or for the workers to load with ``--scheduler``), its tokenizer
+    and the width of its logits."""
+    from kvcouple.tracer.prefill import vocab_size
+
+    if args.scheduler is None:
+        model, tokenizer = _load(load_model, args, extra)
+        return model, tokenizer, vocab_size(model)
+    # The workers load the model; here only its tokenizer and vocabulary.
+    from transformers import AutoConfig
+
+    worker = _worker_model(args)
+    kw = {"revision": args.revision} if args.revision else {}
+    tokenizer = load_tokenizer(args.model, **kw) if _has_tokenizer(args) else None
+    local = model_source(args.model)[1] or offline_mode() is not None
+    config = AutoConfig.from_pretrained(worker.source, local_files_only=local, **kw)
+    return worker, tokenizer, int(config.get_text_config().vocab_size)
 
 
 def check_arguments(args: argparse.Namespace) -> None:
