@@ -5,17 +5,19 @@ three evicted kernels; "harsh2" is "harsh" slightly changed, so their gap is sma
 values from the exact solver (``kvcouple.synth.exact``). Each study replicate draws ``n``
 documents from the population, takes an independent RB-CMC simulation of each (the code the
 synthetic trace store writes, ``simulate_doc_policy``), runs the analysis's statistics
-(``build_table``, the Rust document bootstrap, ``evaluate_many``) and records whether each CI
-covers the population truth. Printed: coverage per quantity, number of documents and interval
-method (a Markdown table), with the Monte Carlo standard error of a coverage.
+(``build_table``, the Rust document bootstrap, ``evaluate_many``, ``gap_estimates``,
+``survival_band``) under every interval method and records whether each confidence set covers
+the population truth. Printed: coverage per quantity, number of documents and interval method
+(a Markdown table), with the Monte Carlo standard error of a coverage.
 
-To keep the simulation cheap each population document gets a pool of independent simulations
-and a study replicate draws (document, simulation) pairs without replacement: replicates are
-then slightly dependent, which widens the spread of the coverage estimate a little but does not
-bias it.
+Every studied document is simulated afresh (``--pool 0``, the default), so study replicates are
+independent. ``--pool K`` instead reuses K simulations per population document across the
+studies: faster, but then every study shares the pool's Monte Carlo error, which can move a
+paired difference's coverage by a few points (the truth is the population's, the studies
+centre on the pool's).
 
-    python scripts/coverage_study.py                 # default: about a minute on 2 busy cores
-    python scripts/coverage_study.py --reps 400 --pool 20 --n-boot 1000    # the docs table
+    nice python scripts/coverage_study.py --reps 40           # a quick look (~1 minute)
+    nice python scripts/coverage_study.py --reps 400 --n-boot 1000   # the docs table (~7 min)
 """
 
 from __future__ import annotations
@@ -23,12 +25,13 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from dataclasses import replace
 
 import numpy as np
 
 from kvcouple import synth
 from kvcouple.analysis import stats as st
-from kvcouple.analysis.estimates import estimate_unit
+from kvcouple.analysis.estimates import UnitEstimate, estimate_unit
 from kvcouple.store.schema import Record, empty_arrays
 from kvcouple.store.writer import StoreLayout
 from kvcouple.synth.trace_store import as_emitter_pair, simulate_doc_policy
@@ -119,12 +122,8 @@ def truth(exacts: list[dict[str, synth.ExactResult]], horizon: int) -> dict[tupl
     return out
 
 
-def simulate_pool(
-    docs: list[dict[str, np.ndarray]], pool: int, horizon: int, replicates: int, seed: int
-) -> list[list[dict]]:
-    """``pool`` independent RB-CMC simulations of each document: UnitEstimates per policy."""
-    vocab = docs[0]["P"].shape[0]
-    layout = StoreLayout(
+def study_layout(horizon: int, replicates: int, vocab: int) -> StoreLayout:
+    return StoreLayout(
         doc_ids=["d"],
         policies=list(POLICIES),
         horizon=horizon,
@@ -134,28 +133,39 @@ def simulate_pool(
         vocab_size=vocab,
         record=Record.parse("summary"),
     )
-    out = []
-    for i, doc in enumerate(docs):
-        sims = []
-        for j in range(pool):
-            arrays = empty_arrays(layout.record, layout.sizes(), float_dtype="float64")
-            units = {}
-            for k, pol in enumerate(POLICIES):
-                pair = as_emitter_pair({"P": doc["P"], "Q": doc[pol], "start": 0})
-                simulate_doc_policy(pair, layout, np.random.default_rng([seed, i, j, k]), arrays, k)
-                units[pol] = estimate_unit(
-                    arrays["hazard"][k],
-                    arrays["branch_step"][k],
-                    arrays["branch_mismatch"][k],
-                    arrays["branch_tv"][k],
-                    obs_window=horizon - 1,
-                )
-            sims.append(units)
-        out.append(sims)
-    return out
+
+
+def simulate(
+    doc: dict[str, np.ndarray], layout: StoreLayout, rng: np.random.Generator
+) -> dict[str, UnitEstimate]:
+    """One RB-CMC simulation of a document under every policy: its UnitEstimates."""
+    arrays = empty_arrays(layout.record, layout.sizes(), float_dtype="float64")
+    units = {}
+    for k, pol in enumerate(POLICIES):
+        pair = as_emitter_pair({"P": doc["P"], "Q": doc[pol], "start": 0})
+        simulate_doc_policy(pair, layout, rng, arrays, k)
+        units[pol] = estimate_unit(
+            arrays["hazard"][k],
+            arrays["branch_step"][k],
+            arrays["branch_mismatch"][k],
+            arrays["branch_tv"][k],
+            obs_window=layout.horizon - 1,
+        )
+    return units
+
+
+def simulate_pool(
+    docs: list[dict[str, np.ndarray]], pool: int, layout: StoreLayout, seed: int
+) -> list[list[dict[str, UnitEstimate]]]:
+    """``pool`` independent RB-CMC simulations of each document."""
+    return [
+        [simulate(doc, layout, np.random.default_rng([seed, i, j])) for j in range(pool)]
+        for i, doc in enumerate(docs)
+    ]
 
 
 def statistics(horizon: int) -> list[tuple[tuple, st.StatFn, bool]]:
+    """Every checked per-policy quantity and paired difference (gap terms: :func:`gap_terms`)."""
     stats: list[tuple[tuple, st.StatFn, bool]] = []
     for pol in POLICIES:
         for q in SUMMARY:
@@ -163,11 +173,25 @@ def statistics(horizon: int) -> list[tuple[tuple, st.StatFn, bool]]:
     for a, b in PAIRS:
         for q in DIFFERENCES:
             fa, fb = st.quantity_fn(a, q, horizon), st.quantity_fn(b, q, horizon)
-            stats.append((("diff", a, b, q), lambda g, fa=fa, fb=fb: fb(g) - fa(g), False))
-        gf = st.gap_fns(a, b, horizon)
-        for term in GAPS:
-            stats.append((("gap", a, b, term), gf[term], False))
+            stats.append((("diff", a, b, q), st.difference(fa, fb), False))
     return stats
+
+
+def gap_terms(bs: st.Bootstrap, horizon: int) -> dict[tuple, st.Estimate]:
+    """The gap terms as the analysis estimates them (``gap_estimates``)."""
+    out = {}
+    for a, b in PAIRS:
+        fns = {t: f for t, f in st.gap_fns(a, b, horizon).items() if t in GAPS}
+        for term, e in st.gap_estimates(bs, fns).items():
+            out[("gap", a, b, term)] = e
+    return out
+
+
+def band_covers(bs: st.Bootstrap, a: str, b: str, horizon: int, target: np.ndarray) -> bool:
+    rows = st.survival_band(bs, a, b, horizon)
+    lo = np.array([r["band_low"] for r in rows])
+    hi = np.array([r["band_high"] for r in rows])
+    return bool(np.all((lo - 1e-12 <= target) & (target <= hi + 1e-12)))
 
 
 def label(key: tuple) -> str:
@@ -185,7 +209,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--reps", type=int, default=200, help="study replicates per size")
     ap.add_argument("--sizes", default="16,32", help="numbers of documents")
     ap.add_argument("--population", type=int, default=40, help="documents in the population")
-    ap.add_argument("--pool", type=int, default=12, help="simulations per population document")
+    ap.add_argument(
+        "--pool",
+        type=int,
+        default=0,
+        help="simulations per population document, reused across studies (0: simulate every "
+        "studied document afresh, the default)",
+    )
     ap.add_argument("--replicates", type=int, default=16, help="RB-CMC replicates per document")
     ap.add_argument("--horizon", type=int, default=8)
     ap.add_argument("--vocab", type=int, default=4)
@@ -199,45 +229,45 @@ def main(argv: list[str] | None = None) -> int:
     docs = population(args.population, args.vocab, args.seed)
     exact = [exact_doc(d, T) for d in docs]
     target = truth(exact, T)
-    pool = simulate_pool(docs, args.pool, T, args.replicates, args.seed)
-    print(f"# population {len(docs)} documents x {args.pool} simulations ready in "
-          f"{time.time() - t0:.0f} s", file=sys.stderr)  # fmt: skip
+    layout = study_layout(T, args.replicates, args.vocab)
+    pool = simulate_pool(docs, args.pool, layout, args.seed) if args.pool else []
+    print(f"# population {len(docs)} documents ({args.pool or 'fresh'} simulations each) "
+          f"ready in {time.time() - t0:.0f} s", file=sys.stderr)  # fmt: skip
     stats = statistics(T)
     methods = st.CI_METHODS
-    keys = [k for k, _, _ in stats] + [("band", a, b) for a, b in PAIRS]
+    keys = [k for k, _, _ in stats]
+    keys += [("gap", a, b, t) for a, b in PAIRS for t in GAPS] + [("band", a, b) for a, b in PAIRS]
     hits = {(k, n, m): 0 for k in keys for n in sizes for m in methods}
     counted = {(k, n, m): 0 for k in keys for n in sizes for m in methods}
     rng = np.random.default_rng(args.seed + 1)
     items = [(i, j) for i in range(len(docs)) for j in range(args.pool)]
     for n in sizes:
         for rep in range(args.reps):
-            pick = rng.choice(len(items), size=n, replace=False)
-            chosen = [pool[items[p][0]][items[p][1]] for p in pick]
-            table = st.build_table([f"d{p}" for p in pick], chosen, list(POLICIES), T, T - 1)
+            if pool:  # (document, simulation) pairs without replacement from the pool
+                pick = rng.choice(len(items), size=n, replace=False)
+                chosen = [pool[items[p][0]][items[p][1]] for p in pick]
+            else:  # documents drawn from the population, each simulated afresh
+                pick = rng.integers(len(docs), size=n)
+                chosen = [simulate(docs[i], layout, rng) for i in pick]
+            table = st.build_table([f"d{i}" for i in range(n)], chosen, list(POLICIES), T, T - 1)
             base = st.bootstrap_table(table, args.n_boot, args.seed * 7919 + rep, args.level)
             for m in methods:
-                bs = base if m == base.method else st.Bootstrap(
-                    base.names, base.point, base.reps, base.level, base.n_docs, base.jack, m
-                )  # fmt: skip
-                ests = bs.evaluate_many([f for _, f, _ in stats], [d for _, _, d in stats])
-                for (key, _, _), e in zip(stats, ests, strict=True):
-                    if not (np.isfinite(e.estimate)):
+                bs = replace(base, method=m)
+                fns, flags = [f for _, f, _ in stats], [d for _, _, d in stats]
+                ests = dict(
+                    zip([k for k, _, _ in stats], bs.evaluate_many(fns, flags), strict=True)
+                )
+                ests.update(gap_terms(bs, T))
+                for key, e in ests.items():
+                    if not np.isfinite(e.estimate):
                         continue
                     counted[(key, n, m)] += 1
-                    hits[(key, n, m)] += int(e.ci_low <= target[key] <= e.ci_high)
-            for a, b in PAIRS:  # the simultaneous band does not depend on the method
-                rows = st.survival_band(base, a, b, T)
-                lo = np.array([r["band_low"] for r in rows])
-                hi = np.array([r["band_high"] for r in rows])
-                ok = bool(
-                    np.all(
-                        (lo - 1e-12 <= target[("band", a, b)])
-                        & (target[("band", a, b)] <= hi + 1e-12)
-                    )
-                )
-                for m in methods:
+                    hits[(key, n, m)] += int(e.covers(target[key]))
+                for a, b in PAIRS:
                     counted[(("band", a, b), n, m)] += 1
-                    hits[(("band", a, b), n, m)] += int(ok)
+                    hits[(("band", a, b), n, m)] += int(
+                        band_covers(bs, a, b, T, target[("band", a, b)])
+                    )
     print(f"# {args.reps} replicates per size, n_boot {args.n_boot}, level {args.level}, "
           f"T={T}, {args.replicates} RB-CMC replicates per document; "
           f"coverage MC standard error ~{np.sqrt(0.95 * 0.05 / args.reps):.3f}; "

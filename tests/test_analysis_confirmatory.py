@@ -107,7 +107,7 @@ def test_strict_plan_errors_name_the_key(tmp_path, extra, match):
 def test_hash_covers_every_sealed_setting_and_defaults(tmp_path):
     base = load_plan(_plan(tmp_path))
     # Spelling out a default does not change the plan; sha256sum of the file is not the hash.
-    explicit = PLAN.replace("n_boot = 400", 'n_boot = 400\nseed = 0\nci_method = "expanded-bca"')
+    explicit = PLAN.replace("n_boot = 400", 'n_boot = 400\nseed = 0\nci_method = "studentized"')
     assert load_plan(_plan(tmp_path, explicit, "e.toml")).hash == base.hash
     assert base.hash != hashlib.sha256(PLAN.encode()).hexdigest()
     changes = {
@@ -293,7 +293,7 @@ def test_plan_command_hash_and_show(tmp_path, capsys, store):
     out = capsys.readouterr().out
     shown = json.loads(out[: out.rindex("}") + 1])
     assert shown["hash"] == load_plan(plan).hash
-    assert shown["plan"]["ci_method"] == "expanded-bca" and shown["plan"]["window"] == "stored"
+    assert shown["plan"]["ci_method"] == "studentized" and shown["plan"]["window"] == "stored"
     assert "not registered" in out
     bad = _plan(tmp_path, PLAN + "\ncorection = 1\n", "bad.toml")
     assert main(["plan", "hash", str(bad)]) == 2
@@ -305,7 +305,7 @@ def test_parse_plan_refuses_a_non_table():
         parse_plan([1, 2])  # type: ignore[arg-type]
 
 
-@pytest.mark.parametrize("method", ["percentile", "bca", "expanded-bca"])
+@pytest.mark.parametrize("method", ["percentile", "bca", "expanded-bca", "studentized"])
 def test_p_values_agree_with_the_intervals(method):
     """A one-sided test at alpha rejects exactly when the (1 - 2 alpha) interval's lower end
     lies above the tested value, for every interval method (p-values invert the intervals)."""
@@ -337,4 +337,4 @@ def test_the_docs_example_plan_is_valid(tmp_path):
         ("late_minus_early_tv", "snapkv:retain=0.5", "greater")
     ]
     assert len(plan.comparisons) == 3 and plan.reference == "recent:retain=0.5"
-    assert plan.settings()["ci_method"] == "expanded-bca" and plan.pool_models is True
+    assert plan.settings()["ci_method"] == "studentized" and plan.pool_models is True

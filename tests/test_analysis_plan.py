@@ -128,9 +128,9 @@ def test_tests_are_corrected_and_recorded(store, tmp_path):
     assert t["p_value"] <= t["p_adjusted"] <= 1
     assert t["estimate"] > 0 and t["reject_h0"]
     assert result.tests[1]["p_adjusted"] >= result.tests[1]["p_value"]
-    # Three documents under the default (expanded, t with 2 df): the bootstrap cannot resolve
-    # a 95% end, which is extrapolated below every replicate; the p-value agrees with the CI.
-    plan.write_text(PLAN)
+    # Three documents under expanded-bca (t with 2 df): the bootstrap cannot resolve a 95%
+    # end, which is extrapolated below every replicate; the p-value agrees with the CI.
+    plan.write_text(PLAN.replace("n_boot = 300", 'n_boot = 300\nci_method = "expanded-bca"'))
     res = analyze(store, plan=plan, doc_set="exploratory")
     t = res.tests[0]
     boot = res.models[0].bootstrap

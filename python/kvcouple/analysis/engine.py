@@ -467,9 +467,11 @@ def _model_result(
     names, _ = table.matrix()
     n_boot = cfg["n_boot"]
     # The resamples (n_boot x quantities) and the jackknife (documents x quantities) are
-    # doubles: refuse before allocating, not abort.
+    # doubles, the draw counts (n_boot x documents) 4-byte integers, a studentized column
+    # inside every resample (n_boot x documents) doubles: refuse before allocating, not abort.
     check_memory(
-        f"--n-boot {n_boot} ({len(names)} quantities)", 8 * (n_boot + len(docs)) * len(names)
+        f"--n-boot {n_boot} ({len(names)} quantities)",
+        8 * (n_boot + len(docs)) * len(names) + 20 * n_boot * len(docs),
     )
     bs = st.bootstrap_table(table, n_boot, cfg["seed"], cfg["ci_level"], cfg["ci_method"])
     tables = st.summarise(bs, info.policies, T, L + 1, cfg["reference"])

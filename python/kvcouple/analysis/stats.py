@@ -25,6 +25,7 @@ import numpy as np
 from kvcouple.analysis.bootstrap import (
     CI_METHODS,
     DEFAULT_CI_METHOD,
+    STUDENTIZED_MIN_DOCS,
     Bootstrap,
     Estimate,
     Getter,
@@ -34,6 +35,7 @@ from kvcouple.analysis.bootstrap import (
     holm,
     jackknife_means,
     normal_scores,
+    studentized_p_value,
 )
 from kvcouple.analysis.estimates import SCALARS, Table, UnitEstimate
 
@@ -46,6 +48,7 @@ __all__ = [
     "NOT_INTERPRETABLE",
     "PERCENTILE_TERMS",
     "QUANTITIES",
+    "STUDENTIZED_MIN_DOCS",
     "Bootstrap",
     "Estimate",
     "Getter",
@@ -56,6 +59,7 @@ __all__ = [
     "build_table",
     "curve_fns",
     "difference",
+    "gap_estimates",
     "gap_fns",
     "gap_rows",
     "holm",
@@ -65,6 +69,7 @@ __all__ = [
     "pooled_gap_fns",
     "quantity_fn",
     "quantity_range",
+    "studentized_p_value",
     "summarise",
     "survival_band",
 ]
@@ -307,10 +312,21 @@ def survival_band(bs: Bootstrap, a: str, b: str, horizon: int) -> list[dict[str,
     point = np.array([e.estimate for e in ests])
     with np.errstate(invalid="ignore"):
         sd = np.nanstd(boot, axis=0, ddof=1)
+    sd_boot = np.broadcast_to(sd, boot.shape)
+    if bs.method == "studentized":
+        # A bootstrap-t band: each replicate's deviations over its own jackknife errors.
+        _, _, sd, sd_boot = bs.studentized_parts(fns)
     varying = np.isfinite(sd) & (sd > 0)
     if varying.any():
-        dev = np.abs(boot[:, varying] - point[varying]) / sd[varying]
-        c = float(np.quantile(np.nanmax(dev, axis=1), bs.level))
+        with np.errstate(divide="ignore", invalid="ignore"):
+            dev = np.abs(boot[:, varying] - point[varying]) / sd_boot[:, varying]
+        worst = np.max(np.where(np.isnan(dev), -np.inf, dev), axis=1)
+        worst = np.sort(worst[worst > -np.inf])
+        if bs.method == "studentized":  # the order statistic, as the pointwise ends
+            k = math.ceil((worst.size + 1) * bs.level - 1e-9)
+            c = float(worst[k - 1]) if 1 <= k <= worst.size else math.inf
+        else:
+            c = float(np.quantile(worst, bs.level)) if worst.size else math.nan
     else:
         c = 0.0
     if bs.method == "expanded-bca":
@@ -319,7 +335,8 @@ def survival_band(bs: Bootstrap, a: str, b: str, horizon: int) -> list[dict[str,
             normal_scores(bs.level, "expanded-bca", bs.n_docs)[1]
             / normal_scores(bs.level, "percentile", bs.n_docs)[1]
         )
-    half = np.where(varying, c * np.nan_to_num(sd), 0.0)
+    with np.errstate(invalid="ignore"):  # c may be infinite where sd is 0
+        half = np.where(varying, c * np.nan_to_num(sd), 0.0)
     return [
         {
             "policy_a": a,
@@ -336,12 +353,24 @@ def survival_band(bs: Bootstrap, a: str, b: str, horizon: int) -> list[dict[str,
     ]
 
 
+def gap_estimates(bs: Bootstrap, fns: dict[str, StatFn]) -> dict[str, Estimate]:
+    """Estimates of the gap terms ``fns`` (from :func:`gap_fns`). The exposure share is a ratio
+    whose denominator can be near 0: studentized, it gets the test-inversion set of
+    :meth:`Bootstrap.ratio`; otherwise a percentile interval (its jackknife acceleration is
+    unstable: BCa covered 0.68 in the coverage study)."""
+    flags = [t in PERCENTILE_TERMS for t in fns]
+    if bs.method != "studentized":
+        return dict(zip(fns, bs.evaluate_many(list(fns.values()), flags), strict=True))
+    linear = [t for t in fns if t not in PERCENTILE_TERMS]
+    ests = dict(zip(linear, bs.evaluate_many([fns[t] for t in linear]), strict=True))
+    if "exposure_share" in fns:
+        ests["exposure_share"] = bs.ratio(fns["exposure_term"], fns["gap"])
+    return {t: ests[t] for t in fns}
+
+
 def gap_rows(bs: Bootstrap, fns: dict[str, StatFn], base: dict[str, Any]) -> list[dict[str, Any]]:
     """Gap attribution rows; the exposure share is flagged when the gap's CI includes 0."""
-    # The share is a ratio whose denominator can be near 0: its jackknife acceleration is
-    # unstable (BCa covered 0.68 in the coverage study), so it gets a percentile interval.
-    flags = [t in PERCENTILE_TERMS for t in fns]
-    ests = dict(zip(fns, bs.evaluate_many(list(fns.values()), flags), strict=True))
+    ests = gap_estimates(bs, fns)
     gap = ests["gap"]
     gap_clear = (
         math.isfinite(gap.ci_low)

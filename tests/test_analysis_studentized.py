@@ -1,0 +1,153 @@
+"""The studentized (bootstrap-t) interval and the ratio's test-inversion set, against cases
+with a known answer: normal documents, where the t interval is exact."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from kvcouple import _core
+from kvcouple.analysis import stats as st
+from kvcouple.analysis.distributions import t_ppf
+
+N_DOCS = 16
+STUDIES = 300
+# A coverage estimated from STUDIES independent studies has standard error
+# sqrt(0.95 * 0.05 / STUDIES) (0.0126): the checks allow three.
+COVERAGE_TOL = 3 * math.sqrt(0.95 * 0.05 / STUDIES)
+
+
+def _bootstrap(cols: dict[str, np.ndarray], seed: int, n_boot: int = 999) -> st.Bootstrap:
+    table = st.Table([f"d{i}" for i in range(len(next(iter(cols.values()))))], dict(cols))
+    return st.bootstrap_table(table, n_boot, seed, 0.95, "studentized")
+
+
+def test_counts_are_the_resamples_of_the_means():
+    rng = np.random.default_rng(0)
+    mat = rng.normal(size=(9, 3))
+    counts = _core.bootstrap_counts(9, 40, 5)
+    assert counts.shape == (40, 9) and (counts.sum(1) == 9).all()
+    np.testing.assert_allclose(counts @ mat / 9, _core.bootstrap_means(mat, 40, 5), atol=1e-12)
+
+
+def test_the_standard_error_of_a_mean_is_s_over_root_n():
+    x = np.random.default_rng(1).normal(size=N_DOCS)
+    e = _bootstrap({"p|x": x}, 0).evaluate(lambda g: g("p|x"))
+    assert e.method == "studentized"
+    assert e.se == pytest.approx(np.std(x, ddof=1) / math.sqrt(N_DOCS), rel=1e-12)
+    # The interval is theta - t* se, t* the replicates' studentized values (sorted).
+    assert e.tstar is not None and np.all(np.diff(e.tstar) >= 0)
+    assert e.ci_low < e.estimate < e.ci_high
+
+
+def test_normal_documents_cover_at_the_level_and_match_the_t_interval():
+    """Normal documents: the t interval is exact; the bootstrap-t approximates it. Coverage of
+    the mean within three Monte Carlo standard errors of 0.95; the mean width within 10% of
+    the t interval's (the bootstrap-t's own Monte Carlo spread of its quantiles is a few %)."""
+    rng = np.random.default_rng(2)
+    t15 = float(t_ppf(0.975, N_DOCS - 1))
+    hits, ratio = 0, []
+    for study in range(STUDIES):
+        x = rng.normal(3.0, 2.0, N_DOCS)
+        e = _bootstrap({"p|x": x}, study).evaluate(lambda g: g("p|x"))
+        hits += int(e.ci_low <= 3.0 <= e.ci_high)
+        ratio.append((e.ci_high - e.ci_low) / (2 * t15 * np.std(x, ddof=1) / math.sqrt(N_DOCS)))
+    assert abs(hits / STUDIES - 0.95) < COVERAGE_TOL, hits / STUDIES
+    assert abs(np.mean(ratio) - 1.0) < 0.10, np.mean(ratio)
+
+
+def test_paired_differences_of_normal_documents_cover():
+    """A paired difference (correlated columns): coverage within 3 standard errors."""
+    rng = np.random.default_rng(3)
+    hits = 0
+    for study in range(STUDIES):
+        a = rng.normal(1.0, 1.0, N_DOCS)
+        b = a + rng.normal(0.25, 0.5, N_DOCS)
+        e = _bootstrap({"a|x": a, "b|x": b}, study).evaluate(lambda g: g("b|x") - g("a|x"))
+        hits += int(e.ci_low <= 0.25 <= e.ci_high)
+    assert abs(hits / STUDIES - 0.95) < COVERAGE_TOL, hits / STUDIES
+
+
+def test_p_values_invert_the_studentized_interval():
+    rng = np.random.default_rng(5)
+    bs = _bootstrap({"x|v": rng.lognormal(0, 0.8, N_DOCS)}, 3, n_boot=3999).at_level(0.90)
+    est = bs.evaluate(lambda g: g("x|v"))
+    values = np.linspace(est.ci_low - 0.3, est.ci_high + 0.3, 41)
+    agree = [
+        (bs.p_value(est, "greater", v) < 0.05) == (est.ci_low > v)
+        and (bs.p_value(est, "less", v) < 0.05) == (est.ci_high < v)
+        for v in values
+    ]
+    assert sum(agree) >= len(values) - 2  # up to the replicates' granularity at the ends
+    assert bs.p_value(est, "two-sided", est.estimate) == pytest.approx(1.0, abs=0.05)
+
+
+def test_a_constant_statistic_has_a_point_interval():
+    bs = _bootstrap({"p|x": np.full(N_DOCS, 0.5)}, 0)
+    e = bs.evaluate(lambda g: g("p|x"))
+    assert (e.ci_low, e.estimate, e.ci_high) == (0.5, 0.5, 0.5) and e.se == 0.0
+    assert bs.p_value(e, "greater", 0.4) == 0.0 and bs.p_value(e, "greater", 0.6) == 1.0
+
+
+def test_the_ratio_set_covers_when_the_denominator_is_clear_of_zero():
+    """num/den of bivariate normal documents with den far from 0 (truth 0.5): the set is a
+    bounded interval around the estimate and covers within three standard errors."""
+    rng = np.random.default_rng(6)
+    hits = 0
+    for study in range(STUDIES // 2):
+        den = rng.normal(2.0, 1.0, N_DOCS)
+        num = 0.5 * den + rng.normal(0.0, 0.5, N_DOCS)
+        e = _bootstrap({"p|n": num, "p|d": den}, study).ratio(
+            lambda g: g("p|n"), lambda g: g("p|d")
+        )
+        assert math.isfinite(e.ci_low) and math.isfinite(e.ci_high) and e.exclude is None
+        assert e.ci_low < e.estimate < e.ci_high
+        hits += int(e.covers(0.5))
+    tol = 3 * math.sqrt(0.95 * 0.05 / (STUDIES // 2))
+    assert abs(hits / (STUDIES // 2) - 0.95) < tol, hits / (STUDIES // 2)
+
+
+def test_the_ratio_set_is_unbounded_when_the_denominator_may_be_zero():
+    """A denominator with mean 0: no bounded set can keep the level (Gleser and Hwang), and
+    the set is unbounded (the whole line, or two rays with the excluded part named)."""
+    rng = np.random.default_rng(7)
+    num = rng.normal(1.0, 0.3, N_DOCS)
+    den = rng.normal(0.0, 1.0, N_DOCS)
+    den += 0.05 - den.mean()  # a mean a fifth of its standard error from 0
+    e = _bootstrap({"p|n": num, "p|d": den}, 1).ratio(lambda g: g("p|n"), lambda g: g("p|d"))
+    assert e.ci_low == -math.inf and e.ci_high == math.inf
+    if e.exclude is not None:  # two rays: everything but an interval around 0
+        lo, hi = e.exclude
+        assert lo < hi and not e.covers(0.5 * (lo + hi)) and e.covers(hi + 1.0)
+    assert e.covers(e.estimate)
+
+
+def test_gap_rows_use_the_ratio_set_for_the_share():
+    rng = np.random.default_rng(8)
+    cols = {}
+    for pol, scale in (("a", 1.0), ("b", 2.0)):
+        occ = rng.uniform(0.2, 0.4, N_DOCS) * scale
+        cols[f"{pol}|occurrence"] = occ
+        cols[f"{pol}|occupation"] = occ * 4
+        cols[f"{pol}|post_mismatches"] = occ * 4 * rng.uniform(0.3, 0.5, N_DOCS)
+    bs = _bootstrap(cols, 2)
+    fns = st.gap_fns("a", "b", 8)
+    ests = st.gap_estimates(bs, fns)
+    share = bs.ratio(fns["exposure_term"], fns["gap"])
+    assert ests["exposure_share"].ci_low == share.ci_low
+    assert ests["exposure_term"].method == "studentized"
+    rows = st.gap_rows(bs, fns, {})
+    assert [r["term"] for r in rows] == list(fns)
+
+
+def test_the_default_is_studentized_and_few_documents_get_expanded_bca():
+    rng = np.random.default_rng(9)
+    n = st.STUDENTIZED_MIN_DOCS
+    for docs, method in ((n, "studentized"), (n - 1, "expanded-bca"), (2, "expanded-bca")):
+        x = rng.normal(size=docs)
+        bs = st.bootstrap_table(st.Table([f"d{i}" for i in range(docs)], {"p|x": x}), 999, 0, 0.95)
+        e = bs.evaluate(lambda g: g("p|x"))
+        assert st.DEFAULT_CI_METHOD == "studentized" and e.method == method
+        assert np.isfinite(e.ci_low) and e.ci_low < e.estimate < e.ci_high
