@@ -225,17 +225,19 @@ class SlotScoreRule(DecodeRule):
     def keep(self, caches: list[DecodeCache]) -> list[torch.Tensor]:
         import torch
 
-        out = []
-        for cache in caches:
-            score = self.score(cache).to(torch.float64)
-            score = score.masked_fill(~cache.visible[:, None, :], float("-inf"))
-            # Slots by position, then a stable sort by score: ties keep the lower position.
-            by_position = torch.argsort(cache.positions, dim=-1, stable=True)
-            ranked = torch.argsort(
-                score.gather(-1, by_position), dim=-1, descending=True, stable=True
-            )
-            out.append(by_position.gather(-1, ranked[..., : self.budget]))
-        return out
+        # Every layer at once: (layers, B, kv_heads, S).
+        score = torch.stack([self.score(cache) for cache in caches]).to(torch.float64)
+        first = caches[0]
+        if all(cache.visible is first.visible for cache in caches):
+            visible = first.visible[None, :, None, :]
+        else:
+            visible = torch.stack([cache.visible for cache in caches])[:, :, None, :]
+        score = score.masked_fill(~visible, float("-inf"))
+        # Slots by position, then a stable sort by score: ties keep the lower position.
+        positions = torch.stack([cache.positions for cache in caches])
+        by_position = torch.argsort(positions, dim=-1, stable=True)
+        ranked = torch.argsort(score.gather(-1, by_position), dim=-1, descending=True, stable=True)
+        return list(by_position.gather(-1, ranked[..., : self.budget]).unbind(0))
 
 
 class RescoreRule(DecodeRule):

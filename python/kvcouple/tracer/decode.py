@@ -105,12 +105,14 @@ class DecodeEvictor:
         torch._assert_async((valid.sum(-1) == self.held).all() & (current == self.position).all())
         caches = []
         zeros = torch.zeros(current.shape[0], 1, 1, device=current.device)  # new slots' scores
+        fed = current[:, None, None]
+        hidden = ~valid[:, None, None, :]  # (Bq, 1, 1, S)
         for layer, (keys, values) in enumerate(compat.cache_tensors(rows.cache)):
             kq, vq = keys[self.rows], values[self.rows]  # views into the cache
             state = self.state[layer]
             storage = self._storage[layer]
             for name, tensor in state.items():
-                new = current[:, None, None] if name == "position" else zeros
+                new = fed if name == "position" else zeros
                 state[name], storage[name] = compat.append_columns(tensor, new, storage[name])
             q = None
             if self._capture is not None:
@@ -118,11 +120,11 @@ class DecodeEvictor:
             attention = None
             if self.rule.needs_attention:
                 assert q is not None
-                k = kq.float().repeat_interleave(self.group, dim=1)
-                logits = torch.matmul(q.float(), k.transpose(-1, -2))[:, :, 0] * self.scaling
-                logits = logits.masked_fill(~valid[:, None, :], float("-inf"))
-                probs = torch.softmax(logits, dim=-1)
-                attention = probs.reshape(probs.shape[0], -1, self.group, probs.shape[-1]).mean(2)
+                # The query heads of a GQA group as rows against their KV head (no copies).
+                qg = q.reshape(q.shape[0], -1, self.group, q.shape[-1]).float()
+                logits = torch.matmul(qg, kq.float().transpose(-1, -2)) * self.scaling
+                probs = torch.softmax(logits.masked_fill(hidden, float("-inf")), dim=-1)
+                attention = probs.mean(2)  # (Bq, kv_heads, S)
             queries = query_positions = None
             if self.window > 0:
                 assert q is not None and self.query_positions is not None
@@ -158,30 +160,34 @@ class DecodeEvictor:
         # Every row is over its budget by ``every``: all of them evict.
         kept = self.rule.keep(caches)
         home = valid & (valid.cumsum(-1) <= self.rule.budget)
-        tail = valid & ~home
-        for cache, keep in zip(caches, kept, strict=True):
-            _compact(cache, keep, home, tail)
+        _compact(caches, torch.stack(kept), home, valid & ~home)
         rows.valid[self.rows] = home
         self.held = self.rule.budget
 
 
 def _compact(
-    cache: DecodeCache, keep: torch.Tensor, home: torch.Tensor, tail: torch.Tensor
+    caches: list[DecodeCache], keep: torch.Tensor, home: torch.Tensor, tail: torch.Tensor
 ) -> None:
     """Move the kept entries of ``tail`` columns into the ``home`` slots of evicted entries,
-    per row and KV head, in place."""
-    shape = cache.state["position"].shape  # (B, kv_heads, S)
-    kept = torch.zeros(shape, dtype=torch.bool, device=keep.device).scatter_(2, keep, True)
-    hole = home[:, None, :] & ~kept
-    mover = tail[:, None, :] & kept
+    per layer, row and KV head, in place (``keep``: ``(layers, B, kv_heads, budget)``). Where
+    each entry goes is found for every layer at once; the moves are per layer (each layer's
+    cache is its own tensor)."""
+    shape = keep.shape[:-1] + home.shape[-1:]  # (layers, B, kv_heads, S)
+    kept = torch.zeros(shape, dtype=torch.bool, device=keep.device).scatter_(3, keep, True)
+    hole = home[None, :, None, :] & ~kept
+    mover = tail[None, :, None, :] & kept
     holes = torch.argsort((~hole).to(torch.int8), dim=-1, stable=True)  # holes first
     movers = torch.argsort((~mover).to(torch.int8), dim=-1, stable=True)
     count = hole.sum(-1, keepdim=True)
     rank = torch.arange(shape[-1], device=keep.device)
-    source = torch.where(rank < count, movers, holes)
-    for tensor in (cache.keys, cache.values, *cache.state.values()):
-        src, dst = source, holes
-        if tensor.dim() == 4:
-            src = src[..., None].expand(-1, -1, -1, tensor.shape[-1])
-            dst = dst[..., None].expand(-1, -1, -1, tensor.shape[-1])
-        tensor.scatter_(2, dst, tensor.gather(2, src))
+    sources = torch.where(rank < count, movers, holes)
+    for cache, source, dst in zip(caches, sources, holes, strict=True):
+        wide_src = wide_dst = None
+        for tensor in (cache.keys, cache.values, *cache.state.values()):
+            src, to = source, dst
+            if tensor.dim() == 4:
+                if wide_src is None or wide_src.shape[-1] != tensor.shape[-1]:
+                    wide_src = source[..., None].expand(-1, -1, -1, tensor.shape[-1])
+                    wide_dst = dst[..., None].expand(-1, -1, -1, tensor.shape[-1])
+                src, to = wide_src, wide_dst
+            tensor.scatter_(2, to, tensor.gather(2, src))
