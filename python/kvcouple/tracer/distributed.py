@@ -195,7 +195,11 @@ def report(topic: str, event: list[int]) -> None:
 def gpu_resources(client: Any) -> dict[str, int] | None:
     """``{"GPU": 1}`` when every worker declares a GPU resource (``--resources GPU=1``; then a
     worker runs one batch at a time whatever its threads), else None."""
-    workers = client.scheduler_info(n_workers=-1)["workers"].values()
+    try:
+        info = client.scheduler_info(n_workers=-1)  # every worker, not the first few
+    except TypeError:  # distributed before 2025: every worker already
+        info = client.scheduler_info()
+    workers = info["workers"].values()
     if workers and all(w.get("resources", {}).get("GPU", 0) >= 1 for w in workers):
         return {"GPU": 1}
     return None
@@ -238,10 +242,14 @@ def format_workers(
     lines = [f"workers: {n}; {len(batches)} batches, about {len(batches) / max(n, 1):.1f} each"]
     for address, info in sorted(infos.items()):
         fits = len(needs) if info.budget is None else sum(need <= info.budget for need in needs)
+        memory = (
+            "free memory not known (no limit)"
+            if info.budget is None
+            else f"free {human(info.free)}, for a batch {human(info.budget)}"
+        )
         lines.append(
-            f"  {address}: {info.device}, free {human(info.free)}, for a batch "
-            f"{human(info.budget)}: fits {fits} of {len(batches)} batches"
-            + ("" if fits == len(batches) else "  (the others fail on this worker)")
+            f"  {address}: {info.device}, {memory}: fits {fits} of {len(batches)} batches"
+            + ("" if fits == len(batches) else " (the others would fail on this worker)")
         )
     return "\n".join(lines)
 

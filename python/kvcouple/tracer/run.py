@@ -35,11 +35,11 @@ from tqdm import tqdm  # type: ignore[import-untyped]
 from kvcouple.errors import InvalidInputError
 from kvcouple.policies import Policy, parse_policy
 from kvcouple.store import StoreLayout, TraceStoreWriter
+from kvcouple.store.background import BackgroundWriter, DocumentWriter, WriterStats, queue_bound
 from kvcouple.store.identity import run_identity
 from kvcouple.store.reader import is_url
 from kvcouple.store.writer import VocabularyMismatchError as VocabularyMismatchError
 from kvcouple.tracer.distributed import (
-    RETRIES,
     WORKER_MODELS,
     WorkerInfo,
     WorkerModel,
@@ -306,6 +306,7 @@ class RunSummary:
     occurrence: dict[str, float] = field(default_factory=dict)
     # Worker address -> models it loaded during the run (a Dask run; {} in one process).
     model_loads: dict[str, int] = field(default_factory=dict)
+    writer: WriterStats | None = None  # the background writer's counters (one process)
     _occurrence: dict[int, np.ndarray] = field(default_factory=dict, repr=False)
 
     def add(self, written: Written) -> None:
@@ -459,7 +460,13 @@ def trace(
         (batch, [d for d in batch if d in chosen])
         for batch in document_batches(mine, plans, settings)
     ]
-    _write_batches(model, prompts, pols, settings, plans, batches, writer, summary, seed, progress)
+    # Written behind the tracing (store.background): a batch writes while the next traces.
+    with BackgroundWriter(writer, queue_bound([len(b) for b, _ in batches])) as background:
+        _write_batches(
+            model, prompts, pols, settings, plans, batches, background, summary, seed, progress
+        )
+    summary.writer = background.stats
+    summary.seconds += background.stats.drain_seconds  # the run ends once its records are written
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
     return summary
@@ -552,9 +559,11 @@ def _trace_on_cluster(
     out = str(out) if is_url(str(out)) else Path(out)
     where = str(out) if isinstance(out, str) else local_path(out)
     client.run(release_models)  # what an interrupted run left loaded: loads count per run
+    # No retries: what fails here is the model, the policies or the store, not the worker
+    # (a lost worker's task is rescheduled by the scheduler all the same).
     setup = client.submit(
         _setup_task, spec, list(prompts), pols, settings, where, seed, model_id, model_revision,
-        pure=False, retries=RETRIES,
+        pure=False,
     ).result()  # fmt: skip
     settings = setup.settings
     index, count = shard
@@ -661,7 +670,7 @@ def write_batch(
     batch: Sequence[tuple[int, Sequence[int], str, TraceSettings]],
     write: Sequence[int],
     policies: Sequence[Policy],
-    writer: TraceStoreWriter,
+    writer: DocumentWriter,
     seed: int,
     on_policy: Callable[[], object] | None = None,
 ) -> list[Written]:
@@ -705,7 +714,7 @@ def _write_batches(
     settings: TraceSettings,
     plans: dict[int, DocumentPlan],
     batches: list[tuple[list[int], list[int]]],
-    writer: TraceStoreWriter,
+    writer: DocumentWriter,
     summary: RunSummary,
     seed: int,
     progress: bool,
