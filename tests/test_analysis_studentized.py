@@ -151,3 +151,33 @@ def test_the_default_is_studentized_and_few_documents_get_expanded_bca():
         e = bs.evaluate(lambda g: g("p|x"))
         assert st.DEFAULT_CI_METHOD == "studentized" and e.method == method
         assert np.isfinite(e.ci_low) and e.ci_low < e.estimate < e.ci_high
+
+
+def test_the_jackknife_inside_each_resample_is_the_plain_jackknife_of_its_draws():
+    """se* of resample b equals the jackknife of the statistic over b's drawn documents
+    (duplicates included), with NaN entries left out as the bootstrap leaves them out."""
+    rng = np.random.default_rng(10)
+    x = rng.normal(size=12)
+    y = rng.uniform(1, 2, size=12)
+    x[[2, 7]] = np.nan
+    bs = _bootstrap({"p|x": x, "p|y": y}, 4, n_boot=50)
+
+    def ratio(g):
+        return g("p|x") / g("p|y")
+
+    point, boot, se, se_boot = bs.studentized_parts([ratio])
+    assert bs.counts is not None
+    for b in range(5):
+        draws = np.repeat(np.arange(12), bs.counts[b])
+        loo = []
+        for k in range(12):
+            rest = np.delete(draws, k)
+            loo.append(np.nanmean(x[rest]) / np.mean(y[rest]))
+        loo = np.array(loo)
+        want = math.sqrt(11 / 12 * np.sum((loo - loo.mean()) ** 2))
+        assert se_boot[b, 0] == pytest.approx(want, rel=1e-9)
+        assert boot[b, 0] == pytest.approx(np.nanmean(x[draws]) / np.mean(y[draws]), rel=1e-12)
+    # Outside the resamples too: every document is a unit (one without x leaves its mean).
+    loo = np.array([np.nanmean(np.delete(x, i)) for i in range(12)])
+    want = math.sqrt(11 / 12 * np.sum((loo - loo.mean()) ** 2))
+    assert bs.evaluate(lambda g: g("p|x")).se == pytest.approx(want, rel=1e-12)

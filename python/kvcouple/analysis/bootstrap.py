@@ -258,17 +258,21 @@ class _ResampleJackknife:
         self.weights = bs.counts.astype(np.float64)
         self.shape = self.weights.shape
         self.index = bs._index
-        # Each resample's count of finite entries per column; its sum is count * mean.
-        self.count = self.weights @ self.finite
-        self.total = np.where(self.count > 0, bs.reps, 0.0) * self.count
+        self.reps = bs.reps
         self.cache: dict[str, np.ndarray] = {}
 
     def get(self, col: str) -> np.ndarray:
         if col not in self.cache:
             j = self.index[col]
+            finite = self.finite[:, j]
+            if finite.all():  # every resample holds n entries: its sum is n * mean
+                count = np.full(self.shape[0], float(self.shape[1]))
+            else:
+                count = self.weights @ finite
+            total = np.where(count > 0, self.reps[:, j], 0.0) * count
             with np.errstate(divide="ignore", invalid="ignore"):
-                self.cache[col] = (self.total[:, j, None] - self.vals[None, :, j]) / (
-                    self.count[:, j, None] - self.finite[None, :, j]
+                self.cache[col] = (total[:, None] - self.vals[None, :, j]) / (
+                    count[:, None] - finite[None, :]
                 )
         return self.cache[col]
 
