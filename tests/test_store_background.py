@@ -172,3 +172,30 @@ def test_kill_9_during_a_background_write_resumes_to_an_uninterrupted_store(tmp_
     assert a.keys() == b.keys()
     for name in a:
         np.testing.assert_array_equal(a[name], b[name], err_msg=name)
+
+
+@pytest.mark.torch
+def test_dry_run_prints_the_host_memory_of_records(tmp_path, capsys):
+    import json
+
+    from kvcouple.cli import main as cli_main
+
+    model_dir = tmp_path / "tiny"
+    tiny_model("llama", seed=3, vocab_size=VOCAB).save_pretrained(model_dir)
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(
+        "".join(
+            json.dumps({"id": p.id, "input_ids": list(p.input_ids)}) + "\n" for p in _prompts(3)
+        )
+    )
+    argv = ["trace", "--model", str(model_dir), "--prompts", str(prompts), "--out"]
+    argv += [str(tmp_path / "run.zarr"), "--policy", "recent:retain=0.5", "--replicates", "2"]
+    argv += ["--branches", "2", "--horizon", "8", "--window", "2", "--dry-run", "--device", "cpu"]
+    argv += ["--doc-batch", "2", "--record", "full"]
+    assert cli_main(argv) == 0
+    line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("host memory"))
+    layout = StoreLayout(["-"], ["recent:retain=0.5"], 8, 2, 2, 2, VOCAB, Record.parse("full"))
+    # Batches of 2 documents: 2 tracing, 2 queued, 1 writing, 1 for the encoder.
+    assert f"{host_record_bytes(layout, 2, 2) / 2**20:.1f} MiB at most" in line
+    assert "2 tracing, 2 queued" in line
+    assert not (tmp_path / "run.zarr").exists()
