@@ -324,37 +324,83 @@ def analyze(
         io_threads=io_threads,
         scheduler=scheduler,
     )
-    paths = [stores] if isinstance(stores, str | os.PathLike) else list(stores)
-    if not paths:
-        raise ValueError("give at least one trace store")
-    the_plan = load_plan(plan) if isinstance(plan, str | os.PathLike) else plan
-    if doc_set not in ("all", "exploratory", "confirmatory"):
-        raise ValueError(f"doc_set must be all, exploratory or confirmatory, got {doc_set!r}")
-    cfg = resolve_settings(
-        the_plan,
-        {
-            "window": window,
-            "estimator": estimator,
-            "n_boot": n_boot,
-            "seed": seed,
-            "ci_level": ci,
-            "ci_method": ci_method,
-            "early_late_split": early_late_split,
-            "reference": reference,
-            "pool_models": pool_models,
-        },
-    )
-    if cfg["estimator"] not in ESTIMATORS:
-        raise ValueError(f"estimator must be one of {ESTIMATORS}, got {cfg['estimator']!r}")
+    given = {
+        "window": window,
+        "estimator": estimator,
+        "n_boot": n_boot,
+        "seed": seed,
+        "ci_level": ci,
+        "ci_method": ci_method,
+        "early_late_split": early_late_split,
+        "reference": reference,
+        "pool_models": pool_models,
+    }
+    paths, the_plan, cfg = _resolve(stores, plan, doc_set, given)
     infos = [TraceStoreReader(p, storage_options) for p in paths]
     for info in infos:
         if not allow_incomplete:
             info.require_complete()
     labels = _model_labels(infos)
     selected = [_select_docs(info, the_plan, doc_set) for info in infos]
+    preregistration = _preregistration(the_plan, infos, paths, labels, doc_set, allow_unregistered)
+    options = Options(
+        None if cfg["window"] == "stored" else int(cfg["window"]),
+        cfg["estimator"],
+        recompute,
+        tolerance,
+        io_threads,
+    )
+    results = _read_documents(infos, selected, options, client, scheduler, worker_threads, progress)
+    skipped = _unread(infos)
+    strict = not allow_incomplete or doc_set == "confirmatory"
+    models = _estimate_models(labels, infos, selected, results, cfg, strict, skipped)
+    result = AnalysisResult(
+        models,
+        cfg["estimator"],
+        doc_set,
+        the_plan.hash if the_plan else "none",
+        the_plan.name if the_plan else None,
+        skipped=skipped,
+        preregistration=preregistration,
+        settings=_settings_record(cfg, recompute, tolerance, paths, infos),
+    )
+    _compare(result, cfg, the_plan)
+    return result
+
+
+def _resolve(
+    stores: str | os.PathLike[str] | list[str | os.PathLike[str]],
+    plan: str | os.PathLike[str] | Plan | None,
+    doc_set: str,
+    given: dict[str, Any],
+) -> tuple[list[str | os.PathLike[str]], Plan | None, dict[str, Any]]:
+    """Step 1: the store paths, the plan and the settings (the plan's, or the options over
+    the defaults)."""
+    paths = [stores] if isinstance(stores, str | os.PathLike) else list(stores)
+    if not paths:
+        raise ValueError("give at least one trace store")
+    the_plan = load_plan(plan) if isinstance(plan, str | os.PathLike) else plan
+    if doc_set not in ("all", "exploratory", "confirmatory"):
+        raise ValueError(f"doc_set must be all, exploratory or confirmatory, got {doc_set!r}")
+    cfg = resolve_settings(the_plan, given)
+    if cfg["estimator"] not in ESTIMATORS:
+        raise ValueError(f"estimator must be one of {ESTIMATORS}, got {cfg['estimator']!r}")
+    return paths, the_plan, cfg
+
+
+def _preregistration(
+    plan: Plan | None,
+    infos: list[TraceStoreReader],
+    paths: list[str | os.PathLike[str]],
+    labels: list[str],
+    doc_set: str,
+    allow_unregistered: bool,
+) -> str:
+    """Step 2: every store's registration status as one stamp; a confirmatory analysis of an
+    unregistered plan is refused unless ``allow_unregistered``."""
     stamps = []
     for info, p in zip(infos, paths, strict=True):
-        ok, stamp = registration_status(the_plan, p)
+        ok, stamp = registration_status(plan, p)
         if doc_set == "confirmatory" and not ok and not allow_unregistered:
             raise PlanError(
                 f"refusing a confirmatory analysis of {info.path}: {stamp}. Register the plan "
@@ -364,33 +410,60 @@ def analyze(
         if doc_set != "confirmatory" and ok:
             ok, stamp = False, f"not preregistered: {doc_set} documents (exploratory analysis)"
         stamps.append(stamp)
-    preregistration = (
-        stamps[0]
-        if len(set(stamps)) == 1
-        else "; ".join(f"{lab}: {st_}" for lab, st_ in zip(labels, stamps, strict=True))
-    )
-    window_opt = None if cfg["window"] == "stored" else int(cfg["window"])
-    options = Options(window_opt, cfg["estimator"], recompute, tolerance, io_threads)
+    if len(set(stamps)) == 1:
+        return stamps[0]
+    return "; ".join(f"{lab}: {st_}" for lab, st_ in zip(labels, stamps, strict=True))
+
+
+def _read_documents(
+    infos: list[TraceStoreReader],
+    selected: list[list[int]],
+    options: Options,
+    client: Any,
+    scheduler: str | None,
+    worker_threads: int | None,
+    progress: bool,
+) -> list[DocResult]:
+    """Step 3: one task per selected document of every store (locally or on a Dask cluster),
+    in store then document order."""
     tasks = [(info, d) for info, sel in zip(infos, selected, strict=True) for d in sel]
     the_client, owned = connect_client(client, scheduler)
     try:
-        results = run_docs(tasks, options, the_client, worker_threads, progress)
+        return run_docs(tasks, options, the_client, worker_threads, progress)
     finally:
         if owned:
             the_client.close()
+
+
+def _unread(infos: list[TraceStoreReader]) -> list[dict[str, str]]:
+    """The documents no task read: unfinished, or flagged damaged by the tracer."""
     skipped = []
     for info in infos:
         for i in info.unfinished():
             skipped.append({"store": info.path, "doc_id": info.doc_ids[i], "reason": "unfinished"})
         for i, why in info.flag_errors.items():
             skipped.append({"store": info.path, "doc_id": info.doc_ids[i], "reason": why})
+    return skipped
+
+
+def _estimate_models(
+    labels: list[str],
+    infos: list[TraceStoreReader],
+    selected: list[list[int]],
+    results: list[DocResult],
+    cfg: dict[str, Any],
+    strict: bool,
+    skipped: list[dict[str, str]],
+) -> list[ModelResult]:
+    """Step 4: per store, its documents' results (a damaged one raises when ``strict``, else
+    is added to ``skipped``) and the across-document statistics."""
     models = []
     pos = 0
     for label, info, sel in zip(labels, infos, selected, strict=True):
         docs = results[pos : pos + len(sel)]
         pos += len(sel)
         bad = [d for d in docs if d.error is not None]
-        if bad and (not allow_incomplete or doc_set == "confirmatory"):
+        if bad and strict:
             more = f" (and {len(bad) - 1} more damaged documents)" if len(bad) > 1 else ""
             raise StoreError(f"{bad[0].error}{more}")
         for d in bad:
@@ -399,16 +472,18 @@ def analyze(
         if not good:
             raise StoreError(f"{info.path}: no finished, undamaged documents to analyse")
         models.append(_model_result(label, info, good, cfg))
-    result = AnalysisResult(
-        models,
-        cfg["estimator"],
-        doc_set,
-        the_plan.hash if the_plan else "none",
-        the_plan.name if the_plan else None,
-        skipped=skipped,
-        preregistration=preregistration,
-    )
-    result.settings = {
+    return models
+
+
+def _settings_record(
+    cfg: dict[str, Any],
+    recompute: bool,
+    tolerance: float | None,
+    paths: list[str | os.PathLike[str]],
+    infos: list[TraceStoreReader],
+) -> dict[str, Any]:
+    """Every number-changing setting used, with the recomputation settings and the stores."""
+    return {
         **{k: cfg[k] for k in SEALED},
         "ci": cfg["ci_level"],
         "recompute": recompute,
@@ -417,11 +492,14 @@ def analyze(
         # What protected each store's chunks ("no checksums" for stores before schema 3).
         "store_checksums": {info.path: info.checksums for info in infos},
     }
+
+
+def _compare(result: AnalysisResult, cfg: dict[str, Any], plan: Plan | None) -> None:
+    """Step 5: the comparisons across models (pooled gaps) and the plan's tests."""
     if cfg["pool_models"]:
         result.pooled = pool_gaps(result.models, cfg)
-    if the_plan is not None:
-        result.tests = run_tests(result, the_plan)
-    return result
+    if plan is not None:
+        result.tests = run_tests(result, plan)
 
 
 def pool_gaps(models: list[ModelResult], cfg: dict[str, Any]) -> dict[str, list[dict[str, Any]]]:

@@ -12,7 +12,7 @@ Example::
     n_boot = 2000
     seed = 0                     # the bootstrap seed
     ci_level = 0.95              # level of the summary tables' CIs
-    ci_method = "expanded-bca"   # "percentile", "bca" or "expanded-bca"
+    ci_method = "studentized"    # "percentile", "bca", "expanded-bca" or "studentized"
     reference = "recent"         # optional: gaps are policy - reference
     pool_models = false          # also pool gaps across the stores (models)
 
@@ -228,6 +228,15 @@ def parse_plan(content: dict[str, Any], where: str = "plan") -> Plan:
     if not isinstance(content, dict):
         raise PlanError(f"{where}: a plan is a TOML table")
     c.unknown(content, _TOP_KEYS)
+    out = _parse_settings(content, c)
+    out["documents"] = _parse_documents(content.get("documents", {}), c)
+    comps = _parse_comparisons(content.get("comparisons", []), where)
+    out["comparisons"] = [entry for entry, _ in comps]
+    return Plan(out, plan_hash(out), out.get("name", "plan"), tuple(comp for _, comp in comps))
+
+
+def _parse_settings(content: dict[str, Any], c: _Checker) -> dict[str, Any]:
+    """The top-level keys: name, description and every number-changing setting."""
     out: dict[str, Any] = {}
     for key in ("name", "description"):
         if key in content:
@@ -236,21 +245,9 @@ def parse_plan(content: dict[str, Any], where: str = "plan") -> Plan:
     out["alpha"] = c.number("alpha", get("alpha"), 0, 1, "in (0, 1)")
     out["correction"] = c.string("correction", get("correction"), CORRECTIONS)
     out["estimator"] = c.string("estimator", get("estimator"), ESTIMATORS)
-    window = get("window")
-    out["window"] = (
-        window
-        if window == "stored"
-        else c.integer("window", window, 0, 10**9)
-        if not isinstance(window, str)
-        else c.string("window", window, ("stored",))
-    )
-    split = get("early_late_split")
-    out["early_late_split"] = (
-        split
-        if split == "half"
-        else c.integer("early_late_split", split, 1, 10**9)
-        if not isinstance(split, str)
-        else c.string("early_late_split", split, ("half",))
+    out["window"] = _word_or_integer(c, "window", get("window"), "stored", 0)
+    out["early_late_split"] = _word_or_integer(
+        c, "early_late_split", get("early_late_split"), "half", 1
     )
     out["n_boot"] = c.integer("n_boot", get("n_boot"), 100, 10**7)
     out["seed"] = c.integer("seed", get("seed"), 0, 2**63 - 1)
@@ -261,8 +258,20 @@ def parse_plan(content: dict[str, Any], where: str = "plan") -> Plan:
     out["pool_models"] = get("pool_models")
     if "reference" in content:
         out["reference"] = c.string("reference", content["reference"])
+    return out
 
-    docs = content.get("documents", {})
+
+def _word_or_integer(c: _Checker, key: str, v: Any, word: str, least: int) -> Any:
+    """A setting that is ``word`` or an integer >= ``least``."""
+    if v == word:
+        return v
+    if isinstance(v, str):
+        return c.string(key, v, (word,))
+    return c.integer(key, v, least, 10**9)
+
+
+def _parse_documents(docs: Any, c: _Checker) -> dict[str, Any]:
+    """``[documents]``: explicit disjoint lists, or a split by hashed document id."""
     if not isinstance(docs, dict):
         raise c.fail("documents", "must be a table ([documents])")
     c.unknown(docs, {"exploratory", "confirmatory", "split"}, "documents.")
@@ -294,50 +303,52 @@ def parse_plan(content: dict[str, Any], where: str = "plan") -> Plan:
         both = set(out_docs["exploratory"]) & set(out_docs["confirmatory"])
         if both:
             raise c.fail("documents", f"lists documents in both sets: {', '.join(sorted(both))}")
-    out["documents"] = out_docs
+    return out_docs
 
-    comps_in = content.get("comparisons", [])
+
+def _parse_comparisons(comps_in: Any, where: str) -> list[tuple[dict[str, Any], Comparison]]:
+    """``[[comparisons]]``: each completed entry (what the hash covers) and its Comparison."""
     if not isinstance(comps_in, list) or not all(isinstance(x, dict) for x in comps_in):
-        raise c.fail("comparisons", "must be an array of tables ([[comparisons]])")
+        raise _Checker(where).fail("comparisons", "must be an array of tables ([[comparisons]])")
     if not comps_in:
         raise PlanError(f"{where}: a plan needs at least one [[comparisons]] entry")
-    comps, out_comps = [], []
-    for i, comp in enumerate(comps_in):
-        cc = _Checker(f"{where}: comparison {i + 1}")
-        cc.unknown(comp, _COMPARISON_KEYS)
-        metric = cc.string("metric", comp.get("metric"), tuple(QUANTITIES))
-        direction = cc.string("direction", comp.get("direction", "two-sided"), DIRECTIONS)
-        value = cc.number("value", comp.get("value", 0.0), -math.inf, math.inf, "(finite)")
-        model = cc.string("model", comp["model"]) if "model" in comp else None
-        entry: dict[str, Any] = {"metric": metric, "direction": direction, "value": value}
-        if "policy" in comp:
-            if "a" in comp or "b" in comp:
-                raise cc.fail("policy", "names one policy: give either policy or a and b")
-            policy = cc.string("policy", comp["policy"])
-            a = b = None
-            entry["policy"] = policy
-            default_name = f"{policy}: {metric} {_SIGN[direction]} {value:g}"
-        else:
-            if "a" not in comp or "b" not in comp:
-                raise cc.fail("a/b", "are required: a comparison names a and b (paired) or policy")
-            a, b = cc.string("a", comp["a"]), cc.string("b", comp["b"])
-            if a == b:
-                raise cc.fail(
-                    "b",
-                    f"is the same policy as a ({a!r}): a paired difference would be 0; "
-                    "for a test within one policy write policy = ... (and value)",
-                )
-            policy = None
-            entry.update(a=a, b=b)
-            default_name = f"{b} vs {a}: {metric}"
-        name = cc.string("name", comp.get("name", default_name))
-        entry["name"] = name
-        if model is not None:
-            entry["model"] = model
-        out_comps.append(entry)
-        comps.append(Comparison(name, metric, a, b, direction, value, policy, model))
-    out["comparisons"] = out_comps
-    return Plan(out, plan_hash(out), out.get("name", "plan"), tuple(comps))
+    return [
+        _parse_comparison(comp, _Checker(f"{where}: comparison {i + 1}"))
+        for i, comp in enumerate(comps_in)
+    ]
+
+
+def _parse_comparison(comp: dict[str, Any], cc: _Checker) -> tuple[dict[str, Any], Comparison]:
+    cc.unknown(comp, _COMPARISON_KEYS)
+    metric = cc.string("metric", comp.get("metric"), tuple(QUANTITIES))
+    direction = cc.string("direction", comp.get("direction", "two-sided"), DIRECTIONS)
+    value = cc.number("value", comp.get("value", 0.0), -math.inf, math.inf, "(finite)")
+    model = cc.string("model", comp["model"]) if "model" in comp else None
+    entry: dict[str, Any] = {"metric": metric, "direction": direction, "value": value}
+    a = b = policy = None
+    if "policy" in comp:
+        if "a" in comp or "b" in comp:
+            raise cc.fail("policy", "names one policy: give either policy or a and b")
+        policy = cc.string("policy", comp["policy"])
+        entry["policy"] = policy
+        default_name = f"{policy}: {metric} {_SIGN[direction]} {value:g}"
+    else:
+        if "a" not in comp or "b" not in comp:
+            raise cc.fail("a/b", "are required: a comparison names a and b (paired) or policy")
+        a, b = cc.string("a", comp["a"]), cc.string("b", comp["b"])
+        if a == b:
+            raise cc.fail(
+                "b",
+                f"is the same policy as a ({a!r}): a paired difference would be 0; "
+                "for a test within one policy write policy = ... (and value)",
+            )
+        entry.update(a=a, b=b)
+        default_name = f"{b} vs {a}: {metric}"
+    name = cc.string("name", comp.get("name", default_name))
+    entry["name"] = name
+    if model is not None:
+        entry["model"] = model
+    return entry, Comparison(name, metric, a, b, direction, value, policy, model)
 
 
 _SIGN = {"greater": ">", "less": "<", "two-sided": "!="}
