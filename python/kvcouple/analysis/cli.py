@@ -213,6 +213,13 @@ def _plan(args: argparse.Namespace) -> int:
 
 
 def register(subparsers: Any) -> None:
+    """The ``plan``, ``analyze`` and ``info`` commands."""
+    _register_plan(subparsers)
+    _register_analyze(subparsers)
+    _register_info(subparsers)
+
+
+def _register_plan(subparsers: Any) -> None:
     pl = subparsers.add_parser(
         "plan",
         help="prespecified analysis plans: hash, register in a store, show",
@@ -232,6 +239,8 @@ def register(subparsers: Any) -> None:
     pl.add_argument("--store", action="append", default=None, help="a trace store (repeatable)")
     pl.set_defaults(func=_plan)
 
+
+def _register_analyze(subparsers: Any) -> None:
     p = subparsers.add_parser(
         "analyze",
         help="analyse trace stores: estimates, bootstrap CIs, tests, report",
@@ -239,20 +248,16 @@ def register(subparsers: Any) -> None:
         "bootstrap CIs, paired policy differences, gap attribution, early-vs-late window TV, "
         "a prespecified plan's tests, tables, figures and an HTML report.",
     )
+    _documents_arguments(p)
+    _settings_arguments(p)
+    _run_arguments(p)
+    p.set_defaults(func=_analyze)
+
+
+def _documents_arguments(p: Any) -> None:
+    """What is analysed: the stores, the plan and the document set."""
     p.add_argument("stores", nargs="+", help="trace stores (one per model)")
     p.add_argument("--out", required=True, help="folder for tables, figures and report.html")
-    p.add_argument(
-        "--window",
-        type=cliargs.nonnegative,
-        default=None,
-        help="observation window L_w for the window/tail split (default: stored L)",
-    )
-    p.add_argument(
-        "--estimator",
-        choices=["indicator", "tv"],
-        default=None,
-        help="branch mismatches from indicators (default, Rao-Blackwellised) or TVs",
-    )
     p.add_argument("--plan", default=None, help="prespecified analysis plan (TOML)")
     p.add_argument(
         "--docs",
@@ -267,6 +272,27 @@ def register(subparsers: Any) -> None:
         "registered after its documents were traced); every output says so",
     )
     p.add_argument(
+        "--allow-incomplete",
+        action="store_true",
+        help="analyse the finished, undamaged documents and list the others",
+    )
+
+
+def _settings_arguments(p: Any) -> None:
+    """The settings that change a number (a plan fixes each one)."""
+    p.add_argument(
+        "--window",
+        type=cliargs.nonnegative,
+        default=None,
+        help="observation window L_w for the window/tail split (default: stored L)",
+    )
+    p.add_argument(
+        "--estimator",
+        choices=["indicator", "tv"],
+        default=None,
+        help="branch mismatches from indicators (default, Rao-Blackwellised) or TVs",
+    )
+    p.add_argument(
         "--reference",
         default=None,
         help="gap attribution and differences as POLICY - reference (default: every pair)",
@@ -275,19 +301,6 @@ def register(subparsers: Any) -> None:
         "--pool-models",
         action="store_true",
         help="also pool gap attribution across the stores (models), equal weight per model",
-    )
-    p.add_argument(
-        "--allow-incomplete",
-        action="store_true",
-        help="analyse the finished, undamaged documents and list the others",
-    )
-    p.add_argument("--scheduler", default=None, help="Dask scheduler address (tcp://host:port)")
-    p.add_argument(
-        "--worker-threads",
-        type=cliargs.positive,
-        default=None,
-        help="Rust threads per Dask worker (default: KVCOUPLE_NUM_THREADS in the workers' "
-        "environment, else the worker's nthreads, so workers do not oversubscribe cores)",
     )
     sealed = " (a plan fixes it: a different value is refused)"
     p.add_argument(
@@ -322,6 +335,18 @@ def register(subparsers: Any) -> None:
         default=None,
         help="early lags 1..S, late S+1..L_w (default: the plan's, else L_w // 2)" + sealed,
     )
+
+
+def _run_arguments(p: Any) -> None:
+    """How it runs (no number changes): Dask, threads, recomputation checks, outputs."""
+    p.add_argument("--scheduler", default=None, help="Dask scheduler address (tcp://host:port)")
+    p.add_argument(
+        "--worker-threads",
+        type=cliargs.positive,
+        default=None,
+        help="Rust threads per Dask worker (default: KVCOUPLE_NUM_THREADS in the workers' "
+        "environment, else the worker's nthreads, so workers do not oversubscribe cores)",
+    )
     p.add_argument(
         "--tolerance",
         type=cliargs.nonnegative_float,
@@ -340,8 +365,9 @@ def register(subparsers: Any) -> None:
     )
     p.add_argument("--no-figures", action="store_true", help="tables only")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
-    p.set_defaults(func=_analyze)
 
+
+def _register_info(subparsers: Any) -> None:
     i = subparsers.add_parser(
         "info",
         help="summarise a trace store",
