@@ -245,3 +245,20 @@ def test_a_batch_the_device_cannot_hold_fails_with_the_plans_figure(model_and_pr
         check_fits(plans, model)
     monkeypatch.setattr(distributed, "device_budget", lambda device: need)
     check_fits(plans, model)  # exactly the plan's figure fits
+
+
+def test_dry_run_prints_the_plan_per_worker(client, tmp_path, capsys):
+    address = client.scheduler.address
+    args = ["trace", "--policy", "snapkv:retain=0.5", "--horizon", "4", "--replicates", "2"]
+    args += ["--doc-batch", "2", "--out", str(tmp_path / "dry.zarr"), "--dry-run"]
+    assert cli_main([*args, "--scheduler", address]) == 0
+    out = capsys.readouterr().out
+    workers = client.scheduler_info()["workers"]
+    assert len(workers) == 2
+    batches = int(out.split("document batches: ")[1].split(" ")[0])
+    assert f"workers: 2; {batches} batches, about {batches / 2:.1f} each" in out
+    for address in workers:  # each worker's device, memory and the batches it can take
+        line = next(x for x in out.splitlines() if x.strip().startswith(address))
+        assert "cpu, free memory not known (no limit)" in line
+        assert f"fits {batches} of {batches} batches" in line
+    assert not (tmp_path / "dry.zarr").exists()

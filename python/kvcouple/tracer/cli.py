@@ -263,19 +263,21 @@ def dry_run(args: argparse.Namespace, policies: list[Any], branch_batch: int | s
         chat_template=args.chat_template,
         vocab_size=shape.vocab,
     )
-    if args.scheduler is not None:  # the plan in the workers' memory, not this machine's
-        return dry_run_workers(args, policies, branch_batch, shape, prompts)
     index, count = parse_shard(args.shard)
     mine = [p for d, p in enumerate(prompts) if d % count == index]
     memory = None if args.memory is None else int(args.memory * GiB)
-    budget = document_budget(shape, device, memory, loaded=False)
-    where = (
-        f"{args.memory:g} GiB given"
-        if memory is not None
-        else f"free memory of {device}"
-        if budget is not None
-        else "unknown on CPU: no limit"
-    )
+    infos = None
+    if args.scheduler is not None:  # the plan in the workers' memory, not this machine's
+        budget, where, infos = _workers_budget(args, shape, memory)
+    else:
+        budget = document_budget(shape, device, memory, loaded=False)
+        where = (
+            f"{args.memory:g} GiB given"
+            if memory is not None
+            else f"free memory of {device}"
+            if budget is not None
+            else "unknown on CPU: no limit"
+        )
     sizes = Sizes(args.horizon, args.replicates, args.branches, args.window, args.cache_layout)
     documents = [(p.id, len(p.input_ids)) for p in mine]
     plans = plan_documents(shape, documents, policies, sizes, branch_batch, budget, refuse=False)
@@ -298,6 +300,10 @@ def dry_run(args: argparse.Namespace, policies: list[Any], branch_batch: int | s
             + ")"
         )
         print(host_plan(args, policies, shape.vocab, [len(b) for b in batches]))
+        if infos is not None:
+            from kvcouple.tracer.distributed import format_workers
+
+            print(format_workers(infos, batches, dict(enumerate(plans))))
     for plan in refused:
         print("refused: " + refusal(plan))
     return 1 if refused else 0
@@ -312,54 +318,24 @@ def host_plan(args: argparse.Namespace, policies: list[Any], vocab: int, batches
     return format_host(layout, batches)
 
 
-def dry_run_workers(
-    args: argparse.Namespace, policies: list[Any], branch_batch: int | str, shape: Any, prompts: Any
-) -> int:
-    """``--dry-run --scheduler``: the plan the run would make (against the smallest worker's
-    free memory, weights not loaded yet, or ``--memory``) and, per worker, its device, free
-    memory and the batches it could take; 1 if a document would be refused."""
-    from kvcouple.scheduler import connect_client
-    from kvcouple.tracer.distributed import format_workers, run_budget, worker_info
-    from kvcouple.tracer.memory import (
-        GiB,
-        Sizes,
-        document_budget,
-        format_plan,
-        plan_documents,
-        refusal,
-    )
-    from kvcouple.tracer.run import document_batches, parse_shard
-    from kvcouple.tracer.settings import TraceSettings
+def _workers_budget(
+    args: argparse.Namespace, shape: Any, memory: int | None
+) -> tuple[int | None, str, dict[str, Any]]:
+    """``--dry-run --scheduler``: each worker's device and free memory (weights not loaded),
+    and the budget the run would plan with: the smallest worker's, or ``--memory``."""
+    from kvcouple.tracer.distributed import run_budget, worker_info
+    from kvcouple.tracer.memory import document_budget
 
     client, _ = connect_client(None, args.scheduler)
     try:
         infos = client.run(worker_info, _worker_model(args), shape.weight_bytes)
     finally:
         client.close()
-    index, count = parse_shard(args.shard)
-    mine = [p for d, p in enumerate(prompts) if d % count == index]
-    memory = None if args.memory is None else int(args.memory * GiB)
-    budget = run_budget(infos.values()) if memory is None else document_budget(shape, None, memory)
-    where = (
-        f"{args.memory:g} GiB given"
-        if memory is not None
-        else "the smallest worker's free memory"
-        if budget is not None
-        else "unknown on CPU workers: no limit"
-    )
-    sizes = Sizes(args.horizon, args.replicates, args.branches, args.window, args.cache_layout)
-    documents = [(p.id, len(p.input_ids)) for p in mine]
-    plans = plan_documents(shape, documents, policies, sizes, branch_batch, budget, refuse=False)
-    print(format_plan(shape, plans, budget, where))
-    refused = [p for p in plans if not p.fits]
-    if not refused:
-        doc_batch = _positive_or_auto("--doc-batch", args.doc_batch)
-        settings = TraceSettings(args.horizon, args.replicates, doc_batch=doc_batch)
-        batches = document_batches(range(len(plans)), dict(enumerate(plans)), settings)
-        print(format_workers(infos, batches, dict(enumerate(plans))))
-    for plan in refused:
-        print("refused: " + refusal(plan))
-    return 1 if refused else 0
+    if memory is not None:
+        return document_budget(shape, None, memory), f"{args.memory:g} GiB given", infos
+    budget = run_budget(infos.values())
+    where = "the smallest worker's free memory" if budget is not None else "unknown on CPU workers"
+    return budget, where + ("" if budget is not None else ": no limit"), infos
 
 
 def _worker_model(args: argparse.Namespace) -> Any:
