@@ -100,23 +100,32 @@ def draw_figures(tables: dict[str, Rows]) -> dict[str, Any]:
     """Every figure of the report as a matplotlib ``Figure`` (laid out, not saved), by name:
     survival, hazard, branch_tv_by_lag, decomposition, sharp_interval, early_vs_late."""
     figures: dict[str, Any] = {}
-
-    def save(fig: Any, name: str) -> None:
+    for name, draw in FIGURES.items():
+        fig = draw(tables)
         fig.tight_layout()
         figures[name] = fig
+    return figures
 
-    series = _series(tables)
+
+def _summary_row(tables: dict[str, Rows], model: str, pol: str, name: str) -> dict[str, Any]:
+    """The summary row of one quantity (NaN values when it is missing)."""
+    rows = _get(tables["summary"], model=model, policy=pol, quantity=name)
+    nan = float("nan")
+    return rows[0] if rows else {"estimate": nan, "ci_low": nan, "ci_high": nan}
+
+
+def _tick_labels(tables: dict[str, Rows]) -> list[str]:
     # Policy specs are long ("snapkv:retain=0.5,window=32,..."): one parameter per line.
-    labels = [_label(tables, m, p).replace(",", "\n").replace(" ", "\n", 1) for m, p in series]
+    return [
+        _label(tables, m, p).replace(",", "\n").replace(" ", "\n", 1) for m, p in _series(tables)
+    ]
 
-    def q(model: str, pol: str, name: str) -> dict[str, Any]:
-        rows = _get(tables["summary"], model=model, policy=pol, quantity=name)
-        return (
-            rows[0]
-            if rows
-            else {"estimate": float("nan"), "ci_low": float("nan"), "ci_high": float("nan")}
-        )
 
+def _bar_width(tables: dict[str, Rows], extra: float = 0.0) -> tuple[float, float]:
+    return (max(4, 1.3 * len(_series(tables)) + 2) + extra, 4)
+
+
+def survival_figure(tables: dict[str, Rows]) -> Any:
     fig, ax = _subplots(figsize=(6, 4))
     _curve_plot(ax, tables, "survival")
     ax.set(
@@ -125,13 +134,17 @@ def draw_figures(tables: dict[str, Rows]) -> dict[str, Any]:
         title="Survival (no divergence yet)",
         ylim=(0, 1.02),
     )
-    save(fig, "survival")
+    return fig
 
+
+def hazard_figure(tables: dict[str, Rows]) -> Any:
     fig, ax = _subplots(figsize=(6, 4))
     _curve_plot(ax, tables, "hazard")
     ax.set(xlabel="step t", ylabel="P(tau = t | tau >= t)", title="Hazard by step")
-    save(fig, "hazard")
+    return fig
 
+
+def branch_tv_figure(tables: dict[str, Rows]) -> Any:
     fig, ax = _subplots(figsize=(6, 4))
     _curve_plot(ax, tables, "branch_tv")
     ax.set(
@@ -139,15 +152,22 @@ def draw_figures(tables: dict[str, Rows]) -> dict[str, Any]:
         ylabel="branch-aligned TV (O-weighted: see caption)",
         title="Branch-aligned TV by lag",
     )
-    save(fig, "branch_tv_by_lag")
+    return fig
 
-    fig, ax = _subplots(figsize=(max(4, 1.3 * len(series) + 2) + 2, 4))
-    T = {m: h for m, h in _horizons(tables).items()}
+
+def decomposition_figure(tables: dict[str, Rows]) -> Any:
+    series = _series(tables)
+    fig, ax = _subplots(figsize=_bar_width(tables, 2))
+    T = _horizons(tables)
     xs = range(len(series))
-    first = [q(m, p, "first_mismatch")["estimate"] for m, p in series]
-    window = [q(m, p, "window_contribution")["estimate"] / T[m] for m, p in series]
-    tail = [q(m, p, "tail_contribution")["estimate"] / T[m] for m, p in series]
-    exposure = [q(m, p, "tail_exposure")["estimate"] / T[m] for m, p in series]
+
+    def per_token(name: str) -> list[float]:
+        return [_summary_row(tables, m, p, name)["estimate"] / T[m] for m, p in series]
+
+    first = [_summary_row(tables, m, p, "first_mismatch")["estimate"] for m, p in series]
+    window = per_token("window_contribution")
+    tail = per_token("tail_contribution")
+    exposure = per_token("tail_exposure")
     ax.bar(xs, first, label="first mismatch P(tau<=T)/T")
     ax.bar(xs, window, bottom=first, label="window (lags 1..L_w after tau)")
     low = [f + w for f, w in zip(first, window, strict=True)]
@@ -157,7 +177,7 @@ def draw_figures(tables: dict[str, Rows]) -> dict[str, Any]:
     unseen = [e if t != t else 0.0 for t, e in zip(tail, exposure, strict=True)]
     if any(unseen):
         ax.bar(xs, unseen, bottom=low, fill=False, hatch="//", label="unobserved tail (at most)")
-    m_tot = [q(m, p, "mismatch_fraction") for m, p in series]
+    m_tot = [_summary_row(tables, m, p, "mismatch_fraction") for m, p in series]
     ax.errorbar(
         xs,
         [t["estimate"] for t in m_tot],
@@ -169,26 +189,33 @@ def draw_figures(tables: dict[str, Rows]) -> dict[str, Any]:
         color="k",
         capsize=4,
     )
-    ax.set_xticks(list(xs), labels, fontsize=7)
+    ax.set_xticks(list(xs), _tick_labels(tables), fontsize=7)
     ax.set(ylabel="E[M]/T", title="Decomposition of E[M]/T (black: CI)")
     _legend_outside(ax)
-    save(fig, "decomposition")
+    return fig
 
-    fig, ax = _subplots(figsize=(max(4, 1.3 * len(series) + 2), 4))
+
+def sharp_interval_figure(tables: dict[str, Rows]) -> Any:
+    series = _series(tables)
+    fig, ax = _subplots(figsize=_bar_width(tables))
     for i, (m, p) in enumerate(series):
-        lo, hi = q(m, p, "interval_lower"), q(m, p, "interval_upper")
+        lo = _summary_row(tables, m, p, "interval_lower")
+        hi = _summary_row(tables, m, p, "interval_upper")
         ax.vlines(i, lo["estimate"], hi["estimate"], lw=8, alpha=0.5)
         ax.vlines(i, lo["ci_low"], hi["ci_high"], lw=1, color="k")
-        point = q(m, p, "mismatch_fraction")["estimate"]
-        ax.plot(i, point, "ko")
-    ax.set_xticks(list(range(len(series))), labels, fontsize=7)
+        ax.plot(i, _summary_row(tables, m, p, "mismatch_fraction")["estimate"], "ko")
+    ax.set_xticks(list(range(len(series))), _tick_labels(tables), fontsize=7)
     ax.set(ylabel="E[M]/T", title="Sharp interval (bar), CI (line), point (dot)")
-    save(fig, "sharp_interval")
+    return fig
 
-    fig, ax = _subplots(figsize=(max(4, 1.3 * len(series) + 2) + 1.5, 4))
+
+def early_late_figure(tables: dict[str, Rows]) -> Any:
+    series = _series(tables)
+    fig, ax = _subplots(figsize=_bar_width(tables, 1.5))
+    xs = range(len(series))
     width = 0.38
     for j, name in enumerate(("early_tv", "late_tv")):
-        rows = [q(m, p, name) for m, p in series]
+        rows = [_summary_row(tables, m, p, name) for m, p in series]
         ax.bar(
             [i + (j - 0.5) * width for i in xs],
             [r["estimate"] for r in rows],
@@ -200,8 +227,18 @@ def draw_figures(tables: dict[str, Rows]) -> dict[str, Any]:
             capsize=3,
             label="early lags 1..s" if name == "early_tv" else "late lags s+1..L_w",
         )
-    ax.set_xticks(list(xs), labels, fontsize=7)
+    ax.set_xticks(list(xs), _tick_labels(tables), fontsize=7)
     ax.set(ylabel="branch-aligned TV", title="Early vs late window")
     _legend_outside(ax)
-    save(fig, "early_vs_late")
-    return figures
+    return fig
+
+
+# Every figure by name, in the report's order.
+FIGURES = {
+    "survival": survival_figure,
+    "hazard": hazard_figure,
+    "branch_tv_by_lag": branch_tv_figure,
+    "decomposition": decomposition_figure,
+    "sharp_interval": sharp_interval_figure,
+    "early_vs_late": early_late_figure,
+}
