@@ -122,8 +122,8 @@ def test_rb_variance_never_exceeds_naive() -> None:
         }
         # Total loss: both variances sampled (SE floored at one event of size T).
         floor = horizon**2 / REPLICATES
-        v_rb, s_rb = _var_and_se(runs["rb"]["total_loss"])
-        v_nv, s_nv = _var_and_se(runs["naive"]["total_loss"])
+        v_rb, s_rb = _var_and_se(runs["rb"]["expected_mismatches"])
+        v_nv, s_nv = _var_and_se(runs["naive"]["expected_mismatches"])
         tol = 4 * np.hypot(max(s_rb, floor), max(s_nv, floor))
         assert v_rb <= v_nv + tol, (i, v_rb, v_nv)
         # Functions of tau: the naive variance is exact, from the divergence-time law.
@@ -157,8 +157,8 @@ def test_branch_tv_by_lag_estimates() -> None:
         weights = est.raw["branch_lag_weight"]
         se = weights.std(0, ddof=1) / np.sqrt(len(weights))
         assert np.all(np.abs(weights.mean(0) - truth.branch_lag_weight) <= 4 * se + 1e-3)
-        rate = est.mean["mismatch_rate"]
-        assert abs(rate - truth.mismatch_rate) <= 4 * est.se["mismatch_rate"] + 1e-9
+        rate = est.mean["rho"]
+        assert abs(rate - truth.rho) <= 4 * est.se["rho"] + 1e-9
 
 
 def test_results_do_not_depend_on_the_thread_count() -> None:
@@ -182,7 +182,7 @@ def test_seeds_give_different_streams() -> None:
     pair = synth.random_pair(4, 4, seed=4, closeness=0.9)
     a = synth.simulate(pair, 10, 3, method="naive", replicates=200, seed=1)
     b = synth.simulate(pair, 10, 3, method="naive", replicates=200, seed=2)
-    assert not np.array_equal(a["total_loss"], b["total_loss"])
+    assert not np.array_equal(a["expected_mismatches"], b["expected_mismatches"])
 
 
 def test_window_only_tracing() -> None:

@@ -120,7 +120,7 @@ def test_decomposition_identities(seed: int) -> None:
     assert abs(e.expected_mismatches - parts) <= 1e-12
     # m = f + e * rho, in fractions
     if e.occupation > 0:
-        rebuilt = e.first_mismatch_contribution + e.exposure * e.mismatch_rate
+        rebuilt = e.first_mismatch + e.exposure * e.rho
         assert abs(e.mismatch_fraction - rebuilt) <= 1e-12
     assert e.survival[0] == 1.0 and len(e.survival) == horizon + 1
     assert abs(1 - e.survival[-1] - e.occurrence) <= 1e-12
@@ -140,7 +140,7 @@ def test_edge_cases() -> None:
     table = np.array([[0.2, 0.5, 0.3], [0.6, 0.2, 0.2], [0.1, 0.1, 0.8]])
     same = synth.KernelPair.markov(table, table, start=0)
     e = synth.exact(same, 10, 3)
-    assert e.expected_mismatches == 0 and e.occurrence == 0 and np.isnan(e.mismatch_rate)
+    assert e.expected_mismatches == 0 and e.occurrence == 0 and np.isnan(e.rho)
     # Disjoint supports at every row: TV 1 at every step.
     p = np.tile([1.0, 0.0], (2, 1))
     q = np.tile([0.0, 1.0], (2, 1))
@@ -153,7 +153,7 @@ def test_edge_cases() -> None:
     nxt = np.array([[1, 1], [1, 1]])
     pair = synth.KernelPair(synth.Kernel(emit_p, nxt, 0), synth.Kernel(emit_q, nxt, 0))
     e = synth.exact(pair, 8, 2)
-    assert e.occurrence == 1 and e.expected_mismatches == 1 and e.mismatch_rate == 0
+    assert e.occurrence == 1 and e.expected_mismatches == 1 and e.rho == 0
 
 
 def test_exact_is_fast_at_the_stated_size() -> None:
@@ -213,3 +213,20 @@ def test_exact_matches_brute_force_on_arbitrary_tiny_pairs(data: st.DataObject) 
     assert synth.exact(upper, horizon, window).expected_mismatches == pytest.approx(
         e.interval_upper, abs=1e-12
     )
+
+
+def test_renamed_quantities_still_read_with_a_warning():
+    """One release of deprecated aliases: first_mismatch_contribution, mismatch_rate (exact)
+    and total_loss (simulate), each the registered quantity's value."""
+    pair = synth.random_pair(3, 2, seed=4)
+    e = synth.exact(pair, 6)
+    with pytest.warns(DeprecationWarning, match="use 'first_mismatch'"):
+        assert e.first_mismatch_contribution == e.first_mismatch == e.occurrence / 6
+    with pytest.warns(DeprecationWarning, match="use 'rho'"):
+        assert e.mismatch_rate == e.rho
+    out = synth.simulate(pair, 6, method="rb", replicates=20)
+    with pytest.warns(DeprecationWarning, match="use 'expected_mismatches'"):
+        np.testing.assert_array_equal(out["total_loss"], out["expected_mismatches"])
+    est = synth.estimate(pair, 6, replicates=20)
+    with pytest.warns(DeprecationWarning):
+        assert est.mean["mismatch_rate"] == est.mean["rho"]

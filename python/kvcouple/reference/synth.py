@@ -246,10 +246,15 @@ NAIVE_COLUMNS = (
     "occupation",
     "window_contribution",
     "tail_contribution",
-    "total_loss",
+    "expected_mismatches",
     "tail_exposure",
 )
-RB_COLUMNS = (*NAIVE_COLUMNS, "window_contribution_tv", "tail_contribution_tv", "total_loss_tv")
+RB_COLUMNS = (
+    *NAIVE_COLUMNS,
+    "window_contribution_tv",
+    "tail_contribution_tv",
+    "expected_mismatches_tv",
+)
 
 
 def simulate_ref(

@@ -6,7 +6,7 @@
         --replicates N --branches K --seed N --json
 
 JSON values are counts per sequence (``*_fraction``, ``exposure``, ``mismatch_fraction`` and
-``first_mismatch_contribution`` are divided by T); ``estimate`` gives ``{"mean", "se"}`` for
+``first_mismatch`` are divided by T); ``estimate`` gives ``{"mean", "se"}`` for
 each quantity; NaN is written as null.
 """
 
@@ -23,10 +23,10 @@ SCALARS = (
     "expected_mismatches",
     "mismatch_fraction",
     "occurrence",
-    "first_mismatch_contribution",
+    "first_mismatch",
     "occupation",
     "exposure",
-    "mismatch_rate",
+    "rho",
     "window_contribution",
     "tail_contribution",
     "tail_exposure",

@@ -4,7 +4,7 @@ Conventions (SPEC sections 3 to 5): steps ``t = 1..T``; the window ``L`` counts 
 ``1..L`` after the first divergence ``tau`` (``L >= T``: to the horizon). Quantities are counts
 per sequence, not fractions: ``expected_mismatches = occurrence + window_contribution +
 tail_contribution``; ``mismatch_fraction = expected_mismatches / T``,
-``first_mismatch_contribution = occurrence / T``, ``exposure = occupation / T``. The interval is
+``first_mismatch = occurrence / T``, ``exposure = occupation / T``. The interval is
 ``[occurrence + window_contribution, that + tail_exposure]`` (``*_fraction``: divided by T).
 ``branch_tv_by_lag[l - 1] = E[delta_{tau+l} | tau + l <= T]``, ``l = 1..min(L, T - 1)``.
 """
@@ -19,6 +19,7 @@ import numpy as np
 import numpy.typing as npt
 
 from kvcouple import _core
+from kvcouple.deprecation import RenamedKeys, warn_renamed
 from kvcouple.errors import InvalidInputError
 from kvcouple.resources import check_memory
 from kvcouple.synth.pairs import KernelPair, check_seed
@@ -81,14 +82,16 @@ class ExactResult:
         ``expected_mismatches / T``.
     occurrence : float
         ``P(tau <= T)``, the probability that the sequences diverge at all.
-    first_mismatch_contribution : float
-        ``occurrence / T``.
+    first_mismatch : float
+        ``occurrence / T`` (formerly ``first_mismatch_contribution``: still readable,
+        deprecated).
     occupation : float
         ``E[(T - tau)+]``, the expected number of steps after the first divergence.
     exposure : float
         ``occupation / T``.
-    mismatch_rate : float
-        Mismatches after the first divergence per step of occupation,
+    rho : float
+        Mismatches after the first divergence per step of occupation (formerly
+        ``mismatch_rate``, still readable, deprecated),
         ``(window_contribution + tail_contribution) / occupation``.
     window_contribution : float
         Expected mismatches at lags ``1..L`` after ``tau``.
@@ -121,10 +124,10 @@ class ExactResult:
     expected_mismatches: float
     mismatch_fraction: float
     occurrence: float
-    first_mismatch_contribution: float
+    first_mismatch: float
     occupation: float
     exposure: float
-    mismatch_rate: float
+    rho: float
     window_contribution: float
     tail_contribution: float
     tail_exposure: float
@@ -145,10 +148,23 @@ class ExactResult:
     def interval_upper_fraction(self) -> float:
         return self.interval_upper / self.horizon
 
+    @property
+    def first_mismatch_contribution(self) -> float:
+        warn_renamed("first_mismatch_contribution", "first_mismatch", "ExactResult")
+        return self.first_mismatch
+
+    @property
+    def mismatch_rate(self) -> float:
+        warn_renamed("mismatch_rate", "rho", "ExactResult")
+        return self.rho
+
     def to_dict(self) -> dict[str, Any]:
         d = {k: getattr(self, k) for k in self.__dataclass_fields__}
         d["interval_lower_fraction"] = self.interval_lower_fraction
         d["interval_upper_fraction"] = self.interval_upper_fraction
+        # The renamed keys, for one release (deprecated).
+        d["first_mismatch_contribution"] = self.first_mismatch
+        d["mismatch_rate"] = self.rho
         return _json(d)
 
 
@@ -198,7 +214,7 @@ def simulate(
 ) -> dict[str, npt.NDArray[np.float64]]:
     """Per-replicate values of one estimator (arrays of length ``replicates``).
 
-    Keys: ``occurrence, occupation, window_contribution, tail_contribution, total_loss,
+    Keys: ``occurrence, occupation, window_contribution, tail_contribution, expected_mismatches,
     tail_exposure, evaluations`` (kernel evaluations, 2 per step), and ``branch_tv_sum``,
     ``branch_lag_weight`` (replicates x lags: unbiased estimates of
     ``E[delta_{tau+l} 1{tau+l <= T}]`` and ``P(tau + l <= T)``). ``trace="window"`` stops
@@ -260,11 +276,11 @@ def simulate(
         trace_to_horizon=trace == "horizon",
     )
     if method == "rb-tv":
-        for k in ("window_contribution", "tail_contribution", "total_loss"):
+        for k in ("window_contribution", "tail_contribution", "expected_mismatches"):
             out[k] = out.pop(k + "_tv")
-    for k in ("window_contribution_tv", "tail_contribution_tv", "total_loss_tv"):
+    for k in ("window_contribution_tv", "tail_contribution_tv", "expected_mismatches_tv"):
         out.pop(k, None)
-    return out
+    return RenamedKeys(out)  # the renamed keys still read, deprecated
 
 
 def _mean_se(x: npt.NDArray[np.float64]) -> tuple[float, float]:
@@ -291,7 +307,7 @@ class Estimate:
 
     ``values[name]`` holds the per-replicate values of each name in ``QUANTITIES``;
     ``mean``/``se`` also hold the fractions and ratios (``mismatch_fraction``, ``exposure``,
-    ``first_mismatch_contribution``, ``mismatch_rate``; ratios with delta-method SEs).
+    ``first_mismatch``, ``rho``; ratios with delta-method SEs).
 
     Attributes
     ----------
@@ -422,7 +438,7 @@ def estimate(
         "occupation": raw["occupation"],
         "window_contribution": raw["window_contribution"],
         "tail_contribution": raw["tail_contribution"],
-        "expected_mismatches": raw["total_loss"],
+        "expected_mismatches": raw["expected_mismatches"],
         "tail_exposure": raw["tail_exposure"],
         "interval_lower": raw["occurrence"] + raw["window_contribution"],
     }
@@ -433,14 +449,14 @@ def estimate(
     t = float(horizon)
     for k, src in (
         ("mismatch_fraction", "expected_mismatches"),
-        ("first_mismatch_contribution", "occurrence"),
+        ("first_mismatch", "occurrence"),
         ("exposure", "occupation"),
         ("interval_lower_fraction", "interval_lower"),
         ("interval_upper_fraction", "interval_upper"),
     ):
         mean[k], se[k] = mean[src] / t, se[src] / t
     post = raw["window_contribution"] + raw["tail_contribution"]
-    mean["mismatch_rate"], se["mismatch_rate"] = _ratio(post, raw["occupation"])
+    mean["rho"], se["rho"] = _ratio(post, raw["occupation"])
     lags = raw["branch_tv_sum"].shape[1]
     tv = [_ratio(raw["branch_tv_sum"][:, i], raw["branch_lag_weight"][:, i]) for i in range(lags)]
     return Estimate(
@@ -451,8 +467,8 @@ def estimate(
         branches=branches,
         seed=seed,
         values=values,
-        mean=mean,
-        se=se,
+        mean=RenamedKeys(mean),
+        se=RenamedKeys(se),
         branch_tv_by_lag=np.array([m for m, _ in tv], dtype=np.float64),
         branch_tv_by_lag_se=np.array([s for _, s in tv], dtype=np.float64),
         evaluations=float(np.mean(raw["evaluations"])),

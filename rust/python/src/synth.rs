@@ -146,13 +146,10 @@ pub fn synth_exact<'py>(
     d.set_item("expected_mismatches", e.expected_mismatches)?;
     d.set_item("mismatch_fraction", e.mismatch_fraction())?;
     d.set_item("occurrence", e.occurrence)?;
-    d.set_item(
-        "first_mismatch_contribution",
-        e.first_mismatch_contribution(),
-    )?;
+    d.set_item("first_mismatch", e.first_mismatch())?;
     d.set_item("occupation", e.occupation)?;
     d.set_item("exposure", e.exposure())?;
-    d.set_item("mismatch_rate", e.mismatch_rate())?;
+    d.set_item("rho", e.rho())?;
     d.set_item("window_contribution", e.window_contribution)?;
     d.set_item("tail_contribution", e.tail_contribution)?;
     d.set_item("tail_exposure", e.tail_exposure)?;
@@ -219,7 +216,10 @@ pub fn synth_simulate<'py>(
         out.window_contribution.into_pyarray(py),
     )?;
     d.set_item("tail_contribution", out.tail_contribution.into_pyarray(py))?;
-    d.set_item("total_loss", out.total_loss.into_pyarray(py))?;
+    d.set_item(
+        "expected_mismatches",
+        out.expected_mismatches.into_pyarray(py),
+    )?;
     if method == Method::Rb {
         d.set_item(
             "window_contribution_tv",
@@ -229,7 +229,10 @@ pub fn synth_simulate<'py>(
             "tail_contribution_tv",
             out.tail_contribution_tv.into_pyarray(py),
         )?;
-        d.set_item("total_loss_tv", out.total_loss_tv.into_pyarray(py))?;
+        d.set_item(
+            "expected_mismatches_tv",
+            out.expected_mismatches_tv.into_pyarray(py),
+        )?;
     }
     let sums: Bound<'py, PyArray1<f64>> = out.branch_tv_sum.into_pyarray(py);
     d.set_item("branch_tv_sum", sums.reshape(lag_shape)?)?;

@@ -53,14 +53,14 @@ impl ExactResult {
     pub fn mismatch_fraction(&self) -> f64 {
         self.expected_mismatches / self.horizon as f64
     }
-    pub fn first_mismatch_contribution(&self) -> f64 {
+    pub fn first_mismatch(&self) -> f64 {
         self.occurrence / self.horizon as f64
     }
     pub fn exposure(&self) -> f64 {
         self.occupation / self.horizon as f64
     }
     /// `rho`: post-divergence mismatches per post-divergence step (NaN without occupation).
-    pub fn mismatch_rate(&self) -> f64 {
+    pub fn rho(&self) -> f64 {
         if self.occupation > 0.0 {
             (self.window_contribution + self.tail_contribution) / self.occupation
         } else {

@@ -51,11 +51,11 @@ pub struct McOutput {
     pub tail_exposure: Vec<f64>,
     pub window_contribution: Vec<f64>,
     pub tail_contribution: Vec<f64>,
-    pub total_loss: Vec<f64>,
+    pub expected_mismatches: Vec<f64>,
     /// The branch-TV variants (rb only; empty for naive).
     pub window_contribution_tv: Vec<f64>,
     pub tail_contribution_tv: Vec<f64>,
-    pub total_loss_tv: Vec<f64>,
+    pub expected_mismatches_tv: Vec<f64>,
     /// Numerator and denominator of `branch_tv_by_lag`: estimates of
     /// `E[delta_{tau+l} 1{tau+l <= T}]` and `P(tau + l <= T)`.
     pub branch_tv_sum: Vec<f64>,
@@ -363,10 +363,10 @@ pub fn simulate_with(pair: &KernelPair, o: &McOptions, cancel: &Cancel) -> KvRes
         tail_exposure: col(|r| r.tail_exposure),
         window_contribution: col(|r| r.window),
         tail_contribution: col(|r| r.tail),
-        total_loss: col(|r| r.total),
+        expected_mismatches: col(|r| r.total),
         window_contribution_tv: if rb { col(|r| r.window_tv) } else { vec![] },
         tail_contribution_tv: if rb { col(|r| r.tail_tv) } else { vec![] },
-        total_loss_tv: if rb { col(|r| r.total_tv) } else { vec![] },
+        expected_mismatches_tv: if rb { col(|r| r.total_tv) } else { vec![] },
         branch_tv_sum: tv_sum,
         branch_lag_weight: weight,
         evaluations: col(|r| r.evaluations),

@@ -65,7 +65,7 @@ fn estimators_agree_with_exact() {
                 (&out.occupation, e.occupation),
                 (&out.window_contribution, e.window_contribution),
                 (&out.tail_contribution, e.tail_contribution),
-                (&out.total_loss, e.expected_mismatches),
+                (&out.expected_mismatches, e.expected_mismatches),
                 (&out.tail_exposure, e.tail_exposure),
             ];
             for (i, (x, truth)) in checks.iter().enumerate() {
@@ -98,7 +98,7 @@ fn identical_and_disjoint_kernels() {
     let same = KernelPair::new(p.clone(), p.clone()).unwrap();
     let e = exact(&same, 5, 2).unwrap();
     assert_eq!(e.expected_mismatches, 0.0);
-    assert!(e.mismatch_rate().is_nan());
+    assert!(e.rho().is_nan());
     let q = Kernel::markov("Q", &[0.0, 1.0, 0.0, 1.0], 2, 0).unwrap();
     let p = Kernel::markov("P", &[1.0, 0.0, 1.0, 0.0], 2, 0).unwrap();
     let apart = KernelPair::new(p, q).unwrap();
@@ -106,7 +106,7 @@ fn identical_and_disjoint_kernels() {
     assert_eq!(e.expected_mismatches, 5.0);
     assert_eq!(e.divergence_time_pmf[0], 1.0);
     let out = simulate(&apart, &opts(Method::Rb, 5, 2, 10)).unwrap();
-    assert!(out.total_loss.iter().all(|&x| x == 5.0));
+    assert!(out.expected_mismatches.iter().all(|&x| x == 5.0));
 }
 
 #[test]

@@ -1,0 +1,41 @@
+"""Public names renamed so that every quantity has one name (the registry:
+:mod:`kvcouple.analysis.quantities`), each still readable under its old name for one release
+with a :class:`DeprecationWarning` (CHANGELOG.md lists them)."""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+# Old name -> the registered name.
+RENAMED: dict[str, str] = {
+    "total_loss": "expected_mismatches",
+    "total_loss_tv": "expected_mismatches_tv",
+    "first_mismatch_contribution": "first_mismatch",
+    "mismatch_rate": "rho",
+}
+
+
+def warn_renamed(old: str, new: str, where: str, stacklevel: int = 3) -> None:
+    warnings.warn(
+        f"{where}: {old!r} is deprecated, use {new!r} (removed in the next release)",
+        DeprecationWarning,
+        stacklevel=stacklevel,
+    )
+
+
+class RenamedKeys(dict[str, Any]):
+    """A dict whose renamed keys (:data:`RENAMED`) still read, with a warning."""
+
+    def __missing__(self, key: str) -> Any:
+        new = RENAMED.get(key)
+        if new is None or new not in self:
+            raise KeyError(key)
+        warn_renamed(key, new, "result key")
+        return self[new]
+
+    def get(self, key: str, default: Any = None) -> Any:
+        try:
+            return self[key]
+        except KeyError:
+            return default
