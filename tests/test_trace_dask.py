@@ -262,3 +262,27 @@ def test_dry_run_prints_the_plan_per_worker(client, tmp_path, capsys):
         assert "cpu, free memory not known (no limit)" in line
         assert f"fits {batches} of {batches} batches" in line
     assert not (tmp_path / "dry.zarr").exists()
+
+
+def test_half_written_document_is_retraced_and_bad_resume_refused(
+    model_and_prompts, client, tmp_path
+):
+    import zarr
+
+    from kvcouple.errors import StoreError
+
+    model, prompts = model_and_prompts
+    prompts = prompts[:4]
+    ref, out = tmp_path / "ref.zarr", tmp_path / "half.zarr"
+    trace(model, prompts, POLICIES, SMALL, ref, **KW)
+    first = trace(model, prompts, POLICIES, SMALL, out, client=client, max_docs=3, **KW)
+    assert first.traced == [0, 1, 2]
+    group = zarr.open_group(str(out), mode="r+")
+    group["tokens"][1] = 99  # written, but its completed flag never set: a worker died here
+    group["completed"][1] = False
+    again = trace(model, prompts, POLICIES, SMALL, out, client=client, **KW)
+    assert again.traced == [1, 3] and again.skipped == 2
+    assert_same_store(ref, out)
+    # Resuming with another seed is refused by the setup task, with the store's own error.
+    with pytest.raises(StoreError, match="seed"):
+        trace(model, prompts, POLICIES, SMALL, out, client=client, **{**KW, "seed": 4})
