@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 from pathlib import Path
 from typing import Any, Literal
 
@@ -108,6 +109,14 @@ def _size_arguments(p: argparse.ArgumentParser) -> None:
         help="cache layout of one-shot policies: shared (the prompt's cache held once for all "
         "replicates), split (P and Q rows as two batches), joint (one batch, Q padded); auto "
         "(default): shared where the model allows it. Results agree to float noise",
+    )
+    p.add_argument(
+        "--compile",
+        default="off",
+        choices=("off", "auto", "graphs"),
+        help="torch.compile of the decoding step: off (default, eager), auto (compiled on "
+        "CUDA, eager elsewhere), graphs (CUDA graphs on CUDA: mode=reduce-overhead; inductor "
+        "elsewhere). Results equal eager to float noise",
     )
     p.add_argument(
         "--doc-batch",
@@ -408,6 +417,7 @@ def run(args: argparse.Namespace) -> int:
         branch_batch=branch_batch,  # type: ignore[arg-type]
         cache_layout=args.cache_layout,
         doc_batch=doc_batch,  # type: ignore[arg-type]
+        compile=args.compile,
     )
     client, owned = connect_client(None, args.scheduler)  # checked reachable before
     try:
@@ -488,6 +498,13 @@ def check_arguments(args: argparse.Namespace) -> None:
     if args.scheduler is not None:  # unreachable: fail in seconds, before any model loads
         require("distributed", "trace --scheduler")
         check_scheduler(args.scheduler)
+        for name in args.plugin or ():  # workers unpickle plug-in policies by module name
+            if name.strip().endswith(".py") or "/" in name or os.sep in name:
+                raise InvalidInputError(
+                    f"--plugin {name} with --scheduler: the workers import plug-in policies by "
+                    "module name; put the file's folder on the workers' PYTHONPATH (and this "
+                    f"machine's) and give --plugin {Path(name).stem}"
+                )
     source, local = model_source(args.model)
     if not local:  # a Hub id: cached, or the Hub reachable; else fail now, not after retries
         check_hub_model(str(source), args.revision)

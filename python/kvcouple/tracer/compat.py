@@ -34,6 +34,7 @@ from kvcouple.tracer.kvcache import cache_tensors as cache_tensors
 from kvcouple.tracer.kvcache import new_cache as new_cache
 from kvcouple.tracer.model import UnsupportedModelError as UnsupportedModelError
 from kvcouple.tracer.model import facts
+from kvcouple.tracer.settings import active_compile_mode
 
 __all__ = [
     "QueryCapture",
@@ -64,10 +65,44 @@ def forward(
     attention_mask: torch.Tensor | None = None,
     last_only: bool = True,
     prefix: attention.SharedPrefix | None = None,
+    step: bool = False,
 ) -> torch.Tensor:
     """One forward pass that appends to ``cache``; returns the logits of the last position
     ``(batch, vocab)`` (or every position with ``last_only=False``). ``prefix``: the prefixes
-    the rows attend to before ``cache`` (the shared layout)."""
+    the rows attend to before ``cache`` (the shared layout). ``step``: a decoding step, which
+    runs compiled while a compiled run is in progress (:func:`~kvcouple.tracer.settings.
+    compiling`)."""
+    mode = active_compile_mode() if step else None
+    if mode is not None:
+        return _compiled(mode)(
+            model, input_ids, cache, position_ids, attention_mask, last_only, prefix
+        )
+    return _forward(model, input_ids, cache, position_ids, attention_mask, last_only, prefix)
+
+
+# One compiled forward per torch.compile mode, for the process's life. Shapes are dynamic
+# (``dynamic=True``): the cache grows by a column per step and batches differ in rows, and
+# neither recompiles (dynamo guards on the model and the cache's structure, not on sizes).
+_COMPILED: dict[str, Any] = {}
+
+
+def _compiled(mode: str) -> Any:
+    fn = _COMPILED.get(mode)
+    if fn is None:
+        fn = torch.compile(_forward, mode=mode, dynamic=True)
+        _COMPILED[mode] = fn
+    return fn
+
+
+def _forward(
+    model: Any,
+    input_ids: torch.Tensor,
+    cache: Any,
+    position_ids: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    last_only: bool,
+    prefix: attention.SharedPrefix | None,
+) -> torch.Tensor:
     f = facts(model)
     params = f.forward_parameters
     kw: dict[str, Any] = {

@@ -52,7 +52,13 @@ from kvcouple.tracer.records import (
     to_host,
 )
 from kvcouple.tracer.rows import Rows, StepHook
-from kvcouple.tracer.settings import Decoding, TraceSettings
+from kvcouple.tracer.settings import (
+    Decoding,
+    TraceSettings,
+    compile_mode,
+    compiling,
+    without_grad,
+)
 from kvcouple.tracer.shape import ModelShape, choose_layout
 from kvcouple.tracer.step import EosState, coupled_step
 from kvcouple.tracer.trajectories import Trajectories
@@ -69,7 +75,7 @@ __all__ = [
 ]
 
 
-@torch.inference_mode()
+@without_grad
 def overlap_path(
     model: Any,
     pre: Prefill,
@@ -105,7 +111,7 @@ def overlap_path(
     return run_path(rows, first, settings, path_u)
 
 
-@torch.inference_mode()
+@without_grad
 def run_path(
     rows: Rows, first: torch.Tensor, settings: TraceSettings, path_u: torch.Tensor
 ) -> Path:
@@ -203,7 +209,7 @@ def random_streams(
     }
 
 
-@torch.inference_mode()
+@without_grad
 def trace_policy(
     model: Any,
     pre: Prefill,
@@ -294,7 +300,6 @@ def prepare(
     return Unit(pre, settings, streams, admission, idx, gather_kept(pre.kv, idx), rule, layout)
 
 
-@torch.inference_mode()
 def trace_units(
     model: Any,
     documents: list[tuple[Prefill, TraceSettings, int]],
@@ -306,7 +311,22 @@ def trace_units(
     sizes, branch batches may differ): where every one runs in the shared layout, their overlap
     paths run as one batch (the weights read once per step for all of them), then all their
     branches, forked from it; otherwise one document after another. The records equal
-    one-at-a-time tracing to float noise (every uniform is drawn per document)."""
+    one-at-a-time tracing to float noise (every uniform is drawn per document). With
+    ``TraceSettings.compile`` the decoding steps run compiled (:func:`~kvcouple.tracer.
+    settings.compile_mode`)."""
+    mode = compile_mode(documents[0][1].compile, documents[0][0].input_ids.device)
+    with compiling(mode):
+        return _trace_units(model, documents, policy, seed, policy_index)
+
+
+@without_grad
+def _trace_units(
+    model: Any,
+    documents: list[tuple[Prefill, TraceSettings, int]],
+    policy: Policy,
+    seed: int,
+    policy_index: int,
+) -> list[PolicyTrace]:
     shape = ModelShape.of_model(model)
     units = [prepare(shape, pre, policy, s, seed, d, policy_index) for pre, s, d in documents]
     if len(units) == 1 or any(u.layout != "shared" for u in units):

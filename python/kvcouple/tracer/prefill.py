@@ -23,6 +23,7 @@ from kvcouple.tracer import compat, support
 from kvcouple.tracer.model import attn_implementation as attn_implementation
 from kvcouple.tracer.model import facts
 from kvcouple.tracer.model import vocab_size as vocab_size
+from kvcouple.tracer.settings import without_grad
 
 
 class PromptTooShortError(InvalidInputError):
@@ -80,7 +81,7 @@ def query_needs(policies: Sequence[Policy]) -> tuple[bool, int | None, bool]:
     return True, keep, any(acc for _, acc in needs)
 
 
-@torch.inference_mode()
+@without_grad
 def prefill(
     model: Any,
     input_ids: torch.Tensor,
@@ -128,7 +129,7 @@ class _ScoredPolicy:
     NEEDS_QUERIES = True
 
 
-@torch.inference_mode()
+@without_grad
 def select(policy: Policy, pre: Prefill, generator: torch.Generator | None = None) -> torch.Tensor:
     """The policy's kept prefix indices ``(layers, kv_heads, kept - 1)``, checked."""
     keep = policy.kept_count(pre.prompt_length) - 1

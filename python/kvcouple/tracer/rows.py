@@ -90,6 +90,8 @@ class CacheRows:
                 self.positions[:, None],
                 mask,
                 prefix=self.prefix,
+                # (compiled in a compiled run, unless a hook captures inside the pass)
+                step=self.hook is None,
             )
         if self.hook is not None:
             self.hook.after_step(self)

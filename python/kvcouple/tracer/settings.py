@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+import functools
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 import torch
 
@@ -40,6 +44,9 @@ class Decoding:
         return {"temperature": self.temperature, "top_k": self.top_k, "top_p": self.top_p}
 
 
+COMPILE_CHOICES = ("off", "auto", "graphs")
+
+
 @dataclass(frozen=True)
 class TraceSettings:
     """Sizes of one run: horizon T, replicates R, branches K, window L (lags traced).
@@ -72,6 +79,11 @@ class TraceSettings:
         Most documents whose overlap paths run as one batch (shared layout only; >= 1).
         ``"auto"`` (the default) batches documents on CUDA while their planned peaks fit the
         device together, up to 128 rows (``2R`` per document); one at a time on CPU.
+    compile : {"off", "auto", "graphs"}, optional
+        The decoding step's forward pass through ``torch.compile`` (:func:`compile_mode`):
+        ``"off"`` (the default: eager), ``"auto"`` (compiled on CUDA, eager elsewhere) or
+        ``"graphs"`` (``mode="reduce-overhead"``, CUDA graphs, on CUDA; inductor on CPU).
+        Results equal eager to float noise.
     """
 
     horizon: int
@@ -92,8 +104,12 @@ class TraceSettings:
     cache_layout: Literal["auto", "joint", "split", "shared"] = "auto"
     # Documents traced as one batch (kvcouple.tracer.run.document_batches).
     doc_batch: int | Literal["auto"] = "auto"
+    # torch.compile of the decoding step (compile_mode).
+    compile: Literal["off", "auto", "graphs"] = "off"
 
     def __post_init__(self) -> None:
+        if self.compile not in COMPILE_CHOICES:
+            raise ValueError(f"compile must be off, auto or graphs, got {self.compile!r}")
         for name in ("horizon", "replicates", "branches"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
@@ -123,3 +139,58 @@ class TraceSettings:
             "k": max(self.record.k, 1),
             "vocab": vocab_size,
         }
+
+
+def compile_mode(choice: str, device: torch.device | str) -> str | None:
+    """The ``torch.compile`` mode of the decoding step for ``TraceSettings.compile`` on
+    ``device``: None for eager (``off``; ``auto`` off CUDA), ``"reduce-overhead"`` for
+    ``graphs`` on CUDA, ``"default"`` (inductor) otherwise."""
+    if choice not in COMPILE_CHOICES:
+        raise ValueError(f"compile must be off, auto or graphs, got {choice!r}")
+    cuda = torch.device(device).type == "cuda"
+    if choice == "off" or (choice == "auto" and not cuda):
+        return None
+    return "reduce-overhead" if choice == "graphs" and cuda else "default"
+
+
+# The compile mode of the run in progress (None: eager). While it is set the tracer runs under
+# ``no_grad`` instead of ``inference_mode``: compiled graphs cannot take inference tensors
+# (the preallocated caches) as inputs they write to, so every tensor the step reads must be
+# created outside inference mode, from the prefill on.
+_COMPILING: contextvars.ContextVar[str | None] = contextvars.ContextVar(
+    "kvcouple_tracer_compile", default=None
+)
+
+
+@contextlib.contextmanager
+def compiling(mode: str | None) -> Iterator[None]:
+    """Run the enclosed tracing with the decoding step compiled in ``mode`` (None: eager)."""
+    token = _COMPILING.set(mode)
+    try:
+        yield
+    finally:
+        _COMPILING.reset(token)
+
+
+def active_compile_mode() -> str | None:
+    """The compile mode of the run in progress (None: eager)."""
+    return _COMPILING.get()
+
+
+def grad_off() -> contextlib.AbstractContextManager[Any]:
+    """No autograd: ``inference_mode`` (cheaper) unless the step is compiled (``no_grad``)."""
+    return torch.no_grad() if _COMPILING.get() is not None else torch.inference_mode()
+
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def without_grad(fn: F) -> F:
+    """Decorator: call ``fn`` under :func:`grad_off` (chosen at call time)."""
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        with grad_off():
+            return fn(*args, **kwargs)
+
+    return wrapper  # type: ignore[return-value]

@@ -1,0 +1,100 @@
+"""TraceSettings(compile=...) / --compile: the decoding step through torch.compile equals eager
+to float noise, and compiles once per batch shape, however many steps follow."""
+
+from dataclasses import replace
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+from kvcouple.testing.tiny_models import tiny_model  # noqa: E402
+from kvcouple.tracer import TraceSettings, compat, trace_document  # noqa: E402
+from kvcouple.tracer.settings import compile_mode  # noqa: E402
+
+PROMPT = np.random.default_rng(0).integers(1, 120, 20).tolist()
+SPEC = ["snapkv:retain=0.5,window=4"]
+
+
+def test_compile_choices_and_modes():
+    assert compile_mode("off", "cuda") is None
+    assert compile_mode("auto", "cpu") is None  # eager is the default on CPU
+    assert compile_mode("auto", "cuda") == "default"
+    assert compile_mode("graphs", "cuda") == "reduce-overhead"
+    assert compile_mode("graphs", "cpu") == "default"  # inductor
+    with pytest.raises(ValueError, match="compile must be off, auto or graphs"):
+        TraceSettings(horizon=2, compile="always")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="compile must be"):
+        compile_mode("on", "cpu")
+
+
+def _assert_records_agree(eager, compiled, rtol=1e-5, atol=1e-6):
+    assert eager.keys() == compiled.keys()
+    for name in eager:
+        a, b = np.asarray(eager[name]), np.asarray(compiled[name])
+        if a.dtype.kind == "f":
+            np.testing.assert_allclose(a, b, rtol=rtol, atol=atol, err_msg=name)
+        else:
+            np.testing.assert_array_equal(a, b, err_msg=name)
+
+
+@pytest.fixture
+def counting_compile(monkeypatch):
+    """The compiled step through a backend that counts the graphs it is given (dynamo's own
+    eager backend: fast, the same guards and recompilations as inductor's)."""
+    import torch._dynamo
+
+    graphs: list[int] = []
+
+    def backend(gm, example_inputs):
+        graphs.append(len(example_inputs))
+        return gm.forward
+
+    torch._dynamo.reset()
+    compiled: dict[str, object] = {}
+    monkeypatch.setattr(
+        compat,
+        "_compiled",
+        lambda mode: compiled.setdefault(
+            mode, torch.compile(compat._forward, backend=backend, dynamic=True)
+        ),
+    )
+    yield graphs
+    torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("layout", ["joint", "shared"])
+def test_compiled_step_compiles_once_per_batch_shape(counting_compile, layout):
+    """32 steps compile a handful of graphs (the path's batch, the branches' batch, the
+    shared layout's prefix groups), not one per step: the cache grows by a column a step
+    without a recompilation, and the same run again compiles nothing."""
+    model = tiny_model("llama", num_hidden_layers=2, attn_implementation="sdpa")
+    settings = TraceSettings(
+        horizon=32, replicates=2, branches=1, window=0, cache_layout=layout, compile="graphs"
+    )
+    compiled, _ = trace_document(model, PROMPT, SPEC, settings, seed=1)
+    first = len(counting_compile)
+    assert 0 < first <= 6, counting_compile
+    trace_document(model, PROMPT, SPEC, settings, seed=1)
+    assert len(counting_compile) == first, counting_compile
+    eager, _ = trace_document(model, PROMPT, SPEC, replace(settings, compile="off"), seed=1)
+    _assert_records_agree(eager, compiled)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_inductor_step_equals_eager(arch):
+    """The decoding step compiled by inductor on CPU (compile="graphs"), 32 steps with forked
+    branches: every record equals eager's to float noise, on two architectures."""
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    compat._COMPILED.clear()
+    model = tiny_model(arch, num_hidden_layers=2, attn_implementation="sdpa")
+    settings = TraceSettings(horizon=32, replicates=2, branches=1, window=2, cache_layout="joint")
+    eager, _ = trace_document(model, PROMPT, SPEC, settings, seed=1)
+    compiled, _ = trace_document(model, PROMPT, SPEC, replace(settings, compile="graphs"), seed=1)
+    _assert_records_agree(eager, compiled)
+    compat._COMPILED.clear()
+    torch._dynamo.reset()
