@@ -286,3 +286,14 @@ def test_half_written_document_is_retraced_and_bad_resume_refused(
     # Resuming with another seed is refused by the setup task, with the store's own error.
     with pytest.raises(StoreError, match="seed"):
         trace(model, prompts, POLICIES, SMALL, out, client=client, **{**KW, "seed": 4})
+
+
+def test_a_plugin_file_with_a_scheduler_is_refused_by_name(client, tmp_path, capsys):
+    plugin = tmp_path / "my_policies.py"
+    plugin.write_text("")
+    args = ["trace", "--policy", "full", "--out", str(tmp_path / "p.zarr")]
+    args += ["--plugin", str(plugin), "--scheduler", client.scheduler.address]
+    assert cli_main(args) != 0
+    err = capsys.readouterr().err
+    assert "workers' PYTHONPATH" in err and "--plugin my_policies" in err, err
+    assert not (tmp_path / "p.zarr").exists()
