@@ -111,6 +111,14 @@ def _size_arguments(p: argparse.ArgumentParser) -> None:
         "(default): shared where the model allows it. Results agree to float noise",
     )
     p.add_argument(
+        "--compile",
+        default="off",
+        choices=("off", "auto", "graphs"),
+        help="torch.compile of the decoding step: off (default, eager), auto (compiled on "
+        "CUDA, eager elsewhere), graphs (CUDA graphs on CUDA: mode=reduce-overhead; inductor "
+        "elsewhere). Results equal eager to float noise",
+    )
+    p.add_argument(
         "--doc-batch",
         default="auto",
         help="most documents traced as one batch (shared cache layout); auto (default): as "
@@ -409,6 +417,7 @@ def run(args: argparse.Namespace) -> int:
         branch_batch=branch_batch,  # type: ignore[arg-type]
         cache_layout=args.cache_layout,
         doc_batch=doc_batch,  # type: ignore[arg-type]
+        compile=args.compile,
     )
     client, owned = connect_client(None, args.scheduler)  # checked reachable before
     try:
