@@ -221,7 +221,7 @@ def test_numba_reference_reproduces_the_replicates() -> None:
         )
         for method in ("naive", "rb"):
             ours = _core.synth_simulate(
-                *pair.arrays(), 11, 3, method=method, replicates=300, branches=2, seed=seed
+                pair.arrays(), 11, 3, method=method, replicates=300, branches=2, seed=seed
             )
             ref = simulate_ref(
                 pair.arrays(), 11, 3, method=method, replicates=300, branches=2, seed=seed

@@ -77,12 +77,7 @@ _PairArrays = tuple[
 ]
 
 def synth_validate(
-    p_emit: npt.NDArray[np.float64],
-    p_next: npt.NDArray[np.int64],
-    p_start: int,
-    q_emit: npt.NDArray[np.float64],
-    q_next: npt.NDArray[np.int64],
-    q_start: int,
+    pair: _PairArrays,
 ) -> _PairArrays: ...
 def synth_random_pair(
     vocab: int,
@@ -96,22 +91,12 @@ def synth_random_pair(
     markov: bool = False,
 ) -> _PairArrays: ...
 def synth_exact(
-    p_emit: npt.NDArray[np.float64],
-    p_next: npt.NDArray[np.int64],
-    p_start: int,
-    q_emit: npt.NDArray[np.float64],
-    q_next: npt.NDArray[np.int64],
-    q_start: int,
+    pair: _PairArrays,
     horizon: int,
     window: int,
 ) -> dict[str, Any]: ...
 def synth_simulate(
-    p_emit: npt.NDArray[np.float64],
-    p_next: npt.NDArray[np.int64],
-    p_start: int,
-    q_emit: npt.NDArray[np.float64],
-    q_next: npt.NDArray[np.int64],
-    q_start: int,
+    pair: _PairArrays,
     horizon: int,
     window: int,
     *,
@@ -122,12 +107,7 @@ def synth_simulate(
     trace_to_horizon: bool = True,
 ) -> dict[str, npt.NDArray[np.float64]]: ...
 def synth_interval_constructions(
-    p_emit: npt.NDArray[np.float64],
-    p_next: npt.NDArray[np.int64],
-    p_start: int,
-    q_emit: npt.NDArray[np.float64],
-    q_next: npt.NDArray[np.int64],
-    q_start: int,
+    pair: _PairArrays,
     horizon: int,
     window: int,
 ) -> tuple[_PairArrays, _PairArrays]: ...

@@ -197,7 +197,7 @@ def exact(pair: KernelPair, horizon: int, window: int | None = None) -> ExactRes
     kvcouple.errors.InvalidInputError
         An out-of-range ``horizon`` or ``window``.
     """
-    d = _core.synth_exact(*pair.arrays(), horizon, _window(horizon, window))
+    d = _core.synth_exact(pair.arrays(), horizon, _window(horizon, window))
     return ExactResult(**d)
 
 
@@ -266,7 +266,7 @@ def simulate(
         if replicates * lags <= 2**27:  # beyond, the core refuses with its own message
             check_memory(f"replicates = {replicates}", 8 * replicates * (16 + 2 * lags))
     out = _core.synth_simulate(
-        *pair.arrays(),
+        pair.arrays(),
         horizon,
         _window(horizon, window),
         method="naive" if method == "naive" else "rb",
@@ -599,5 +599,5 @@ def interval_constructions(
     kvcouple.errors.InvalidInputError
         An out-of-range ``horizon`` or ``window``.
     """
-    lo, hi = _core.synth_interval_constructions(*pair.arrays(), horizon, window)
+    lo, hi = _core.synth_interval_constructions(pair.arrays(), horizon, window)
     return KernelPair.from_arrays(lo), KernelPair.from_arrays(hi)

@@ -153,7 +153,7 @@ class KernelPair:
             _matrix(self.q.next, "Q_next", np.int64),
             _index(self.q.start, "Q_start"),
         )
-        pe, pn, ps, qe, qn, qs = _core.synth_validate(*arrays)
+        pe, pn, ps, qe, qn, qs = _core.synth_validate(arrays)
         object.__setattr__(self, "p", Kernel(pe, pn, ps))
         object.__setattr__(self, "q", Kernel(qe, qn, qs))
 

@@ -1,8 +1,9 @@
 //! Thin wrappers of the synthetic-pair tools (kvcouple-core `synth`): validation, random pairs,
 //! the exact solver, the Monte Carlo estimators and the interval construction.
 //!
-//! A pair crosses the boundary as six arrays `(P_emit, P_next, P_start, Q_emit, Q_next,
-//! Q_start)`; `kvcouple.synth.KernelPair` packs and unpacks them.
+//! A pair crosses the boundary as one tuple `(P_emit, P_next, P_start, Q_emit, Q_next,
+//! Q_start)` (`KernelPair.arrays()`), read into [`PairArg`]; results come back as the same
+//! tuple (`PairArrays`).
 
 use kvcouple_core::synth::construction;
 use kvcouple_core::synth::exact;
@@ -46,17 +47,25 @@ fn kernel(
     guard(|| Kernel::new(name, e, n, s, v, start))
 }
 
-fn pair(
-    p_emit: PyReadonlyArray2<'_, f64>,
-    p_next: PyReadonlyArray2<'_, i64>,
-    p_start: i64,
-    q_emit: PyReadonlyArray2<'_, f64>,
-    q_next: PyReadonlyArray2<'_, i64>,
-    q_start: i64,
-) -> PyResult<KernelPair> {
-    let p = kernel("P", &p_emit, &p_next, p_start)?;
-    let q = kernel("Q", &q_emit, &q_next, q_start)?;
-    guard(|| KernelPair::new(p, q))
+/// A kernel pair as Python passes it: the tuple `(P_emit, P_next, P_start, Q_emit, Q_next,
+/// Q_start)` of `kvcouple.synth.KernelPair.arrays()`.
+#[derive(FromPyObject)]
+pub struct PairArg<'py>(
+    PyReadonlyArray2<'py, f64>,
+    PyReadonlyArray2<'py, i64>,
+    i64,
+    PyReadonlyArray2<'py, f64>,
+    PyReadonlyArray2<'py, i64>,
+    i64,
+);
+
+impl PairArg<'_> {
+    /// The validated pair.
+    fn pair(&self) -> PyResult<KernelPair> {
+        let p = kernel("P", &self.0, &self.1, self.2)?;
+        let q = kernel("Q", &self.3, &self.4, self.5)?;
+        guard(|| KernelPair::new(p, q))
+    }
 }
 
 fn kernel_arrays<'py>(
@@ -83,16 +92,8 @@ fn count(name: &str, value: i64) -> PyResult<usize> {
 
 /// Validate a pair; returns its arrays with rows renormalised exactly.
 #[pyfunction]
-pub fn synth_validate<'py>(
-    py: Python<'py>,
-    p_emit: PyReadonlyArray2<'py, f64>,
-    p_next: PyReadonlyArray2<'py, i64>,
-    p_start: i64,
-    q_emit: PyReadonlyArray2<'py, f64>,
-    q_next: PyReadonlyArray2<'py, i64>,
-    q_start: i64,
-) -> PyResult<PairArrays<'py>> {
-    let pr = pair(p_emit, p_next, p_start, q_emit, q_next, q_start)?;
+pub fn synth_validate<'py>(py: Python<'py>, pair: PairArg<'py>) -> PyResult<PairArrays<'py>> {
+    let pr = pair.pair()?;
     pair_arrays(py, &pr)
 }
 
@@ -128,16 +129,11 @@ pub fn synth_random_pair<'py>(
 #[pyfunction]
 pub fn synth_exact<'py>(
     py: Python<'py>,
-    p_emit: PyReadonlyArray2<'py, f64>,
-    p_next: PyReadonlyArray2<'py, i64>,
-    p_start: i64,
-    q_emit: PyReadonlyArray2<'py, f64>,
-    q_next: PyReadonlyArray2<'py, i64>,
-    q_start: i64,
+    pair: PairArg<'py>,
     horizon: i64,
     window: i64,
 ) -> PyResult<Bound<'py, PyDict>> {
-    let pr = pair(p_emit, p_next, p_start, q_emit, q_next, q_start)?;
+    let pr = pair.pair()?;
     let (t, l) = (count("horizon", horizon)?, count("window", window)?);
     let e = interruptible(py, |c| exact::exact_with(&pr, t, l, c))?;
     let d = PyDict::new(py);
@@ -169,15 +165,10 @@ pub fn synth_exact<'py>(
 
 /// Per-replicate Monte Carlo values (see `kvcouple.synth.simulate`).
 #[pyfunction]
-#[pyo3(signature = (p_emit, p_next, p_start, q_emit, q_next, q_start, horizon, window, *, method, replicates, branches=1, seed=0, trace_to_horizon=true))]
+#[pyo3(signature = (pair, horizon, window, *, method, replicates, branches=1, seed=0, trace_to_horizon=true))]
 pub fn synth_simulate<'py>(
     py: Python<'py>,
-    p_emit: PyReadonlyArray2<'py, f64>,
-    p_next: PyReadonlyArray2<'py, i64>,
-    p_start: i64,
-    q_emit: PyReadonlyArray2<'py, f64>,
-    q_next: PyReadonlyArray2<'py, i64>,
-    q_start: i64,
+    pair: PairArg<'py>,
     horizon: i64,
     window: i64,
     method: &str,
@@ -186,7 +177,7 @@ pub fn synth_simulate<'py>(
     seed: u64,
     trace_to_horizon: bool,
 ) -> PyResult<Bound<'py, PyDict>> {
-    let pr = pair(p_emit, p_next, p_start, q_emit, q_next, q_start)?;
+    let pr = pair.pair()?;
     let method = match method {
         "naive" => Method::Naive,
         "rb" => Method::Rb,
@@ -246,16 +237,11 @@ pub fn synth_simulate<'py>(
 #[pyfunction]
 pub fn synth_interval_constructions<'py>(
     py: Python<'py>,
-    p_emit: PyReadonlyArray2<'py, f64>,
-    p_next: PyReadonlyArray2<'py, i64>,
-    p_start: i64,
-    q_emit: PyReadonlyArray2<'py, f64>,
-    q_next: PyReadonlyArray2<'py, i64>,
-    q_start: i64,
+    pair: PairArg<'py>,
     horizon: i64,
     window: i64,
 ) -> PyResult<(PairArrays<'py>, PairArrays<'py>)> {
-    let pr = pair(p_emit, p_next, p_start, q_emit, q_next, q_start)?;
+    let pr = pair.pair()?;
     let (t, l) = (count("horizon", horizon)?, count("window", window)?);
     let (lo, hi) = py.detach(|| guard(|| construction::interval_constructions(&pr, t, l)))?;
     Ok((pair_arrays(py, &lo)?, pair_arrays(py, &hi)?))
