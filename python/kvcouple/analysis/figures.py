@@ -199,8 +199,8 @@ def sharp_interval_figure(tables: dict[str, Rows]) -> Any:
     series = _series(tables)
     fig, ax = _subplots(figsize=_bar_width(tables))
     for i, (m, p) in enumerate(series):
-        lo = _summary_row(tables, m, p, "interval_lower")
-        hi = _summary_row(tables, m, p, "interval_upper")
+        lo = _summary_row(tables, m, p, "interval_lower_fraction")
+        hi = _summary_row(tables, m, p, "interval_upper_fraction")
         ax.vlines(i, lo["estimate"], hi["estimate"], lw=8, alpha=0.5)
         ax.vlines(i, lo["ci_low"], hi["ci_high"], lw=1, color="k")
         ax.plot(i, _summary_row(tables, m, p, "mismatch_fraction")["estimate"], "ko")

@@ -54,6 +54,7 @@ from pathlib import Path
 from typing import Any
 
 from kvcouple.analysis.bootstrap import CI_METHODS, DEFAULT_CI_METHOD
+from kvcouple.analysis.quantities import current_name
 from kvcouple.analysis.stats import QUANTITIES
 from kvcouple.errors import InvalidInputError
 from kvcouple.store.schema import RUN_KEYS
@@ -320,7 +321,10 @@ def _parse_comparisons(comps_in: Any, where: str) -> list[tuple[dict[str, Any], 
 
 def _parse_comparison(comp: dict[str, Any], cc: _Checker) -> tuple[dict[str, Any], Comparison]:
     cc.unknown(comp, _COMPARISON_KEYS)
-    metric = cc.string("metric", comp.get("metric"), tuple(QUANTITIES))
+    metric = comp.get("metric")
+    if isinstance(metric, str):  # a renamed quantity is read as its new name, with a warning
+        metric = current_name(metric, f"{cc.where}: metric")
+    metric = cc.string("metric", metric, tuple(QUANTITIES))
     direction = cc.string("direction", comp.get("direction", "two-sided"), DIRECTIONS)
     value = cc.number("value", comp.get("value", 0.0), -math.inf, math.inf, "(finite)")
     model = cc.string("model", comp["model"]) if "model" in comp else None

@@ -72,8 +72,8 @@ SUMMARY_ROWS = (
     ("exposure", "exposure E[(T-tau)+]/T"),
     ("rho", "mismatch rate rho"),
     ("mismatch_fraction", "E[M]/T"),
-    ("interval_lower", "sharp interval, lower end"),
-    ("interval_upper", "sharp interval, upper end"),
+    ("interval_lower_fraction", "sharp interval, lower end"),
+    ("interval_upper_fraction", "sharp interval, upper end"),
 )
 WINDOW_ROWS = (
     ("mean_tau", "mean divergence step"),
@@ -217,7 +217,7 @@ def headline(result: AnalysisResult, tables: dict[str, list[dict[str, Any]]]) ->
                     f"differ{exposure_share}."
                 )
             else:
-                lo, hi = q.get((pol, "interval_lower")), q.get((pol, "interval_upper"))
+                lo, hi = q.get((pol, "interval_lower_fraction")), q.get((pol, "interval_upper_fraction"))
                 words.append(
                     f". Branches (the continuations after a first divergence) were traced for "
                     f"L = {m.window} of T = {m.horizon} steps, so rho is unknown and E[M]/T is "

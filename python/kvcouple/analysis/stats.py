@@ -22,6 +22,7 @@ from typing import Any
 
 import numpy as np
 
+from kvcouple.analysis import quantities
 from kvcouple.analysis.bootstrap import (
     CI_METHODS,
     DEFAULT_CI_METHOD,
@@ -74,27 +75,8 @@ __all__ = [
     "survival_band",
 ]
 
-# Quantities reported per policy: name -> description (with the unit).
-QUANTITIES: dict[str, str] = {
-    "occurrence": "P(tau <= T)",
-    "occupation": "E[(T - tau)+] (tokens)",
-    "expected_mismatches": "E[M] (tokens)",
-    "mismatch_fraction": "E[M]/T",
-    "first_mismatch": "P(tau <= T)/T",
-    "exposure": "E[(T - tau)+]/T",
-    "rho": "post-divergence mismatch rate",
-    "window_contribution": "E[mismatches at lags 1..L_w after tau] (tokens)",
-    "tail_contribution": "E[mismatches at lags > L_w after tau] (tokens)",
-    "tail_exposure": "E[(T - tau - L_w)+] (tokens)",
-    "interval_lower": "sharp interval for E[M]/T, lower end",
-    "interval_upper": "sharp interval for E[M]/T, upper end",
-    "mean_tau": "E[tau | tau <= T] (step)",
-    "median_tau": "median of the pooled law of tau given tau <= T (step; percentile CI)",
-    "rmst": "restricted mean time to divergence E[min(tau, T)] = sum_{t<T} S_t (tokens)",
-    "early_tv": "branch-aligned TV, early lags 1..s of the window (O-weighted)",
-    "late_tv": "branch-aligned TV, late lags s+1..L_w of the window (O-weighted)",
-    "late_minus_early_tv": "late - early branch-aligned TV (paired)",
-}
+# Quantities reported per policy: name -> definition (with the unit), from the registry.
+QUANTITIES: dict[str, str] = {q.name: f"{q.definition} ({q.unit})" for q in quantities.SUMMARY}
 DISCRETE = ("median_tau",)  # integer-valued: percentile intervals only
 PERCENTILE_TERMS = ("exposure_share",)  # gap terms with percentile intervals only
 GAP_TERMS = ("gap", "delta_first_mismatch", "exposure_term", "rate_term", "exposure_share")
@@ -160,20 +142,10 @@ def _pooled_median(g: Getter, policy: str, horizon: int) -> np.ndarray:
 
 
 def quantity_range(name: str, horizon: int) -> tuple[float, float]:
-    """The values a quantity can take: its CI is clipped to them (an interval end extrapolated
-    beyond the replicates, or a BCa end, can otherwise leave the parameter space)."""
-    T = float(horizon)
-    if name in ("occupation", "expected_mismatches", "window_contribution", "rmst"):
-        return 0.0, T
-    if name in ("tail_contribution", "tail_exposure"):
-        return 0.0, T
-    if name in ("mean_tau", "median_tau"):
-        return 1.0, T
-    if name == "first_mismatch":
-        return 0.0, 1.0 / T
-    if name == "late_minus_early_tv":
-        return -1.0, 1.0
-    return 0.0, 1.0  # probabilities, fractions of T, rates and TVs
+    """The values a quantity can take (the registry's range): its CI is clipped to them (an
+    interval end extrapolated beyond the replicates, or a BCa end, can otherwise leave the
+    parameter space)."""
+    return quantities.quantity(name).value_range(horizon)
 
 
 def quantity_fn(policy: str, name: str, horizon: int) -> StatFn:
@@ -194,8 +166,8 @@ def quantity_fn(policy: str, name: str, horizon: int) -> StatFn:
         "window_contribution": lambda g: m(g, "window_contribution"),
         "tail_contribution": lambda g: m(g, "tail_contribution"),
         "tail_exposure": lambda g: m(g, "tail_exposure"),
-        "interval_lower": lambda g: m(g, "interval_lower") / T,
-        "interval_upper": lambda g: m(g, "interval_upper") / T,
+        "interval_lower_fraction": lambda g: m(g, "interval_lower") / T,
+        "interval_upper_fraction": lambda g: m(g, "interval_upper") / T,
         "mean_tau": lambda g: _ratio(m(g, "tau_mass"), m(g, "occurrence")),
         "median_tau": lambda g: _pooled_median(g, policy, horizon),
         # E[min(tau, T)] = T - E[(T - tau)+]: the survival curve summed over t = 0..T-1.
@@ -305,31 +277,23 @@ def survival_band(bs: Bootstrap, a: str, b: str, horizon: int) -> list[dict[str,
     """Paired survival difference ``S^b_t - S^a_t`` (t = 1..T) with pointwise CIs and a
     simultaneous band: ``D_t +- c sd_t`` with ``c`` the ``level`` quantile over replicates of
     ``max_t |D*_t - D_t| / sd_t`` (a sup-t band: it covers the whole curve at once), widened
-    like the pointwise intervals by ``sqrt(n/(n-1)) t_{n-1} / z`` under ``expanded-bca``."""
+    like the pointwise intervals by ``sqrt(n/(n-1)) t_{n-1} / z`` under ``expanded-bca`` and
+    ``studentized``."""
     fns = [(lambda g, t=t: g(f"{b}|S|{t}") - g(f"{a}|S|{t}")) for t in range(1, horizon + 1)]
     ests = bs.evaluate_many(fns)
     boot = np.column_stack([e.boot for e in ests])
     point = np.array([e.estimate for e in ests])
     with np.errstate(invalid="ignore"):
         sd = np.nanstd(boot, axis=0, ddof=1)
-    sd_boot = np.broadcast_to(sd, boot.shape)
-    if bs.method == "studentized":
-        # A bootstrap-t band: each replicate's deviations over its own jackknife errors.
-        _, _, sd, sd_boot = bs.studentized_parts(fns)
     varying = np.isfinite(sd) & (sd > 0)
     if varying.any():
-        with np.errstate(divide="ignore", invalid="ignore"):
-            dev = np.abs(boot[:, varying] - point[varying]) / sd_boot[:, varying]
-        worst = np.max(np.where(np.isnan(dev), -np.inf, dev), axis=1)
-        worst = np.sort(worst[worst > -np.inf])
-        if bs.method == "studentized":  # the order statistic, as the pointwise ends
-            k = math.ceil((worst.size + 1) * bs.level - 1e-9)
-            c = float(worst[k - 1]) if 1 <= k <= worst.size else math.inf
-        else:
-            c = float(np.quantile(worst, bs.level)) if worst.size else math.nan
+        dev = np.abs(boot[:, varying] - point[varying]) / sd[varying]
+        c = float(np.quantile(np.nanmax(dev, axis=1), bs.level))
     else:
         c = 0.0
-    if bs.method == "expanded-bca":
+    # The band is not studentized: a sup over T steps of each replicate's own jackknife
+    # errors over-covered (0.98 at 16 documents); the expanded band covered 0.94-0.95.
+    if bs.method in ("expanded-bca", "studentized"):
         # The same small-sample expansion as the pointwise intervals (t_{n-1} over normal).
         c *= (
             normal_scores(bs.level, "expanded-bca", bs.n_docs)[1]

@@ -50,9 +50,11 @@ def tidy_tables(result: AnalysisResult) -> dict[str, list[dict[str, Any]]]:
                 for k in SCALARS:
                     # One unit per column name: the sharp interval is a fraction of T here as
                     # in summary.csv; the other scalars are counts (tokens) in both files.
-                    scale = m.horizon if k in ("interval_lower", "interval_upper") else 1
-                    row[k] = u.values[k] / scale
-                    row[f"{k}_se"] = u.stderr[k] / scale
+                    fraction = k in ("interval_lower", "interval_upper")
+                    scale = m.horizon if fraction else 1
+                    name = f"{k}_fraction" if fraction else k  # the registry's name for /T
+                    row[name] = u.values[k] / scale
+                    row[f"{name}_se"] = u.stderr[k] / scale
                 row["median_tau"] = u.median_tau
                 row["tail_observed"] = u.tail_observed
                 out["per_document"].append({**row, **meta})

@@ -1,0 +1,261 @@
+"""The registry of quantities: one name, one unit, one label, one valid range and a one-line
+definition for every number the analysis (and the synthetic tools) report.
+
+The report, the console table, the CSV columns, the figures' axis labels and
+docs/quantities.md are generated from :data:`QUANTITIES` and :data:`FIELDS`; a fraction of
+the horizon T has its own name (``interval_lower`` counts tokens, ``interval_lower_fraction``
+is the same end divided by T). Renamed public names live in :data:`DEPRECATED` for one
+release. ``tests/test_quantities.py`` fails when a CSV column, report label or console row
+names something not registered here, or when two names share a definition.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvcouple.deprecation import RENAMED, warn_renamed
+
+UNITS = {
+    "tokens": "a count of generated tokens (0..T)",
+    "fraction of T": "a count of tokens divided by the horizon T",
+    "steps": "a step index 1..T",
+    "probability": "a probability, or a total-variation distance (0..1)",
+    "rate": "mismatches per token of exposure (0..1)",
+    "ratio": "a ratio of two fractions of T (any real number)",
+}
+
+Bound = float | str  # a number, or "T" / "1/T" / "-inf" / "inf" resolved at the horizon
+
+
+@dataclass(frozen=True)
+class Quantity:
+    """One reported number: its name, unit, label (tables, console, axes), valid range and
+    definition."""
+
+    name: str
+    unit: str
+    label: str
+    low: Bound
+    high: Bound
+    definition: str
+
+    def value_range(self, horizon: int) -> tuple[float, float]:
+        """The values the quantity can take at horizon ``T``."""
+        return _resolve(self.low, horizon), _resolve(self.high, horizon)
+
+
+def _resolve(bound: Bound, horizon: int) -> float:
+    if isinstance(bound, float | int):
+        return float(bound)
+    return {"T": float(horizon), "1/T": 1.0 / horizon, "-inf": -float("inf")}.get(
+        bound, float("inf")
+    )
+
+
+def _q(name: str, unit: str, label: str, low: Bound, high: Bound, definition: str) -> Quantity:
+    assert unit in UNITS, unit
+    return Quantity(name, unit, label, low, high, definition)
+
+
+# Per policy (summary.csv, differences.csv, plan metrics).
+SUMMARY = (
+    _q("occurrence", "probability", "occurrence P(tau<=T)", 0.0, 1.0,
+       "P(tau <= T): the two coupled models emit different tokens within the horizon"),
+    _q("occupation", "tokens", "occupation E[(T-tau)+]", 0.0, "T",
+       "E[(T - tau)+]: tokens generated after the first divergence"),
+    _q("expected_mismatches", "tokens", "E[M]", 0.0, "T",
+       "E[M]: the expected number of the T tokens that differ"),
+    _q("mismatch_fraction", "fraction of T", "E[M]/T", 0.0, 1.0,
+       "E[M]/T: the expected fraction of the T tokens that differ"),
+    _q("first_mismatch", "fraction of T", "first mismatch P(tau<=T)/T", 0.0, "1/T",
+       "P(tau <= T)/T: the first mismatch's share of E[M]/T"),
+    _q("exposure", "fraction of T", "exposure E[(T-tau)+]/T", 0.0, 1.0,
+       "E[(T - tau)+]/T: the share of the horizon left after the first divergence"),
+    _q("rho", "rate", "mismatch rate rho", 0.0, 1.0,
+       "post-divergence mismatches per token of exposure (ratio of document means)"),
+    _q("window_contribution", "tokens", "window mismatches", 0.0, "T",
+       "E[mismatches at lags 1..L_w after tau]"),
+    _q("tail_contribution", "tokens", "tail mismatches", 0.0, "T",
+       "E[mismatches at lags > L_w after tau]"),
+    _q("tail_exposure", "tokens", "tail exposure", 0.0, "T",
+       "E[(T - tau - L_w)+]: tokens beyond the observation window"),
+    _q("interval_lower_fraction", "fraction of T", "sharp interval, lower end", 0.0, 1.0,
+       "(occurrence + window_contribution)/T: the lower end of the sharp interval for E[M]/T"),
+    _q("interval_upper_fraction", "fraction of T", "sharp interval, upper end", 0.0, 1.0,
+       "(occurrence + window_contribution + tail_exposure)/T: its upper end"),
+    _q("mean_tau", "steps", "mean divergence step", 1.0, "T",
+       "E[tau | tau <= T]"),
+    _q("median_tau", "steps", "median divergence step", 1.0, "T",
+       "median of the pooled law of tau given tau <= T (percentile CI)"),
+    _q("rmst", "tokens", "restricted mean time to divergence", 0.0, "T",
+       "E[min(tau, T)] = sum_{t<T} S_t"),
+    _q("early_tv", "probability", "branch TV, early window", 0.0, 1.0,
+       "branch-aligned TV at early lags 1..s of the window (O-weighted)"),
+    _q("late_tv", "probability", "branch TV, late window", 0.0, 1.0,
+       "branch-aligned TV at late lags s+1..L_w of the window (O-weighted)"),
+    _q("late_minus_early_tv", "probability", "late - early branch TV", -1.0, 1.0,
+       "late_tv - early_tv (paired within documents)"),
+)  # fmt: skip
+
+# Per document only (per_document.csv; each also with a `_se` column: its Monte Carlo
+# standard error, same unit), and the synthetic tools' token-valued interval ends.
+PER_DOCUMENT = (
+    _q("post_mismatches", "tokens", "post-divergence mismatches", 0.0, "T",
+       "E[mismatches after tau]: window_contribution + tail_contribution"),
+    _q("interval_lower", "tokens", "sharp interval for E[M], lower end", 0.0, "T",
+       "occurrence + window_contribution: the lower end of the sharp interval for E[M]"),
+    _q("interval_upper", "tokens", "sharp interval for E[M], upper end", 0.0, "T",
+       "occurrence + window_contribution + tail_exposure: its upper end"),
+    _q("tau_mass", "steps", "sum_t t P(tau = t)", 0.0, "T",
+       "sum_t t P(tau = t): the numerator of E[tau | tau <= T]"),
+)  # fmt: skip
+
+# Gap attribution m_B - m_A = df + rho_bar de + e_bar drho (gap_attribution.csv, `term`).
+GAP = (
+    _q("gap", "fraction of T", "gap m_B - m_A", -1.0, 1.0,
+       "mismatch_fraction of B minus that of A"),
+    _q("delta_first_mismatch", "fraction of T", "df (first mismatch)", "-inf", "inf",
+       "first_mismatch of B minus that of A"),
+    _q("exposure_term", "fraction of T", "rho_bar de (exposure)", -1.0, 1.0,
+       "mean rho of A and B times the exposure difference"),
+    _q("rate_term", "fraction of T", "e_bar drho (rate)", -1.0, 1.0,
+       "mean exposure of A and B times the rho difference"),
+    _q("exposure_share", "ratio", "exposure share", "-inf", "inf",
+       "exposure_term / gap: the part of the gap from diverging earlier or more often"),
+)  # fmt: skip
+
+# Curves (curves.csv, `curve`; x is the step or the lag).
+CURVES = (
+    _q("survival", "probability", "S_t = P(tau > t)", 0.0, 1.0,
+       "S_t = P(tau > t), t = 0..T"),
+    _q("pmf", "probability", "P(tau = t)", 0.0, 1.0,
+       "P(tau = t), t = 1..T"),
+    _q("hazard", "probability", "P(tau = t | tau >= t)", 0.0, 1.0,
+       "the discrete hazard P(tau = t | tau >= t), t = 1..T"),
+    _q("branch_tv", "probability", "branch-aligned TV (O-weighted)", 0.0, 1.0,
+       "branch-aligned TV at each lag after tau (O-weighted over documents)"),
+)  # fmt: skip
+
+QUANTITIES: dict[str, Quantity] = {q.name: q for q in (*SUMMARY, *PER_DOCUMENT, *GAP, *CURVES)}
+
+# Table columns that are not quantities: identifiers, interval ends, test and check fields.
+FIELDS: dict[str, str] = {
+    "model": "the model (one store); 'pooled: A + B' for rows pooled across stores",
+    "policy": "the policy's canonical spec",
+    "policy_a": "the first policy of a pair (the reference under --reference)",
+    "policy_b": "the second policy of a pair (differences are b - a)",
+    "doc_id": "the document's id in the store",
+    "quantity": "a registered quantity's name",
+    "estimate": "the point estimate",
+    "difference": "the paired difference b - a of the quantity",
+    "ci_low": "the confidence interval's lower end (a confidence set's lower bound)",
+    "ci_high": "the confidence interval's upper end",
+    "n_docs": "documents in the bootstrap",
+    "term": "a gap-attribution term's name",
+    "interpretable": "false when the exposure share's gap CI includes 0",
+    "note": "why a row is not interpretable",
+    "curve": "a registered curve's name",
+    "x": "the curve's step or lag",
+    "step": "the step t",
+    "band_low": "the simultaneous band's lower end",
+    "band_high": "the simultaneous band's upper end",
+    "band_critical_value": "the band's critical value c (D_t +- c sd_t)",
+    "tail_observed": "whether branches were traced to the horizon",
+    "plan_hash": "SHA-256 of the completed plan, or 'none'",
+    "estimator": "the per-unit estimator: indicator or tv",
+    "doc_set": "all, exploratory or confirmatory",
+    "preregistration": "the preregistration stamp",
+    "comparison": "the plan comparison's name",
+    "metric": "the tested quantity",
+    "value": "the tested value",
+    "direction": "greater, less or two-sided",
+    "ci_method": "the interval method used",
+    "p_value": "the bootstrap p-value",
+    "p_adjusted": "the p-value after the multiplicity correction",
+    "correction": "holm, bonferroni or none",
+    "alpha": "the tests' level",
+    "reject_h0": "whether the adjusted p-value is below alpha",
+    "store": "the trace store's path",
+    "reason": "why a document was skipped",
+    "where": "the recorded field a recompute check compares",
+    "rep": "the replicate",
+    "index": "the branch or row",
+    "lag": "the lag after divergence",
+    "recorded": "the value in the store",
+    "recomputed": "the value recomputed from the stored distributions",
+    "rows_checked": "distribution rows recomputed",
+    "max_abs_diff": "the largest |recorded - recomputed|",
+    "disagreements": "rows beyond the tolerance",
+    "tolerance": "the recompute tolerance",
+}
+
+# Public names renamed for one name per quantity: old name -> registered name.
+DEPRECATED: dict[str, str] = RENAMED
+# Names whose unit changed place: summary.csv's fractions of T.
+RENAMED_METRICS: dict[str, str] = {
+    "interval_lower": "interval_lower_fraction",
+    "interval_upper": "interval_upper_fraction",
+}
+
+
+def quantity(name: str) -> Quantity:
+    """The registered quantity ``name`` (KeyError naming the registry otherwise)."""
+    try:
+        return QUANTITIES[name]
+    except KeyError:
+        raise KeyError(
+            f"{name!r} is not a registered quantity (kvcouple.analysis.quantities)"
+        ) from None
+
+
+def label(name: str) -> str:
+    """The label tables, the console and axes use for ``name``."""
+    return quantity(name).label
+
+
+def current_name(name: str, where: str) -> str:
+    """``name``, or the registered name of a deprecated one (with a DeprecationWarning
+    naming ``where``)."""
+    new = DEPRECATED.get(name) or RENAMED_METRICS.get(name)
+    if new is None:
+        return name
+    warn_renamed(name, new, where, stacklevel=4)
+    return new
+
+
+def is_column(name: str) -> bool:
+    """Whether a CSV column is registered: a quantity, its ``_se``, or a field."""
+    base = name[: -len("_se")] if name.endswith("_se") else name
+    return name in FIELDS or base in QUANTITIES
+
+
+def markdown() -> str:
+    """docs/quantities.md: every quantity and field (generated; a test keeps it in sync)."""
+    lines = [
+        "# Quantities",
+        "",
+        "Generated from `kvcouple.analysis.quantities` (do not edit by hand: "
+        "`python -c 'from kvcouple.analysis.quantities import markdown; print(markdown())' "
+        "> docs/quantities.md`). One name per quantity in Rust, the Python API, the store, "
+        "the CSV files and the report; one unit per name.",
+        "",
+    ]
+    groups = (
+        ("Per policy", SUMMARY),
+        ("Per document", PER_DOCUMENT),
+        ("Gap attribution", GAP),
+        ("Curves", CURVES),
+    )
+    for title, group in groups:
+        lines += [f"## {title}", "", "| name | unit | label | range | definition |"]
+        lines.append("|---|---|---|---|---|")
+        for q in group:
+            lines.append(
+                f"| `{q.name}` | {q.unit} | {q.label} | [{q.low}, {q.high}] | {q.definition} |"
+            )
+        lines.append("")
+    lines += ["## Units", "", *(f"- {u}: {d}" for u, d in UNITS.items()), ""]
+    lines += ["## Other columns", "", *(f"- `{k}`: {v}" for k, v in FIELDS.items()), ""]
+    lines += ["## Deprecated names (removed in the next release)", ""]
+    lines += [f"- `{k}`: now `{v}`" for k, v in {**DEPRECATED, **RENAMED_METRICS}.items()]
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,51 @@
+"""The registry of quantities (kvcouple.analysis.quantities): every CSV column, report label
+and console row names a registered quantity or field; no two names share a definition."""
+
+from __future__ import annotations
+
+import csv
+from collections import Counter
+from pathlib import Path
+
+from kvcouple import synth
+from kvcouple.analysis import analyze, quantities, write_report
+from kvcouple.analysis.console import DECOMPOSITION_ROWS
+from kvcouple.analysis.report import GAP_COLUMNS, SUMMARY_ROWS, WINDOW_ROWS
+from kvcouple.synth.trace_store import write_synthetic_trace_store
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_no_two_names_share_a_definition_and_units_are_known():
+    defs = Counter(q.definition for q in quantities.QUANTITIES.values())
+    assert [d for d, n in defs.items() if n > 1] == []
+    assert all(q.unit in quantities.UNITS for q in quantities.QUANTITIES.values())
+    assert not set(quantities.FIELDS) & set(quantities.QUANTITIES)
+    for old, new in {**quantities.DEPRECATED, **quantities.RENAMED_METRICS}.items():
+        assert old not in quantities.QUANTITIES or old in quantities.RENAMED_METRICS
+        assert new in quantities.QUANTITIES or new.endswith("_tv"), new
+
+
+def test_report_and_console_rows_name_registered_quantities():
+    for rows in (SUMMARY_ROWS, WINDOW_ROWS, DECOMPOSITION_ROWS, GAP_COLUMNS):
+        for name, _ in rows:
+            assert name in quantities.QUANTITIES, name
+
+
+def test_every_csv_column_is_registered(tmp_path):
+    pairs = {
+        "a": synth.random_pair(4, 3, seed=1, closeness=0.7),
+        "b": synth.random_pair(4, 3, seed=1, closeness=0.4),
+    }
+    kw = {"horizon": 6, "replicates": 4, "branches": 1, "docs": 4, "seed": 0}
+    store = write_synthetic_trace_store(tmp_path / "s.zarr", pairs, window=None, **kw)
+    out = write_report(analyze(store, n_boot=100, seed=0), tmp_path / "out", figures=False)
+    named = {"quantity", "term", "curve", "metric"}
+    for path in sorted(out.glob("*.csv")):
+        with path.open() as f:
+            reader = csv.DictReader(f)
+            for col in reader.fieldnames or []:
+                assert quantities.is_column(col), f"{path.name}: column {col!r}"
+            for row in reader:
+                for key in named & set(row):
+                    assert row[key] in quantities.QUANTITIES, f"{path.name}: {row[key]!r}"
