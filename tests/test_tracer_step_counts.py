@@ -19,15 +19,16 @@ PROMPT = np.random.default_rng(0).integers(1, 120, 24).tolist()
 
 # (policy, layout, bound on ops per step against generate's). A 6-layer model: the per-step
 # work outside the layers (decoding transform, coupling, records) weighs more than on the
-# 32-layer benchmark, so the bounds sit above the benchmark's ratios.
+# 32-layer benchmark, so the bounds sit above the benchmark's ratios (these are today's 6-layer
+# ratios plus about 10%; decode-time rows include their branches' replayed steps).
 CASES = [
-    ("snapkv:retain=0.5,window=4", "shared", 2.6),
-    ("snapkv:retain=0.5,window=4", "joint", 1.7),
-    ("snapkv:retain=0.5,window=4", "split", 2.7),
-    ("h2o:retain=0.5,mode=decode", "auto", 4.6),
-    ("streaming:retain=0.5,mode=decode", "auto", 4.0),
-    ("recent:retain=0.5,mode=decode", "auto", 4.4),
-    ("snapkv:retain=0.5,window=4,mode=decode", "auto", 4.2),
+    ("snapkv:retain=0.5,window=4", "shared", 1.9),
+    ("snapkv:retain=0.5,window=4", "joint", 1.6),
+    ("snapkv:retain=0.5,window=4", "split", 2.6),
+    ("h2o:retain=0.5,mode=decode", "auto", 3.8),
+    ("streaming:retain=0.5,mode=decode", "auto", 3.2),
+    ("recent:retain=0.5,mode=decode", "auto", 3.5),
+    ("snapkv:retain=0.5,window=4,mode=decode", "auto", 3.5),
 ]
 
 
