@@ -14,7 +14,7 @@ import argparse
 import numpy as np
 import torch
 
-from kvcouple.testing.op_counter import per_step
+from kvcouple.testing.op_counter import generate_peer, per_step
 from kvcouple.tracer import TraceSettings, trace_document
 
 CASES = [
@@ -60,18 +60,7 @@ def main() -> None:
     prompt = np.random.default_rng(0).integers(1, args.vocab - 1, args.prompt).tolist()
     R = args.replicates
 
-    def run_generate(horizon: int) -> None:
-        ids = torch.tensor([prompt] * (2 * R))
-        with torch.inference_mode():
-            model.generate(
-                ids,
-                attention_mask=torch.ones_like(ids),
-                do_sample=True,
-                top_k=0,
-                max_new_tokens=horizon,
-                min_new_tokens=horizon,
-                pad_token_id=0,
-            )
+    run_generate = generate_peer(model, prompt, 2 * R)
 
     def run_trace(policy: str, layout: str):
         def run(horizon: int) -> None:

@@ -9,7 +9,7 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
 from kvcouple.policies.snapkv import SnapKV  # noqa: E402
-from kvcouple.testing.op_counter import per_step  # noqa: E402
+from kvcouple.testing.op_counter import generate_peer, per_step  # noqa: E402
 from kvcouple.testing.tiny_models import tiny_model  # noqa: E402
 from kvcouple.tracer import TraceSettings, trace_document  # noqa: E402
 
@@ -39,20 +39,7 @@ def model():
 
 @pytest.fixture(scope="module")
 def generate_ops(model):
-    def run(horizon: int) -> None:
-        ids = torch.tensor([PROMPT] * (2 * R))
-        with torch.inference_mode():
-            model.generate(
-                ids,
-                attention_mask=torch.ones_like(ids),
-                do_sample=True,
-                top_k=0,
-                max_new_tokens=horizon,
-                min_new_tokens=horizon,
-                pad_token_id=0,
-            )
-
-    counts = per_step(run, HORIZONS)
+    counts = per_step(generate_peer(model, PROMPT, 2 * R), HORIZONS)
     assert counts.ops_per_step > 0
     return counts.ops_per_step
 

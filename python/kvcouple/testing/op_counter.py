@@ -148,3 +148,23 @@ def per_step(run: Callable[[int], Any], horizons: tuple[int, int] = (4, 12)) -> 
         syncs_per_step=(long.syncs - short.syncs) / steps,
         sync_sites_per_step=sites,
     )
+
+
+def generate_peer(model: Any, prompt: list[int], rows: int) -> Callable[[int], None]:
+    """``run(horizon)`` for :func:`per_step`: ``model.generate`` sampling exactly ``horizon``
+    new tokens for ``rows`` copies of ``prompt`` (the peer the tracer's step is measured against)."""
+
+    def run(horizon: int) -> None:
+        ids = torch.tensor([prompt] * rows)
+        with torch.inference_mode():
+            model.generate(
+                ids,
+                attention_mask=torch.ones_like(ids),
+                do_sample=True,
+                top_k=0,
+                max_new_tokens=horizon,
+                min_new_tokens=horizon,
+                pad_token_id=0,
+            )
+
+    return run
