@@ -83,7 +83,10 @@ def format_model(m: ModelResult, level: float) -> str:
             if quantity == "mismatch_fraction" and (r is None or not math.isfinite(r["estimate"])):
                 interval = True
                 line.append(
-                    _interval_cell(rows[(pol, "interval_lower_fraction")], rows[(pol, "interval_upper_fraction")])
+                    _interval_cell(
+                        rows[(pol, "interval_lower_fraction")],
+                        rows[(pol, "interval_upper_fraction")],
+                    )
                 )
             else:
                 line.append(_cell(r))

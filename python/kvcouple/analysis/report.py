@@ -217,7 +217,10 @@ def headline(result: AnalysisResult, tables: dict[str, list[dict[str, Any]]]) ->
                     f"differ{exposure_share}."
                 )
             else:
-                lo, hi = q.get((pol, "interval_lower_fraction")), q.get((pol, "interval_upper_fraction"))
+                lo, hi = (
+                    q.get((pol, "interval_lower_fraction")),
+                    q.get((pol, "interval_upper_fraction")),
+                )
                 words.append(
                     f". Branches (the continuations after a first divergence) were traced for "
                     f"L = {m.window} of T = {m.horizon} steps, so rho is unknown and E[M]/T is "
