@@ -87,11 +87,11 @@ first-contact: ## Fresh venvs from the built wheel: `[all]` runs the demo, no ex
 
 # The oldest Python we support resolves to zarr 2 and an older xarray: run the torch-free
 # suites there against the wheel. Skipped (with a message) where no Python 3.10 is installed.
-COMPAT_TESTS = tests/test_kernels.py tests/test_coupling.py tests/test_kernel_errors.py \
-	tests/test_synth_exact.py tests/test_synth_pairs.py tests/test_synth_estimators.py \
-	tests/test_analysis_store.py tests/test_analysis_synthetic.py tests/test_analysis_plan.py \
-	tests/test_store_damage.py tests/test_store_rechunk.py tests/test_tv_only.py \
-	tests/test_store_integrity.py
+COMPAT_TESTS = tests/kernels/test_kernels.py tests/kernels/test_coupling.py tests/kernels/test_kernel_errors.py \
+	tests/synth/test_synth_exact.py tests/synth/test_synth_pairs.py tests/synth/test_synth_estimators.py \
+	tests/analysis/test_analysis_store.py tests/analysis/test_analysis_synthetic.py tests/analysis/test_analysis_plan.py \
+	tests/store/test_store_damage.py tests/store/test_store_rechunk.py tests/kernels/test_tv_only.py \
+	tests/store/test_store_integrity.py
 
 compat-py310: wheel ## The wheel and torch-free suites on Python 3.10 (zarr 2)
 	@py=$$(ls $$(pyenv root 2>/dev/null)/versions/3.10*/bin/python 2>/dev/null | head -1); \
@@ -126,7 +126,7 @@ docs: ## The docs site in build/site: executed notebooks, API and CLI reference 
 	$(PYTHON) scripts/build_docs.py
 
 docs-test: ## Open every page of build/site in headless chromium: figures load, no error cells
-	$(PYTHON) -m pytest -q -p no:cacheprovider tests/test_docs_site.py
+	$(PYTHON) -m pytest -q -p no:cacheprovider tests/docs/test_docs_site.py
 
 demo: ## The main job on the embedded default model
 	kvcouple demo

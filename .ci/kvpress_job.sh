@@ -6,7 +6,7 @@
 # virtual environment: the built wheel with its `kvpress` extra (kvpress 0.5.5 and the
 # transformers it accepts), plus pytest. The same environment has pyarrow and datasets (the
 # `prompts` extra), so `kvcouple prompts` from Parquet and saved datasets is tested here too
-# (tests/test_prompts.py; elsewhere those cases skip).
+# (tests/tracer/test_prompts.py; elsewhere those cases skip).
 # Usage: .ci/kvpress_job.sh WHEEL
 set -euo pipefail
 wheel=$(realpath "$1")
@@ -29,4 +29,4 @@ print("kvpress", md.version("kvpress"), "transformers", md.version("transformers
 PY
 # kvcouple comes from the wheel (the checkout keeps its sources under python/, not on the path).
 "$venv/bin/python" -m pytest -q -p no:cacheprovider -rs tests/interop/test_kvpress.py \
-    tests/test_prompts.py
+    tests/tracer/test_prompts.py

@@ -3,7 +3,7 @@
     python scripts/coverage_table.py          # rewrite the table in place
     python scripts/coverage_table.py --check  # exit 1 if the docs are out of date
 
-The exactness behind each "exact" row is asserted by tests/test_coverage.py.
+The exactness behind each "exact" row is asserted by tests/tracer/test_coverage.py.
 """
 
 from __future__ import annotations

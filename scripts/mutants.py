@@ -31,12 +31,12 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 PKG = "python/kvcouple"
 
-ANALYSIS = ["tests/test_analysis_synthetic.py", "tests/test_analysis_exact_aggregates.py"]
-PLAN = ["tests/test_analysis_plan.py"]
-STORE = ["tests/test_store_faults.py", "tests/test_analysis_store.py"]
-POLICIES = ["tests/test_policies.py"]
-KERNELS = ["tests/test_kernels.py", "tests/test_coupling.py"]
-TORCH_COUPLING = ["tests/test_torch_coupling.py"]
+ANALYSIS = ["tests/analysis/test_analysis_synthetic.py", "tests/analysis/test_analysis_exact_aggregates.py"]
+PLAN = ["tests/analysis/test_analysis_plan.py"]
+STORE = ["tests/store/test_store_faults.py", "tests/analysis/test_analysis_store.py"]
+POLICIES = ["tests/tracer/test_policies.py"]
+KERNELS = ["tests/kernels/test_kernels.py", "tests/kernels/test_coupling.py"]
+TORCH_COUPLING = ["tests/kernels/test_torch_coupling.py"]
 
 
 @dataclass(frozen=True)
@@ -255,7 +255,7 @@ MUTANTS = [
         "W2",
         "store/writer.py",
         "resume accepts a store made with other settings",
-        STORE + ["tests/test_analysis_consistency.py"],
+        STORE + ["tests/analysis/test_analysis_consistency.py"],
         ("        if old == new:\n            continue", "        if True:\n            continue"),
     ),
     m(

@@ -5,7 +5,7 @@ The report, the console table, the CSV columns, the figures' axis labels and
 docs/quantities.md are generated from :data:`QUANTITIES` and :data:`FIELDS`; a fraction of
 the horizon T has its own name (``interval_lower`` counts tokens, ``interval_lower_fraction``
 is the same end divided by T). Renamed public names live in :data:`DEPRECATED` for one
-release. ``tests/test_quantities.py`` fails when a CSV column, report label or console row
+release. ``tests/analysis/test_quantities.py`` fails when a CSV column, report label or console row
 names something not registered here, or when two names share a definition.
 """
 

@@ -1,6 +1,6 @@
 """The model-coverage table of docs/tracer.md, generated from the tiny-model matrix.
 
-``tests/test_coverage.py`` checks, for every architecture of
+``tests/tracer/test_coverage.py`` checks, for every architecture of
 :data:`kvcouple.testing.tiny_models.COVERAGE_ARCHS`, that the tracer either refuses it up
 front or traces it exactly; :func:`coverage_rows` gives what the support check says of each
 (the test asserts that the exactness claims hold), and ``scripts/coverage_table.py`` writes
@@ -99,7 +99,7 @@ def coverage_table(rows: list[CoverageRow] | None = None) -> str:
         BEGIN,
         "",
         f"Tiny random models, float32, CPU, transformers {transformers.__version__}"
-        " (`tests/test_coverage.py`).",
+        " (`tests/tracer/test_coverage.py`).",
         "",
         "| architecture | tested with | tracer |",
         "|---|---|---|",

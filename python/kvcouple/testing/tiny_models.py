@@ -23,7 +23,7 @@ from typing import Any
 
 TINY_ARCHS = ("llama", "qwen2", "qwen3", "mistral")
 
-# The coverage matrix (tests/test_coverage.py, docs/tracer.md): one tiny model per decoder
+# The coverage matrix (tests/tracer/test_coverage.py, docs/tracer.md): one tiny model per decoder
 # family, configured so that what makes the family special is exercised: small sliding
 # windows (shorter than the test prompts), no-RoPE layers, soft-capping, sinks, partial
 # rotary, MoE routing, latent attention.

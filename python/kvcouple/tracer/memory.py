@@ -16,7 +16,7 @@ what the tracer holds in each phase of a document and takes the largest:
   **replay** each batch from the prompt cache after the path's cache is freed.
 
 Caches are preallocated (:mod:`kvcouple.tracer.kvcache`), so cache bytes follow the tracer's
-layout exactly (``tests/test_tracer_scale.py`` checks the plan against every tensor alive in a
+layout exactly (``tests/tracer/test_tracer_scale.py`` checks the plan against every tensor alive in a
 traced document); activations are estimates with some headroom. Weights are not part of a
 document's peak: they are resident already, and the free memory the batch is chosen against
 excludes them.

@@ -13,7 +13,7 @@ from kvcouple.analysis.console import DECOMPOSITION_ROWS
 from kvcouple.analysis.report import GAP_COLUMNS, SUMMARY_ROWS, WINDOW_ROWS
 from kvcouple.synth.trace_store import write_synthetic_trace_store
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_no_two_names_share_a_definition_and_units_are_known():

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-README = Path(__file__).parent.parent / "README.md"
+README = Path(__file__).parents[2] / "README.md"
 
 
 def _snippets() -> list[tuple[str, str]]:

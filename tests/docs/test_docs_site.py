@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-SITE = Path(os.environ.get("KVCOUPLE_DOCS_SITE", Path(__file__).parent.parent / "build" / "site"))
+SITE = Path(os.environ.get("KVCOUPLE_DOCS_SITE", Path(__file__).parents[2] / "build" / "site"))
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 DRIVER = shutil.which("chromedriver")
 

@@ -329,7 +329,7 @@ def test_the_docs_example_plan_is_valid(tmp_path):
     """docs/statistics.md's confirmatory plan parses and says what the paper claims."""
     from pathlib import Path
 
-    text = (Path(__file__).parents[1] / "docs" / "statistics.md").read_text()
+    text = (Path(__file__).parents[2] / "docs" / "statistics.md").read_text()
     toml = text.split("```toml\n", 1)[1].split("```", 1)[0]
     plan = load_plan(_plan(tmp_path, toml, "paper_plan.toml"))
     within = [c for c in plan.comparisons if c.policy is not None]

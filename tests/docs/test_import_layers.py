@@ -15,7 +15,7 @@ import ast
 import re
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 PACKAGE = ROOT / "python" / "kvcouple"
 DOC = ROOT / "docs" / "tracer.md"
 

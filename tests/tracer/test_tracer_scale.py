@@ -237,7 +237,7 @@ def test_gpu_script_cpu_size_path(tmp_path, capsys):
     import importlib.util
     from pathlib import Path
 
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu_trace.py"
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "gpu_trace.py"
     spec = importlib.util.spec_from_file_location("gpu_trace", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
