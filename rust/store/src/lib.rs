@@ -12,8 +12,14 @@
 //! distribution (all NaN, or finite, >= 0 and summing to 1): the first that is not is named by
 //! its chunk and index. An array zarrs cannot open (a codec it lacks) is reported as
 //! unsupported so the caller can fall back to zarr-python.
+//!
+//! Blocks that are whole chunks of the layout kvcouple writes (zstd, crc32c) skip zarrs' codec
+//! pipeline: [`direct`] decodes them into reused buffers that the kernels read in place.
+
+mod direct;
 
 use std::ops::Range;
+use std::path::PathBuf;
 use std::sync::Arc;
 
 use rayon::prelude::*;
@@ -54,6 +60,7 @@ type Store = Array<FilesystemStore>;
 pub struct Variable {
     array: Store,
     storage: Arc<FilesystemStore>,
+    direct: Option<direct::Layout>,
 }
 
 impl Variable {
@@ -69,11 +76,39 @@ impl Variable {
                 message: format!("zarrs cannot open variable {name}: {e}"),
             }
         })?;
-        Ok(Self { array, storage })
+        let direct = direct::layout(array.metadata());
+        Ok(Self {
+            array,
+            storage,
+            direct,
+        })
+    }
+
+    /// The chunk file and key of `block` where it is exactly one chunk of a layout
+    /// [`direct`] decodes with items of `itemsize` bytes, else None (zarrs reads it).
+    fn direct_chunk(&self, block: &[Range<u64>], itemsize: usize) -> Option<(PathBuf, String)> {
+        let layout = self.direct.as_ref()?;
+        if layout.itemsize != itemsize || layout.chunk.len() != block.len() {
+            return None;
+        }
+        let mut indices = Vec::with_capacity(block.len());
+        for (r, &c) in block.iter().zip(&layout.chunk) {
+            if c == 0 || r.start % c != 0 || r.end - r.start != c {
+                return None;
+            }
+            indices.push(r.start / c);
+        }
+        let key = self.array.chunk_key(&indices);
+        Some((self.storage.key_to_fspath(&key), key.as_str().to_string()))
     }
 
     pub fn shape(&self) -> &[u64] {
         self.array.shape()
+    }
+
+    /// Whether the blocks [`direct`] reads carry a crc32c suffix.
+    fn direct_crc32c(&self) -> bool {
+        self.direct.as_ref().is_some_and(|d| d.crc32c)
     }
 
     /// Every stored object (chunk or shard) a subset touches must exist.
@@ -228,9 +263,36 @@ fn itemsize(kind: Dtype) -> usize {
     }
 }
 
-/// Row TVs of one decoded block pair (`rows x vocab`, raw bytes in `kind`).
-fn block_tv(p: &Owned, q: &Owned, rows: usize, vocab: usize) -> Vec<f64> {
-    row_tv(p.rows(), q.rows(), rows, vocab).unwrap_or_default()
+/// `n` values of `kind` at the start of an aligned decoded buffer.
+fn rows_of(words: &[u64], kind: Dtype, n: usize) -> Rows<'_> {
+    match kind {
+        Dtype::F16 => Rows::F16(&bytemuck::cast_slice(words)[..n]),
+        Dtype::BF16 => Rows::BF16(&bytemuck::cast_slice(words)[..n]),
+        Dtype::F32 => Rows::F32(&bytemuck::cast_slice(words)[..n]),
+        Dtype::F64 => Rows::F64(&bytemuck::cast_slice(words)[..n]),
+    }
+}
+
+/// What one decoded block pair gives: its row TVs, checked first with `tolerance`.
+fn consume(
+    (p, q): (&Variable, &Variable),
+    block: &[Range<u64>],
+    (pr, qr): (Rows, Rows),
+    rows: usize,
+    vocab: usize,
+    tolerance: Option<f64>,
+) -> Result<Vec<f64>, Problem> {
+    let Some(tol) = tolerance else {
+        return Ok(row_tv(pr, qr, rows, vocab).unwrap_or_default());
+    };
+    // Checked and computed in one pass over the rows.
+    match row_tv_checked(pr, qr, rows, vocab, tol) {
+        Ok(Ok(tv)) => Ok(tv),
+        Ok(Err((side, v))) => Err(value_problem(if side == 0 { p } else { q }, block, v)),
+        Err(e) => Err(Problem::Unsupported {
+            message: e.to_string(),
+        }),
+    }
 }
 
 /// The TVs of every row of every block: `blocks[i]` gives one range per axis of `p` (the last
@@ -286,9 +348,31 @@ pub fn blocks_tv(
             .map(|b| {
                 let subset = ArraySubset::new_with_ranges(b);
                 let rows = subset.num_elements_usize() / vocab;
+                let want = rows * vocab * itemsize(kind);
+                let both = (
+                    p.direct_chunk(b, itemsize(kind)),
+                    q.direct_chunk(b, itemsize(kind)),
+                );
+                if let (Some((pf, pk)), Some((qf, qk))) = both {
+                    let (mut pd, mut qd) = (direct::take(), direct::take());
+                    let out = pd
+                        .decode(&pf, &pk, want, p.direct_crc32c())
+                        .and_then(|()| qd.decode(&qf, &qk, want, q.direct_crc32c()))
+                        .and_then(|()| {
+                            if decode_only {
+                                return Ok(vec![0.0; rows]);
+                            }
+                            let n = rows * vocab;
+                            let pair =
+                                (rows_of(&pd.decoded, kind, n), rows_of(&qd.decoded, kind, n));
+                            consume((p, q), b, pair, rows, vocab, tolerance)
+                        });
+                    direct::give(pd);
+                    direct::give(qd);
+                    return out;
+                }
                 let pb = p.read(&subset, &options)?;
                 let qb = q.read(&subset, &options)?;
-                let want = rows * vocab * itemsize(kind);
                 if pb.len() != want || qb.len() != want {
                     return Err(Problem::Unsupported {
                         message: format!(
@@ -302,17 +386,7 @@ pub fn blocks_tv(
                     return Ok(vec![0.0; rows]);
                 }
                 let (pr, qr) = (Owned::new(&pb, kind), Owned::new(&qb, kind));
-                let Some(tol) = tolerance else {
-                    return Ok(block_tv(&pr, &qr, rows, vocab));
-                };
-                // Checked and computed in one pass over the rows.
-                match row_tv_checked(pr.rows(), qr.rows(), rows, vocab, tol) {
-                    Ok(Ok(tv)) => Ok(tv),
-                    Ok(Err((side, v))) => Err(value_problem(if side == 0 { p } else { q }, b, v)),
-                    Err(e) => Err(Problem::Unsupported {
-                        message: e.to_string(),
-                    }),
-                }
+                consume((p, q), b, (pr.rows(), qr.rows()), rows, vocab, tolerance)
             })
             .collect()
     });
@@ -336,7 +410,7 @@ mod tests {
     }
 
     #[test]
-    fn block_tv_of_halves() {
+    fn tv_of_half_rows() {
         // 0x3800 = 0.5: TV((.5, .5, 0, 0), (0, 0, .5, .5)) = 1 and TV(p, p) = 0.
         let p: Vec<u8> = [0x3800u16, 0x3800, 0, 0, 0x3800, 0x3800, 0, 0]
             .iter()
@@ -347,6 +421,6 @@ mod tests {
             .flat_map(|h| h.to_le_bytes())
             .collect();
         let (p, q) = (Owned::new(&p, Dtype::F16), Owned::new(&q, Dtype::F16));
-        assert_eq!(block_tv(&p, &q, 2, 4), vec![1.0, 0.0]);
+        assert_eq!(row_tv(p.rows(), q.rows(), 2, 4).unwrap(), vec![1.0, 0.0]);
     }
 }
