@@ -15,7 +15,6 @@ import os
 import signal
 import subprocess
 import sys
-import threading
 import time
 
 import numpy as np
@@ -24,7 +23,8 @@ import pytest
 pytest.importorskip("distributed")
 torch = pytest.importorskip("torch")
 
-from distributed import Client, LocalCluster  # noqa: E402
+import cloudpickle  # noqa: E402
+from distributed import Client, LocalCluster, WorkerPlugin  # noqa: E402
 
 from kvcouple.cli import main as cli_main  # noqa: E402
 from kvcouple.models import default_prompts_path, load_model  # noqa: E402
@@ -122,52 +122,69 @@ def test_two_workers_equal_one_process_local_and_s3(model_and_prompts, client, b
     assert_same_store(tmp_path / "ref.zarr", url)
 
 
-def _busy_worker(client) -> str | None:
-    """A worker running one of the run's batch tasks now."""
-    for address, keys in client.processing().items():
-        if any("-batch-" in str(k) for k in keys):
-            return address
-    return None
+class KillAfterFirstDocument(WorkerPlugin):
+    """On the workers: the first document any of them writes is its worker's last. The
+    worker process is killed (SIGKILL) right after that document's ``completed`` flag, so its
+    batch is half written and the task's result never reaches the client."""
+
+    name = "kvcouple-test-kill-after-first-document"
+
+    def __init__(self, marker: str) -> None:
+        self.marker = marker
+
+    def setup(self, worker) -> None:
+        from kvcouple.store.writer import TraceStoreWriter
+
+        self.original = original = TraceStoreWriter.write_doc
+        marker = self.marker
+
+        def write_doc(writer, doc, arrays):
+            original(writer, doc, arrays)
+            try:  # only the first writer of the whole cluster (a replacement worker too)
+                fd = os.open(marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+            except FileExistsError:
+                return
+            os.write(fd, f"{doc} {os.getpid()}".encode())
+            os.close(fd)
+            os.kill(os.getpid(), signal.SIGKILL)  # its nanny starts a new worker
+
+        TraceStoreWriter.write_doc = write_doc
+
+    def teardown(self, worker) -> None:
+        from kvcouple.store.writer import TraceStoreWriter
+
+        TraceStoreWriter.write_doc = self.original
 
 
-def test_killed_worker_task_is_retried_to_the_same_store(model_and_prompts, client, tmp_path):
-    import zarr
-
+def test_worker_killed_after_its_first_document_ends_in_the_same_store(
+    model_and_prompts, client, tmp_path
+):
+    """The lost task is retried: its batch is traced again, the document it had written is
+    kept (and still counted once in the summary), the other one written."""
     model, prompts = model_and_prompts
-    prompts = prompts[:6]
-    ref = tmp_path / "ref.zarr"
-    trace(model, prompts, POLICIES, LONG, ref, **KW)
-    out = tmp_path / "killed.zarr"
-    result: dict = {}
-
-    def run() -> None:
-        try:
-            result["summary"] = trace(model, prompts, POLICIES, LONG, out, client=client, **KW)
-        except BaseException as e:  # noqa: BLE001 - reported below
-            result["error"] = e
-
-    thread = threading.Thread(target=run)
-    thread.start()
-    killed = None
-    deadline = time.monotonic() + 300
-    while thread.is_alive() and killed is None and time.monotonic() < deadline:
-        try:
-            done = np.asarray(zarr.open_group(str(out), mode="r")["completed"][...])
-        except Exception:  # the store is not there yet
-            done = np.zeros(1, dtype=bool)
-        busy = _busy_worker(client) if done.any() else None
-        if busy is not None:
-            pid = client.run(os.getpid, workers=[busy])[busy]
-            os.kill(pid, signal.SIGKILL)  # mid-batch: its nanny starts a new worker
-            killed = (busy, int(done.sum()))
-        time.sleep(0.05)
-    thread.join(300)
-    assert killed is not None, "no worker was busy after the first document"
-    print(f"killed {killed[0]} with {killed[1]} of {len(prompts)} documents done")
-    assert "error" not in result, result.get("error")
-    assert sorted(result["summary"].traced) == list(range(6))
+    prompts = prompts[:4]  # two batches, one a worker
+    ref, out = tmp_path / "ref.zarr", tmp_path / "killed.zarr"
+    one = trace(model, prompts, POLICIES, SMALL, ref, **KW)
+    marker = tmp_path / "killed"
+    # The plugin's class travels by value (workers need not import the test module).
+    cloudpickle.register_pickle_by_value(sys.modules[__name__])
+    before = set(client.scheduler_info()["workers"])
+    client.register_plugin(KillAfterFirstDocument(str(marker)))
+    try:
+        run = trace(model, prompts, POLICIES, SMALL, out, client=client, **KW)
+    finally:
+        client.unregister_worker_plugin(KillAfterFirstDocument.name)
+        cloudpickle.unregister_pickle_by_value(sys.modules[__name__])
+        client.wait_for_workers(2, timeout=120)  # the replacement, for the next tests
+    doc, pid = map(int, marker.read_text().split())
+    print(f"killed worker pid {pid} after document {doc}")
+    assert pid not in client.run(os.getpid).values()
+    assert set(client.scheduler_info()["workers"]) != before  # one worker was replaced
+    assert sorted(run.traced) == [0, 1, 2, 3]  # the killed worker's document counted once
+    assert run.generated_tokens == one.generated_tokens
+    assert run.occurrence == pytest.approx(one.occurrence, abs=1e-12)
     assert_same_store(ref, out)
-    client.wait_for_workers(2, timeout=120)
+    assert set(run.model_loads.values()) <= {0, 1}, run.model_loads  # once a worker at most
 
 
 def test_interrupted_client_reruns_to_the_same_store(model_and_prompts, client, tmp_path):

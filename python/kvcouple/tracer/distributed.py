@@ -228,6 +228,8 @@ def run_tasks(
     try:
         for future in distributed.as_completed(futures):
             on_result(future.result())  # raises the task's own error (after its retries)
+            # Its result is the client's now: a worker lost later must not rerun the batch.
+            future.release()
     finally:
         client.cancel([f for f in futures if not f.done()])
         client.unsubscribe_topic(topic)

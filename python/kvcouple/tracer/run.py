@@ -23,7 +23,7 @@ import json
 import os
 import time
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -520,20 +520,20 @@ def _batch_task(
     topic: str,
     index: int,
 ) -> tuple[list[Written], str, int]:
-    """One document batch on a worker: the documents of ``write`` the store still lacks
-    (a retried task retraces its batch and rewrites what its lost run left unfinished).
-    Returns the documents written, the worker and the models it has loaded in this run."""
+    """One document batch on a worker: traced whole, the documents of ``write`` the store
+    still lacks written. A retried task finds in the store what its lost attempt finished
+    before the worker died (or before the client had its result): those are reported all the
+    same, not rewritten, so the run's summary counts every document once. Returns the
+    documents of ``write``, the worker and the models it has loaded in this run."""
     writer = TraceStoreWriter.open(out, layout, attrs)
     done = writer.completed()
-    write = [d for d in write if not done[d]]
-    written: list[Written] = []
-    if write:
-        model = WORKER_MODELS.get(spec)
-        refresh(model)
-        check_fits(plans, model)
-        policy = iter(range(len(policies)))
-        on_policy = lambda: report(topic, [index, next(policy)])  # noqa: E731
-        written = write_batch(model, docs, write, policies, writer, seed, on_policy)
+    model = WORKER_MODELS.get(spec)
+    refresh(model)
+    check_fits(plans, model)
+    policy = iter(range(len(policies)))
+    on_policy = lambda: report(topic, [index, next(policy)])  # noqa: E731
+    kept = [d for d in write if done[d]]
+    written = write_batch(model, docs, write, policies, writer, seed, on_policy, kept=kept)
     return written, worker_address(), WORKER_MODELS.loads
 
 
@@ -673,16 +673,20 @@ def write_batch(
     writer: DocumentWriter,
     seed: int,
     on_policy: Callable[[], object] | None = None,
+    *,
+    kept: Collection[int] = (),
 ) -> list[Written]:
     """Trace a batch ``(doc index, token ids, doc id, settings)`` whole and write the
     documents in ``write`` (a resumed batch is traced whole again: its records are an
-    uninterrupted run's). The step of a single process and of a Dask task alike."""
+    uninterrupted run's), but for those in ``kept``, already in the store: reported only.
+    The step of a single process and of a Dask task alike."""
     docs = [(ids, d, doc_id, s) for d, ids, doc_id, s in batch]
     traced = _trace_batch(model, docs, policies, seed=seed, on_policy=on_policy)
     out = []
     for (d, *_), doc in zip(batch, traced, strict=True):
         if d in write:
-            writer.write_doc(d, doc.arrays)
+            if d not in kept:
+                writer.write_doc(d, doc.arrays)
             hazard = doc.arrays["hazard"].astype(np.float64)  # (policy, rep, step)
             occurrence = (1 - np.prod(1 - hazard, axis=-1)).mean(axis=-1)
             out.append(Written(d, doc.generated_tokens, doc.branch_batches, occurrence))
