@@ -75,6 +75,18 @@ def test_host_bytes_follow_the_layout():
     assert with_records - summary == (2 + 2 + 2) * full_bytes
 
 
+def test_the_memory_plan_counts_records_on_the_host():
+    from kvcouple.tracer.memory import host_refusal, plan_host
+
+    layout = StoreLayout(["a"], ["full"], 4, 2, 2, 3, 1000, Record.parse("full"))
+    need = host_record_bytes(layout, 3, 3)  # batches of 3: 3 tracing, 3 queued, 1 + 1
+    assert plan_host(layout, [3, 1], available=need * 2).fits
+    tight = plan_host(layout, [3, 1], available=need)  # the 10% margin leaves too little
+    assert tight.records == need and not tight.fits
+    assert "--doc-batch" in host_refusal(tight) and "3 traced at once" in host_refusal(tight)
+    assert plan_host(layout, [1], available=need).fits  # one at a time: 4 documents' worth
+
+
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 zarr = pytest.importorskip("zarr")
@@ -198,4 +210,18 @@ def test_dry_run_prints_the_host_memory_of_records(tmp_path, capsys):
     # Batches of 2 documents: 2 tracing, 2 queued, 1 writing, 1 for the encoder.
     assert f"{host_record_bytes(layout, 2, 2) / 2**20:.1f} MiB at most" in line
     assert "2 tracing, 2 queued" in line
+    assert not (tmp_path / "run.zarr").exists()
+
+
+@pytest.mark.torch
+def test_a_run_whose_records_do_not_fit_the_host_is_refused_before_tracing(tmp_path, monkeypatch):
+    import kvcouple.tracer.memory as memory
+
+    # Room for one document's records, not for the four a run holds at once.
+    layout = StoreLayout(["-"], ["recent:retain=0.5"], 8, 2, 1, 2, VOCAB, Record.parse("full"))
+    monkeypatch.setattr(memory, "available_memory", lambda: host_record_bytes(layout, 0, 1))
+    model = tiny_model("llama", seed=3, vocab_size=VOCAB)
+    settings = TraceSettings(**SETTINGS, record=Record.parse("full"))
+    with pytest.raises(memory.MemoryPlanError, match="host memory"):
+        trace(model, _prompts(2), ["recent:retain=0.5"], settings, tmp_path / "run.zarr")
     assert not (tmp_path / "run.zarr").exists()

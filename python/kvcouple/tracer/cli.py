@@ -292,6 +292,7 @@ def dry_run(args: argparse.Namespace, policies: list[Any], branch_batch: int | s
     plans = plan_documents(shape, documents, policies, sizes, branch_batch, budget, refuse=False)
     print(format_plan(shape, plans, budget, where))
     refused = [p for p in plans if not p.fits]
+    host_refused = None
     if not refused:
         from kvcouple.tracer.run import document_batches
         from kvcouple.tracer.settings import TraceSettings
@@ -308,23 +309,41 @@ def dry_run(args: argparse.Namespace, policies: list[Any], branch_batch: int | s
             + (", ..." if len(batches) > 8 else "")
             + ")"
         )
-        print(host_plan(args, policies, shape.vocab, [len(b) for b in batches]))
+        line, host_refused = host_plan(args, policies, shape.vocab, [len(b) for b in batches])
+        print(line)
         if infos is not None:
             from kvcouple.tracer.distributed import format_workers
 
             print(format_workers(infos, batches, dict(enumerate(plans))))
     for plan in refused:
         print("refused: " + refusal(plan))
-    return 1 if refused else 0
+    if host_refused is not None:
+        print("refused: " + host_refused)
+    return 1 if refused or host_refused is not None else 0
 
 
-def host_plan(args: argparse.Namespace, policies: list[Any], vocab: int, batches: list[int]) -> str:
-    """The plan's host-memory line: the records of a batch tracing and of those being written."""
+def host_plan(
+    args: argparse.Namespace, policies: list[Any], vocab: int, batches: list[int]
+) -> tuple[str, str | None]:
+    """The plan's host-memory line (the records of a batch tracing and of those being written,
+    against this host's available memory) and why the run is refused there, or None. With
+    ``--scheduler`` the records are held on the workers: their hosts are not checked here."""
+    from kvcouple.tracer.memory import host_refusal, human, plan_host
+
     layout = StoreLayout(
         ["-"], [p.spec() for p in policies], args.horizon, args.window, args.branches,
         args.replicates, vocab, Record.parse(args.record),
     )  # fmt: skip
-    return format_host(layout, batches)
+    line = format_host(layout, batches)
+    if args.scheduler is not None:
+        return line, None
+    host = plan_host(layout, batches)
+    if host.budget is None:
+        return f"{line}; host memory available: unknown", None
+    return (
+        f"{line}; {human(host.budget)} available (less the margin)",
+        None if host.fits else host_refusal(host),
+    )
 
 
 def _workers_budget(

@@ -24,6 +24,13 @@ excludes them.
 ``branch_batch="auto"`` picks the largest batch of branches whose peak fits the budget (free
 device memory less a margin); a document that does not fit even at batch 1 raises
 :class:`MemoryPlanError` with the figures, before anything is traced.
+
+**Host memory.** Records wait on the host between the device and the store: the batch being
+traced, the writer's queue (a batch), the document being written and the encoder's buffers
+(:func:`kvcouple.store.background.host_record_bytes`; ``record=full`` on a 128k vocabulary is
+about 1.6 GB a document). :func:`plan_host` sets that against the host's available memory less
+the same margin; a run whose records do not fit is refused before anything is traced
+(:class:`MemoryPlanError`, :func:`host_refusal`), and ``--dry-run`` prints both figures.
 """
 
 from __future__ import annotations
@@ -36,6 +43,9 @@ import torch
 
 from kvcouple.errors import InvalidInputError
 from kvcouple.policies import Policy
+from kvcouple.resources import available_memory
+from kvcouple.store.background import document_bytes, host_record_bytes, queue_bound
+from kvcouple.store.writer import StoreLayout
 from kvcouple.tracer.prefill import query_needs
 from kvcouple.tracer.shape import ModelShape, choose_layout
 
@@ -43,6 +53,7 @@ __all__ = [
     "DEFAULT_MARGIN",
     "GiB",
     "DocumentPlan",
+    "HostPlan",
     "MemoryPlanError",
     "ModelShape",
     "Sizes",
@@ -51,9 +62,11 @@ __all__ = [
     "device_budget",
     "document_budget",
     "format_plan",
+    "host_refusal",
     "human",
     "plan_document",
     "plan_documents",
+    "plan_host",
     "plan_loaded",
     "run_sizes",
     "refusal",
@@ -446,4 +459,46 @@ def run_sizes(settings: Any) -> Sizes:
         settings.branches,
         settings.window,
         getattr(settings, "cache_layout", "auto"),
+    )
+
+
+@dataclass(frozen=True)
+class HostPlan:
+    """Host memory a run's records take at most, against what the host has."""
+
+    records: int  # bytes of records held at once (host_record_bytes)
+    per_document: int  # bytes of one document's records
+    batch: int  # documents traced at once (the largest batch)
+    budget: int | None  # available host memory less the margin (None: unknown)
+
+    @property
+    def fits(self) -> bool:
+        return self.budget is None or self.records <= self.budget
+
+
+def plan_host(
+    layout: StoreLayout,
+    batch_sizes: Sequence[int],
+    available: int | None = None,
+    margin: float = DEFAULT_MARGIN,
+) -> HostPlan:
+    """The host side of the plan: records of the largest batch tracing, a queued batch, one
+    document writing and one for the encoder, against ``available`` bytes (default: the host's
+    available memory now) less ``margin``."""
+    batch = max(batch_sizes, default=1) or 1
+    records = host_record_bytes(layout, batch, queue_bound(list(batch_sizes)))
+    per_document = document_bytes(layout)
+    if available is None:
+        available = available_memory()
+    budget = None if available is None else int(available * (1 - margin))
+    return HostPlan(records, per_document, batch, budget)
+
+
+def host_refusal(plan: HostPlan) -> str:
+    """Why a run's records cannot be held on this host, and what to change."""
+    return (
+        f"the records need {human(plan.records)} of host memory at most ({human(plan.per_document)}"
+        f" a document, {plan.batch} traced at once, a batch queued for the writer), more than "
+        f"the {human(plan.budget)} available (less a {DEFAULT_MARGIN:.0%} margin). Trace fewer "
+        "documents at once (--doc-batch), or record less (--record summary or topk:K)"
     )

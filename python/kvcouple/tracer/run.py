@@ -55,8 +55,11 @@ from kvcouple.tracer.distributed import (
 from kvcouple.tracer.engine import trace_units
 from kvcouple.tracer.memory import (
     DocumentPlan,
+    MemoryPlanError,
     document_budget,
+    host_refusal,
     plan_documents,
+    plan_host,
     plan_loaded,
     run_sizes,
 )
@@ -449,6 +452,10 @@ def trace(
     # Planned before the store is touched: a document that cannot fit is refused up front.
     documents = [(prompts[d].id, len(prompts[d].input_ids)) for d in mine]
     plans = dict(zip(mine, plan_loaded(model, documents, pols, settings, memory), strict=True))
+    # The records held on the host (tracing, queued, writing) are planned too.
+    host = plan_host(layout, [len(b) for b in document_batches(mine, plans, settings)])
+    if not host.fits:
+        raise MemoryPlanError(f"refusing to trace: {host_refusal(host)}")
     writer = TraceStoreWriter.open(out, layout, attrs)
     done = writer.completed()
     todo = [d for d in mine if not done[d]]
