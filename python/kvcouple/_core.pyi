@@ -65,6 +65,19 @@ def store_blocks_tv(
     row_tolerance: float | None = None,
     decode_only: bool = False,
 ) -> tuple[npt.NDArray[np.float64], tuple[str, str, str] | None]: ...
+def store_chunks_tv(
+    p_meta: str,
+    q_meta: str,
+    blocks: npt.NDArray[np.int64],
+    p_keys: list[str],
+    p_chunks: list[bytes | None],
+    q_keys: list[str],
+    q_chunks: list[bytes | None],
+    dtype: str,
+    *,
+    row_tolerance: float | None = None,
+    decode_only: bool = False,
+) -> tuple[npt.NDArray[np.float64], tuple[str, str, str] | None]: ...
 
 # --- synth.rs ---
 _PairArrays = tuple[

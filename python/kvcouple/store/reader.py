@@ -64,6 +64,9 @@ SIZE_ATTRS = (
     ("vocab_size", "vocab", lambda v: v),
 )
 
+# Decoded bytes per window of blocks fetched at once from object storage.
+REMOTE_WINDOW = 64 * 2**20
+
 # Stores the engine fell back on (the notice is printed once per store and process).
 _NOTICED: set[str] = set()
 _NOTICE_LOCK = threading.Lock()
@@ -626,9 +629,11 @@ class TraceStoreReader:
         or a slice per axis, the last axis whole) of ``p_name`` against ``q_name``, decoded and
         computed by the Rust engine (zarrs, all cores, GIL released), the blocks' rows one after
         another. Every row of both is checked first to be a distribution (as
-        :meth:`check_values` does), and every chunk against its checksum. None where the engine
-        cannot read this store (object storage, a codec zarrs lacks,
-        ``KVCOUPLE_STORE_ENGINE=zarr``): the caller then reads with :meth:`read`."""
+        :meth:`check_values` does), and every chunk against its checksum. On object storage
+        the chunk objects are fetched concurrently and decoded by the same engine
+        (:meth:`_remote_tv`). None where the engine cannot read this store (a codec or layout
+        it lacks, zarr-python 2 on object storage, ``KVCOUPLE_STORE_ENGINE=zarr``): the caller
+        then reads with :meth:`read`."""
         if self._engine_off:
             return None
         from kvcouple import _core
@@ -644,15 +649,18 @@ class TraceStoreReader:
                     start, stop = int(s), int(s) + 1
                 blocks[i, ax] = (start, stop)
         # One tolerance for both: p and q share the format and the vocabulary.
-        tv, problem = _core.store_blocks_tv(
-            self.path,
-            p.path,
-            self.array(q_name).path,
-            blocks,
-            kind,
-            row_tolerance=self.row_tolerance(p_name),
-            decode_only=decode_only,
-        )
+        if is_url(self.path):
+            tv, problem = self._remote_tv(p_name, q_name, blocks, kind, decode_only)
+        else:
+            tv, problem = _core.store_blocks_tv(
+                self.path,
+                p.path,
+                self.array(q_name).path,
+                blocks,
+                kind,
+                row_tolerance=self.row_tolerance(p_name),
+                decode_only=decode_only,
+            )
         if problem is None:
             return np.asarray(tv)
         what, key, message = problem
@@ -705,13 +713,119 @@ class TraceStoreReader:
     def _engine_off(self) -> bool:
         return (
             self.__dict__.get("_no_engine", False)
-            or is_url(self.path)
+            or (is_url(self.path) and _zarr_major() < 3)
             or os.environ.get("KVCOUPLE_STORE_ENGINE", "auto") == "zarr"
         )
 
     @_engine_off.setter
     def _engine_off(self, value: bool) -> None:
         self.__dict__["_no_engine"] = value
+
+    def _remote_tv(
+        self, p_name: str, q_name: str, blocks: np.ndarray, kind: str, decode_only: bool
+    ) -> tuple[np.ndarray, tuple[str, str, str] | None]:
+        """:meth:`rows_tv` on object storage: the chunk objects of a window of blocks are
+        fetched concurrently (zarr's async store: many requests in flight) while the Rust
+        engine verifies, decodes and consumes the previous window
+        (``kvcouple._core.store_chunks_tv``). Holds two windows of stored bytes at most."""
+        from concurrent.futures import ThreadPoolExecutor
+
+        from kvcouple import _core
+
+        keys: dict[str, list[str]] = {}
+        for name in (p_name, q_name):
+            keys[name] = []
+            for b in blocks:
+                sel = tuple(slice(int(lo), int(hi)) for lo, hi in b)
+                cells = [c for c, _ in self._cells(name, sel, self.storage_grid(name))]
+                if len(cells) != 1:
+                    return np.empty(0), ("unsupported", "", "a block spans several objects")
+                keys[name].append(self.chunk_key(name, cells[0]))
+        meta = [self._metadata_document(n) for n in (p_name, q_name)]
+        row_bytes = int(blocks[0, -1, 1] - blocks[0, -1, 0]) * self.array(p_name).dtype.itemsize
+        rows = np.prod(blocks[:, :-1, 1] - blocks[:, :-1, 0], axis=1)
+        # Windows of ~REMOTE_WINDOW decoded bytes (>= 8 blocks): enough requests in flight to
+        # hide the round trips, little enough held in memory.
+        per = max(8, int(REMOTE_WINDOW // max(1, int(rows.max()) * row_bytes)))
+        windows = [range(i, min(i + per, len(blocks))) for i in range(0, len(blocks), per)]
+
+        def fetch(w: range) -> tuple[list[bytes | None], list[bytes | None]]:
+            got = self.fetch_objects([keys[p_name][i] for i in w] + [keys[q_name][i] for i in w])
+            return got[: len(w)], got[len(w) :]
+
+        tvs = []
+        with ThreadPoolExecutor(max_workers=1) as pool:
+            pending = [pool.submit(fetch, w) for w in windows[:1]]
+            for n, w in enumerate(windows):
+                pc, qc = pending.pop().result()
+                pending += [pool.submit(fetch, v) for v in windows[n + 1 : n + 2]]
+                tv, problem = _core.store_chunks_tv(
+                    meta[0],
+                    meta[1],
+                    np.ascontiguousarray(blocks[w.start : w.stop]),
+                    [keys[p_name][i] for i in w],
+                    pc,
+                    [keys[q_name][i] for i in w],
+                    qc,
+                    kind,
+                    row_tolerance=self.row_tolerance(p_name),
+                    decode_only=decode_only,
+                )
+                if problem is not None:
+                    for f in pending:
+                        f.cancel()
+                    return np.empty(0), problem
+                tvs.append(np.asarray(tv))
+        return (np.concatenate(tvs) if tvs else np.empty(0)), None
+
+    def _metadata_document(self, name: str) -> str:
+        """An array's metadata document as stored (``zarr.json``, or ``.zarray`` for v2)."""
+        arr = self.array(name)
+        doc = "zarr.json" if arr.metadata.zarr_format == 3 else ".zarray"
+        (raw,) = self.fetch_objects([f"{arr.path}/{doc}"], count=False)
+        if raw is None:
+            raise StoreError(f"{self.path}: the metadata of variable {name!r} is missing")
+        return raw.decode()
+
+    def fetch_objects(self, keys: list[str], *, count: bool = True) -> list[bytes | None]:
+        """The stored objects ``keys`` (None where absent), fetched concurrently through
+        zarr's store (its credentials, endpoint and ``storage_options``). Counted in
+        :attr:`remote_reads` unless ``count`` is false."""
+        import asyncio
+        import time
+
+        from zarr.core.buffer import default_buffer_prototype
+        from zarr.core.sync import sync
+
+        store = self.array(next(iter(self._arrays))).store_path.store
+        proto = default_buffer_prototype()
+
+        async def get_all() -> list[Any]:
+            return list(await asyncio.gather(*(store.get(k, prototype=proto) for k in keys)))
+
+        t = time.perf_counter()
+        try:
+            got = sync(get_all())
+        except Exception as e:  # fsspec and the network raise many types
+            raise StoreError(
+                f"{self.path}: cannot fetch {len(keys)} chunk objects (first {keys[0]}): "
+                f"{type(e).__name__}: {e}"
+            ) from e
+        out = [None if g is None else g.to_bytes() for g in got]
+        if count:
+            stats = self.__dict__.setdefault("_remote_reads", [0, 0, 0.0])
+            with _NOTICE_LOCK:
+                stats[0] += len(keys)
+                stats[1] += sum(len(o) for o in out if o is not None)
+                stats[2] += time.perf_counter() - t
+        return out
+
+    @property
+    def remote_reads(self) -> tuple[int, int, float]:
+        """Chunk objects fetched from object storage by the engine's path so far: (requests,
+        bytes, seconds the fetches took, summed)."""
+        r = self.__dict__.get("_remote_reads", [0, 0, 0.0])
+        return int(r[0]), int(r[1]), float(r[2])
 
     def check(self, docs: list[int] | None = None, *, data: bool = False) -> list[str]:
         """Every problem of the given documents (default: the finished ones), one line each:

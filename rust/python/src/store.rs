@@ -4,9 +4,11 @@ use std::ops::Range;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 
 use kvcouple_core::rows::Dtype;
+use kvcouple_store::remote::{chunks_tv, Fetched, RemoteVariable};
 use kvcouple_store::{blocks_tv, Problem, Variable};
 use numpy::{IntoPyArray, PyArray1, PyReadonlyArray3, PyUntypedArrayMethods};
 use pyo3::prelude::*;
+use pyo3::pybacked::PyBackedBytes;
 
 use crate::errors::{InternalError, InvalidInputError, ShapeError};
 
@@ -37,6 +39,62 @@ fn as_tuple(p: Problem) -> ProblemTuple {
     }
 }
 
+fn parse_kind(dtype: &str) -> PyResult<Dtype> {
+    match dtype {
+        "float16" => Ok(Dtype::F16),
+        "bfloat16" => Ok(Dtype::BF16),
+        "float32" => Ok(Dtype::F32),
+        "float64" => Ok(Dtype::F64),
+        other => Err(InvalidInputError::new_err(format!(
+            "unsupported dtype {other:?}: use float16, bfloat16, float32 or float64"
+        ))),
+    }
+}
+
+/// `blocks[i, axis] = (start, stop)` as ranges (and the tolerance checked).
+fn parse_blocks(
+    blocks: &PyReadonlyArray3<'_, i64>,
+    row_tolerance: Option<f64>,
+) -> PyResult<Vec<Vec<Range<u64>>>> {
+    let shape = blocks.shape().to_vec();
+    if shape[2] != 2 {
+        return Err(ShapeError::new_err("blocks must have shape (n, ndim, 2)"));
+    }
+    let flat = blocks
+        .as_slice()
+        .map_err(|_| ShapeError::new_err("blocks must be C-contiguous"))?;
+    if row_tolerance.is_some_and(|t| t.is_nan() || t < 0.0) {
+        return Err(InvalidInputError::new_err(
+            "row_tolerance must be a number >= 0",
+        ));
+    }
+    if flat.iter().any(|&v| v < 0) {
+        return Err(InvalidInputError::new_err("block bounds must be >= 0"));
+    }
+    Ok(flat
+        .chunks_exact((shape[1] * 2).max(1))
+        .map(|b| {
+            b.chunks_exact(2)
+                .map(|r| r[0] as u64..r[1] as u64)
+                .collect()
+        })
+        .collect())
+}
+
+/// The binding's answer: `(tvs, None)`, `(empty, problem)`, or a caught panic raised.
+fn finish<'py>(
+    py: Python<'py>,
+    result: std::thread::Result<Result<Vec<f64>, Problem>>,
+) -> PyResult<(Bound<'py, PyArray1<f64>>, Option<ProblemTuple>)> {
+    match result {
+        Ok(Ok(tv)) => Ok((tv.into_pyarray(py), None)),
+        Ok(Err(problem)) => Ok((Vec::<f64>::new().into_pyarray(py), Some(as_tuple(problem)))),
+        Err(_) => Err(InternalError::new_err(
+            "the store engine panicked; please report this with the store's layout",
+        )),
+    }
+}
+
 /// Row TVs of the blocks `blocks[i, axis] = (start, stop)` of arrays `p` and `q` in the local
 /// store `root`, decoded with zarrs in parallel (checksums verified); with `row_tolerance`,
 /// every row must first be a distribution summing to 1 within it. Returns `(tvs, problem)`
@@ -54,40 +112,8 @@ pub fn store_blocks_tv<'py>(
     row_tolerance: Option<f64>,
     decode_only: bool,
 ) -> PyResult<(Bound<'py, PyArray1<f64>>, Option<ProblemTuple>)> {
-    let kind = match dtype {
-        "float16" => Dtype::F16,
-        "bfloat16" => Dtype::BF16,
-        "float32" => Dtype::F32,
-        "float64" => Dtype::F64,
-        other => {
-            return Err(InvalidInputError::new_err(format!(
-                "unsupported dtype {other:?}: use float16, bfloat16, float32 or float64"
-            )))
-        }
-    };
-    let shape = blocks.shape().to_vec();
-    if shape[2] != 2 {
-        return Err(ShapeError::new_err("blocks must have shape (n, ndim, 2)"));
-    }
-    let flat = blocks
-        .as_slice()
-        .map_err(|_| ShapeError::new_err("blocks must be C-contiguous"))?;
-    if row_tolerance.is_some_and(|t| t.is_nan() || t < 0.0) {
-        return Err(InvalidInputError::new_err(
-            "row_tolerance must be a number >= 0",
-        ));
-    }
-    if flat.iter().any(|&v| v < 0) {
-        return Err(InvalidInputError::new_err("block bounds must be >= 0"));
-    }
-    let ranges: Vec<Vec<Range<u64>>> = flat
-        .chunks_exact(shape[1] * 2)
-        .map(|b| {
-            b.chunks_exact(2)
-                .map(|r| r[0] as u64..r[1] as u64)
-                .collect()
-        })
-        .collect();
+    let kind = parse_kind(dtype)?;
+    let ranges = parse_blocks(&blocks, row_tolerance)?;
     let (root, p, q) = (root.to_string(), p.to_string(), q.to_string());
     let result = py.detach(move || {
         catch_unwind(AssertUnwindSafe(|| {
@@ -96,16 +122,69 @@ pub fn store_blocks_tv<'py>(
             blocks_tv(&pv, &qv, &ranges, kind, row_tolerance, decode_only)
         }))
     });
-    match result {
-        Ok(Ok(tv)) => Ok((tv.into_pyarray(py), None)),
-        Ok(Err(problem)) => Ok((Vec::<f64>::new().into_pyarray(py), Some(as_tuple(problem)))),
-        Err(_) => Err(InternalError::new_err(
-            "the store engine panicked; please report this with the store's layout",
-        )),
+    finish(py, result)
+}
+
+/// `store_blocks_tv` for a store on object storage: the caller fetched the chunk objects
+/// (`p_chunks[i]`, `q_chunks[i]`: block `i`'s bytes, None where the object is absent; keys
+/// `p_keys[i]`, `q_keys[i]`) and the arrays' metadata documents (`p_meta`, `q_meta`, as stored);
+/// they are verified, decoded and consumed here in parallel with the GIL released. Each block
+/// must be exactly one chunk of the layout kvcouple writes, else the problem is "unsupported".
+#[pyfunction]
+#[pyo3(signature = (p_meta, q_meta, blocks, p_keys, p_chunks, q_keys, q_chunks, dtype, *,
+                    row_tolerance=None, decode_only=false))]
+pub fn store_chunks_tv<'py>(
+    py: Python<'py>,
+    p_meta: &str,
+    q_meta: &str,
+    blocks: PyReadonlyArray3<'py, i64>,
+    p_keys: Vec<String>,
+    p_chunks: Vec<Option<PyBackedBytes>>,
+    q_keys: Vec<String>,
+    q_chunks: Vec<Option<PyBackedBytes>>,
+    dtype: &str,
+    row_tolerance: Option<f64>,
+    decode_only: bool,
+) -> PyResult<(Bound<'py, PyArray1<f64>>, Option<ProblemTuple>)> {
+    let kind = parse_kind(dtype)?;
+    let ranges = parse_blocks(&blocks, row_tolerance)?;
+    let n = ranges.len();
+    if [p_keys.len(), p_chunks.len(), q_keys.len(), q_chunks.len()] != [n, n, n, n] {
+        return Err(ShapeError::new_err(
+            "one key and one chunk per block for each of p and q",
+        ));
     }
+    let (p_meta, q_meta) = (p_meta.to_string(), q_meta.to_string());
+    let result = py.detach(move || {
+        catch_unwind(AssertUnwindSafe(|| {
+            let pv = RemoteVariable::new("p", &p_meta)?;
+            let qv = RemoteVariable::new("q", &q_meta)?;
+            let (ps, qs) = (fetched(&p_keys, &p_chunks), fetched(&q_keys, &q_chunks));
+            chunks_tv(
+                (&pv, &qv),
+                &ranges,
+                (&ps, &qs),
+                kind,
+                row_tolerance,
+                decode_only,
+            )
+        }))
+    });
+    finish(py, result)
+}
+
+fn fetched<'a>(keys: &'a [String], chunks: &'a [Option<PyBackedBytes>]) -> Vec<Fetched<'a>> {
+    keys.iter()
+        .zip(chunks)
+        .map(|(k, c)| Fetched {
+            key: k.as_str(),
+            bytes: c.as_deref(),
+        })
+        .collect()
 }
 
 pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(store_blocks_tv, m)?)?;
+    m.add_function(wrap_pyfunction!(store_chunks_tv, m)?)?;
     Ok(())
 }

@@ -154,10 +154,6 @@ impl Buffers {
         want: usize,
         crc32c: bool,
     ) -> Result<(), Problem> {
-        let failed = |message: String| Problem::Decode {
-            key: key.to_string(),
-            message,
-        };
         let mut f = match File::open(path) {
             Ok(f) => f,
             Err(e) if e.kind() == ErrorKind::NotFound => {
@@ -165,12 +161,40 @@ impl Buffers {
                     key: key.to_string(),
                 })
             }
-            Err(e) => return Err(failed(e.to_string())),
+            Err(e) => {
+                return Err(Problem::Decode {
+                    key: key.to_string(),
+                    message: e.to_string(),
+                })
+            }
         };
-        self.file.clear();
-        f.read_to_end(&mut self.file)
-            .map_err(|e| failed(e.to_string()))?;
-        let mut frame: &[u8] = &self.file;
+        let mut file = std::mem::take(&mut self.file);
+        file.clear();
+        let out = match f.read_to_end(&mut file) {
+            Ok(_) => self.decode_bytes(&file, key, want, crc32c),
+            Err(e) => Err(Problem::Decode {
+                key: key.to_string(),
+                message: e.to_string(),
+            }),
+        };
+        self.file = file;
+        out
+    }
+
+    /// Decode the stored chunk `bytes` (key `key`, e.g. fetched from object storage): its
+    /// crc32c verified where it has one, its `want` bytes into `self.decoded`.
+    pub fn decode_bytes(
+        &mut self,
+        bytes: &[u8],
+        key: &str,
+        want: usize,
+        crc32c: bool,
+    ) -> Result<(), Problem> {
+        let failed = |message: String| Problem::Decode {
+            key: key.to_string(),
+            message,
+        };
+        let mut frame: &[u8] = bytes;
         if crc32c {
             let Some(split) = frame.len().checked_sub(4) else {
                 return Err(failed(format!(

@@ -17,6 +17,7 @@
 //! pipeline: [`direct`] decodes them into reused buffers that the kernels read in place.
 
 mod direct;
+pub mod remote;
 
 use std::ops::Range;
 use std::path::PathBuf;
@@ -225,9 +226,12 @@ impl Owned {
     }
 }
 
+/// The key of the stored object holding an element (a variable's, or a fetched chunk's).
+type KeyOf<'a> = &'a (dyn Fn(&[u64]) -> String + Sync);
+
 /// Row `violation` of a decoded block (`block`: its range per axis) as a problem naming the
 /// chunk and the element (for a bad sum, the row; the last index is then -1).
-fn value_problem(var: &Variable, block: &[Range<u64>], violation: RowViolation) -> Problem {
+fn value_problem(key_of: KeyOf, block: &[Range<u64>], violation: RowViolation) -> Problem {
     let (row, col, value, what) = match violation {
         RowViolation::Entry { row, col, value } => (row, Some(col), value, "entry"),
         RowViolation::Sum { row, sum } => (row, None, sum, "sum"),
@@ -242,7 +246,7 @@ fn value_problem(var: &Variable, block: &[Range<u64>], violation: RowViolation) 
         rest /= len;
     }
     index[last] = col.unwrap_or(0) as u64;
-    let key = var.key_of(&index);
+    let key = key_of(&index);
     let mut out: Vec<i64> = index.iter().map(|&i| i as i64).collect();
     if col.is_none() {
         out[last] = -1;
@@ -275,7 +279,7 @@ fn rows_of(words: &[u64], kind: Dtype, n: usize) -> Rows<'_> {
 
 /// What one decoded block pair gives: its row TVs, checked first with `tolerance`.
 fn consume(
-    (p, q): (&Variable, &Variable),
+    (p, q): (KeyOf, KeyOf),
     block: &[Range<u64>],
     (pr, qr): (Rows, Rows),
     rows: usize,
@@ -342,6 +346,8 @@ pub fn blocks_tv(
     let options = CodecOptions::default()
         .with_concurrent_target(1)
         .with_validate_checksums(true);
+    let (pk, qk) = (|i: &[u64]| p.key_of(i), |i: &[u64]| q.key_of(i));
+    let keys: (KeyOf, KeyOf) = (&pk, &qk);
     let per_block: Vec<Result<Vec<f64>, Problem>> = parallel::install(|| {
         blocks
             .par_iter()
@@ -365,7 +371,7 @@ pub fn blocks_tv(
                             let n = rows * vocab;
                             let pair =
                                 (rows_of(&pd.decoded, kind, n), rows_of(&qd.decoded, kind, n));
-                            consume((p, q), b, pair, rows, vocab, tolerance)
+                            consume(keys, b, pair, rows, vocab, tolerance)
                         });
                     direct::give(pd);
                     direct::give(qd);
@@ -386,7 +392,7 @@ pub fn blocks_tv(
                     return Ok(vec![0.0; rows]);
                 }
                 let (pr, qr) = (Owned::new(&pb, kind), Owned::new(&qb, kind));
-                consume((p, q), b, (pr.rows(), qr.rows()), rows, vocab, tolerance)
+                consume(keys, b, (pr.rows(), qr.rows()), rows, vocab, tolerance)
             })
             .collect()
     });
