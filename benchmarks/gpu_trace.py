@@ -14,6 +14,14 @@ documents (``--short-docs`` of ``--short-length`` tokens) traced as one batch of
 (``doc_batch``, the shared layout) against one at a time: tokens/s of both and the ratio of
 their wall times. Weights are random (no
 download): distributions are nearly uniform, which does not change the cost of a step.
+
+The decoding step itself, per prompt length and ``--compile`` mode (``off`` and ``graphs`` by
+default on CUDA): milliseconds per step of the tracer's overlap path (2R rows) and of
+``generate`` on the same 2R rows, each marginal over two horizons (``--decode-horizons``), so
+prefill, selection and setup drop out; tokens/s from them; and the weight-read floor, the
+weights' bytes over the device's measured copy bandwidth (a step cannot read its weights
+faster). Needs only the kvcouple wheel with torch and transformers: no zarr (nothing is
+written to a store), no network.
 ``generate`` running out of memory is recorded, not fatal; lengths left when ``--budget-s`` is
 spent are recorded as skipped.
 """
@@ -117,6 +125,37 @@ def short_documents(
     return out
 
 
+def copy_bandwidth(device: torch.device) -> float:
+    """Bytes per second the device moves in a large copy (read plus write), best of five."""
+    size = (1 << 30) if device.type == "cuda" else (64 << 20)
+    src = torch.empty(size, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    dst.copy_(src)  # warm-up
+    best = float("inf")
+    for _ in range(5):
+        synchronize(device)
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        synchronize(device)
+        best = min(best, time.perf_counter() - t0)
+    del src, dst
+    return 2 * size / best
+
+
+def marginal_ms(run: Any, horizons: tuple[int, int], device: torch.device) -> float:
+    """Milliseconds per decoding step of ``run(horizon)``: the difference of two horizons'
+    wall times over the difference of the horizons (prefill and setup drop out)."""
+    h1, h2 = horizons
+    times = []
+    for h in (h1, h2):
+        synchronize(device)
+        t0 = time.perf_counter()
+        run(h)
+        synchronize(device)
+        times.append(time.perf_counter() - t0)
+    return 1e3 * max(times[1] - times[0], 0.0) / (h2 - h1)
+
+
 def _ints(text: str) -> list[int]:
     return [int(x) for x in text.split(",") if x]
 
@@ -133,6 +172,17 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--policy", default="snapkv:retain=0.5")
     ap.add_argument("--short-docs", type=int, default=None, help="documents (default 8; tiny 3)")
     ap.add_argument("--short-length", type=int, default=None, help="tokens (default 1024; tiny 32)")
+    ap.add_argument(
+        "--compile",
+        default=None,
+        help="compile modes of the decoding step, comma-separated (default off,graphs; tiny off)",
+    )
+    ap.add_argument(
+        "--decode-horizons",
+        type=_ints,
+        default=None,
+        help="two horizons for ms per step (default 8,40; tiny 2,6)",
+    )
     ap.add_argument("--budget-s", type=float, default=540.0, help="skip lengths after this")
     ap.add_argument("--out", default=None, help="also write the JSON here")
     args = ap.parse_args(argv)
@@ -154,6 +204,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     L = args.window if args.window is not None else (4 if tiny else 32)
     settings = TraceSettings(horizon=T, replicates=R, branches=args.branches, window=L)
     policy = parse_policy(args.policy)
+    modes = (args.compile or ("off" if tiny else "off,graphs")).split(",")
+    for mode in modes:
+        TraceSettings(horizon=1, compile=mode)  # type: ignore[arg-type]  (validates)
+    h1, h2 = args.decode_horizons or ([2, 6] if tiny else [8, 40])
+    if not 0 < h1 < h2:
+        raise SystemExit(f"--decode-horizons must be 0 < h1 < h2, got {h1},{h2}")
 
     model = build_model(tiny, device, dtype)
     shape = ModelShape.of_model(model)
@@ -189,6 +245,40 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             )
         synchronize(device)
         return time.perf_counter() - t0
+
+    bandwidth = copy_bandwidth(device)
+    floor_ms = 1e3 * shape.weight_bytes / bandwidth
+    print(
+        f"copy bandwidth {bandwidth / 1e9:.1f} GB/s: weight-read floor {floor_ms:.2f} ms/step",
+        flush=True,
+    )
+
+    def decode_step(prompt: list[int]) -> dict[str, Any]:
+        """ms per decoding step of the overlap path (one branch of lag 0 per replicate, the
+        same at both horizons) per compile mode, and of generate, on 2R rows."""
+        out: dict[str, Any] = {"horizons": [h1, h2], "floor_ms": floor_ms}
+        for mode in modes:
+            run = TraceSettings(horizon=h1, replicates=R, branches=1, window=0, compile=mode)
+
+            def trace_h(h: int, run: TraceSettings = run) -> None:
+                from dataclasses import replace
+
+                trace_document(model, prompt, [policy], replace(run, horizon=h), seed=1)
+
+            trace_h(h1)  # warm-up (and the compilation, for a compiled mode)
+            ms = marginal_ms(trace_h, (h1, h2), device)
+            out[mode] = {
+                "trace_ms_per_step": ms,
+                "trace_tokens_per_s": 2 * R * 1e3 / ms if ms > 0 else None,
+                "over_floor": ms / floor_ms,
+            }
+        gen_ms = marginal_ms(lambda h: run_generate(prompt, h), (h1, h2), device)
+        out["generate_ms_per_step"] = gen_ms
+        out["generate_tokens_per_s"] = 2 * R * 1e3 / gen_ms if gen_ms > 0 else None
+        for mode in modes:
+            ms = out[mode]["trace_ms_per_step"]
+            out[mode]["ratio_to_generate"] = gen_ms / ms if ms > 0 else None
+        return out
 
     warm = rng.integers(2, vocab, min(lengths)).tolist()
     run_trace(warm, TraceSettings(horizon=2, replicates=R, branches=1, window=1))  # kernels
@@ -247,6 +337,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         except torch.cuda.OutOfMemoryError:
             row.update(generate_s=None, generate_tokens_per_s=None, ratio=None)
             row["generate_error"] = f"out of memory at batch {2 * R}"
+        try:
+            row["decode"] = decode_step(prompt)
+        except torch.cuda.OutOfMemoryError:
+            row["decode"] = {"error": "out of memory"}
         if device.type == "cuda":
             torch.cuda.empty_cache()
         results.append(row)
@@ -257,6 +351,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             f"{ratio}, peak/plan {over}, branch batch {plan.branch_batch}, {plan.layout} layout",
             flush=True,
         )
+        for mode in modes:
+            step = row["decode"].get(mode)
+            if step is not None:
+                print(
+                    f"  decode, compile {mode}: {step['trace_ms_per_step']:.2f} ms/step "
+                    f"({step['over_floor']:.1f}x the weight-read floor), generate "
+                    f"{row['decode']['generate_ms_per_step']:.2f} ms/step",
+                    flush=True,
+                )
 
     short: dict[str, Any] = {"skipped": "time budget spent"}
     if time.perf_counter() - wall <= args.budget_s:
@@ -289,6 +392,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             "weight_bytes": shape.weight_bytes,
         },
         "settings": {"R": R, "K": args.branches, "L": L, "T": T, "policy": policy.spec()},
+        "compile_modes": modes,
+        "copy_bandwidth_bytes_per_s": bandwidth,
+        "weight_read_floor_ms": floor_ms,
         "model_build_s": built_s,
         "results": results,
         "short_documents": short,
