@@ -50,17 +50,20 @@ def apply_decoding(
     if top_p is not None and not (0 < top_p <= 1):
         raise InvalidInputError(f"top_p must be in (0, 1], got {top_p}")
     inv_t = 1.0 / temperature
-    z = logits.to(torch.float64)
-    # As in Rust: where z / t would overflow, scale z - max instead (softmax is shift-invariant).
+    z = logits if logits.dtype == torch.float64 else logits.to(torch.float64)
     top = z.amax(dim=-1, keepdim=True)
-    shift = torch.where(torch.isfinite(top) & ~torch.isfinite(top * inv_t), top, 0.0)
-    z = (z - shift) * inv_t
+    if inv_t != 1.0:
+        # As in Rust: where z / t would overflow, scale z - max instead (shift-invariance).
+        # At t = 1 the shift is 0 and the scale 1, exactly: skipped (fewer passes, same bits).
+        shift = torch.where(torch.isfinite(top) & ~torch.isfinite(top * inv_t), top, 0.0)
+        z = (z - shift) * inv_t
+        top = None
     vocab = z.shape[-1]
     if top_k is not None and top_k < vocab:
         kth = torch.topk(z, top_k, dim=-1).values[..., -1:]
-        z = z.masked_fill(z < kth, float("-inf"))
+        z = z.masked_fill(z < kth, float("-inf"))  # (the max survives: it is >= the k-th)
     # Softmax as in Rust: subtract the max, exponentiate, divide by a sequential sum.
-    e = torch.exp(z - z.amax(dim=-1, keepdim=True))
+    e = torch.exp(z - (top if top is not None else z.amax(dim=-1, keepdim=True)))
     probs = e / torch.cumsum(e, dim=-1)[..., -1:]
     if top_p is not None and top_p < 1.0:
         sorted_p, order = torch.sort(probs, dim=-1, descending=True, stable=True)
@@ -100,12 +103,13 @@ def couple_rows(
     """
     import torch
 
-    a = p.to(torch.float64)
-    b = q.to(torch.float64)
+    a = p if p.dtype == torch.float64 else p.to(torch.float64)
+    b = q if q.dtype == torch.float64 else q.to(torch.float64)
     # Rust scales by the reciprocal of a sequential sum; cumsum's last entry is that sum.
     a = a * (1.0 / torch.cumsum(a, dim=-1)[..., -1:])
     b = b * (1.0 / torch.cumsum(b, dim=-1)[..., -1:])
-    u = u.to(device=a.device, dtype=torch.float64)
+    if u.dtype != torch.float64 or u.device != a.device:
+        u = u.to(device=a.device, dtype=torch.float64)
     d = a - b
     delta = (0.5 * torch.cumsum(d.abs(), dim=-1)[..., -1]).clamp(max=1.0)
     overlap_w = torch.minimum(a, b)

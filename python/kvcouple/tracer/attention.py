@@ -229,7 +229,7 @@ def attend_lse(
     ``logsumexp`` (the fused kernels of other devices are not wired until measured there).
     """
     if query.device.type == "cpu" and query.shape[-1] == value.shape[-1]:
-        if mask is not None:
+        if mask is not None and mask.dtype != query.dtype:
             mask = mask.to(query.dtype)
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
             query, key, value, 0.0, False, attn_mask=mask, scale=scaling
@@ -274,7 +274,7 @@ def prefix_attention(
         raise ValueError(f"prefix groups cover {prefix.rows} rows of a batch of {B}")
     m = None
     if mask is not None:
-        m = mask[..., : key.shape[-2]]
+        m = mask if mask.shape[-1] == key.shape[-2] else mask[..., : key.shape[-2]]
         if m.dtype == torch.bool:
             m = torch.zeros(m.shape, dtype=query.dtype, device=m.device).masked_fill(
                 ~m, torch.finfo(query.dtype).min
