@@ -31,8 +31,16 @@ from kvcouple.models import default_prompts_path, load_model  # noqa: E402
 from kvcouple.policies import parse_policy  # noqa: E402
 from kvcouple.testing.s3 import ServerUnavailable, local_s3  # noqa: E402
 from kvcouple.tracer import TraceSettings, load_prompts, trace  # noqa: E402
-from kvcouple.tracer.distributed import WorkerModel, check_fits  # noqa: E402
-from kvcouple.tracer.memory import MemoryPlanError, plan_loaded  # noqa: E402
+from kvcouple.tracer.distributed import (  # noqa: E402
+    WorkerInfo,
+    WorkerModel,
+    check_fits,
+    format_workers,
+    gpu_resources,
+    run_budget,
+)
+from kvcouple.tracer.memory import MemoryPlanError, human, plan_loaded  # noqa: E402
+from kvcouple.tracer.run import document_batches  # noqa: E402
 
 pytestmark = [pytest.mark.dask, pytest.mark.torch]
 
@@ -93,6 +101,17 @@ def assert_same_store(a, b):
     assert arr_a["completed"].all()
 
 
+def _batch_needs(model, prompts, settings):
+    """Each document batch of a run (by document id) and its plan's peak, as the client
+    forms them before submitting."""
+    docs = [(p.id, len(p.input_ids)) for p in prompts]
+    plans = dict(enumerate(plan_loaded(model, docs, [parse_policy(p) for p in POLICIES], settings)))
+    batches = document_batches(list(plans), plans, settings)
+    return plans, {
+        tuple(plans[d].doc_id for d in b): sum(plans[d].peak for d in b) for b in batches
+    }
+
+
 def test_two_workers_equal_one_process_local_and_s3(model_and_prompts, client, bucket, tmp_path):
     model, prompts = model_and_prompts
     prompts = prompts[:4]
@@ -122,25 +141,28 @@ def test_two_workers_equal_one_process_local_and_s3(model_and_prompts, client, b
     assert_same_store(tmp_path / "ref.zarr", url)
 
 
-class KillAfterFirstDocument(WorkerPlugin):
-    """On the workers: the first document any of them writes is its worker's last. The
-    worker process is killed (SIGKILL) right after that document's ``completed`` flag, so its
-    batch is half written and the task's result never reaches the client."""
+class KillAfterDocument(WorkerPlugin):
+    """On the workers: the worker that writes document ``doc`` is killed (SIGKILL) right after
+    that document's ``completed`` flag, once in the cluster's life (``marker``): the rest of
+    its batch is not written and the task's result never reaches the client."""
 
-    name = "kvcouple-test-kill-after-first-document"
+    name = "kvcouple-test-kill-after-document"
 
-    def __init__(self, marker: str) -> None:
+    def __init__(self, marker: str, doc: int) -> None:
         self.marker = marker
+        self.doc = doc
 
     def setup(self, worker) -> None:
         from kvcouple.store.writer import TraceStoreWriter
 
         self.original = original = TraceStoreWriter.write_doc
-        marker = self.marker
+        marker, victim = self.marker, self.doc
 
         def write_doc(writer, doc, arrays):
             original(writer, doc, arrays)
-            try:  # only the first writer of the whole cluster (a replacement worker too)
+            if doc != victim:
+                return
+            try:  # once only, whichever worker (a replacement too) writes it again
                 fd = os.open(marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
             except FileExistsError:
                 return
@@ -159,25 +181,29 @@ class KillAfterFirstDocument(WorkerPlugin):
 def test_worker_killed_after_its_first_document_ends_in_the_same_store(
     model_and_prompts, client, tmp_path
 ):
-    """The lost task is retried: its batch is traced again, the document it had written is
-    kept (and still counted once in the summary), the other one written."""
+    """The worker tracing the batch of documents 0 and 1 dies after writing document 0. The
+    lost task is retried: its batch is traced again, document 0 kept (and counted once in the
+    summary), document 1 written."""
     model, prompts = model_and_prompts
-    prompts = prompts[:4]  # two batches, one a worker
+    prompts = prompts[:4]
+    _, needs = _batch_needs(model, prompts, SMALL)
+    assert tuple(p.id for p in prompts[:2]) in needs  # a batch of two: the kill halves it
     ref, out = tmp_path / "ref.zarr", tmp_path / "killed.zarr"
     one = trace(model, prompts, POLICIES, SMALL, ref, **KW)
     marker = tmp_path / "killed"
     # The plugin's class travels by value (workers need not import the test module).
     cloudpickle.register_pickle_by_value(sys.modules[__name__])
     before = set(client.scheduler_info()["workers"])
-    client.register_plugin(KillAfterFirstDocument(str(marker)))
+    client.register_plugin(KillAfterDocument(str(marker), 0))
     try:
         run = trace(model, prompts, POLICIES, SMALL, out, client=client, **KW)
     finally:
-        client.unregister_worker_plugin(KillAfterFirstDocument.name)
+        client.unregister_worker_plugin(KillAfterDocument.name)
         cloudpickle.unregister_pickle_by_value(sys.modules[__name__])
         client.wait_for_workers(2, timeout=120)  # the replacement, for the next tests
     doc, pid = map(int, marker.read_text().split())
     print(f"killed worker pid {pid} after document {doc}")
+    assert doc == 0
     assert pid not in client.run(os.getpid).values()
     assert set(client.scheduler_info()["workers"]) != before  # one worker was replaced
     assert sorted(run.traced) == [0, 1, 2, 3]  # the killed worker's document counted once
@@ -262,6 +288,79 @@ def test_a_batch_the_device_cannot_hold_fails_with_the_plans_figure(model_and_pr
         check_fits(plans, model)
     monkeypatch.setattr(distributed, "device_budget", lambda device: need)
     check_fits(plans, model)  # exactly the plan's figure fits
+
+
+def test_gpu_workers_take_one_batch_each_and_refuse_one_beyond_their_memory(
+    model_and_prompts, tmp_path, monkeypatch
+):
+    """Workers that declare ``GPU=1`` (``dask-cuda``'s do): each batch task asks for one, and
+    the run equals one process's. A worker whose device has less free than a batch's plan
+    fails that task with the plan's figure (a MemoryPlanError, no tracing, no out-of-memory),
+    and the run stops with nothing written. The worker is a thread of this process, so that
+    its device's free memory can be set here (off CUDA it is not known)."""
+    import zarr
+
+    import kvcouple.tracer.distributed as distributed
+
+    model, prompts = model_and_prompts
+    prompts = prompts[:4]
+    plans, needs = _batch_needs(model, prompts, SMALL)
+    assert len(needs) > 1, needs
+    with (
+        LocalCluster(
+            n_workers=1, threads_per_worker=2, processes=False, resources={"GPU": 1},
+            dashboard_address=":0",
+        ) as cluster,
+        Client(cluster) as gpu,
+    ):  # fmt: skip
+        assert gpu_resources(gpu) == {"GPU": 1}
+        one = trace(model, prompts, POLICIES, SMALL, tmp_path / "ref.zarr", **KW)
+        run = trace(model, prompts, POLICIES, SMALL, tmp_path / "gpu.zarr", client=gpu, **KW)
+        assert run.traced == one.traced == [0, 1, 2, 3]
+        assert_same_store(tmp_path / "ref.zarr", tmp_path / "gpu.zarr")
+        # Free memory below the smaller batch's plan: the first task to run fails for good.
+        free = min(needs.values()) - 1
+        monkeypatch.setattr(distributed, "device_budget", lambda device: free)
+        with pytest.raises(MemoryPlanError) as refused:
+            trace(model, prompts, POLICIES, SMALL, tmp_path / "small.zarr", client=gpu, **KW)
+    message = str(refused.value)
+    assert f"has {human(free)} free for a batch" in message, message
+    assert any(
+        f"needs {human(need)} at its peak" in message and all(repr(i) in message for i in ids)
+        for ids, need in needs.items()
+    ), (message, needs)
+    done = np.asarray(zarr.open_group(str(tmp_path / "small.zarr"), mode="r")["completed"][...])
+    assert not done.any()
+
+
+def test_gpu_resources_only_where_every_worker_declares_one(client):
+    assert gpu_resources(client) is None  # the plain cluster: threads decide, no resource
+
+
+def test_the_plan_per_worker_names_the_batches_a_smaller_device_cannot_take(model_and_prompts):
+    model, prompts = model_and_prompts
+    plans, needs = _batch_needs(model, prompts[:6], SMALL)
+    batches = document_batches(list(plans), plans, SMALL)
+    small = sorted(needs.values())[len(needs) // 2]  # fits the smaller half of the batches
+    gib = 2**30
+    infos = {
+        "tcp://10.0.0.1:1": WorkerInfo("cuda:0 (big)", 80 * gib, 70 * gib),
+        "tcp://10.0.0.2:1": WorkerInfo("cuda:0 (small)", small + gib, small),
+    }
+    text = format_workers(infos, batches, plans).splitlines()
+    n = len(batches)
+    assert text[0] == f"workers: 2; {n} batches, about {n / 2:.1f} each"
+    assert text[1] == (
+        f"  tcp://10.0.0.1:1: cuda:0 (big), free {human(80 * gib)}, for a batch "
+        f"{human(70 * gib)}: fits {n} of {n} batches"
+    )
+    fits = sum(need <= small for need in needs.values())
+    assert 0 < fits < n
+    assert text[2] == (
+        f"  tcp://10.0.0.2:1: cuda:0 (small), free {human(small + gib)}, for a batch "
+        f"{human(small)}: fits {fits} of {n} batches (the others would fail on this worker)"
+    )
+    assert run_budget(infos.values()) == small  # what the run plans its batches with
 
 
 def test_dry_run_prints_the_plan_per_worker(client, tmp_path, capsys):
