@@ -129,6 +129,7 @@ def _forward(
         kvcache.forget_positions(cache)
     with attention.active(model, position_ids, positions, prefix):
         logits = model(**kw).logits
+    kvcache.advance(cache, int(input_ids.shape[1]))
     return logits[:, -1] if last_only else logits
 
 

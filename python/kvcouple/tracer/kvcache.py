@@ -15,7 +15,10 @@ views of the filled part of its buffers, so everything that reads a dynamic cach
 attention, :func:`cache_tensors`, in-place decode-time eviction) works unchanged. A batch that
 outgrows its capacity is moved to a larger buffer (a quarter more, at least 64 columns), never
 failing. Entry positions and the decode-time evictor's slot state grow the same way
-(:func:`append_columns`).
+(:func:`append_columns`). A one-token step writes its column with ``index_copy_`` at the
+cache's device-side write column (:attr:`TracerCache.write_column`, one tensor for every
+layer), which :func:`advance` moves on after the forward pass; every forward on these
+caches goes through :func:`kvcouple.tracer.compat.forward`, which does that.
 
 Needs the cache-layer API of transformers 4.56+ for preallocation; with older releases
 :func:`cache_with_capacity` builds the plain dynamic cache (same results, concatenating).
@@ -46,6 +49,9 @@ class TracerCache(DynamicCache):  # type: ignore[misc]
         super().__init__(*args, **kwargs)
         self.positions: list[torch.Tensor] | None = []
         self.position_storage: list[torch.Tensor | None] | None = None
+        # The column the next one-token forward writes, on the device, the same for every
+        # layer and row of a preallocated cache (None: written by host-side slices).
+        self.write_column: torch.Tensor | None = None
 
 
 def new_cache() -> TracerCache:
@@ -65,8 +71,15 @@ def _make_layer_class(base: Any) -> Any:
     class PreallocatedLayer(base):  # type: ignore[misc, valid-type]
         """A dynamic cache layer whose tensors are views into buffers with room to grow."""
 
-        def __init__(self, keys: torch.Tensor, values: torch.Tensor, capacity: int):
+        def __init__(
+            self,
+            keys: torch.Tensor,
+            values: torch.Tensor,
+            capacity: int,
+            column: torch.Tensor | None = None,
+        ):
             super().__init__()
+            self.column = column  # the cache's write column (see TracerCache.write_column)
             length = int(keys.shape[-2])
             self._k = keys.new_empty(*keys.shape[:-2], max(capacity, length), keys.shape[-1])
             self._v = values.new_empty(*values.shape[:-2], max(capacity, length), values.shape[-1])
@@ -91,8 +104,13 @@ def _make_layer_class(base: Any) -> Any:
             stop = start + int(key_states.shape[-2])
             if stop > self.capacity:
                 self._grow(max(stop, self.capacity + max(_MIN_GROWTH, self.capacity // 4)))
-            self._k[..., start:stop, :] = key_states
-            self._v[..., start:stop, :] = value_states
+            if self.column is not None and stop == start + 1:
+                # One token: written at the device-side column (no slices of the buffers).
+                self._k.index_copy_(-2, self.column, key_states)
+                self._v.index_copy_(-2, self.column, value_states)
+            else:
+                self._k[..., start:stop, :] = key_states
+                self._v[..., start:stop, :] = value_states
             self._view(stop)
             return self.keys, self.values
 
@@ -128,7 +146,18 @@ def cache_with_capacity(
             cache.update(k, v, layer)
         cache.positions = positions
         return cache
-    cache.layers = [PreallocatedLayer(k, v, int(k.shape[-2]) + room) for k, v in layers]
+    built = []
+    column: torch.Tensor | None = None
+    for k, v in layers:
+        if column is None:
+            column = torch.full((1,), int(k.shape[-2]), dtype=torch.long, device=k.device)
+        built.append(PreallocatedLayer(k, v, int(k.shape[-2]) + room, column))
+    if len({int(layer.keys.shape[-2]) for layer in built}) > 1:  # no one column for all
+        column = None
+        for layer in built:
+            layer.column = None
+    cache.layers = built
+    cache.write_column = column
     # Layers are given, not created on first update.
     if hasattr(cache, "layer_class_to_replicate"):
         cache.layer_class_to_replicate = None
@@ -143,6 +172,14 @@ def cache_from_tensors(
 ) -> TracerCache:
     """:func:`cache_with_capacity` with the positions first (``kv`` may be a generator)."""
     return cache_with_capacity(kv, room, positions)
+
+
+def advance(cache: Any, tokens: int) -> None:
+    """After a forward pass fed ``tokens`` per row: the cache's device-side write column
+    moves on (one in-place add for every layer)."""
+    column = getattr(cache, "write_column", None) if isinstance(cache, TracerCache) else None
+    if column is not None:
+        column.add_(tokens)
 
 
 def cache_tensors(cache: Any) -> list[tuple[torch.Tensor, torch.Tensor]]:
