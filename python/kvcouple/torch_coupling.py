@@ -57,13 +57,13 @@ def apply_decoding(
         # At t = 1 the shift is 0 and the scale 1, exactly: skipped (fewer passes, same bits).
         shift = torch.where(torch.isfinite(top) & ~torch.isfinite(top * inv_t), top, 0.0)
         z = (z - shift) * inv_t
-        top = None
+        top = z.amax(dim=-1, keepdim=True)
     vocab = z.shape[-1]
     if top_k is not None and top_k < vocab:
         kth = torch.topk(z, top_k, dim=-1).values[..., -1:]
-        z = z.masked_fill(z < kth, float("-inf"))  # (the max survives: it is >= the k-th)
+        z = z.masked_fill(z < kth, float("-inf"))  # the max survives (it is >= the k-th)
     # Softmax as in Rust: subtract the max, exponentiate, divide by a sequential sum.
-    e = torch.exp(z - (top if top is not None else z.amax(dim=-1, keepdim=True)))
+    e = torch.exp(z - top)
     probs = e / torch.cumsum(e, dim=-1)[..., -1:]
     if top_p is not None and top_p < 1.0:
         sorted_p, order = torch.sort(probs, dim=-1, descending=True, stable=True)
