@@ -277,6 +277,10 @@ def sizes_table(a: argparse.Namespace) -> list[tuple[float, int, dict[str, dict]
 
 
 def s3_vs_local(a: argparse.Namespace) -> None:
+    """The analysis from a local S3 server (moto on 127.0.0.1) against the same store on local
+    disk. The distributions' chunk objects (``p``, ``q``, ``branch_p``, ``branch_q``: nearly
+    all the bytes) are fetched concurrently and decoded by the Rust engine; the engine's
+    requests and bytes per second are over the whole S3 analysis (one request per object)."""
     sys.path.insert(0, str(HERE))
     from kvcouple.testing.s3 import ServerUnavailable, local_s3
     from make_synthetic_store import make_store, store_bytes
@@ -285,6 +289,13 @@ def s3_vs_local(a: argparse.Namespace) -> None:
     if not store.exists():
         make_store(store, a.s3_gb)
     size = store_bytes(store)
+    engine_objects = [
+        f
+        for name in ("p", "q", "branch_p", "branch_q")
+        for f in (store / name).rglob("*")
+        if f.is_file() and not f.name.startswith((".z", "zarr.json"))
+    ]
+    engine_bytes = sum(f.stat().st_size for f in engine_objects)
     try:
         with local_s3() as bucket:
             import s3fs
@@ -293,16 +304,25 @@ def s3_vs_local(a: argparse.Namespace) -> None:
             t = time.perf_counter()
             s3fs.S3FileSystem().put(str(store), url[5:], recursive=True)
             up = time.perf_counter() - t
-            remote = _best_of(["analyze"], url, a.threads, a.repeats)["analyze"]
+            # Local and S3 take turns, so load on a shared machine hits both alike.
+            best: dict[str, dict] = {}
+            for _ in range(a.repeats):
+                for where, path in (("s3", url), ("local", str(store))):
+                    r = _subprocess("analyze", path, a.threads)
+                    if where not in best or r["seconds"] < best[where]["seconds"]:
+                        best[where] = r
     except ServerUnavailable as e:
         print(f"S3: skipped ({e})")
         return
-    local = _best_of(["analyze"], str(store), a.threads, a.repeats)["analyze"]
+    remote, local = best["s3"], best["local"]
     print(
-        f"S3 (moto on 127.0.0.1, zarr-python + s3fs) vs local disk, {size / 1e9:.2f} GB: "
-        f"analysis {size / remote['seconds'] / 1e9:.3f} GB/s from S3, "
+        f"S3 (moto on 127.0.0.1; the Rust engine fetching concurrently) vs local disk, "
+        f"{size / 1e9:.2f} GB: analysis {size / remote['seconds'] / 1e9:.3f} GB/s from S3, "
         f"{size / local['seconds'] / 1e9:.3f} GB/s local; S3 / local time "
-        f"{remote['seconds'] / local['seconds']:.2f} (goal <= 2); upload {size / up / 1e9:.3f} GB/s; "
+        f"{remote['seconds'] / local['seconds']:.2f} (goal <= 1.3); engine "
+        f"{len(engine_objects) / remote['seconds']:.0f} requests/s, "
+        f"{engine_bytes / remote['seconds'] / 1e6:.0f} MB/s ({len(engine_objects)} objects, "
+        f"{engine_bytes / 1e6:.0f} MB); upload {size / up / 1e9:.3f} GB/s; "
         f"peak RSS MB S3 {remote['peak_rss_mb']:.0f}, local {local['peak_rss_mb']:.0f}",
         flush=True,
     )

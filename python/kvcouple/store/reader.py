@@ -151,6 +151,8 @@ class TraceStoreReader:
         state = dict(self.__dict__)
         state["_group"] = None
         state["_arrays"] = {}
+        state.pop("_ahead", None)  # this process's read-ahead: futures and their thread
+        state.pop("_ahead_pool", None)
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -750,8 +752,10 @@ class TraceStoreReader:
         windows = [range(i, min(i + per, len(blocks))) for i in range(0, len(blocks), per)]
 
         def fetch(w: range) -> tuple[list[bytes | None], list[bytes | None]]:
-            got = self.fetch_objects([keys[p_name][i] for i in w] + [keys[q_name][i] for i in w])
+            got = self._fetch_ahead([keys[p_name][i] for i in w] + [keys[q_name][i] for i in w])
             return got[: len(w)], got[len(w) :]
+
+        self._read_ahead(p_name, q_name, blocks, per)
 
         tvs = []
         with ThreadPoolExecutor(max_workers=1) as pool:
@@ -778,8 +782,54 @@ class TraceStoreReader:
                 tvs.append(np.asarray(tv))
         return (np.concatenate(tvs) if tvs else np.empty(0)), None
 
+    def _read_ahead(self, p_name: str, q_name: str, blocks: np.ndarray, per: int) -> None:
+        """Start fetching the first window of the same blocks of the next document (the
+        analysis reads documents in order), so its round trips overlap this one's decoding.
+        At most one window is fetched ahead; a key not asked for is dropped with it."""
+        from concurrent.futures import ThreadPoolExecutor
+
+        nxt = blocks[:per].copy()
+        nxt[:, 0] += 1
+        if nxt[0, 0, 1] > self.dims["doc"]:
+            return
+        ahead = self.__dict__.setdefault("_ahead", {})
+        pool = self.__dict__.get("_ahead_pool")
+        if pool is None:
+            pool = self.__dict__["_ahead_pool"] = ThreadPoolExecutor(max_workers=1)
+        want = []
+        for name in (p_name, q_name):
+            for b in nxt:
+                sel = tuple(slice(int(lo), int(hi)) for lo, hi in b)
+                cells = [c for c, _ in self._cells(name, sel, self.storage_grid(name))]
+                want += [self.chunk_key(name, c) for c in cells]
+        with _NOTICE_LOCK:
+            if len(ahead) > 4 * len(want):  # not taken: a reader that skips around
+                ahead.clear()
+            todo = [k for k in want if k not in ahead]
+            if todo:
+                fut = pool.submit(self.fetch_objects, todo)
+                for i, k in enumerate(todo):
+                    ahead[k] = (fut, i)
+
+    def _fetch_ahead(self, keys: list[str]) -> list[bytes | None]:
+        """:meth:`fetch_objects`, taking the keys already fetched ahead from there."""
+        ahead = self.__dict__.get("_ahead", {})
+        with _NOTICE_LOCK:
+            found = {k: ahead.pop(k) for k in keys if k in ahead}
+        rest = [k for k in keys if k not in found]
+        got = dict(zip(rest, self.fetch_objects(rest), strict=True)) if rest else {}
+        for k, (fut, i) in found.items():
+            got[k] = fut.result()[i]
+        return [got[k] for k in keys]
+
     def _metadata_document(self, name: str) -> str:
         """An array's metadata document as stored (``zarr.json``, or ``.zarray`` for v2)."""
+        cache = self.__dict__.setdefault("_metadata_documents", {})
+        if name not in cache:
+            cache[name] = self._fetch_metadata_document(name)
+        return str(cache[name])
+
+    def _fetch_metadata_document(self, name: str) -> str:
         arr = self.array(name)
         doc = "zarr.json" if arr.metadata.zarr_format == 3 else ".zarray"
         (raw,) = self.fetch_objects([f"{arr.path}/{doc}"], count=False)
