@@ -112,15 +112,32 @@ def _batch_needs(model, prompts, settings):
     }
 
 
-def test_two_workers_equal_one_process_local_and_s3(model_and_prompts, client, bucket, tmp_path):
+def test_two_workers_equal_one_process_local_and_s3(
+    model_and_prompts, client, bucket, tmp_path, monkeypatch
+):
+    import kvcouple.tracer.run as run_module
+
     model, prompts = model_and_prompts
     prompts = prompts[:4]
     start = time.perf_counter()
     ref = trace(model, prompts, POLICIES, SMALL, tmp_path / "ref.zarr", **KW)
     one = time.perf_counter() - start
+    bars = []
+
+    class Bar(run_module.tqdm):  # the client's progress bars, recorded
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            bars.append(self)
+
+    monkeypatch.setattr(run_module, "tqdm", Bar)
     start = time.perf_counter()
-    run = trace(model, prompts, POLICIES, SMALL, tmp_path / "dask.zarr", client=client, **KW)
+    run = trace(
+        model, prompts, POLICIES, SMALL, tmp_path / "dask.zarr", client=client,
+        **{**KW, "progress": True},
+    )  # fmt: skip
     two = time.perf_counter() - start
+    # One bar on the client, over documents x policies, full at the end.
+    assert [(b.total, b.n, b.unit) for b in bars] == [(4 * len(POLICIES),) * 2 + ("doc-policy",)]
     print(f"one process {one:.2f} s, two workers {two:.2f} s (setup and model loads included)")
     assert run.traced == ref.traced == [0, 1, 2, 3]
     assert run.generated_tokens == ref.generated_tokens
