@@ -4,6 +4,8 @@ the same run written to local disk."""
 
 from __future__ import annotations
 
+import pickle
+
 import numpy as np
 import pytest
 
@@ -92,6 +94,9 @@ def test_s3_is_read_through_the_engine(bucket, tmp_path, capsys):
             )
     n, nbytes, _ = remote.remote_reads
     assert n == requests and nbytes > 0
+    # A reader that fetched ahead still pickles (Dask workers reopen it from the URL).
+    again = pickle.loads(pickle.dumps(remote))
+    np.testing.assert_array_equal(_all_tvs(again, "p", "q")[0], _all_tvs(here, "p", "q")[0])
     assert "cannot read" not in capsys.readouterr().err  # no fallback to zarr-python
     assert _results(url) == _results(local)
 

@@ -26,6 +26,7 @@ import os
 import sys
 import threading
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
@@ -730,8 +731,6 @@ class TraceStoreReader:
         fetched concurrently (zarr's async store: many requests in flight) while the Rust
         engine verifies, decodes and consumes the previous window
         (``kvcouple._core.store_chunks_tv``). Holds two windows of stored bytes at most."""
-        from concurrent.futures import ThreadPoolExecutor
-
         from kvcouple import _core
 
         keys: dict[str, list[str]] = {}
@@ -786,16 +785,12 @@ class TraceStoreReader:
         """Start fetching the first window of the same blocks of the next document (the
         analysis reads documents in order), so its round trips overlap this one's decoding.
         At most one window is fetched ahead; a key not asked for is dropped with it."""
-        from concurrent.futures import ThreadPoolExecutor
-
         nxt = blocks[:per].copy()
         nxt[:, 0] += 1
         if nxt[0, 0, 1] > self.dims["doc"]:
             return
         ahead = self.__dict__.setdefault("_ahead", {})
-        pool = self.__dict__.get("_ahead_pool")
-        if pool is None:
-            pool = self.__dict__["_ahead_pool"] = ThreadPoolExecutor(max_workers=1)
+        pool = self._ahead_executor()
         want = []
         for name in (p_name, q_name):
             for b in nxt:
@@ -810,6 +805,14 @@ class TraceStoreReader:
                 fut = pool.submit(self.fetch_objects, todo)
                 for i, k in enumerate(todo):
                     ahead[k] = (fut, i)
+
+    def _ahead_executor(self) -> Any:
+        """The thread that fetches ahead on object storage (one per reader and process)."""
+        with _NOTICE_LOCK:
+            pool = self.__dict__.get("_ahead_pool")
+            if pool is None:
+                pool = self.__dict__["_ahead_pool"] = ThreadPoolExecutor(max_workers=1)
+        return pool
 
     def _fetch_ahead(self, keys: list[str]) -> list[bytes | None]:
         """:meth:`fetch_objects`, taking the keys already fetched ahead from there."""
