@@ -31,7 +31,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 PKG = "python/kvcouple"
 
-ANALYSIS = ["tests/analysis/test_analysis_synthetic.py", "tests/analysis/test_analysis_exact_aggregates.py"]
+ANALYSIS = [
+    "tests/analysis/test_analysis_synthetic.py",
+    "tests/analysis/test_analysis_exact_aggregates.py",
+]
 PLAN = ["tests/analysis/test_analysis_plan.py"]
 STORE = ["tests/store/test_store_faults.py", "tests/analysis/test_analysis_store.py"]
 POLICIES = ["tests/tracer/test_policies.py"]

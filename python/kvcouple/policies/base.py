@@ -44,6 +44,7 @@ importable from here and from :mod:`kvcouple.policies`.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -64,6 +65,7 @@ if TYPE_CHECKING:
 # importable from here as before.
 __all__ = [
     "POLICIES",
+    "query_needs",
     "Admission",
     "DecodeCache",
     "DecodeContext",
@@ -378,3 +380,14 @@ class ScorePolicy(Policy):
                 )
             out.append(top_indices(s.float(), keep))
         return torch.stack(out)
+
+
+def query_needs(policies: Sequence[Policy]) -> tuple[bool, int | None, bool]:
+    """What to capture for ``policies``: whether anything, how many of the last queries
+    (None: all), and whether accumulated attention (see ``Policy.prompt_queries``)."""
+    needs = [p.prompt_queries() for p in policies if p.NEEDS_QUERIES]
+    if not needs:
+        return False, None, False
+    windows = [w for w, _ in needs if w is not None]
+    keep = max(windows) if len(windows) == len(needs) else None  # None: some reads every query
+    return True, keep, any(acc for _, acc in needs)

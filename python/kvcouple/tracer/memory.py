@@ -39,14 +39,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
-
 from kvcouple.errors import InvalidInputError
 from kvcouple.policies import Policy
+from kvcouple.policies.base import query_needs
 from kvcouple.resources import available_memory
 from kvcouple.store.background import document_bytes, host_record_bytes, queue_bound
 from kvcouple.store.writer import StoreLayout
-from kvcouple.tracer.prefill import query_needs
 from kvcouple.tracer.shape import ModelShape, choose_layout
 
 __all__ = [
@@ -348,6 +346,8 @@ def refusal(plan: DocumentPlan) -> str:
 def device_budget(device: Any, margin: float = DEFAULT_MARGIN, reserve: int = 0) -> int | None:
     """Bytes a document may use on ``device``: free memory (plus what torch's allocator holds
     unused) less ``reserve`` (weights not loaded yet), less a ``margin`` share. None off CUDA."""
+    import torch  # optional heavy dependency: the plan itself is arithmetic on numbers
+
     device = torch.device(device)
     if device.type != "cuda" or not torch.cuda.is_available():
         return None

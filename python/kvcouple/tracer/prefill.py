@@ -18,6 +18,7 @@ import torch
 
 from kvcouple.errors import InvalidInputError
 from kvcouple.policies import Policy, PolicyContext
+from kvcouple.policies.base import query_needs as query_needs
 from kvcouple.policies.context import LayerInputCapture
 from kvcouple.tracer import compat, support
 from kvcouple.tracer.model import attn_implementation as attn_implementation
@@ -68,17 +69,6 @@ class Prefill:
 
 def num_query_heads(model: Any) -> int:
     return facts(model).query_heads
-
-
-def query_needs(policies: Sequence[Policy]) -> tuple[bool, int | None, bool]:
-    """What to capture for ``policies``: whether anything, how many of the last queries
-    (None: all), and whether accumulated attention (see ``Policy.prompt_queries``)."""
-    needs = [p.prompt_queries() for p in policies if p.NEEDS_QUERIES]
-    if not needs:
-        return False, None, False
-    windows = [w for w, _ in needs if w is not None]
-    keep = max(windows) if len(windows) == len(needs) else None  # None: some reads every query
-    return True, keep, any(acc for _, acc in needs)
 
 
 @without_grad

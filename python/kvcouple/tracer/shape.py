@@ -9,9 +9,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-import torch
-
-from kvcouple.tracer.attention import prefix_supported
 from kvcouple.tracer.model import ModelFacts, facts
 
 __all__ = ["ModelShape", "choose_layout"]
@@ -61,15 +58,22 @@ class ModelShape:
     @classmethod
     def of_model(cls, model: Any) -> ModelShape:
         """The shape of a loaded model; its weights are counted as they are held."""
+        # Deferred: attention needs torch, and the plan from numbers must import without it.
+        from kvcouple.tracer.attention import prefix_supported
+
         tensors = [*model.parameters(), *model.buffers()]
         weight_bytes = sum(t.numel() * t.element_size() for t in tensors)
         itemsize = next(model.parameters()).element_size()
         return cls.of_facts(facts(model), itemsize, weight_bytes, prefix_supported(model))
 
     @classmethod
-    def of_unloaded(cls, config: Any, dtype: torch.dtype) -> ModelShape:
-        """The shape of a model from its config alone: weights counted on the meta device."""
+    def of_unloaded(cls, config: Any, dtype: Any) -> ModelShape:
+        """The shape of a model from its config alone (``dtype``: a ``torch.dtype``): weights
+        counted on the meta device."""
+        import torch
         from transformers import AutoModelForCausalLM
+
+        from kvcouple.tracer.attention import prefix_supported  # deferred: needs torch
 
         with torch.device("meta"):
             meta = AutoModelForCausalLM.from_config(config)
