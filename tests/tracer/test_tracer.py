@@ -176,15 +176,23 @@ def test_h2o_and_tova_indices_match_eager_attention(arch):
 
 
 # 4 ------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("arch", TINY_ARCHS)
-def test_first_step_marginals_follow_p_and_q(arch):
+# The coupling kernel's law is tested in tests/kernels/test_coupling.py. What tracing adds: the
+# kernel is fed this model's p (full cache) and q (policy's cache) on every architecture, the
+# branch tokens are the residual draws of the right side, and the replicates draw fresh uniforms.
+def _first_step(arch, R):
     m = model(arch)
-    R, spec = 3000, "recent:retain=0.3"
+    spec = "recent:retain=0.3"
     settings = TraceSettings(horizon=1, replicates=R, branches=1, window=0)
     arr, _ = trace_document(m, PROMPT, [spec], settings, seed=3)
     n = len(PROMPT)
     p = masked_forward(m, PROMPT, n, set(range(n)))[0]
     q = masked_forward(m, PROMPT, n, kept_positions(spec, n))[0]
+    return arr, p, q
+
+
+@pytest.mark.parametrize("arch", TINY_ARCHS)
+def test_first_step_couples_this_models_p_and_q(arch):
+    arr, p, q = _first_step(arch, 64)
     h = arr["hazard"][0, :, 0]
     np.testing.assert_allclose(h, 0.5 * np.abs(p - q).sum(), atol=1e-5)
     assert 0.2 < h[0] < 0.95
@@ -192,6 +200,21 @@ def test_first_step_marginals_follow_p_and_q(arch):
     x = arr["branch_tokens_p"][0, :, 0, 0]
     y = arr["branch_tokens_q"][0, :, 0, 0]
     assert (arr["branch_step"][0] == 1).all() and (x != y).all()
+    # Supports: the overlap draw from min(p, q), the residuals from (p - q)+ and (q - p)+; a
+    # swapped side or a stale distribution lands outside them.
+    assert (np.minimum(p, q)[z] > 0).all()
+    assert (p[x] > q[x]).all() and (q[y] > p[y]).all()
+    assert len(set(z.tolist())) > 1  # fresh uniforms per replicate
+
+
+def test_first_step_marginals_follow_p_and_q():
+    """The SMC draw's marginals on one architecture, by chi-square over 3,000 replicates."""
+    R = 3000
+    arr, p, q = _first_step("qwen3", R)
+    h = arr["hazard"][0, :, 0]
+    z = arr["tokens"][0, :, 0]
+    x = arr["branch_tokens_p"][0, :, 0, 0]
+    y = arr["branch_tokens_q"][0, :, 0, 0]
     # The SMC draw: residuals with probability h, else the overlap token.
     coin = np.random.default_rng(11).random(R) < h
     for tokens, law in ((np.where(coin, x, z), p), (np.where(coin, y, z), q)):
