@@ -134,6 +134,7 @@ def main(argv: list[str] | None = None) -> int:
         return USAGE
     from kvcouple.errors import DEBUG_ENV, debug_requested
 
+    before = os.environ.get(DEBUG_ENV)
     if args.debug:
         os.environ[DEBUG_ENV] = "1"  # nested commands and the demo's trace processes inherit it
     debug = debug_requested()
@@ -147,6 +148,12 @@ def main(argv: list[str] | None = None) -> int:
         if debug:
             raise
         message, code = describe(e)
+    finally:
+        # --debug is this call's: a caller that runs main() again in-process gets its own setting.
+        if before is None:
+            os.environ.pop(DEBUG_ENV, None)
+        else:
+            os.environ[DEBUG_ENV] = before
     sub = [v for k, v in vars(args).items() if k.endswith("_command") and isinstance(v, str)]
     print(f"kvcouple {' '.join([args.command, *sub])}: error: {message}", file=sys.stderr)
     return code

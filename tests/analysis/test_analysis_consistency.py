@@ -48,12 +48,12 @@ def test_empty_tables_are_header_only_and_units_agree(tv1_store, tmp_path):
         assert "empty" not in rows[0] and "plan_hash" in rows[0], (name, rows[0])
     with (out / "tests.csv").open() as f:
         assert {"comparison", "p_value", "p_adjusted"} <= set(next(csv.reader(f)))
-    # interval_lower/upper are fractions of T in both files: the summary is their mean.
+    # interval_lower/upper_fraction are fractions of T in both files: the summary is their mean.
     with (out / "per_document.csv").open() as f:
         per_doc = list(csv.DictReader(f))
     with (out / "summary.csv").open() as f:
         summary = {r["quantity"]: r for r in csv.DictReader(f)}
-    for name in ("interval_lower", "interval_upper"):
+    for name in ("interval_lower_fraction", "interval_upper_fraction"):
         mean = np.mean([float(r[name]) for r in per_doc])
         assert 0 <= mean <= 1
         assert mean == pytest.approx(float(summary[name]["estimate"]), rel=1e-9)

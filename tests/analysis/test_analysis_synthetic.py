@@ -170,8 +170,12 @@ def test_observation_window_splits_tail(store, exact):
     _check_aggregate(result, ex_w, ["window_contribution", "tail_contribution", "tail_exposure"])
     for pol, ex in ex_w.items():
         m_true = np.mean([e["expected_mismatches"] for e in ex]) / T
-        lo = _row(result.models[0].tables["summary"], policy=pol, quantity="interval_lower")
-        hi = _row(result.models[0].tables["summary"], policy=pol, quantity="interval_upper")
+        lo = _row(
+            result.models[0].tables["summary"], policy=pol, quantity="interval_lower_fraction"
+        )
+        hi = _row(
+            result.models[0].tables["summary"], policy=pol, quantity="interval_upper_fraction"
+        )
         assert lo["ci_low"] <= m_true <= hi["ci_high"]
         assert lo["estimate"] <= hi["estimate"]
 
@@ -193,8 +197,8 @@ def test_short_window_store_reports_interval_not_point(tmp_path, exact):
     ex2 = {"markov3": [exact_truth(PAIRS["markov3"], s, T, 2) for s in STARTS]}
     _check_aggregate(result, ex2, ["window_contribution", "tail_exposure", "occurrence"])
     m_true = np.mean([e["expected_mismatches"] for e in ex2["markov3"]]) / T
-    assert _row(rows, quantity="interval_lower")["ci_low"] <= m_true
-    assert m_true <= _row(rows, quantity="interval_upper")["ci_high"]
+    assert _row(rows, quantity="interval_lower_fraction")["ci_low"] <= m_true
+    assert m_true <= _row(rows, quantity="interval_upper_fraction")["ci_high"]
 
 
 def test_independent_exact_dp_matches_synth_exact():

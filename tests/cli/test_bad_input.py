@@ -429,6 +429,10 @@ def test_debug_shows_the_traceback(tmp_path, capsys):
     assert code == 2 and err.startswith("kvcouple synth exact: error:")
     with pytest.raises(InvalidKernelError):
         main(["--debug", "synth", "exact", "--pair", str(path), "-T", "3"])
+    # --debug was that call's: the next in-process call reports one line again.
+    assert "KVCOUPLE_DEBUG" not in os.environ
+    code, err = _cli(["synth", "exact", "--pair", str(path), "-T", "3"], capsys)
+    assert code == 2 and err.startswith("kvcouple synth exact: error:")
 
 
 def test_errors_map_to_exit_statuses():
