@@ -286,6 +286,7 @@ def test_a_cached_hub_model_passes_the_check(tmp_path, monkeypatch):
         (["--plugin", "no_such_fc_plugin"], "--plugin no_such_fc_plugin: no module named"),
     ],
 )
+@pytest.mark.torch
 def test_demo_refuses_bad_settings_before_making_a_folder(tmp_path, capsys, argv, message):
     pytest.importorskip("transformers")
     out = tmp_path / "demo"

@@ -14,6 +14,7 @@ import pytest
 
 pytest.importorskip("torch")
 pytest.importorskip("transformers")
+pytestmark = pytest.mark.torch  # -m "not torch" deselects the module
 
 ROWS = ("occurrence", "first mismatch", "exposure", "mismatch rate", "E[M]/T")
 # Three significant figures (kvcouple.analysis.labels.number): 0.605, 0.0189, 0 for an exact 0.

@@ -90,6 +90,7 @@ def test_the_memory_plan_counts_records_on_the_host():
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 zarr = pytest.importorskip("zarr")
+pytestmark = pytest.mark.torch  # -m "not torch" deselects the module
 
 from kvcouple.testing.tiny_models import tiny_model  # noqa: E402
 from kvcouple.tracer import Prompt, TraceSettings, trace  # noqa: E402

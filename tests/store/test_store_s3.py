@@ -137,6 +137,7 @@ def test_damage_on_s3_is_named(bucket):
         analyze(url, n_boot=20)
 
 
+@pytest.mark.torch
 def test_trace_a_model_into_s3(bucket, tmp_path):
     pytest.importorskip("torch")
     pytest.importorskip("transformers")

@@ -79,6 +79,7 @@ TRACE_CASES = [
 ]
 
 
+@pytest.mark.torch
 @pytest.mark.parametrize(("extra", "text"), TRACE_CASES)
 def test_trace_arguments(tmp_path, capsys, no_model_load, prompts, extra, text):
     pytest.importorskip("torch")
@@ -90,6 +91,7 @@ def test_trace_arguments(tmp_path, capsys, no_model_load, prompts, extra, text):
     assert not (tmp_path / "t.zarr").exists()
 
 
+@pytest.mark.torch
 def test_trace_out_that_is_not_a_store(tmp_path, capsys, no_model_load, prompts):
     pytest.importorskip("torch")
     file = tmp_path / "file"
@@ -118,6 +120,7 @@ PROMPT_CASES = [
 ]
 
 
+@pytest.mark.torch
 @pytest.mark.parametrize(("make", "text"), PROMPT_CASES)
 def test_prompts_are_checked_before_the_model_loads(tmp_path, capsys, no_model_load, make, text):
     pytest.importorskip("torch")
@@ -127,6 +130,7 @@ def test_prompts_are_checked_before_the_model_loads(tmp_path, capsys, no_model_l
     assert code == 2 and text in err and str(path) in err, err
 
 
+@pytest.mark.torch
 def test_missing_prompt_file(tmp_path, capsys, no_model_load):
     pytest.importorskip("torch")
     code, err = _cli(_trace(tmp_path, "--prompts", str(tmp_path / "none.jsonl")), capsys)
@@ -153,6 +157,7 @@ def test_model_source(tmp_path):
     assert model_source(None)[1] is True
 
 
+@pytest.mark.torch
 def test_load_model_fails_at_once_on_a_missing_path():
     pytest.importorskip("torch")
     start = time.monotonic()
@@ -161,6 +166,7 @@ def test_load_model_fails_at_once_on_a_missing_path():
     assert time.monotonic() - start < 5
 
 
+@pytest.mark.torch
 @pytest.mark.parametrize("variable", ["HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"])
 def test_offline_mode_is_said(tmp_path, capsys, monkeypatch, prompts, variable):
     pytest.importorskip("transformers")
@@ -184,6 +190,7 @@ def test_random_policy_seed_range():
     assert parse_policy("random:retain=0.5,seed=4294967295").params["seed"] == 2**32 - 1
 
 
+@pytest.mark.torch
 def test_torch_decoding_tiny_temperatures():
     torch = pytest.importorskip("torch")
     import kvcouple

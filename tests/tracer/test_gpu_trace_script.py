@@ -11,6 +11,7 @@ import pytest
 
 pytest.importorskip("torch")
 pytest.importorskip("transformers")
+pytestmark = pytest.mark.torch  # -m "not torch" deselects the module
 
 SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "gpu_trace.py"
 

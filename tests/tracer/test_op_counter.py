@@ -3,6 +3,7 @@
 import pytest
 
 torch = pytest.importorskip("torch")
+pytestmark = pytest.mark.torch  # -m "not torch" deselects the module
 
 from kvcouple.testing.op_counter import count_ops, per_step  # noqa: E402
 

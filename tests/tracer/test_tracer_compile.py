@@ -8,6 +8,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
+pytestmark = pytest.mark.torch  # -m "not torch" deselects the module
 
 from kvcouple.testing.tiny_models import tiny_model  # noqa: E402
 from kvcouple.tracer import TraceSettings, compat, trace_document  # noqa: E402

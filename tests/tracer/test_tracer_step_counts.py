@@ -7,6 +7,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
+pytestmark = pytest.mark.torch  # -m "not torch" deselects the module
 
 from kvcouple.policies.snapkv import SnapKV  # noqa: E402
 from kvcouple.testing.op_counter import generate_peer, per_step  # noqa: E402
