@@ -49,3 +49,21 @@ def test_every_csv_column_is_registered(tmp_path):
             for row in reader:
                 for key in named & set(row):
                     assert row[key] in quantities.QUANTITIES, f"{path.name}: {row[key]!r}"
+
+
+def test_table_and_axis_labels_are_the_registrys():
+    """The report's, the console's and the figures' labels come from the registry: a label
+    written by hand next to a quantity's name differs from it the day the registry changes."""
+    for rows in (SUMMARY_ROWS, WINDOW_ROWS, DECOMPOSITION_ROWS, GAP_COLUMNS):
+        for name, shown in rows:
+            assert shown == quantities.label(name), (name, shown)
+    figures = (ROOT / "python" / "kvcouple" / "analysis" / "figures.py").read_text()
+    for q in quantities.QUANTITIES.values():
+        # A registered label spelled out in figures.py instead of label(name).
+        assert f'"{q.label}"' not in figures, q.name
+
+
+def test_docs_page_is_the_registry_and_in_the_nav():
+    page = (ROOT / "docs" / "quantities.md").read_text()
+    assert page == quantities.markdown(), "regenerate docs/quantities.md (see its first line)"
+    assert "quantities.md" in (ROOT / "mkdocs.yml").read_text()

@@ -15,15 +15,12 @@ from typing import Any
 
 from kvcouple.analysis.engine import AnalysisResult, ModelResult
 from kvcouple.analysis.labels import number, policy_labels
+from kvcouple.analysis.quantities import labelled
 from kvcouple.textsafe import terminal
 
 # (quantity in summary.csv, row label); the order reads as the decomposition.
-DECOMPOSITION_ROWS = (
-    ("occurrence", "occurrence P(tau<=T)"),
-    ("first_mismatch", "first mismatch P(tau<=T)/T"),
-    ("exposure", "exposure E[(T-tau)+]/T"),
-    ("rho", "mismatch rate rho"),
-    ("mismatch_fraction", "E[M]/T"),
+DECOMPOSITION_ROWS = labelled(
+    "occurrence", "first_mismatch", "exposure", "rho", "mismatch_fraction"
 )
 
 

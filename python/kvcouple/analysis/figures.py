@@ -7,6 +7,7 @@ import io
 from pathlib import Path
 from typing import Any
 
+from kvcouple.analysis.quantities import label
 from kvcouple.textsafe import terminal
 
 Rows = list[dict[str, Any]]
@@ -130,7 +131,7 @@ def survival_figure(tables: dict[str, Rows]) -> Any:
     _curve_plot(ax, tables, "survival")
     ax.set(
         xlabel="step t",
-        ylabel="S_t = P(tau > t)",
+        ylabel=label("survival"),
         title="Survival (no divergence yet)",
         ylim=(0, 1.02),
     )
@@ -140,7 +141,7 @@ def survival_figure(tables: dict[str, Rows]) -> Any:
 def hazard_figure(tables: dict[str, Rows]) -> Any:
     fig, ax = _subplots(figsize=(6, 4))
     _curve_plot(ax, tables, "hazard")
-    ax.set(xlabel="step t", ylabel="P(tau = t | tau >= t)", title="Hazard by step")
+    ax.set(xlabel="step t", ylabel=label("hazard"), title="Hazard by step")
     return fig
 
 
@@ -149,7 +150,7 @@ def branch_tv_figure(tables: dict[str, Rows]) -> Any:
     _curve_plot(ax, tables, "branch_tv")
     ax.set(
         xlabel="lag after divergence",
-        ylabel="branch-aligned TV (O-weighted: see caption)",
+        ylabel=label("branch_tv") + " (see caption)",
         title="Branch-aligned TV by lag",
     )
     return fig
@@ -168,7 +169,7 @@ def decomposition_figure(tables: dict[str, Rows]) -> Any:
     window = per_token("window_contribution")
     tail = per_token("tail_contribution")
     exposure = per_token("tail_exposure")
-    ax.bar(xs, first, label="first mismatch P(tau<=T)/T")
+    ax.bar(xs, first, label=label("first_mismatch"))
     ax.bar(xs, window, bottom=first, label="window (lags 1..L_w after tau)")
     low = [f + w for f, w in zip(first, window, strict=True)]
     seen = [t if t == t else 0.0 for t in tail]  # NaN: tail not observed
@@ -190,7 +191,7 @@ def decomposition_figure(tables: dict[str, Rows]) -> Any:
         capsize=4,
     )
     ax.set_xticks(list(xs), _tick_labels(tables), fontsize=7)
-    ax.set(ylabel="E[M]/T", title="Decomposition of E[M]/T (black: CI)")
+    ax.set(ylabel=label("mismatch_fraction"), title="Decomposition of E[M]/T (black: CI)")
     _legend_outside(ax)
     return fig
 
@@ -205,7 +206,7 @@ def sharp_interval_figure(tables: dict[str, Rows]) -> Any:
         ax.vlines(i, lo["ci_low"], hi["ci_high"], lw=1, color="k")
         ax.plot(i, _summary_row(tables, m, p, "mismatch_fraction")["estimate"], "ko")
     ax.set_xticks(list(range(len(series))), _tick_labels(tables), fontsize=7)
-    ax.set(ylabel="E[M]/T", title="Sharp interval (bar), CI (line), point (dot)")
+    ax.set(ylabel=label("mismatch_fraction"), title="Sharp interval (bar), CI (line), point (dot)")
     return fig
 
 

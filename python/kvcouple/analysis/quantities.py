@@ -213,6 +213,11 @@ def label(name: str) -> str:
     return quantity(name).label
 
 
+def labelled(*names: str) -> tuple[tuple[str, str], ...]:
+    """``(name, label)`` for each name: the rows of a report or console table."""
+    return tuple((name, label(name)) for name in names)
+
+
 def current_name(name: str, where: str) -> str:
     """``name``, or the registered name of a deprecated one (with a DeprecationWarning
     naming ``where``)."""

@@ -30,6 +30,7 @@ from typing import Any, TypeGuard
 from kvcouple.analysis.console import run_stamp
 from kvcouple.analysis.engine import AnalysisResult
 from kvcouple.analysis.labels import number, percent, policy_labels
+from kvcouple.analysis.quantities import labelled
 from kvcouple.analysis.report_html import html_page
 from kvcouple.analysis.stats import DISCRETE, NOT_INTERPRETABLE, QUANTITIES
 from kvcouple.analysis.tables import EMPTY_COLUMNS, json_safe, table_meta, tidy_tables, write_csv
@@ -65,23 +66,18 @@ def compact_table(rows: list[dict[str, Any]], columns: list[str]) -> str:
     return above + markdown_table(rows, keep if above else columns)
 
 
-SUMMARY_ROWS = (
-    ("occurrence", "occurrence P(tau<=T)"),
-    ("median_tau", "median divergence step"),
-    ("first_mismatch", "first mismatch P(tau<=T)/T"),
-    ("exposure", "exposure E[(T-tau)+]/T"),
-    ("rho", "mismatch rate rho"),
-    ("mismatch_fraction", "E[M]/T"),
-    ("interval_lower_fraction", "sharp interval, lower end"),
-    ("interval_upper_fraction", "sharp interval, upper end"),
+# Rows of the report's tables, in reading order; labels from the registry.
+SUMMARY_ROWS = labelled(
+    "occurrence",
+    "median_tau",
+    "first_mismatch",
+    "exposure",
+    "rho",
+    "mismatch_fraction",
+    "interval_lower_fraction",
+    "interval_upper_fraction",
 )
-WINDOW_ROWS = (
-    ("mean_tau", "mean divergence step"),
-    ("rmst", "restricted mean time to divergence"),
-    ("early_tv", "branch TV, early window"),
-    ("late_tv", "branch TV, late window"),
-    ("late_minus_early_tv", "late - early branch TV"),
-)
+WINDOW_ROWS = labelled("mean_tau", "rmst", "early_tv", "late_tv", "late_minus_early_tv")
 DIFFERENCE_QUANTITIES = (
     "mismatch_fraction",
     "occurrence",
@@ -539,12 +535,8 @@ def _output(out: Path, name: str) -> Path:
     return path
 
 
-GAP_COLUMNS = (
-    ("gap", "gap m_B - m_A"),
-    ("delta_first_mismatch", "df (first mismatch)"),
-    ("exposure_term", "rho_bar de (exposure)"),
-    ("rate_term", "e_bar drho (rate)"),
-    ("exposure_share", "exposure share"),
+GAP_COLUMNS = labelled(
+    "gap", "delta_first_mismatch", "exposure_term", "rate_term", "exposure_share"
 )
 GAP_INTRO = (
     "The gap in E[M]/T between policies B and A splits exactly into three terms (SPEC section "
