@@ -89,8 +89,12 @@ def _live_tensor_bytes(exclude: set[int]) -> int:
     for o in tensors:
         if o.device.type == "cpu":
             storage = o.untyped_storage()
-            if storage.data_ptr() not in exclude:
-                seen[storage.data_ptr()] = storage.nbytes()
+            try:
+                ptr = storage.data_ptr()
+            except RuntimeError:  # a fake tensor left by an earlier torch.compile: no memory
+                continue
+            if ptr not in exclude:
+                seen[ptr] = storage.nbytes()
     return sum(seen.values())
 
 
