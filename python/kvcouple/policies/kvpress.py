@@ -131,16 +131,18 @@ class KVPress(Policy):
 
     Parameters
     ----------
-    press : str
-        The press's class name in kvpress (the spec's first item).
-    retain, budget : optional
-        kvcouple's kept count (see :class:`~kvcouple.policies.Policy`); without them the
-        press's ``compression_ratio`` sets it.
-    mode, every : optional
-        As for every policy; ``mode=decode`` only for :data:`KEYS_VALUES_ONLY` presses.
-    **fields
-        The press's dataclass fields (e.g. ``compression_ratio``, ``window_size``), parsed by
-        their declared types (``none`` for an optional field's ``None``).
+    **params
+        The spec's items:
+
+        - ``press`` (str): the press's class name in kvpress (the spec's first item);
+        - ``retain``, ``budget`` (optional): kvcouple's kept count (see
+          :class:`~kvcouple.policies.Policy`); without them the press's
+          ``compression_ratio`` sets it;
+        - ``mode``, ``every`` (optional): as for every policy; ``mode=decode`` only for
+          :data:`KEYS_VALUES_ONLY` presses;
+        - any other key: one of the press's dataclass fields (e.g. ``compression_ratio``,
+          ``window_size``), parsed by its declared type (``none`` for an optional field's
+          ``None``).
     """
 
     name = "kvpress"
