@@ -91,13 +91,16 @@ def _inverse_cdf(weight: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
 
 
 def couple_rows(
-    p: torch.Tensor, q: torch.Tensor, u: torch.Tensor
+    p: torch.Tensor, q: torch.Tensor, u: torch.Tensor, residuals: bool = True
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The sampler without input checks: ``(x, y, tv, overlap)`` per row (int64, int64,
     float64, float64); ``overlap`` is ``sum min(a, b)``, 0 when the rows share no support.
 
     With ``u0 = 1`` every row with ``overlap > 0`` draws from the overlap (the RB-CMC path);
     with ``u0 = 0`` every row with ``tv > 0`` draws from the residuals (a branch start).
+    ``residuals=False`` (the path, ``u0 = 1``): only the overlap draw is made, ``x = y = z``
+    (the same bits as the full sampler wherever ``overlap > 0``; rows without overlap stop the
+    path, so their draw is never used).
 
     ``p``, ``q``: ``(rows, vocab)`` nonnegative with positive row sums; ``u``: ``(rows, 3)``.
     """
@@ -114,13 +117,15 @@ def couple_rows(
     delta = (0.5 * torch.cumsum(d.abs(), dim=-1)[..., -1]).clamp(max=1.0)
     overlap_w = torch.minimum(a, b)
     overlap = torch.cumsum(overlap_w, dim=-1)[..., -1]
+    z = _inverse_cdf(overlap_w, u[:, 1] * overlap)
+    if not residuals:
+        return z, z, delta, overlap
     res_p_w = d.clamp(min=0.0)
     res_q_w = (-d).clamp(min=0.0)
     res_p = torch.cumsum(res_p_w, dim=-1)[..., -1]
     res_q = torch.cumsum(res_q_w, dim=-1)[..., -1]
 
     use_overlap = (u[:, 0] >= delta) & (overlap > 0)
-    z = _inverse_cdf(overlap_w, u[:, 1] * overlap)
     # A residual whose mass was lost to rounding falls back to the row itself.
     x_w = torch.where((res_p > 0).unsqueeze(-1), res_p_w, a)
     x_t = torch.where(res_p > 0, u[:, 1] * res_p, u[:, 1])

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 import kvcouple.models
+import kvcouple.tracer.cli as tracer_cli
 from kvcouple import InvalidInputError, StoreError, synth
 from kvcouple.cli import main
 from kvcouple.models import model_source
@@ -36,6 +37,9 @@ def no_model_load(monkeypatch):
     def refuse(*_a, **_k):
         raise AssertionError("the model was loaded before the arguments were checked")
 
+    # The name the trace command calls (bound at its import; patching kvcouple.models alone
+    # would miss it once imported, or leak into it when first imported here).
+    monkeypatch.setattr(tracer_cli, "load_model", refuse)
     monkeypatch.setattr(kvcouple.models, "load_model", refuse)
 
 

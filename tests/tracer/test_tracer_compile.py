@@ -53,15 +53,18 @@ def counting_compile(monkeypatch):
         return gm.forward
 
     torch._dynamo.reset()
+    # Every new shape recompiles (no automatic dynamic shapes): the count then shows that
+    # each step of a batch has the same shapes (a growing cache would compile every step).
     compiled: dict[str, object] = {}
     monkeypatch.setattr(
         compat,
         "_compiled",
         lambda mode: compiled.setdefault(
-            mode, torch.compile(compat._forward, backend=backend, dynamic=True)
+            mode, torch.compile(compat._call, backend=backend)
         ),
     )
-    yield graphs
+    with torch._dynamo.config.patch(automatic_dynamic_shapes=False):
+        yield graphs
     torch._dynamo.reset()
 
 
@@ -76,7 +79,9 @@ def test_compiled_step_compiles_once_per_batch_shape(counting_compile, layout):
     )
     compiled, _ = trace_document(model, PROMPT, SPEC, settings, seed=1)
     first = len(counting_compile)
-    assert 0 < first <= 6, counting_compile
+    # One graph per batch shape: the path's batch and the branches' (shared: and the first
+    # step's, whose rows' own caches start empty), however many of the 32 steps each runs.
+    assert 0 < first <= 3, counting_compile
     trace_document(model, PROMPT, SPEC, settings, seed=1)
     assert len(counting_compile) == first, counting_compile
     eager, _ = trace_document(model, PROMPT, SPEC, replace(settings, compile="off"), seed=1)

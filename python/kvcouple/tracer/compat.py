@@ -27,6 +27,7 @@ import torch
 from kvcouple.tracer import attention, kvcache
 from kvcouple.tracer.attention import QueryCapture as QueryCapture
 from kvcouple.tracer.kvcache import append_columns as append_columns
+from kvcouple.tracer.kvcache import cache_capacity as cache_capacity
 from kvcouple.tracer.kvcache import cache_from_tensors as cache_from_tensors
 from kvcouple.tracer.kvcache import cache_length as cache_length
 from kvcouple.tracer.kvcache import cache_positions as cache_positions
@@ -41,6 +42,7 @@ __all__ = [
     "UnsupportedModelError",
     "additive_mask",
     "append_columns",
+    "cache_capacity",
     "cache_from_tensors",
     "cache_length",
     "cache_positions",
@@ -48,6 +50,7 @@ __all__ = [
     "forward",
     "needs_positions",
     "new_cache",
+    "static_step",
 ]
 
 
@@ -66,43 +69,17 @@ def forward(
     last_only: bool = True,
     prefix: attention.SharedPrefix | None = None,
     step: bool = False,
+    whole: bool = False,
 ) -> torch.Tensor:
     """One forward pass that appends to ``cache``; returns the logits of the last position
     ``(batch, vocab)`` (or every position with ``last_only=False``). ``prefix``: the prefixes
     the rows attend to before ``cache`` (the shared layout). ``step``: a decoding step, which
     runs compiled while a compiled run is in progress (:func:`~kvcouple.tracer.settings.
-    compiling`)."""
-    mode = active_compile_mode() if step else None
-    if mode is not None:
-        return _compiled(mode)(
-            model, input_ids, cache, position_ids, attention_mask, last_only, prefix
-        )
-    return _forward(model, input_ids, cache, position_ids, attention_mask, last_only, prefix)
+    compiling`). ``whole``: a static step prepared by :func:`static_step` (the mask covers
+    the cache's capacity).
 
-
-# One compiled forward per torch.compile mode, for the process's life. Shapes are dynamic
-# (``dynamic=True``): the cache grows by a column per step and batches differ in rows, and
-# neither recompiles (dynamo guards on the model and the cache's structure, not on sizes).
-_COMPILED: dict[str, Any] = {}
-
-
-def _compiled(mode: str) -> Any:
-    fn = _COMPILED.get(mode)
-    if fn is None:
-        fn = torch.compile(_forward, mode=mode, dynamic=True)
-        _COMPILED[mode] = fn
-    return fn
-
-
-def _forward(
-    model: Any,
-    input_ids: torch.Tensor,
-    cache: Any,
-    position_ids: torch.Tensor,
-    attention_mask: torch.Tensor | None,
-    last_only: bool,
-    prefix: attention.SharedPrefix | None,
-) -> torch.Tensor:
+    The host's bookkeeping (lengths, positions, the write column) happens here, around the
+    model call, so that a compiled call sees the same shapes at every step of a batch."""
     f = facts(model)
     params = f.forward_parameters
     kw: dict[str, Any] = {
@@ -113,10 +90,14 @@ def _forward(
     }
     kw["cache" if "cache" in params else "past_key_values"] = cache
     if "cache_position" in params:
-        start = kvcache.cache_length(cache) if kvcache.has_entries(cache) else 0
-        kw["cache_position"] = torch.arange(
-            start, start + input_ids.shape[1], device=input_ids.device
-        )
+        column = getattr(cache, "write_column", None) if whole else None
+        if column is not None:
+            kw["cache_position"] = column  # the device-side column: no host value per step
+        else:
+            start = kvcache.cache_length(cache) if kvcache.has_entries(cache) else 0
+            kw["cache_position"] = torch.arange(
+                start, start + input_ids.shape[1], device=input_ids.device
+            )
     if last_only:
         if "logits_to_keep" in params:
             kw["logits_to_keep"] = 1
@@ -127,10 +108,46 @@ def _forward(
     else:
         positions = None
         kvcache.forget_positions(cache)
-    with attention.active(model, position_ids, positions, prefix):
-        logits = model(**kw).logits
+    mode = active_compile_mode() if step else None
+    call = _compiled(mode) if mode is not None else _call
+    logits = call(model, kw, positions, prefix, last_only)
     kvcache.advance(cache, int(input_ids.shape[1]))
+    return logits
+
+
+def static_step(model: Any, cache: Any) -> bool:
+    """Prepare ``cache`` for a static one-token step (:func:`kvcouple.tracer.kvcache.
+    prepare_step`): every layer attends over its whole preallocated buffer, so each step of a
+    batch has the same shapes. Not for windowed models (their entry positions grow)."""
+    return kvcache.prepare_step(cache, not facts(model).windowed)
+
+
+def _call(
+    model: Any,
+    kw: dict[str, Any],
+    positions: list[torch.Tensor] | None,
+    prefix: attention.SharedPrefix | None,
+    last_only: bool,
+) -> torch.Tensor:
+    with attention.active(model, kw["position_ids"], positions, prefix):
+        logits = model(**kw).logits
     return logits[:, -1] if last_only else logits
+
+
+# One compiled model call per torch.compile mode, for the process's life. A static step
+# attends over the batch's preallocated capacity, so every step of a batch has one shape: it
+# compiles (and, with CUDA graphs, records) once however many steps follow. Across batches
+# (other prompt lengths, other row counts) dynamo's automatic dynamic shapes make the second
+# shape's graph dynamic instead of compiling once per document.
+_COMPILED: dict[str, Any] = {}
+
+
+def _compiled(mode: str) -> Any:
+    fn = _COMPILED.get(mode)
+    if fn is None:
+        fn = torch.compile(_call, mode=mode)
+        _COMPILED[mode] = fn
+    return fn
 
 
 def additive_mask(valid: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

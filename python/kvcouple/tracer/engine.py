@@ -44,6 +44,7 @@ from kvcouple.tracer.decode import DecodeEvictor
 from kvcouple.tracer.layout import SharedRows, SplitRows
 from kvcouple.tracer.prefill import Prefill, gather_kept, select
 from kvcouple.tracer.records import (
+    PATH_METRICS,
     SCHEMA,
     HostRecords,
     distribution_records,
@@ -130,15 +131,15 @@ def run_path(
     for t in range(T):
         fed.append(tokens)
         u[:, 1] = path_u[t]
-        step = coupled_step(rows, torch.cat([tokens, tokens]), settings.decoding, eos, u)
+        step = coupled_step(
+            rows, torch.cat([tokens, tokens]), settings.decoding, eos, u, residuals=False
+        )
         has_overlap = step.overlap > 0
-        z = step.x  # = step.y wherever there is overlap
-        rec = {
-            "hazard": torch.where(alive, torch.where(has_overlap, step.tv, 1.0), 0.0),
-            "tokens": torch.where(alive & has_overlap, z, NO_TOKEN),
-        }
-        for name, value in path_metrics(step.p, step.q).items():
-            rec[name] = torch.where(alive, value, SCHEMA[name].fill)
+        z = step.x  # the overlap draw
+        # Raw per-step values; which rows were still alive is applied on the host at the end
+        # (fewer ops per step than masking each record on the device).
+        rec = {"tv": step.tv, "has_overlap": has_overlap, "draw": z}
+        rec.update(path_metrics(step.p, step.q))
         for side, probs in (("p", step.p), ("q", step.q)):
             rec.update(distribution_records(settings.record, side, probs, ""))
         staged.take(rec)
@@ -147,11 +148,28 @@ def run_path(
         eos.advance(torch.cat([z, z]), torch.cat([alive, alive]))
         tokens = torch.where(alive, z, 0)
     arrays = {**to_host(steps, axis=1), **staged.by_step(T)}
+    _mask_stopped(arrays)
     # After a stop (a step with no overlap) nothing is observed: blank the distributions.
     stopped = (arrays["tokens"] == NO_TOKEN) & (arrays["hazard"] == 0)
     for name, var in distribution_variables(settings.record).items():
         arrays[name][stopped] = var.fill
     return Path(arrays, arrays["hazard"].astype(np.float64), torch.stack(fed, dim=1), rows)
+
+
+def _mask_stopped(arrays: dict[str, np.ndarray]) -> None:
+    """The path's records from its raw per-step values (``tv``, ``has_overlap``, ``draw``,
+    ``(B, T)``): a row is alive at step ``t`` while every earlier step had overlap; the
+    hazard is ``tv`` there (1 at a step without overlap, 0 after the stop), the token the
+    overlap draw (:data:`NO_TOKEN` from the stop on), and each metric its fill value after
+    the stop."""
+    tv, has_overlap, draw = arrays.pop("tv"), arrays.pop("has_overlap"), arrays.pop("draw")
+    alive = np.ones_like(has_overlap)
+    alive[:, 1:] = np.logical_and.accumulate(has_overlap, axis=1)[:, :-1]
+    arrays["hazard"] = np.where(alive, np.where(has_overlap, tv, 1.0), 0.0)
+    arrays["tokens"] = np.where(alive & has_overlap, draw, NO_TOKEN).astype(draw.dtype)
+    for name in PATH_METRICS:
+        value = arrays[name]
+        arrays[name] = np.where(alive, value, SCHEMA[name].fill).astype(value.dtype)
 
 
 def branch_times(hazard: np.ndarray, u: np.ndarray) -> np.ndarray:

@@ -69,7 +69,14 @@ def _layer_class() -> Any:
 
 def _make_layer_class(base: Any) -> Any:
     class PreallocatedLayer(base):  # type: ignore[misc, valid-type]
-        """A dynamic cache layer whose tensors are views into buffers with room to grow."""
+        """A dynamic cache layer whose tensors are views into buffers with room to grow.
+
+        ``length`` (a host integer) is how many columns are filled; ``keys``/``values`` are
+        views of them, made when read. Columns past ``length`` hold zeros (finite, so a
+        masked score of them is exactly 0 after the softmax). While ``whole`` is set (a
+        static step, :func:`prepare_step`) a one-token update writes at the device-side
+        column and returns the whole buffers: the step's shapes are the capacity's, not the
+        filled length's, and the step's mask hides what is not yet written."""
 
         def __init__(
             self,
@@ -80,30 +87,53 @@ def _make_layer_class(base: Any) -> Any:
         ):
             super().__init__()
             self.column = column  # the cache's write column (see TracerCache.write_column)
+            self.whole = False
             length = int(keys.shape[-2])
-            self._k = keys.new_empty(*keys.shape[:-2], max(capacity, length), keys.shape[-1])
-            self._v = values.new_empty(*values.shape[:-2], max(capacity, length), values.shape[-1])
+            self._k = keys.new_zeros(*keys.shape[:-2], max(capacity, length), keys.shape[-1])
+            self._v = values.new_zeros(*values.shape[:-2], max(capacity, length), values.shape[-1])
             self._k[..., :length, :] = keys
             self._v[..., :length, :] = values
+            self.length = length
             self.device = keys.device
             self.is_initialized = True
-            self._view(length)
+
+        # The base class assigns keys/values (None on reset); the buffers are the state here.
+        @property
+        def keys(self) -> torch.Tensor:
+            return self._k[..., : self.length, :]
+
+        @keys.setter
+        def keys(self, value: torch.Tensor | None) -> None:
+            if value is not None:
+                raise UnsupportedModelError("a preallocated cache layer is written by update()")
+
+        @property
+        def values(self) -> torch.Tensor:
+            return self._v[..., : self.length, :]
+
+        @values.setter
+        def values(self, value: torch.Tensor | None) -> None:
+            if value is not None:
+                raise UnsupportedModelError("a preallocated cache layer is written by update()")
 
         @property
         def capacity(self) -> int:
             return int(self._k.shape[-2])
 
-        def _view(self, length: int) -> None:
-            self.keys = self._k[..., :length, :]
-            self.values = self._v[..., :length, :]
+        def get_seq_length(self, *args: Any) -> int:
+            return self.length
 
         def update(
             self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
         ) -> tuple[torch.Tensor, torch.Tensor]:
-            start = int(self.keys.shape[-2])
+            if self.whole:  # a static step: room was reserved, advance() moves length on
+                self._k.index_copy_(-2, self.column, key_states)
+                self._v.index_copy_(-2, self.column, value_states)
+                return self._k, self._v
+            start = self.length
             stop = start + int(key_states.shape[-2])
             if stop > self.capacity:
-                self._grow(max(stop, self.capacity + max(_MIN_GROWTH, self.capacity // 4)))
+                self.grow(stop)
             if self.column is not None and stop == start + 1:
                 # One token: written at the device-side column (no slices of the buffers).
                 self._k.index_copy_(-2, self.column, key_states)
@@ -111,17 +141,17 @@ def _make_layer_class(base: Any) -> Any:
             else:
                 self._k[..., start:stop, :] = key_states
                 self._v[..., start:stop, :] = value_states
-            self._view(stop)
+            self.length = stop
             return self.keys, self.values
 
-        def _grow(self, capacity: int) -> None:
-            length = int(self.keys.shape[-2])
+        def grow(self, needed: int) -> None:
+            """Room for ``needed`` columns (a quarter more, at least 64 columns more)."""
+            capacity = max(needed, self.capacity + max(_MIN_GROWTH, self.capacity // 4))
             for name in ("_k", "_v"):
                 old = getattr(self, name)
-                new = old.new_empty(*old.shape[:-2], capacity, old.shape[-1])
-                new[..., :length, :] = old[..., :length, :]
+                new = old.new_zeros(*old.shape[:-2], capacity, old.shape[-1])
+                new[..., : self.length, :] = old[..., : self.length, :]
                 setattr(self, name, new)
-            self._view(length)
 
     return PreallocatedLayer
 
@@ -152,7 +182,7 @@ def cache_with_capacity(
         if column is None:
             column = torch.full((1,), int(k.shape[-2]), dtype=torch.long, device=k.device)
         built.append(PreallocatedLayer(k, v, int(k.shape[-2]) + room, column))
-    if len({int(layer.keys.shape[-2]) for layer in built}) > 1:  # no one column for all
+    if len({layer.length for layer in built}) > 1:  # no one column for all
         column = None
         for layer in built:
             layer.column = None
@@ -174,12 +204,40 @@ def cache_from_tensors(
     return cache_with_capacity(kv, room, positions)
 
 
+def prepare_step(cache: Any, static: bool) -> bool:
+    """Before a one-token forward pass: whether it is a static step (``static`` asked, a
+    preallocated cache with one write column): then every layer has room for the column
+    (grown here if not, on the host) and attends over its whole buffer; the step's mask must
+    cover :func:`cache_capacity` columns."""
+    column = getattr(cache, "write_column", None) if isinstance(cache, TracerCache) else None
+    layers = list(getattr(cache, "layers", ())) if column is not None else []
+    whole = static and bool(layers)
+    for layer in layers:
+        if whole and layer.length + 1 > layer.capacity:
+            layer.grow(layer.length + 1)
+        layer.whole = whole
+    return whole
+
+
 def advance(cache: Any, tokens: int) -> None:
     """After a forward pass fed ``tokens`` per row: the cache's device-side write column
-    moves on (one in-place add for every layer)."""
+    moves on (one in-place add for every layer), and after a static step every layer's
+    filled length (on the host)."""
     column = getattr(cache, "write_column", None) if isinstance(cache, TracerCache) else None
     if column is not None:
         column.add_(tokens)
+        for layer in cache.layers:
+            if layer.whole:
+                layer.length += tokens
+                layer.whole = False
+
+
+def cache_capacity(cache: Any) -> int:
+    """Columns the first layer's buffers hold (its filled length without preallocation)."""
+    layers = getattr(cache, "layers", None)
+    if layers and PreallocatedLayer is not None and isinstance(layers[0], PreallocatedLayer):
+        return int(layers[0].capacity)
+    return cache_length(cache)
 
 
 def cache_tensors(cache: Any) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -193,6 +251,10 @@ def cache_tensors(cache: Any) -> list[tuple[torch.Tensor, torch.Tensor]]:
 
 
 def cache_length(cache: Any) -> int:
+    """Filled columns of the first layer (a host integer; no view is made)."""
+    layers = getattr(cache, "layers", None)
+    if layers and PreallocatedLayer is not None and isinstance(layers[0], PreallocatedLayer):
+        return int(layers[0].length)
     return int(cache_tensors(cache)[0][0].shape[-2])
 
 

@@ -11,17 +11,20 @@ import torch
 from kvcouple.store.schema import Record, distribution_variables, variables
 
 SCHEMA = variables(Record())
+# What path_metrics returns, per row.
+PATH_METRICS = ("kl_pq", "kl_qp", "entropy_p", "entropy_q", "top1_agree")
 
 
 def path_metrics(p: torch.Tensor, q: torch.Tensor) -> dict[str, torch.Tensor]:
     """KL both ways, entropies (nats) and top-1 agreement per row, on the device."""
     lp, lq = torch.log(p), torch.log(q)
+    on_p, on_q = p > 0, q > 0  # the supports, once for both terms that need each
     zero = torch.zeros((), dtype=p.dtype, device=p.device)
     return {
-        "kl_pq": torch.where(p > 0, p * (lp - lq), zero).sum(-1),
-        "kl_qp": torch.where(q > 0, q * (lq - lp), zero).sum(-1),
-        "entropy_p": -torch.where(p > 0, p * lp, zero).sum(-1),
-        "entropy_q": -torch.where(q > 0, q * lq, zero).sum(-1),
+        "kl_pq": torch.where(on_p, p * (lp - lq), zero).sum(-1),
+        "kl_qp": torch.where(on_q, q * (lq - lp), zero).sum(-1),
+        "entropy_p": -torch.where(on_p, p * lp, zero).sum(-1),
+        "entropy_q": -torch.where(on_q, q * lq, zero).sum(-1),
         "top1_agree": p.argmax(-1) == q.argmax(-1),
     }
 

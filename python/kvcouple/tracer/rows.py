@@ -58,7 +58,13 @@ def new_column(
 class CacheRows:
     """Rows sharing one cache: per-row visibility ``valid`` ``(rows, columns)`` (None: every
     column), per-row ``positions`` (of the next token fed), the prefixes they attend to first
-    (``prefix``, the shared layout) and a :class:`StepHook`."""
+    (``prefix``, the shared layout) and a :class:`StepHook`.
+
+    Without a hook a step is static where the cache allows it (:func:`~kvcouple.tracer.
+    compat.static_step`): the forward pass attends over the cache's whole preallocated
+    capacity, the new column is made visible in place at the device-side write column, and
+    the mask is as wide as the capacity. Every step of a batch then has the same shapes (one
+    compilation, one CUDA graph). A hook's steps (decode-time eviction) grow their views."""
 
     def __init__(
         self,
@@ -72,15 +78,50 @@ class CacheRows:
         prefix: SharedPrefix | None = None,
         dtype: torch.dtype | None = None,
     ):
-        self.model, self.cache, self.valid, self.positions = model, cache, valid, positions
+        self.model, self.cache, self.positions = model, cache, positions
+        self.valid = valid
         self.masked = masked  # False: every row sees every column, no mask needed
         self.hook = hook
         self.prefix = prefix
         self.dtype = dtype if dtype is not None else compat.cache_tensors(cache)[0][0].dtype
+        self._columns: torch.Tensor | None = None  # arange over the capacity (static steps)
+
+    @property
+    def valid(self) -> torch.Tensor | None:
+        """``(rows, filled columns)``: a view of the visibility storage (writes go through)."""
+        if self._visible is None:
+            return None
+        return self._visible[:, : compat.cache_length(self.cache)]
+
+    @valid.setter
+    def valid(self, valid: torch.Tensor | None) -> None:
+        self._visible = valid
+
+    def _static_mask(self) -> torch.Tensor:
+        """The mask of a static step over the cache's capacity: the columns each row sees,
+        with the one being written, in place of ``valid`` plus a concatenated column."""
+        capacity = compat.cache_capacity(self.cache)
+        column = self.cache.write_column
+        rows = int(self.positions.shape[0])
+        if self._visible is None:
+            if self._columns is None or self._columns.shape[0] != capacity:
+                self._columns = torch.arange(capacity, device=column.device)
+            seen = (self._columns <= column).expand(rows, capacity)  # written columns, and this one
+        else:
+            if self._visible.shape[1] != capacity:  # the cache grew: so does the storage
+                grown = self._visible.new_zeros(rows, capacity)
+                grown[:, : self._visible.shape[1]] = self._visible
+                self._visible = grown
+            seen = self._visible.index_fill_(1, column, True)
+        return compat.additive_mask(seen, self.dtype)
 
     def step(self, tokens: torch.Tensor) -> torch.Tensor:
         """Feed one token per row; returns ``(rows, vocab)`` logits."""
-        self.valid, mask = new_column(self.valid, self.dtype, self.masked)
+        whole = self.hook is None and compat.static_step(self.model, self.cache)
+        if whole:
+            mask: torch.Tensor | None = self._static_mask()
+        else:
+            self.valid, mask = new_column(self.valid, self.dtype, self.masked)
         capture = self.hook.capture() if self.hook is not None else contextlib.nullcontext()
         with capture:
             logits = compat.forward(
@@ -92,6 +133,7 @@ class CacheRows:
                 prefix=self.prefix,
                 # (compiled in a compiled run, unless a hook captures inside the pass)
                 step=self.hook is None,
+                whole=whole,
             )
         if self.hook is not None:
             self.hook.after_step(self)

@@ -60,12 +60,14 @@ def coupled_step(
     decoding: Decoding,
     eos: EosState,
     u: torch.Tensor,
+    residuals: bool = True,
 ) -> CoupledStep:
     """Feed ``tokens`` ``(2B,)`` (P rows then Q rows), transform, absorb EOS, couple with the
-    uniforms ``u`` ``(B, 3)`` (``u0 = 1``: the overlap; ``u0 = 0``: the residuals). The caller
-    records what it needs and then calls ``eos.advance``."""
+    uniforms ``u`` ``(B, 3)`` (``u0 = 1``: the overlap; ``u0 = 0``: the residuals;
+    ``residuals=False``: the path, which only draws from the overlap). The caller records
+    what it needs and then calls ``eos.advance``."""
     probs = eos.absorb(decoding.probs(rows.step(tokens)))
     half = probs.shape[0] // 2
     p, q = probs[:half], probs[half:]
-    x, y, tv, overlap = couple_rows(p, q, u)
+    x, y, tv, overlap = couple_rows(p, q, u, residuals)
     return CoupledStep(p, q, x, y, tv, overlap)
