@@ -59,9 +59,7 @@ def counting_compile(monkeypatch):
     monkeypatch.setattr(
         compat,
         "_compiled",
-        lambda mode: compiled.setdefault(
-            mode, torch.compile(compat._call, backend=backend)
-        ),
+        lambda mode: compiled.setdefault(mode, torch.compile(compat._call, backend=backend)),
     )
     with torch._dynamo.config.patch(automatic_dynamic_shapes=False):
         yield graphs

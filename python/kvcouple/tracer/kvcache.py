@@ -127,6 +127,7 @@ def _make_layer_class(base: Any) -> Any:
             self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
         ) -> tuple[torch.Tensor, torch.Tensor]:
             if self.whole:  # a static step: room was reserved, advance() moves length on
+                assert self.column is not None  # (prepare_step sets whole only with one)
                 self._k.index_copy_(-2, self.column, key_states)
                 self._v.index_copy_(-2, self.column, value_states)
                 return self._k, self._v
