@@ -11,7 +11,8 @@ columns a batch will reach, and a step writes its new column into it. transforme
 ``DynamicCache`` grows by ``torch.cat`` every step, which rewrites the whole cache (at 32k
 tokens and 16 rows of an 8B model, ~128 GB of memory traffic per step) and briefly holds one
 layer twice. A :class:`PreallocatedLayer` is a ``DynamicLayer`` whose ``keys``/``values`` are
-views of the filled part of its buffers, so everything that reads a dynamic cache (the model's
+views of the filled part of its buffers (made when read; a static step, :func:`prepare_step`,
+attends over the whole buffers instead), so everything that reads a dynamic cache (the model's
 attention, :func:`cache_tensors`, in-place decode-time eviction) works unchanged. A batch that
 outgrows its capacity is moved to a larger buffer (a quarter more, at least 64 columns), never
 failing. Entry positions and the decode-time evictor's slot state grow the same way
