@@ -73,8 +73,9 @@ def _make_layer_class(base: Any) -> Any:
         """A dynamic cache layer whose tensors are views into buffers with room to grow.
 
         ``length`` (a host integer) is how many columns are filled; ``keys``/``values`` are
-        views of them, made when read. Columns past ``length`` hold zeros (finite, so a
-        masked score of them is exactly 0 after the softmax). While ``whole`` is set (a
+        views of them, made when read. Before the first static step the columns past
+        ``length`` are zeroed (finite, so a masked score of them is exactly 0 after the
+        softmax). While ``whole`` is set (a
         static step, :func:`prepare_step`) a one-token update writes at the device-side
         column and returns the whole buffers: the step's shapes are the capacity's, not the
         filled length's, and the step's mask hides what is not yet written."""
@@ -90,11 +91,12 @@ def _make_layer_class(base: Any) -> Any:
             self.column = column  # the cache's write column (see TracerCache.write_column)
             self.whole = False
             length = int(keys.shape[-2])
-            self._k = keys.new_zeros(*keys.shape[:-2], max(capacity, length), keys.shape[-1])
-            self._v = values.new_zeros(*values.shape[:-2], max(capacity, length), values.shape[-1])
+            self._k = keys.new_empty(*keys.shape[:-2], max(capacity, length), keys.shape[-1])
+            self._v = values.new_empty(*values.shape[:-2], max(capacity, length), values.shape[-1])
             self._k[..., :length, :] = keys
             self._v[..., :length, :] = values
             self.length = length
+            self.zeroed = False  # whether the unwritten columns hold zeros (zero_tail)
             self.device = keys.device
             self.is_initialized = True
 
@@ -151,9 +153,18 @@ def _make_layer_class(base: Any) -> Any:
             capacity = max(needed, self.capacity + max(_MIN_GROWTH, self.capacity // 4))
             for name in ("_k", "_v"):
                 old = getattr(self, name)
-                new = old.new_zeros(*old.shape[:-2], capacity, old.shape[-1])
+                new = old.new_empty(*old.shape[:-2], capacity, old.shape[-1])
                 new[..., : self.length, :] = old[..., : self.length, :]
                 setattr(self, name, new)
+            self.zeroed = False
+
+        def zero_tail(self) -> None:
+            """Zeros in the unwritten columns, once, before the first static step (buffers
+            are allocated uninitialised: pages a growing step never reaches stay untouched)."""
+            if not self.zeroed:
+                self._k[..., self.length :, :].zero_()
+                self._v[..., self.length :, :].zero_()
+                self.zeroed = True
 
     return PreallocatedLayer
 
@@ -217,6 +228,8 @@ def prepare_step(cache: Any, static: bool) -> bool:
     for layer in layers:
         if whole and layer.length + 1 > layer.capacity:
             layer.grow(layer.length + 1)
+        if whole:
+            layer.zero_tail()
         layer.whole = whole
     return whole
 
