@@ -36,6 +36,7 @@ from transformers.cache_utils import DynamicCache
 from kvcouple.tracer.model import UnsupportedModelError
 
 _MIN_GROWTH = 64
+_STATIC_SLACK = 1024
 
 
 class TracerCache(DynamicCache):  # type: ignore[misc]
@@ -66,6 +67,13 @@ def _layer_class() -> Any:
     except ImportError:  # transformers < 4.56: no cache layers
         return None
     return DynamicLayer
+
+
+def _moved(old: torch.Tensor, length: int, capacity: int) -> torch.Tensor:
+    """``old``'s first ``length`` columns in a new uninitialised buffer of ``capacity``."""
+    new = old.new_empty(*old.shape[:-2], capacity, old.shape[-1])
+    new[..., :length, :] = old[..., :length, :]
+    return new
 
 
 def _make_layer_class(base: Any) -> Any:
@@ -151,16 +159,13 @@ def _make_layer_class(base: Any) -> Any:
         def grow(self, needed: int) -> None:
             """Room for ``needed`` columns (a quarter more, at least 64 columns more)."""
             capacity = max(needed, self.capacity + max(_MIN_GROWTH, self.capacity // 4))
-            for name in ("_k", "_v"):
-                old = getattr(self, name)
-                new = old.new_empty(*old.shape[:-2], capacity, old.shape[-1])
-                new[..., : self.length, :] = old[..., : self.length, :]
-                setattr(self, name, new)
+            self._k = _moved(self._k, self.length, capacity)
+            self._v = _moved(self._v, self.length, capacity)
             self.zeroed = False
 
         def zero_tail(self) -> None:
-            """Zeros in the unwritten columns, once, before the first static step (buffers
-            are allocated uninitialised: pages a growing step never reaches stay untouched)."""
+            # Once, before the first static step: buffers are allocated uninitialised, so
+            # pages a growing step never reaches stay untouched.
             if not self.zeroed:
                 self._k[..., self.length :, :].zero_()
                 self._v[..., self.length :, :].zero_()
@@ -224,7 +229,10 @@ def prepare_step(cache: Any, static: bool) -> bool:
     cover :func:`cache_capacity` columns."""
     column = getattr(cache, "write_column", None) if isinstance(cache, TracerCache) else None
     layers = list(getattr(cache, "layers", ())) if column is not None else []
+    # Attending over the whole buffer costs its unwritten columns too: static only while they
+    # are at most the filled ones plus a slack (a huge horizon grows first, then turns static).
     whole = static and bool(layers)
+    whole = whole and layers[0].capacity - layers[0].length <= layers[0].length + _STATIC_SLACK
     for layer in layers:
         if whole and layer.length + 1 > layer.capacity:
             layer.grow(layer.length + 1)
