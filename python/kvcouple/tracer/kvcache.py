@@ -76,6 +76,20 @@ def _moved(old: torch.Tensor, length: int, capacity: int) -> torch.Tensor:
     return new
 
 
+def _filled_view(buffer: str) -> Any:
+    """A layer's ``keys``/``values``: the filled columns of ``buffer``, a view made when read;
+    assigning anything but None (the base class's reset) is refused."""
+
+    def read(layer: Any) -> torch.Tensor:
+        return getattr(layer, buffer)[..., : layer.length, :]
+
+    def assign(layer: Any, value: torch.Tensor | None) -> None:
+        if value is not None:
+            raise UnsupportedModelError("a preallocated cache layer is written by update()")
+
+    return property(read, assign)
+
+
 def _make_layer_class(base: Any) -> Any:
     class PreallocatedLayer(base):  # type: ignore[misc, valid-type]
         """A dynamic cache layer whose tensors are views into buffers with room to grow.
@@ -109,23 +123,8 @@ def _make_layer_class(base: Any) -> Any:
             self.is_initialized = True
 
         # The base class assigns keys/values (None on reset); the buffers are the state here.
-        @property
-        def keys(self) -> torch.Tensor:
-            return self._k[..., : self.length, :]
-
-        @keys.setter
-        def keys(self, value: torch.Tensor | None) -> None:
-            if value is not None:
-                raise UnsupportedModelError("a preallocated cache layer is written by update()")
-
-        @property
-        def values(self) -> torch.Tensor:
-            return self._v[..., : self.length, :]
-
-        @values.setter
-        def values(self, value: torch.Tensor | None) -> None:
-            if value is not None:
-                raise UnsupportedModelError("a preallocated cache layer is written by update()")
+        keys = _filled_view("_k")
+        values = _filled_view("_v")
 
         @property
         def capacity(self) -> int:
