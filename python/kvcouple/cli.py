@@ -19,14 +19,26 @@ import re
 import sys
 from typing import Any
 
-# (module, what it adds) — each module defines register(subparsers).
-_AREAS = [
-    "kvcouple.synth.cli",  # kvcouple synth ...
-    "kvcouple.tracer.cli",  # kvcouple trace ...
-    "kvcouple.analysis.cli",  # kvcouple analyze / info ...
-    "kvcouple.demo",  # kvcouple demo
-    "kvcouple.prompts.cli",  # kvcouple prompts
-]
+# Each area module defines register(subparsers) and adds the commands listed with it. A
+# command line that names one of these commands imports only its area (the others pull in
+# zarr, the tracer's models and policies: a third of a second before anything is read);
+# help, and any other command line, imports every area.
+_AREAS = {
+    "kvcouple.synth.cli": ("synth",),
+    "kvcouple.tracer.cli": ("trace",),
+    "kvcouple.analysis.cli": ("plan", "analyze", "info"),
+    "kvcouple.demo": ("demo",),
+    "kvcouple.prompts.cli": ("prompts",),
+}
+
+
+def _areas_for(argv: list[str]) -> list[str]:
+    """The area modules the command line ``argv`` needs: the named command's own, or all."""
+    command = next((a for a in argv if not a.startswith("-")), None)
+    if command is None or any(a in ("-h", "--help") for a in argv[: argv.index(command)]):
+        return list(_AREAS)
+    owners = [name for name, commands in _AREAS.items() if command in commands]
+    return owners or list(_AREAS)
 
 
 class HelpFormatter(argparse.RawDescriptionHelpFormatter):
@@ -60,7 +72,8 @@ class ArgumentParser(argparse.ArgumentParser):
         super().__init__(*args, **kwargs)
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
+    """The command-line parser; with ``argv``, only the areas that command line needs."""
     parser = ArgumentParser(
         prog="kvcouple",
         description="Measure what a KV-cache eviction policy does to generation, token by token.",
@@ -70,7 +83,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"kvcouple {__version__}")
     parser.add_argument("--debug", action="store_true", help="show the full traceback of an error")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=ArgumentParser)
-    for name in _AREAS:
+    for name in list(_AREAS) if argv is None else _areas_for(argv):
         try:
             module = importlib.import_module(name)
         except ModuleNotFoundError as e:
@@ -124,7 +137,8 @@ def describe(e: BaseException) -> tuple[str, int]:
 
 def main(argv: list[str] | None = None) -> int:
     try:
-        parser = build_parser()
+        argv = sys.argv[1:] if argv is None else list(argv)
+        parser = build_parser(argv)
         args = parser.parse_args(argv)
     except KeyboardInterrupt:
         print("kvcouple: interrupted", file=sys.stderr)

@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 
 import kvcouple
 import kvcouple.models
+import kvcouple.tracer.cli
 from kvcouple import synth
 from kvcouple.cli import main
 from kvcouple.errors import InvalidInputError, StoreError
@@ -283,7 +284,9 @@ def test_command_line_fuzz(files, capsys, monkeypatch, tmp_path_factory, line):
     def no_model(*_a, **_k):
         raise InvalidInputError("(test) the arguments passed: model loading reached")
 
+    # `kvcouple trace` calls the name it imported: patch both, or a valid line traces for real
     monkeypatch.setattr(kvcouple.models, "load_model", no_model)
+    monkeypatch.setattr(kvcouple.tracer.cli, "load_model", no_model)
     command, pairs = line
     out = tmp_path_factory.mktemp("out")
     argv = _base(command, files, out)

@@ -61,3 +61,58 @@ def test_defaults_appear_in_the_formatted_help() -> None:
     text = " ".join(parser.format_help().split())
     assert "(default: rb)" in text
     assert "(default: 1000)" in text
+
+
+def test_each_area_adds_the_commands_the_cli_lists_for_it() -> None:
+    """A command line imports only the area that owns its command (``kvcouple.cli._AREAS``),
+    so the table must name exactly what each area registers."""
+    import importlib
+
+    from kvcouple.cli import _AREAS, ArgumentParser
+
+    for name, commands in _AREAS.items():
+        parser = ArgumentParser(prog="kvcouple")
+        sub = parser.add_subparsers(dest="command", parser_class=ArgumentParser)
+        importlib.import_module(name).register(sub)
+        assert tuple(sub.choices) == commands, name
+
+
+@pytest.mark.parametrize(
+    ("argv", "areas"),
+    [
+        (["analyze", "s.zarr"], ["kvcouple.analysis.cli"]),
+        (["--debug", "trace", "--help"], ["kvcouple.tracer.cli"]),
+        (["--help", "analyze"], None),  # the top-level help lists every command
+        (["analyse", "s.zarr"], None),  # a misspelt command: the error lists every choice
+        ([], None),
+    ],
+)
+def test_a_command_line_imports_only_its_area(argv: list[str], areas: list[str] | None) -> None:
+    from kvcouple.cli import _AREAS, _areas_for
+
+    assert _areas_for(argv) == (list(_AREAS) if areas is None else areas)
+
+
+def test_analyze_imports_neither_the_tracer_nor_the_writer(tmp_path) -> None:
+    """``kvcouple analyze`` on a real store runs without what tracing and writing need (torch,
+    the tracer's models, the synthetic trace writer): its fixed cost is start-up it uses."""
+    import subprocess
+    import sys
+
+    from kvcouple.cli import main
+
+    pair, store = tmp_path / "pair.npz", tmp_path / "s.zarr"
+    assert main(["synth", "random-pair", "--vocab", "6", "--seed", "1", "--out", str(pair)]) == 0
+    argv = ["synth", "trace-store", str(pair), "--out", str(store), "-T", "4", "-R", "2"]
+    assert main(argv) == 0
+    code = (
+        "import sys\n"
+        "from kvcouple.cli import main\n"
+        "code = main(['analyze', sys.argv[1], '--out', sys.argv[2], '--no-figures', '--quiet'])\n"
+        "heavy = sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'transformers')"
+        " or m.startswith(('kvcouple.tracer', 'kvcouple.synth', 'kvcouple.models')))\n"
+        "print(code, heavy)\n"
+    )
+    run = [sys.executable, "-c", code, str(store), str(tmp_path / "out")]
+    out = subprocess.run(run, capture_output=True, text=True, check=True).stdout
+    assert out.strip().splitlines()[-1] == "0 []", out

@@ -198,6 +198,7 @@ def test_cli_trace_with_a_kvpress_press_and_analysis(tmp_path, capsys, monkeypat
         raise AssertionError("the model was loaded")
 
     monkeypatch.setattr("kvcouple.models.load_model", no_load)
+    monkeypatch.setattr("kvcouple.tracer.cli.load_model", no_load)  # the name trace calls
     bad = ["trace", "--prompts", str(prompts), "--out", str(tmp_path / "x.zarr")]
     assert main([*bad, "--policy", "kvpress:AdaKVPress"]) == 2
     err = capsys.readouterr().err

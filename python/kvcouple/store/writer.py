@@ -24,10 +24,17 @@ from kvcouple.store.reader import is_url
 from kvcouple.store.schema import RUN_KEYS as RUN_KEYS
 from kvcouple.store.schema import SCHEMA_VERSION, Record, variables
 
-try:  # the layout and the resume checks need no zarr; writing does (TraceStoreWriter.open)
-    import zarr
-except ModuleNotFoundError:  # pragma: no cover - a tracer-only environment
-    zarr = None  # type: ignore[assignment]
+
+def _zarr() -> Any:
+    """zarr-python, or None where it is not installed. Imported when a store is first
+    written: the layout and the resume checks need no zarr, and importing it costs reading
+    commands a fifth of a second."""
+    try:
+        import zarr
+    except ModuleNotFoundError:  # pragma: no cover - a tracer-only environment
+        return None
+    return zarr
+
 
 # Aim for chunks of a few MB to tens of MB (SPEC section 8).
 _TARGET_CHUNK_BYTES = 16 * 2**20
@@ -226,7 +233,7 @@ def _chunks(dims: tuple[str, ...], sizes: dict[str, int], itemsize: int) -> tupl
 
 
 def _zarr3() -> bool:
-    return hasattr(zarr, "create_array")
+    return hasattr(_zarr(), "create_array")
 
 
 # Chunk keys as in Zarr format 2 (``hazard/1.0.0.0``) in format 3 too: one file per chunk in
@@ -252,7 +259,7 @@ def _codecs(compress: bool) -> dict[str, Any]:
         return {"compressor": numcodecs.Zstd(level=1, checksum=True)}
     except TypeError:  # numcodecs < 0.13 has no zstd checksum
         raise StoreError(
-            f"writing a trace store with zarr-python {zarr.__version__} needs numcodecs >= "
+            f"writing a trace store with zarr-python {_zarr().__version__} needs numcodecs >= "
             f"0.13 (zstd checksums; this is {numcodecs.__version__}): upgrade numcodecs, or "
             "install zarr >= 3"
         ) from None
@@ -300,13 +307,13 @@ def _open_group(path: str | Path, mode: Literal["r", "r+", "a", "w", "w-"]) -> A
     """A new group (``mode="w"``) in the format this zarr-python writes with checksums; an
     existing one in whatever format it has."""
     if mode == "w" and _zarr3():
-        return zarr.open_group(str(path), mode=mode, zarr_format=3)
-    return zarr.open_group(str(path), mode=mode)
+        return _zarr().open_group(str(path), mode=mode, zarr_format=3)
+    return _zarr().open_group(str(path), mode=mode)
 
 
 def _write_empty_chunks() -> Any:
     """A context in which zarr 3 writes chunks equal to the fill value (zarr 2 always does)."""
-    config = getattr(zarr, "config", None)
+    config = getattr(_zarr(), "config", None)
     if config is None:
         import contextlib
 
@@ -354,7 +361,7 @@ def _build(
         # zarr 3 notes that consolidated metadata is not in the v3 specification: readers
         # without it read the nodes' own metadata, which is complete.
         warnings.simplefilter("ignore")
-        zarr.consolidate_metadata(str(tmp))
+        _zarr().consolidate_metadata(str(tmp))
     registry.create_registry(tmp, store, registry.fingerprint(attrs, RUN_KEYS), RUN_KEYS)
 
 
@@ -425,7 +432,7 @@ class TraceStoreWriter:
         ``attrs`` must hold the run-defining keys of :data:`RUN_KEYS` that apply; a store that
         exists with different values raises :class:`StoreError` naming the first difference.
         """
-        if zarr is None:
+        if _zarr() is None:
             raise MissingExtraError(
                 "writing a trace store needs zarr, which is not installed: pip install 'zarr>=2.16'"
             )
