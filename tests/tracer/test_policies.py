@@ -276,3 +276,50 @@ def test_kvpress_policy_without_kvpress_says_how_to_install():
     # A spec's first item without "=" is an error for every other policy.
     with pytest.raises(PolicyParameterError, match="param=value"):
         parse_policy("snapkv:SnapKVPress,retain=0.5")
+
+
+@pytest.mark.parametrize(
+    "spec",
+    [
+        "streaming:budget=6,sinks=2,mode=decode",
+        "recent:budget=6,mode=decode",
+        "h2o:budget=6,mode=decode",
+    ],
+)
+def test_decode_rules_keep_the_same_scored_over_all_layers_at_once(spec):
+    """A rule scored from slot state alone (``slot_score``) is scored once over every layer's
+    stacked state when the tracer holds it so; it keeps what scoring each layer keeps."""
+    import dataclasses
+
+    from kvcouple.policies import DecodeCache, parse_policy
+
+    gen = torch.Generator().manual_seed(3)
+    layers, B, kv, S, d = 3, 2, 2, 11, 4
+    rule = parse_policy(spec).decode_rule(6)
+    position = torch.stack([torch.randperm(S, generator=gen) for _ in range(layers * B * kv)])
+    stacked = {
+        "position": position.view(layers, B, kv, S),
+        "h2o_score": torch.rand(layers, B, kv, S, generator=gen),
+    }
+    visible = torch.ones(B, S, dtype=torch.bool)
+    visible[1, 3] = False
+    current = torch.full((B,), S)
+    caches = [
+        DecodeCache(
+            layer=layer,
+            keys=torch.zeros(B, kv, S, d),
+            values=torch.zeros(B, kv, S, d),
+            visible=visible,
+            state={k: v[layer] for k, v in stacked.items()},
+            current=current,
+            rows=torch.arange(B),
+            scaling=0.5,
+            num_query_heads=kv,
+        )
+        for layer in range(layers)
+    ]
+    per_layer = rule.keep(caches)
+    at_once = rule.keep([dataclasses.replace(c, all_layers_state=stacked) for c in caches])
+    for a, b in zip(per_layer, at_once, strict=True):
+        assert torch.equal(a, b)
+    assert not bool((per_layer[0][1] == 3).any())  # a hidden slot is never kept

@@ -143,6 +143,9 @@ class DecodeCache:
         unknown.
     row_ids : tuple of int or None
         ``rows`` on the host (``None``: unknown).
+    all_layers_state : dict of str to torch.Tensor or None
+        ``state`` of every layer stacked, ``(layers, B, kv_heads, S)`` (of which ``state`` is
+        layer ``layer``'s view), where the tracer holds it that way (``None``: not held so).
     """
 
     layer: int
@@ -160,6 +163,7 @@ class DecodeCache:
     held: int | None = None
     current_position: int | None = None
     row_ids: tuple[int, ...] | None = None
+    all_layers_state: dict[str, torch.Tensor] | None = None
 
     @property
     def positions(self) -> torch.Tensor:
@@ -219,14 +223,31 @@ class SlotScoreRule(DecodeRule):
     """
 
     def score(self, cache: DecodeCache) -> torch.Tensor:
-        """``(B, kv_heads, S)`` float64 scores; higher is kept."""
+        """``(B, kv_heads, S)`` float64 scores; higher is kept. Default:
+        :meth:`slot_score` of the layer's state."""
+        return self.slot_score(cache.state, cache.current)
+
+    def slot_score(self, state: dict[str, torch.Tensor], current: torch.Tensor) -> torch.Tensor:
+        """Scores from the slot state alone, elementwise: ``state`` tensors ``(..., B,
+        kv_heads, S)``, ``current`` ``(B,)``. A rule that defines it (rather than
+        :meth:`score`) is scored for every layer at once."""
         raise NotImplementedError
+
+    def _layer_scores(self, caches: list[DecodeCache]) -> torch.Tensor:
+        """``(layers, B, kv_heads, S)``: one :meth:`slot_score` over every layer's state
+        where the tracer holds it stacked, else :meth:`score` per layer."""
+        import torch
+
+        stacked = caches[0].all_layers_state
+        if stacked is not None and type(self).slot_score is not SlotScoreRule.slot_score:
+            return self.slot_score(stacked, caches[0].current)
+        return torch.stack([self.score(cache) for cache in caches])
 
     def keep(self, caches: list[DecodeCache]) -> list[torch.Tensor]:
         import torch
 
         # Every layer at once: (layers, B, kv_heads, S).
-        score = torch.stack([self.score(cache) for cache in caches]).to(torch.float64)
+        score = self._layer_scores(caches).to(torch.float64)
         first = caches[0]
         if all(cache.visible is first.visible for cache in caches):
             visible = first.visible[None, :, None, :]
@@ -234,7 +255,11 @@ class SlotScoreRule(DecodeRule):
             visible = torch.stack([cache.visible for cache in caches])[:, :, None, :]
         score = score.masked_fill(~visible, float("-inf"))
         # Slots by position, then a stable sort by score: ties keep the lower position.
-        positions = torch.stack([cache.positions for cache in caches])
+        stacked = caches[0].all_layers_state
+        if stacked is not None:
+            positions = stacked["position"]
+        else:
+            positions = torch.stack([cache.positions for cache in caches])
         by_position = torch.argsort(positions, dim=-1, stable=True)
         ranked = torch.argsort(score.gather(-1, by_position), dim=-1, descending=True, stable=True)
         return list(by_position.gather(-1, ranked[..., : self.budget]).unbind(0))

@@ -52,10 +52,10 @@ class H2ORule(SlotScoreRule):
         assert cache.attention is not None
         cache.state["h2o_score"] += cache.attention
 
-    def score(self, cache: DecodeCache) -> torch.Tensor:
-        pos = cache.positions
-        protected = pos > (cache.current - self.n_recent)[:, None, None]
-        score = cache.state["h2o_score"].double()
+    def slot_score(self, state: dict[str, torch.Tensor], current: torch.Tensor) -> torch.Tensor:
+        pos = state["position"]
+        protected = pos > (current - self.n_recent)[:, None, None]
+        score = state["h2o_score"].double()
         return score.where(~protected, _PROTECTED + pos.double())
 
 

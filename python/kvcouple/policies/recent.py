@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 
 from kvcouple.policies.base import Policy, recent_indices
 from kvcouple.policies.context import PolicyContext
-from kvcouple.policies.decode import DecodeCache, DecodeRule, SlotScoreRule
+from kvcouple.policies.decode import DecodeRule, SlotScoreRule
 
 if TYPE_CHECKING:
     import torch
@@ -19,8 +19,8 @@ if TYPE_CHECKING:
 class RecentRule(SlotScoreRule):
     """Keep the newest entries."""
 
-    def score(self, cache: DecodeCache) -> torch.Tensor:
-        return cache.positions.double()
+    def slot_score(self, state: dict[str, torch.Tensor], current: torch.Tensor) -> torch.Tensor:
+        return state["position"].double()
 
 
 class Recent(Policy):

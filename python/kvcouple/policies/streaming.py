@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 
 from kvcouple.policies.base import Policy, recent_indices
 from kvcouple.policies.context import PolicyContext
-from kvcouple.policies.decode import DecodeCache, DecodeRule, SlotScoreRule
+from kvcouple.policies.decode import DecodeRule, SlotScoreRule
 from kvcouple.policies.errors import PolicyParameterError
 
 if TYPE_CHECKING:
@@ -26,9 +26,9 @@ _SINK = 2.0**40
 class StreamingRule(SlotScoreRule):
     """Sinks first, then the newest entries."""
 
-    def score(self, cache: DecodeCache) -> torch.Tensor:
-        pos = cache.positions.double()
-        sink = cache.positions < self.policy.params["sinks"]
+    def slot_score(self, state: dict[str, torch.Tensor], current: torch.Tensor) -> torch.Tensor:
+        pos = state["position"].double()
+        sink = state["position"] < self.policy.params["sinks"]
         return pos + sink * (_SINK - 2 * pos)
 
 

@@ -57,22 +57,19 @@ class DecodeEvictor:
         # asynchronously, in after_step).
         self.held = int(keep)
         self.position = int(n1)
+        self._layers = ctx.num_layers
         started = rule.start(ctx, idx)
-        self.state: list[dict[str, torch.Tensor]] = []
-        for layer in range(ctx.num_layers):
-            layer_state = {
-                "position": torch.nn.functional.pad(idx[layer], (pad, 0), value=-1),
-                **{
-                    name: torch.nn.functional.pad(values[layer].float(), (pad, 0))
-                    for name, values in started.items()
-                },
-            }
-            self.state.append({k: v.expand(copies, -1, -1).clone() for k, v in layer_state.items()})
+        # Slot state of every layer in one tensor per name, ``(layers, Bq, kv_heads, S)``: a
+        # step appends its column, and an eviction moves its entries, for all layers at once.
+        slots = {"position": torch.nn.functional.pad(idx, (pad, 0), value=-1)}
+        for name, values in started.items():
+            slots[name] = torch.nn.functional.pad(
+                torch.stack([v.float() for v in values]), (pad, 0)
+            )
+        self.slots = {k: v[:, None].expand(-1, copies, -1, -1).clone() for k, v in slots.items()}
         # Slot state grows by a column per step: views into buffers with room to grow (a
-        # concatenation per step and layer would copy it all, like a dynamic cache).
-        self._storage: list[dict[str, torch.Tensor | None]] = [
-            dict.fromkeys(layer_state) for layer_state in self.state
-        ]
+        # concatenation per step would copy it all, like a dynamic cache).
+        self._storage: dict[str, torch.Tensor | None] = dict.fromkeys(self.slots)
         # The most recent queries (prompt queries first), for rules with a query window.
         self.window = window
         self.queries: list[torch.Tensor] = []
@@ -93,6 +90,11 @@ class DecodeEvictor:
             device = idx.device
             self.query_positions = torch.arange(first, n1, device=device).expand(copies, -1)
 
+    @property
+    def state(self) -> list[dict[str, torch.Tensor]]:
+        """Per layer, the slot state rules see (views of :attr:`slots`)."""
+        return [{k: v[layer] for k, v in self.slots.items()} for layer in range(self._layers)]
+
     def capture(self) -> AbstractContextManager[Any]:
         return self._capture if self._capture is not None else contextlib.nullcontext()
 
@@ -106,14 +108,15 @@ class DecodeEvictor:
         caches = []
         zeros = torch.zeros(current.shape[0], 1, 1, device=current.device)  # new slots' scores
         fed = current[:, None, None]
+        for name, tensor in self.slots.items():
+            new = fed if name == "position" else zeros
+            self.slots[name], self._storage[name] = compat.append_columns(
+                tensor, new, self._storage[name]
+            )
         hidden = ~valid[:, None, None, :]  # (Bq, 1, 1, S)
         for layer, (keys, values) in enumerate(compat.cache_tensors(rows.cache)):
             kq, vq = keys[self.rows], values[self.rows]  # views into the cache
-            state = self.state[layer]
-            storage = self._storage[layer]
-            for name, tensor in state.items():
-                new = fed if name == "position" else zeros
-                state[name], storage[name] = compat.append_columns(tensor, new, storage[name])
+            state = {name: tensor[layer] for name, tensor in self.slots.items()}
             q = None
             if self._capture is not None:
                 q = self._capture.batch_queries(layer, rows=self.rows)  # (Bq, H, 1, D)
@@ -151,6 +154,7 @@ class DecodeEvictor:
                 held=self.held,
                 current_position=self.position,
                 row_ids=self.row_ids,
+                all_layers_state=self.slots,
             )
             self.rule.observe(cache)
             caches.append(cache)
@@ -160,34 +164,49 @@ class DecodeEvictor:
         # Every row is over its budget by ``every``: all of them evict.
         kept = self.rule.keep(caches)
         home = valid & (valid.cumsum(-1) <= self.rule.budget)
-        _compact(caches, torch.stack(kept), home, valid & ~home)
+        _compact(
+            caches, self.slots, torch.stack(kept), home, valid & ~home, self.held - self.rule.budget
+        )
         rows.valid[self.rows] = home
         self.held = self.rule.budget
 
 
 def _compact(
-    caches: list[DecodeCache], keep: torch.Tensor, home: torch.Tensor, tail: torch.Tensor
+    caches: list[DecodeCache],
+    slots: dict[str, torch.Tensor],
+    keep: torch.Tensor,
+    home: torch.Tensor,
+    tail: torch.Tensor,
+    width: int,
 ) -> None:
-    """Move the kept entries of ``tail`` columns into the ``home`` slots of evicted entries,
-    per layer, row and KV head, in place (``keep``: ``(layers, B, kv_heads, budget)``). Where
-    each entry goes is found for every layer at once; the moves are per layer (each layer's
-    cache is its own tensor)."""
+    """Move the kept entries of ``tail`` columns (``width`` per row) into the ``home`` slots of
+    evicted entries, per layer, row and KV head, in place (``keep``: ``(layers, B, kv_heads,
+    budget)``), with the ``slots`` state ``(layers, B, kv_heads, S)`` that goes with them.
+
+    At most ``width`` entries move per row and head (as many home entries are evicted as tail
+    entries are kept), so ``width`` columns are copied, not the cache: where each entry goes is
+    found for every layer at once, the slot state moves in one copy per name, and keys and
+    values in one per layer (each layer's cache is its own tensor)."""
     shape = keep.shape[:-1] + home.shape[-1:]  # (layers, B, kv_heads, S)
     kept = torch.zeros(shape, dtype=torch.bool, device=keep.device).scatter_(3, keep, True)
     hole = home[None, :, None, :] & ~kept
     mover = tail[None, :, None, :] & kept
-    holes = torch.argsort((~hole).to(torch.int8), dim=-1, stable=True)  # holes first
-    movers = torch.argsort((~mover).to(torch.int8), dim=-1, stable=True)
+    holes = torch.argsort((~hole).to(torch.int8), dim=-1, stable=True)[..., :width]  # holes first
+    movers = torch.argsort((~mover).to(torch.int8), dim=-1, stable=True)[..., :width]
     count = hole.sum(-1, keepdim=True)
-    rank = torch.arange(shape[-1], device=keep.device)
-    sources = torch.where(rank < count, movers, holes)
-    for cache, source, dst in zip(caches, sources, holes, strict=True):
-        wide_src = wide_dst = None
-        for tensor in (cache.keys, cache.values, *cache.state.values()):
-            src, to = source, dst
-            if tensor.dim() == 4:
-                if wide_src is None or wide_src.shape[-1] != tensor.shape[-1]:
-                    wide_src = source[..., None].expand(-1, -1, -1, tensor.shape[-1])
-                    wide_dst = dst[..., None].expand(-1, -1, -1, tensor.shape[-1])
-                src, to = wide_src, wide_dst
-            tensor.scatter_(2, to, tensor.gather(2, src))
+    # (an entry the rule kept outside the visible slots would break the count: checked on the
+    # device, asynchronously)
+    torch._assert_async((count == mover.sum(-1, keepdim=True)).all())
+    rank = torch.arange(width, device=keep.device)
+    sources = torch.where(rank < count, movers, holes)  # beyond the count: a hole onto itself
+    for tensor in slots.values():
+        tensor.scatter_(3, holes, tensor.gather(3, sources))
+    wide: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # head_dim -> (sources, holes)
+    for layer, cache in enumerate(caches):
+        for tensor in (cache.keys, cache.values):
+            d = int(tensor.shape[-1])
+            if d not in wide:
+                shape = (*sources.shape, d)
+                wide[d] = sources[..., None].expand(shape), holes[..., None].expand(shape)
+            src, to = wide[d]
+            tensor.scatter_(2, to[layer], tensor.gather(2, src[layer]))

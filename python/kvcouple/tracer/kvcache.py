@@ -339,22 +339,22 @@ def forget_positions(cache: Any) -> None:
 def append_columns(
     known: torch.Tensor, new: torch.Tensor, storage: torch.Tensor | None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``known`` ``(rows, heads, n)`` with ``new`` ``(rows, 1, q)`` appended, and the storage
-    it is a view of: written in place where ``storage`` (behind ``known``) has room, else in a
-    new one with a quarter more (at least 64 columns), as the caches grow. A concatenation per
-    step and layer would copy every column. Entry positions of windowed models and the
-    decode-time evictor's slot state grow this way."""
-    rows, heads, n = known.shape
-    q = new.shape[-1]
+    """``known`` ``(..., n)`` with ``new`` (broadcast to ``(..., q)``) appended, and the
+    storage it is a view of: written in place where ``storage`` (behind ``known``) has room,
+    else in a new one with a quarter more (at least 64 columns), as the caches grow. A
+    concatenation per step and layer would copy every column. Entry positions of windowed
+    models and the decode-time evictor's slot state grow this way."""
+    lead, n = known.shape[:-1], int(known.shape[-1])
+    q = int(new.shape[-1])
     if (
         storage is None
         or storage.shape[-1] < n + q
-        or storage.shape[:2] != known.shape[:2]
+        or storage.shape[:-1] != lead
         or storage.data_ptr() != known.data_ptr()
     ):
-        storage = known.new_empty(rows, heads, n + q + max(_MIN_GROWTH, n // 4))
+        storage = known.new_empty(*lead, n + q + max(_MIN_GROWTH, n // 4))
         storage[..., :n] = known
-    storage[..., n : n + q] = new.expand(rows, heads, q)
+    storage[..., n : n + q] = new.expand(*lead, q)
     return storage[..., : n + q], storage
 
 
