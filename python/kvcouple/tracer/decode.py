@@ -206,7 +206,7 @@ def _compact(
         for tensor in (cache.keys, cache.values):
             d = int(tensor.shape[-1])
             if d not in wide:
-                shape = (*sources.shape, d)
-                wide[d] = sources[..., None].expand(shape), holes[..., None].expand(shape)
+                full = (*sources.shape, d)
+                wide[d] = sources[..., None].expand(full), holes[..., None].expand(full)
             src, to = wide[d]
             tensor.scatter_(2, to[layer], tensor.gather(2, src[layer]))
