@@ -323,3 +323,46 @@ def test_decode_rules_keep_the_same_scored_over_all_layers_at_once(spec):
     for a, b in zip(per_layer, at_once, strict=True):
         assert torch.equal(a, b)
     assert not bool((per_layer[0][1] == 3).any())  # a hidden slot is never kept
+
+
+@pytest.mark.parametrize(
+    "spec", ["snapkv:budget=6,window=3,mode=decode", "knorm:budget=6,mode=decode"]
+)
+def test_rescore_rule_keeps_the_same_with_the_stacked_slot_state(spec):
+    """RescoreRule sorts every layer's slots at once from the stacked slot state; it keeps
+    what sorting each layer's own state keeps."""
+    import dataclasses
+
+    from kvcouple.policies import DecodeCache, parse_policy
+
+    gen = torch.Generator().manual_seed(4)
+    layers, B, kv, H, S, d, W = 3, 2, 2, 4, 11, 4, 3
+    rule = parse_policy(spec).decode_rule(6)
+    position = torch.stack([torch.randperm(S, generator=gen) for _ in range(layers * B * kv)])
+    stacked = {"position": position.view(layers, B, kv, S)}
+    visible = torch.ones(B, S, dtype=torch.bool)
+    visible[:, 4] = False  # every row holds as many entries
+    caches = [
+        DecodeCache(
+            layer=layer,
+            keys=torch.randn(B, kv, S, d, generator=gen),
+            values=torch.randn(B, kv, S, d, generator=gen),
+            visible=visible,
+            state={k: v[layer] for k, v in stacked.items()},
+            current=torch.full((B,), S),
+            rows=torch.arange(B),
+            scaling=0.5,
+            num_query_heads=H,
+            queries=torch.randn(B, H, W, d, generator=gen),
+            query_positions=torch.arange(S - W, S).expand(B, -1),
+            held=S - 1,
+            current_position=S,
+            row_ids=(0, 1),
+        )
+        for layer in range(layers)
+    ]
+    per_layer = rule.keep(caches)
+    at_once = rule.keep([dataclasses.replace(c, all_layers_state=stacked) for c in caches])
+    for a, b in zip(per_layer, at_once, strict=True):
+        assert torch.equal(a, b)
+    assert not bool((per_layer[1] == 4).any())  # a hidden slot is never kept

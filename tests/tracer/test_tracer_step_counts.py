@@ -26,10 +26,10 @@ CASES = [
     ("snapkv:retain=0.5,window=4", "shared", 1.9),
     ("snapkv:retain=0.5,window=4", "joint", 1.6),
     ("snapkv:retain=0.5,window=4", "split", 2.6),
-    ("h2o:retain=0.5,mode=decode", "auto", 3.8),
-    ("streaming:retain=0.5,mode=decode", "auto", 3.2),
-    ("recent:retain=0.5,mode=decode", "auto", 3.5),
-    ("snapkv:retain=0.5,window=4,mode=decode", "auto", 3.5),
+    ("h2o:retain=0.5,mode=decode", "auto", 2.9),
+    ("streaming:retain=0.5,mode=decode", "auto", 2.6),
+    ("recent:retain=0.5,mode=decode", "auto", 3.0),
+    ("snapkv:retain=0.5,window=4,mode=decode", "auto", 2.9),
 ]
 
 

@@ -316,16 +316,34 @@ class RescoreRule(DecodeRule):
                 raise ValueError("RescoreRule needs every row to hold as many entries")
         # Per layer, each row's visible slots by original position, per KV head: hidden
         # slots sort last (a position no entry has), then the first ``held`` are kept.
-        orders, keys, values, key_positions = [], [], [], []
         hidden = torch.iinfo(torch.int64).max
-        for cache in caches:
-            pos = cache.positions.to(torch.int64).masked_fill(~cache.visible[:, None, :], hidden)
-            order = torch.argsort(pos, dim=-1, stable=True)[..., :held]  # (B, kv, V)
+        stacked = first.all_layers_state
+        if stacked is not None and all(c.visible is first.visible for c in caches):
+            # every layer at once: (layers, B, kv, S)
+            pos = (
+                stacked["position"]
+                .to(torch.int64)
+                .masked_fill(~first.visible[None, :, None, :], hidden)
+            )
+            order_all = torch.argsort(pos, dim=-1, stable=True)[..., :held]  # (layers, B, kv, V)
+            orders = list(order_all.unbind(0))
+            kept_positions = pos.gather(3, order_all)
+            key_positions = list(kept_positions.unbind(0))
+            flat_positions = list(kept_positions.flatten(1, 2).unbind(0))
+        else:
+            order_all = None
+            pos_each = [
+                c.positions.to(torch.int64).masked_fill(~c.visible[:, None, :], hidden)
+                for c in caches
+            ]
+            orders = [torch.argsort(p, dim=-1, stable=True)[..., :held] for p in pos_each]
+            key_positions = [p.gather(2, o) for p, o in zip(pos_each, orders, strict=True)]
+            flat_positions = [p.flatten(0, 1) for p in key_positions]
+        keys, values = [], []
+        for cache, order in zip(caches, orders, strict=True):  # (B, kv, V) per layer
             index = order[..., None].expand(-1, -1, -1, cache.keys.shape[-1])
-            orders.append(order)
             keys.append(cache.keys.gather(2, index))
             values.append(cache.values.gather(2, index))
-            key_positions.append(pos.gather(2, order))
         kv_heads = first.keys.shape[1]
         if self.policy.selects_per_head():
             queries = [
@@ -342,12 +360,14 @@ class RescoreRule(DecodeRule):
                 values=[v.flatten(0, 1) for v in values],
                 scaling=first.scaling,
                 num_query_heads=rows * first.num_query_heads,
-                key_positions=[p.flatten(0, 1) for p in key_positions],
+                key_positions=flat_positions,
                 recent_queries=queries,
                 query_positions=query_positions,
             )
             idx = self.policy.select(ctx, self.budget)  # (layers, B * kv_heads, budget)
             idx = idx.to(first.keys.device).view(len(caches), rows, kv_heads, -1)
+            if order_all is not None:
+                return list(order_all.gather(3, idx).unbind(0))
             return [order.gather(2, i) for order, i in zip(orders, idx, strict=True)]
         row_ids = first.row_ids if first.row_ids is not None else tuple(first.rows.tolist())
         current = first.current_position

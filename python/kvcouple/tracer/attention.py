@@ -432,6 +432,12 @@ class _Call:
     query_start: int = 0  # index of the first query kept (earlier ones were not captured)
 
 
+def _detached(t: torch.Tensor) -> torch.Tensor:
+    """``t`` without its autograd history (tracer passes run without grad, so usually ``t``
+    itself: one op fewer per layer and tensor at every decoding step)."""
+    return t.detach() if t.requires_grad else t
+
+
 # Queries per chunk when attention is accumulated over a whole prompt (bounds the memory of
 # the (heads, chunk, keys) attention probabilities).
 ACCUMULATE_CHUNK = 256
@@ -483,9 +489,9 @@ class QueryCapture:
     ) -> None:
         call = _Call(
             module,
-            query.detach(),
-            key.detach(),
-            value.detach(),
+            _detached(query),
+            _detached(key),
+            _detached(value),
             dict(kwargs),
             query_positions,
             key_positions,

@@ -13,6 +13,7 @@ does the rest. Slot state (original positions, the rule's scores) moves with its
 from __future__ import annotations
 
 import contextlib
+import math
 from contextlib import AbstractContextManager
 from typing import Any
 
@@ -113,7 +114,10 @@ class DecodeEvictor:
             self.slots[name], self._storage[name] = compat.append_columns(
                 tensor, new, self._storage[name]
             )
-        hidden = ~valid[:, None, None, :]  # (Bq, 1, 1, S)
+        hidden = None
+        if self.rule.needs_attention:  # once for every layer: 0 where visible, -inf where not
+            hidden = torch.zeros(valid.shape, device=valid.device).masked_fill_(~valid, -math.inf)
+            hidden = hidden[:, None, None, :]  # (Bq, 1, 1, S)
         for layer, (keys, values) in enumerate(compat.cache_tensors(rows.cache)):
             kq, vq = keys[self.rows], values[self.rows]  # views into the cache
             state = {name: tensor[layer] for name, tensor in self.slots.items()}
@@ -122,16 +126,18 @@ class DecodeEvictor:
                 q = self._capture.batch_queries(layer, rows=self.rows)  # (Bq, H, 1, D)
             attention = None
             if self.rule.needs_attention:
-                assert q is not None
+                assert q is not None and hidden is not None
                 # The query heads of a GQA group as rows against their KV head (no copies).
                 qg = q.reshape(q.shape[0], -1, self.group, q.shape[-1]).float()
-                logits = torch.matmul(qg, kq.float().transpose(-1, -2)) * self.scaling
-                probs = torch.softmax(logits.masked_fill(hidden, float("-inf")), dim=-1)
+                logits = torch.matmul(qg, kq.float().transpose(-1, -2))
+                # scaled and masked in one op: hidden + scaling * logits
+                probs = torch.softmax(torch.add(hidden, logits, alpha=self.scaling), dim=-1)
                 attention = probs.mean(2)  # (Bq, kv_heads, S)
             queries = query_positions = None
             if self.window > 0:
                 assert q is not None and self.query_positions is not None
-                queries = torch.cat([self.queries[layer], q.to(self.queries[layer].dtype)], 2)
+                known = self.queries[layer]
+                queries = torch.cat([known, q if q.dtype == known.dtype else q.to(known.dtype)], 2)
                 queries = queries[:, :, -self.window :]
                 self.queries[layer] = queries
                 if layer == 0:
@@ -201,12 +207,16 @@ def _compact(
     sources = torch.where(rank < count, movers, holes)  # beyond the count: a hole onto itself
     for tensor in slots.values():
         tensor.scatter_(3, holes, tensor.gather(3, sources))
-    wide: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # head_dim -> (sources, holes)
+    # head_dim -> per layer (sources, holes) as wide as the cache's entries
+    wide: dict[int, tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]] = {}
     for layer, cache in enumerate(caches):
         for tensor in (cache.keys, cache.values):
             d = int(tensor.shape[-1])
             if d not in wide:
                 full = (*sources.shape, d)
-                wide[d] = sources[..., None].expand(full), holes[..., None].expand(full)
+                wide[d] = (
+                    sources[..., None].expand(full).unbind(0),
+                    holes[..., None].expand(full).unbind(0),
+                )
             src, to = wide[d]
             tensor.scatter_(2, to[layer], tensor.gather(2, src[layer]))
