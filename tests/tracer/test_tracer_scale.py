@@ -207,6 +207,27 @@ def test_a_document_that_cannot_fit_is_refused_before_the_store_is_written(tmp_p
     assert summary.traced == [0, 1]
 
 
+def test_on_cpu_a_plan_larger_than_the_host_memory_is_refused(tmp_path, monkeypatch):
+    """On CPU the caches are host memory: with no --memory given, a document whose plan
+    exceeds the host's available memory is refused before anything is written (a huge
+    horizon once preallocated tens of GB and failed mid-run)."""
+    from kvcouple.tracer import memory
+    from kvcouple.tracer.memory import MemoryPlanError, ModelShape
+
+    m = model("llama")
+    prompts = [Prompt("d", tuple(range(1, 13)))]
+    weights = ModelShape.of_model(m).weight_bytes
+    monkeypatch.setattr(memory, "available_memory", lambda: weights + 2**20)
+    settings = TraceSettings(horizon=2000, replicates=8, branches=2, window=2)
+    with pytest.raises(MemoryPlanError, match=r"'d' .* needs .* shorter --horizon"):
+        trace(m, prompts, ["recent:retain=0.5"], settings, tmp_path / "s", progress=False)
+    assert not (tmp_path / "s").exists()
+    monkeypatch.setattr(memory, "available_memory", lambda: None)  # unknown: no limit
+    small = TraceSettings(horizon=3, replicates=2, branches=1, window=1)
+    summary = trace(m, prompts, ["recent:retain=0.5"], small, tmp_path / "t", progress=False)
+    assert summary.traced == [0]
+
+
 def test_dry_run_prints_the_plan_and_writes_nothing(tmp_path, capsys):
     model_dir = tmp_path / "tiny"
     model("llama").save_pretrained(model_dir)
@@ -220,7 +241,7 @@ def test_dry_run_prints_the_plan_and_writes_nothing(tmp_path, capsys):
     assert "memory plan: 2 layers x 2 KV heads x 16" in text and "0.5 KiB per cached token" in text
     lines = {line.split()[0]: line.split() for line in text.splitlines() if line[:1] == "d"}
     assert lines["d0"][1] == "40" and lines["d1"][1] == "90"
-    assert lines["d1"][-2:] == ["8/8", "shared"]  # CPU: no limit; the model allows sharing
+    assert lines["d1"][-2:] == ["8/8", "shared"]  # fits the host; the model allows sharing
     assert not out.exists()
     # Asked for, the joint layout holds R copies of the prompt: a larger plan.
     assert cli_main([*base, "--cache-layout", "joint"]) == 0

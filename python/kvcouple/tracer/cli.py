@@ -252,6 +252,8 @@ def dry_run(args: argparse.Namespace, policies: list[Any], branch_batch: int | s
         Sizes,
         document_budget,
         format_plan,
+        host_limit,
+        human,
         plan_documents,
         refusal,
     )
@@ -289,7 +291,14 @@ def dry_run(args: argparse.Namespace, policies: list[Any], branch_batch: int | s
         )
     sizes = Sizes(args.horizon, args.replicates, args.branches, args.window, args.cache_layout)
     documents = [(p.id, len(p.input_ids)) for p in mine]
-    plans = plan_documents(shape, documents, policies, sizes, branch_batch, budget, refuse=False)
+    host = None
+    if budget is None and args.scheduler is None:  # CPU: bounded by the host's memory
+        host = host_limit(device)
+        if host is not None:
+            where = f"on CPU: bounded by the host's {human(host)}, less the margin"
+    plans = plan_documents(
+        shape, documents, policies, sizes, branch_batch, budget, refuse=False, host=host
+    )
     print(format_plan(shape, plans, budget, where))
     refused = [p for p in plans if not p.fits]
     host_refused = None

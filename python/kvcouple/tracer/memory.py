@@ -59,6 +59,7 @@ __all__ = [
     "choose_layout",
     "device_budget",
     "document_budget",
+    "host_limit",
     "format_plan",
     "host_refusal",
     "human",
@@ -117,10 +118,19 @@ class DocumentPlan:
     budget: int | None = None  # bytes the document may use (None: unknown)
     phases: dict[str, int] = field(default_factory=dict)
     layout: str = "joint"  # the cache layout of the policy with the largest peak
+    # On CPU, where the device budget is unknown: the host memory available (less the margin),
+    # a bound the document must stay within; it does not choose batches (CPU runs batch the
+    # same whatever memory is free, so their records do not depend on it).
+    host: int | None = None
+
+    @property
+    def limit(self) -> int | None:
+        """The bound the peak must stay within: the budget, else the host memory (CPU)."""
+        return self.budget if self.budget is not None else self.host
 
     @property
     def fits(self) -> bool:
-        return self.budget is None or self.peak <= self.budget
+        return self.limit is None or self.peak <= self.limit
 
     @property
     def cache_bytes(self) -> int:
@@ -265,6 +275,7 @@ def plan_document(
     *,
     doc_id: str = "",
     budget: int | None = None,
+    host: int | None = None,
 ) -> DocumentPlan:
     """The planned peak of one document at a given branch batch (None: every branch at once);
     its components are those of the policy with the largest peak."""
@@ -297,6 +308,7 @@ def plan_document(
         peak=phases[phase],
         phase=phase,
         budget=budget,
+        host=host,
         phases=phases,
         layout=top.layout,
     )
@@ -334,8 +346,9 @@ def refusal(plan: DocumentPlan) -> str:
     """Why a document cannot be traced, with the figures."""
     return (
         f"document {plan.doc_id!r} ({plan.prompt_length} prompt tokens) needs "
-        f"{human(plan.peak)} of device memory at its peak ({plan.phase}, branch batch "
-        f"{plan.branch_batch}) but {human(plan.budget)} are available to it: prompt cache "
+        f"{human(plan.peak)} of {'device' if plan.budget is not None else 'host'} memory at its "
+        f"peak ({plan.phase}, branch batch {plan.branch_batch}) but {human(plan.limit)} are "
+        f"available to it: prompt cache "
         f"{human(plan.prompt_cache)}, P rows {human(plan.path_p)}, Q rows {human(plan.path_q)}, "
         f"branches {human(plan.branches)}, query capture {human(plan.capture)}, activations "
         f"{human(plan.activations)}. Use fewer --replicates, a shorter --horizon, a shorter "
@@ -354,6 +367,17 @@ def device_budget(device: Any, margin: float = DEFAULT_MARGIN, reserve: int = 0)
     free, _ = torch.cuda.mem_get_info(device)
     free += torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
     return int((free - reserve) * (1 - margin))
+
+
+def host_limit(device: Any, margin: float = DEFAULT_MARGIN) -> int | None:
+    """On CPU, the host memory available now less a ``margin`` share: the bound a document's
+    plan must stay within there (the caches are host memory); None on other devices."""
+    import torch  # optional heavy dependency: the plan itself is arithmetic on numbers
+
+    if torch.device(device).type != "cpu":
+        return None
+    available = available_memory()
+    return None if available is None else int(available * (1 - margin))
 
 
 def document_budget(
@@ -381,10 +405,12 @@ def plan_documents(
     budget: int | None,
     *,
     refuse: bool = True,
+    host: int | None = None,
 ) -> list[DocumentPlan]:
     """A plan per ``(doc_id, prompt_length)``. ``branch_batch="auto"`` chooses the batch
     against ``budget`` (every branch at once when the budget is unknown). A document that does
-    not fit raises :class:`MemoryPlanError` (``refuse=False``: its plan says so instead)."""
+    not fit ``budget`` (or, where it is unknown, ``host``: :func:`host_limit`) raises
+    :class:`MemoryPlanError` (``refuse=False``: its plan says so instead)."""
     plans = []
     for doc_id, n in documents:
         if branch_batch == "auto" and budget is not None:
@@ -397,7 +423,9 @@ def plan_documents(
                 batch: int | None = 1
         else:
             batch = None if branch_batch == "auto" else int(branch_batch) if branch_batch else None
-        plan = plan_document(shape, n, policies, sizes, batch, doc_id=doc_id, budget=budget)
+        plan = plan_document(
+            shape, n, policies, sizes, batch, doc_id=doc_id, budget=budget, host=host
+        )
         if refuse and not plan.fits:
             raise MemoryPlanError(refusal(plan))
         plans.append(plan)
@@ -444,10 +472,12 @@ def plan_loaded(
 ) -> list[DocumentPlan]:
     """:func:`plan_documents` for a loaded model on its device, with a run's ``TraceSettings``."""
     shape = ModelShape.of_model(model)
-    budget = document_budget(shape, next(model.parameters()).device, memory)
+    device = next(model.parameters()).device
+    budget = document_budget(shape, device, memory)
+    host = host_limit(device) if budget is None else None
     sizes = run_sizes(settings)
     return plan_documents(
-        shape, documents, policies, sizes, settings.branch_batch, budget, refuse=refuse
+        shape, documents, policies, sizes, settings.branch_batch, budget, refuse=refuse, host=host
     )
 
 
