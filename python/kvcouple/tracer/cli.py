@@ -250,10 +250,7 @@ def dry_run(args: argparse.Namespace, policies: list[Any], branch_batch: int | s
         GiB,
         ModelShape,
         Sizes,
-        document_budget,
         format_plan,
-        host_limit,
-        human,
         plan_documents,
         refusal,
     )
@@ -277,25 +274,13 @@ def dry_run(args: argparse.Namespace, policies: list[Any], branch_batch: int | s
     index, count = parse_shard(args.shard)
     mine = [p for d, p in enumerate(prompts) if d % count == index]
     memory = None if args.memory is None else int(args.memory * GiB)
-    infos = None
+    host = infos = None
     if args.scheduler is not None:  # the plan in the workers' memory, not this machine's
         budget, where, infos = _workers_budget(args, shape, memory)
     else:
-        budget = document_budget(shape, device, memory, loaded=False)
-        where = (
-            f"{args.memory:g} GiB given"
-            if memory is not None
-            else f"free memory of {device}"
-            if budget is not None
-            else "unknown on CPU: no limit"
-        )
+        budget, where, host = _local_budget(args, shape, device, memory)
     sizes = Sizes(args.horizon, args.replicates, args.branches, args.window, args.cache_layout)
     documents = [(p.id, len(p.input_ids)) for p in mine]
-    host = None
-    if budget is None and args.scheduler is None:  # CPU: bounded by the host's memory
-        host = host_limit(device)
-        if host is not None:
-            where = f"on CPU: bounded by the host's {human(host)}, less the margin"
     plans = plan_documents(
         shape, documents, policies, sizes, branch_batch, budget, refuse=False, host=host
     )
@@ -353,6 +338,24 @@ def host_plan(
         f"{line}; {human(host.budget)} available (less the margin)",
         None if host.fits else host_refusal(host),
     )
+
+
+def _local_budget(
+    args: argparse.Namespace, shape: Any, device: Any, memory: int | None
+) -> tuple[int | None, str, int | None]:
+    """``--dry-run`` on this machine: the budget (weights not loaded), where it comes from,
+    and on CPU the host memory bound (:func:`~kvcouple.tracer.memory.host_limit`)."""
+    from kvcouple.tracer.memory import document_budget, host_limit, human
+
+    budget = document_budget(shape, device, memory, loaded=False)
+    if memory is not None:
+        return budget, f"{args.memory:g} GiB given", None
+    if budget is not None:
+        return budget, f"free memory of {device}", None
+    host = host_limit(device)
+    if host is None:
+        return None, "unknown on CPU: no limit", None
+    return None, f"on CPU: bounded by the host's {human(host)}, less the margin", host
 
 
 def _workers_budget(
