@@ -101,6 +101,63 @@ def test_s3_is_read_through_the_engine(bucket, tmp_path, capsys):
     assert _results(url) == _results(local)
 
 
+def test_the_engine_client_fetches_what_fsspec_fetches(bucket, tmp_path):
+    """With the server's endpoint and credentials in the environment (as ``local_s3`` sets
+    them), the engine's own client fetches the chunk objects: every object of the store comes
+    back byte for byte as through zarr's fsspec store, an absent one as None, in order."""
+    import s3fs
+
+    url = f"{bucket}/client.zarr"
+    write_synthetic_trace_store(url, PAIRS, **SETTINGS)
+    reader = TraceStoreReader(url)
+    assert reader.fetched_by == "engine"
+    root = url[5:]
+    keys = sorted(k[len(root) + 1 :] for k in s3fs.S3FileSystem().find(root))
+    assert len(keys) > 50
+    keys = keys[::-1] + ["p/9.9.9.9.9"]
+    got = reader.fetch_objects(keys)
+    assert got == reader._fetch_with_zarr(keys)
+    assert got[-1] is None and all(g is not None for g in got[:-1])
+    # Pickled for a Dask worker, a reader makes its own client there.
+    again = pickle.loads(pickle.dumps(reader))
+    assert again.fetch_objects(keys[:3]) == got[:3]
+
+
+def test_a_store_that_only_fsspec_can_read_gives_the_same_analysis(bucket, tmp_path):
+    """A storage option only s3fs knows sends the fetches through fsspec: same numbers."""
+    url = f"{bucket}/via_fsspec.zarr"
+    write_synthetic_trace_store(url, PAIRS, **SETTINGS)
+    opts = {"default_block_size": 2**20}
+    assert TraceStoreReader(url, opts).fetched_by == "fsspec"
+    r = analyze(url, n_boot=20, storage_options=opts)
+    got = {
+        (d.doc_id, p): u.values["occurrence"] for d in r.models[0].docs for p, u in d.units.items()
+    }
+    want = {k: v[0] for k, v in _results(url).items()}
+    assert got == want and len(got) == 3
+
+
+def test_a_store_on_a_server_that_went_away_is_refused_naming_it():
+    """The reader is opened, then the server stops: the next fetch fails within seconds
+    with a StoreError naming the store and the object (no three-minute retry)."""
+    import time
+
+    try:
+        with local_s3(bucket="gone") as b:
+            url = f"{b}/gone.zarr"
+            write_synthetic_trace_store(url, PAIRS, **SETTINGS)
+            reader = TraceStoreReader(url)
+            assert reader.fetched_by == "engine"
+    except ServerUnavailable as e:
+        pytest.skip(f"no local S3 server: {e}")
+    t = time.monotonic()
+    with pytest.raises(
+        StoreError, match=r"s3://gone/gone\.zarr: cannot fetch 1 chunk objects \(first p/0"
+    ):
+        reader.fetch_objects(["p/0.0.0.0.0"])
+    assert time.monotonic() - t < 60
+
+
 def test_damaged_distribution_chunk_on_s3_is_named(bucket):
     """A flipped byte in a ``p`` chunk object fails its checksum and a deleted one is
     missing, each named by chunk and document, on the engine's S3 path."""

@@ -26,7 +26,7 @@ import os
 import sys
 import threading
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
@@ -37,6 +37,7 @@ from kvcouple.errors import SchemaVersionError, StoreError
 # and stay importable from here.
 from kvcouple.resources import available_memory as available_memory
 from kvcouple.resources import check_memory as check_memory
+from kvcouple.store.remote import engine_settings
 from kvcouple.store.schema import (
     CHECKSUMS_SINCE,
     READABLE_VERSIONS,
@@ -67,6 +68,8 @@ SIZE_ATTRS = (
 
 # Decoded bytes per window of blocks fetched at once from object storage.
 REMOTE_WINDOW = 64 * 2**20
+# Documents whose small per-document objects (the summary variables) are fetched at once.
+SUMMARY_AHEAD = 16
 
 # Stores the engine fell back on (the notice is printed once per store and process).
 _NOTICED: set[str] = set()
@@ -154,6 +157,9 @@ class TraceStoreReader:
         state["_arrays"] = {}
         state.pop("_ahead", None)  # this process's read-ahead: futures and their thread
         state.pop("_ahead_pool", None)
+        state.pop("_fetcher", None)  # this process's client (a worker makes its own)
+        state.pop("_memory", None)  # per-thread in-memory arrays
+        state.pop("_summary_ahead", None)
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -570,15 +576,112 @@ class TraceStoreReader:
         return block
 
     def read_summary(self, doc: int, names: tuple[str, ...]) -> dict[str, np.ndarray]:
-        """Several variables of one document, checked. With zarr-python 3 every chunk's
-        presence is asked, and every variable read, concurrently (one round trip each instead
-        of one per variable); a problem is then named by reading that variable alone."""
-        blocks = self._read_concurrently(names, int(doc)) if _zarr_major() >= 3 else None
+        """Several variables of one document, checked. On object storage with the engine's
+        client, every chunk object is fetched in one concurrent request batch and decoded from
+        memory (:meth:`_read_fetched`); else, with zarr-python 3, every chunk's presence is
+        asked, and every variable read, concurrently (one round trip each instead of one per
+        variable). A problem is then named by reading that variable alone. ``kept_length``'s
+        check needs the document's ``prompt_length``: it is read in the same batch."""
+        doc = int(doc)
+        extra = (
+            ("prompt_length",) if "kept_length" in names and "prompt_length" not in names else ()
+        )
+        wanted = names + extra if doc not in self.__dict__.get("_prompt_lengths", {}) else names
+        if is_url(self.path) and self._object_fetcher() is not None:
+            blocks = self._read_fetched(wanted, doc)
+        elif _zarr_major() >= 3:
+            blocks = self._read_concurrently(wanted, doc)
+        else:
+            blocks = None
         if blocks is None:
             return {n: self.read_doc(n, doc) for n in names}
+        if "prompt_length" in blocks:  # checked first: it bounds kept_length
+            prompt = blocks.pop("prompt_length") if extra else blocks["prompt_length"]
+            self.check_values("prompt_length", prompt, (doc,))
+            self.__dict__.setdefault("_prompt_lengths", {})[doc] = int(prompt)
         for n, block in blocks.items():
-            self.check_values(n, block, (int(doc),) + (0,) * block.ndim)
+            self.check_values(n, block, (doc,) + (0,) * block.ndim)
         return blocks
+
+    def _read_fetched(self, names: tuple[str, ...], doc: int) -> dict[str, np.ndarray] | None:
+        """``name[doc]`` of every name, their chunk objects fetched at once by the engine's
+        client and decoded by zarr-python from memory (this thread's copy of the arrays over
+        an in-memory store holding their metadata); None if any chunk is missing or fails to
+        decode (the caller reads one by one to name it)."""
+        from zarr.core.buffer import default_buffer_prototype
+
+        data, arrays = self._memory_arrays(names)
+        keys, got = self._summary_objects(names, doc)
+        present = [g for g in got if g is not None]
+        if len(present) < len(got):
+            return None
+        buf = default_buffer_prototype().buffer
+        data.update({k: buf.from_bytes(g) for k, g in zip(keys, present, strict=True)})
+        try:
+            return {n: np.asarray(arrays[n][doc]) for n in names}
+        except Exception:  # codecs raise many types; the caller names the chunk
+            return None
+        finally:
+            for k in keys:
+                data.pop(k, None)
+
+    def _doc_keys(self, names: tuple[str, ...], doc: int) -> list[str]:
+        return [
+            k
+            for n in names
+            for k in self.keys(
+                n, (slice(doc, doc + 1),) + (slice(None),) * (self.array(n).ndim - 1)
+            )
+        ]
+
+    def _summary_objects(
+        self, names: tuple[str, ...], doc: int
+    ) -> tuple[list[str], list[bytes | None]]:
+        """The chunk objects of ``names[doc]``: their keys and bytes. They are small and one
+        request each, so they are fetched for SUMMARY_AHEAD documents at once (the analysis
+        reads documents in order, from several threads); each is taken once."""
+        keys = self._doc_keys(names, doc)
+        block: list[str] = []
+        with _NOTICE_LOCK:
+            pending = self.__dict__.setdefault("_summary_ahead", {})
+            if any(k not in pending for k in keys):
+                block = [k for k in keys if k not in pending]
+                for d in range(doc + 1, min(doc + SUMMARY_AHEAD, self.dims["doc"])):
+                    block += [k for k in self._doc_keys(names, d) if k not in pending]
+                fut: Future[list[bytes | None]] = Future()
+                pending.update({k: (fut, i) for i, k in enumerate(block)})
+            found = [pending.pop(k) for k in keys]
+        if block:  # fetched by this thread; another that needs them waits on the future
+            try:
+                fut.set_result(self.fetch_objects(block))
+            except BaseException as e:
+                fut.set_exception(e)
+                raise
+        return keys, [fut.result()[i] for fut, i in found]
+
+    def _memory_arrays(self, names: tuple[str, ...]) -> tuple[dict[str, Any], dict[str, Any]]:
+        """This thread's in-memory store (its dict) and the arrays ``names`` opened on it from
+        their stored metadata documents: chunks put there are read like the stored ones."""
+        import zarr
+        from zarr.core.buffer import default_buffer_prototype
+        from zarr.storage import MemoryStore
+
+        with _NOTICE_LOCK:
+            local = self.__dict__.setdefault("_memory", threading.local())
+        if not hasattr(local, "data"):
+            local.data, local.arrays = {}, {}
+            local.store = MemoryStore(local.data, read_only=True)
+        for n in names:
+            if n not in local.arrays:
+                arr = self.array(n)
+                v3 = arr.metadata.zarr_format == 3
+                key = f"{arr.path}/{'zarr.json' if v3 else '.zarray'}"
+                meta = self._metadata_document(n).encode()
+                local.data[key] = default_buffer_prototype().buffer.from_bytes(meta)
+                local.arrays[n] = zarr.open_array(
+                    local.store, path=arr.path, mode="r", zarr_format=3 if v3 else 2
+                )
+        return local.data, local.arrays
 
     def _read_concurrently(self, names: tuple[str, ...], doc: int) -> dict[str, np.ndarray] | None:
         """``name[doc]`` of every name at once, or None if any chunk is missing or fails to
@@ -841,11 +944,32 @@ class TraceStoreReader:
         return raw.decode()
 
     def fetch_objects(self, keys: list[str], *, count: bool = True) -> list[bytes | None]:
-        """The stored objects ``keys`` (None where absent), fetched concurrently through
-        zarr's store (its credentials, endpoint and ``storage_options``). Counted in
-        :attr:`remote_reads` unless ``count`` is false."""
-        import asyncio
+        """The stored objects ``keys`` (None where absent), fetched concurrently: by the Rust
+        engine's own client where :func:`kvcouple.store.remote.engine_settings` allows it,
+        else through zarr's store (its credentials, endpoint and ``storage_options``).
+        Counted in :attr:`remote_reads` unless ``count`` is false."""
         import time
+
+        fetcher = self._object_fetcher()
+        t = time.perf_counter()
+        try:
+            out = fetcher.fetch(keys) if fetcher is not None else self._fetch_with_zarr(keys)
+        except Exception as e:  # fsspec, object_store and the network raise many types
+            raise StoreError(
+                f"{self.path}: cannot fetch {len(keys)} chunk objects (first {keys[0]}): "
+                f"{type(e).__name__}: {e}"
+            ) from e
+        if count:
+            stats = self.__dict__.setdefault("_remote_reads", [0, 0, 0.0])
+            with _NOTICE_LOCK:
+                stats[0] += len(keys)
+                stats[1] += sum(len(o) for o in out if o is not None)
+                stats[2] += time.perf_counter() - t
+        return out
+
+    def _fetch_with_zarr(self, keys: list[str]) -> list[bytes | None]:
+        """The objects ``keys`` through zarr's async store (fsspec), all requests at once."""
+        import asyncio
 
         from zarr.core.buffer import default_buffer_prototype
         from zarr.core.sync import sync
@@ -856,22 +980,29 @@ class TraceStoreReader:
         async def get_all() -> list[Any]:
             return list(await asyncio.gather(*(store.get(k, prototype=proto) for k in keys)))
 
-        t = time.perf_counter()
-        try:
-            got = sync(get_all())
-        except Exception as e:  # fsspec and the network raise many types
-            raise StoreError(
-                f"{self.path}: cannot fetch {len(keys)} chunk objects (first {keys[0]}): "
-                f"{type(e).__name__}: {e}"
-            ) from e
-        out = [None if g is None else g.to_bytes() for g in got]
-        if count:
-            stats = self.__dict__.setdefault("_remote_reads", [0, 0, 0.0])
-            with _NOTICE_LOCK:
-                stats[0] += len(keys)
-                stats[1] += sum(len(o) for o in out if o is not None)
-                stats[2] += time.perf_counter() - t
-        return out
+        return [None if g is None else g.to_bytes() for g in sync(get_all())]
+
+    def _object_fetcher(self) -> Any | None:
+        """This process's engine client for the store (``kvcouple._core.ObjectFetcher``), or
+        None where its objects are fetched through zarr's store instead; decided once."""
+        with _NOTICE_LOCK:
+            if "_fetcher" not in self.__dict__:
+                fetcher = None
+                settings, _ = engine_settings(self.path, self.storage_options)
+                if settings is not None and not self._engine_off:
+                    from kvcouple import _core
+
+                    fetcher = _core.ObjectFetcher(self.path.rstrip("/"), settings)
+                self.__dict__["_fetcher"] = fetcher
+        return self.__dict__["_fetcher"]
+
+    @property
+    def fetched_by(self) -> str:
+        """Who fetches this store's chunk objects for the engine: "engine" (its own client,
+        many requests in flight) or "fsspec" (zarr's store); "local" for a local store."""
+        if not is_url(self.path):
+            return "local"
+        return "engine" if self._object_fetcher() is not None else "fsspec"
 
     @property
     def remote_reads(self) -> tuple[int, int, float]:

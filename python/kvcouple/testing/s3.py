@@ -76,3 +76,5 @@ def local_s3(bucket: str = "kvcouple", timeout: float = 30.0) -> Iterator[str]:
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
+        # s3fs caches its clients by arguments: one made here must not outlive the server.
+        s3fs.S3FileSystem.clear_instance_cache()

@@ -9,8 +9,9 @@ use std::time::Duration;
 
 use kvcouple_core::cancel::Cancel;
 use kvcouple_core::KvError;
+use kvcouple_remote::FetchError;
 use pyo3::create_exception;
-use pyo3::exceptions::{PyKeyboardInterrupt, PyRuntimeError, PyValueError};
+use pyo3::exceptions::{PyKeyboardInterrupt, PyOSError, PyRuntimeError, PyValueError};
 use pyo3::prelude::*;
 
 create_exception!(
@@ -38,6 +39,14 @@ create_exception!(
     "A bug in kvcouple's Rust core (a caught panic). Please report it."
 );
 
+create_exception!(
+    _core,
+    ObjectStoreError,
+    PyOSError,
+    "A request to object storage that failed (after retries) for a reason other than the \
+     object's absence: the message names the object."
+);
+
 pub fn to_py(e: KvError) -> PyErr {
     match e {
         KvError::Shape(_) => ShapeError::new_err(e.to_string()),
@@ -46,6 +55,14 @@ pub fn to_py(e: KvError) -> PyErr {
             InvalidInputError::new_err(e.to_string())
         }
         KvError::Interrupted => PyKeyboardInterrupt::new_err("interrupted"),
+    }
+}
+
+pub fn fetch_to_py(e: FetchError) -> PyErr {
+    match e {
+        FetchError::Config(_) => InvalidInputError::new_err(e.to_string()),
+        FetchError::Request { .. } => ObjectStoreError::new_err(e.to_string()),
+        FetchError::Interrupted => PyKeyboardInterrupt::new_err("interrupted"),
     }
 }
 
@@ -114,5 +131,6 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("ShapeError", py.get_type::<ShapeError>())?;
     m.add("InvalidKernelError", py.get_type::<InvalidKernelError>())?;
     m.add("InternalError", py.get_type::<InternalError>())?;
+    m.add("ObjectStoreError", py.get_type::<ObjectStoreError>())?;
     Ok(())
 }

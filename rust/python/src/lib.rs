@@ -6,6 +6,7 @@ use pyo3::prelude::*;
 mod arrays;
 mod errors;
 mod kernels;
+mod remote;
 mod stats;
 mod store;
 mod synth;
@@ -18,5 +19,6 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     synth::register(m)?;
     stats::register(m)?;
     store::register(m)?;
+    remote::register(m)?;
     Ok(())
 }
