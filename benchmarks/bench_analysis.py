@@ -304,6 +304,7 @@ def s3_vs_local(a: argparse.Namespace) -> None:
             t = time.perf_counter()
             s3fs.S3FileSystem().put(str(store), url[5:], recursive=True)
             up = time.perf_counter() - t
+            floors = _s3_fetch_floors(url, store, a.repeats)
             # Local and S3 take turns, so load on a shared machine hits both alike.
             best: dict[str, dict] = {}
             for _ in range(a.repeats):
@@ -326,6 +327,38 @@ def s3_vs_local(a: argparse.Namespace) -> None:
         f"peak RSS MB S3 {remote['peak_rss_mb']:.0f}, local {local['peak_rss_mb']:.0f}",
         flush=True,
     )
+    client, fsspec = floors["engine"], floors["fsspec"]
+    print(
+        f"S3 fetch floor (every object of the store, nothing decoded): engine client "
+        f"{client:.2f} s ({size / client / 1e6:.0f} MB/s), fsspec {fsspec:.2f} s "
+        f"({size / fsspec / 1e6:.0f} MB/s; engine client / fsspec time {client / fsspec:.2f}); "
+        f"analysis from S3 / engine-client floor {remote['seconds'] / client:.2f}; the floor / "
+        f"local analysis {client / local['seconds']:.2f} (the server's own limit on this "
+        f"machine: above 1.3, the 1.3x goal cannot be met here)",
+        flush=True,
+    )
+
+
+def _s3_fetch_floors(url: str, store: Path, repeats: int) -> dict[str, float]:
+    """Seconds to fetch every object of the store from S3 and decode none: by the engine's
+    own client, and by zarr's fsspec store (the peer), best of ``repeats``."""
+    from kvcouple.store.reader import TraceStoreReader
+
+    reader = TraceStoreReader(url)
+    if reader.fetched_by != "engine":
+        raise RuntimeError(f"the engine's client cannot read {url} ({reader.fetched_by})")
+    keys = [str(f.relative_to(store)) for f in store.rglob("*") if f.is_file()]
+    ways = {"engine": reader.fetch_objects, "fsspec": reader._fetch_with_zarr}
+    best = {}
+    for way, fetch in ways.items():
+        times = []
+        for _ in range(repeats):
+            t = time.perf_counter()
+            got = fetch(keys)
+            times.append(time.perf_counter() - t)
+            assert all(g is not None for g in got), way
+        best[way] = min(times)
+    return best
 
 
 def _time(fn, repeats: int = 5) -> float:
