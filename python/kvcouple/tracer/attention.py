@@ -286,28 +286,35 @@ def prefix_attention(
         else:
             m = m.expand(B, -1, q, -1).reshape(B, kv_heads, gq, -1)
     own, own_lse = attend_lse(qg, key, value, m, scaling)  # (B, kv, gq, d), (B, kv, gq)
-    qt = qg.transpose(0, 1)  # (kv, B, gq, d): a group's rows are consecutive query rows
+    # Every row's queries, a group's rows consecutive: (1, kv, B * gq, d), one copy per layer.
+    qt = qg.transpose(0, 1).reshape(1, kv_heads, B * gq, d)
     outs, lses = [], []
     for g in prefix.groups:
-        rows = g.stop - g.start
-        if not rows:
+        if g.stop == g.start:
             continue
         kp, vp = g.kv[layer]
         if kp.shape[-2]:
-            qp = qt[:, g.start : g.stop].reshape(1, kv_heads, rows * gq, d)
-            out, lse = attend_lse(qp, kp, vp, None, scaling)
+            out, lse = attend_lse(qt[:, :, g.start * gq : g.stop * gq], kp, vp, None, scaling)
         else:  # an empty prefix: weight 0
-            out = own.new_zeros(1, kv_heads, rows * gq, own.shape[-1])
-            lse = own_lse.new_full((1, kv_heads, rows * gq), float("-inf"))
+            out = own.new_zeros(1, kv_heads, (g.stop - g.start) * gq, own.shape[-1])
+            lse = own_lse.new_full((1, kv_heads, (g.stop - g.start) * gq), float("-inf"))
         outs.append(out)
         lses.append(lse)
-    pre = torch.cat(outs, dim=2).view(kv_heads, B, gq, -1).transpose(0, 1)  # (B, kv, gq, d)
-    pre_lse = torch.cat(lses, dim=2).view(kv_heads, B, gq).transpose(0, 1)
+    pre = _rows_first(outs[0] if len(outs) == 1 else torch.cat(outs, dim=2), B)
+    pre_lse = _rows_first(lses[0] if len(lses) == 1 else torch.cat(lses, dim=2), B)
     weight = torch.sigmoid(pre_lse - own_lse)[..., None]
     if own.dtype != weight.dtype:
         own, pre = own.to(weight.dtype), pre.to(weight.dtype)
-    out = torch.lerp(own, pre, weight).view(B, heads, q, -1).transpose(1, 2).contiguous()
+    out = torch.lerp(own, pre, weight)  # (B, kv, gq, d_v)
+    # (B, q, heads, d_v); at q == 1 that is the same order, so one view (or copy) does it.
+    out = out.reshape(B, 1, heads, -1) if q == 1 else out.reshape(B, heads, q, -1).transpose(1, 2)
     return out if out.dtype == query.dtype else out.to(query.dtype)
+
+
+def _rows_first(t: torch.Tensor, rows: int) -> torch.Tensor:
+    """``(1, kv, rows * n, ...)`` as ``(rows, kv, n, ...)``, a view (splitting an axis is
+    one whatever the strides; the fused kernel's outputs are not contiguous)."""
+    return t.view(t.shape[1], rows, -1, *t.shape[3:]).transpose(0, 1)
 
 
 def allowed_keys(
