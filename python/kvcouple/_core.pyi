@@ -79,6 +79,14 @@ def store_blocks_tv(
     row_tolerance: float | None = None,
     decode_only: bool = False,
 ) -> tuple[npt.NDArray[np.float64], tuple[str, str, str] | None]: ...
+def store_decode_chunks(
+    metas: list[str],
+    which: list[int],
+    keys: list[str],
+    *,
+    root: str | None = None,
+    chunks: list[bytes | None] | None = None,
+) -> tuple[list[bytes], tuple[str, str, str] | None]: ...
 def store_chunks_tv(
     p_meta: str,
     q_meta: str,

@@ -51,3 +51,10 @@ def connect_client(client: Any, scheduler: str | None) -> tuple[Any, bool]:
         return Client(scheduler, timeout=CONNECT_TIMEOUT), True
     except (OSError, TimeoutError) as e:
         raise InvalidInputError(f"scheduler = {scheduler!r}: cannot connect ({e})") from None
+    except (MemoryError, ValueError, TypeError, EOFError) as e:
+        # Something else listens there (an HTTP proxy, say): its reply read as Dask's frame
+        # header can be a length of exabytes.
+        raise InvalidInputError(
+            f"scheduler = {scheduler!r} accepts connections but does not answer as a Dask "
+            f"scheduler ({type(e).__name__}: {str(e)[:120]})"
+        ) from None

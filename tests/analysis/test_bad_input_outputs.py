@@ -6,8 +6,10 @@ from __future__ import annotations
 import errno
 import os
 import shutil
+import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -73,6 +75,39 @@ def test_analyze_arguments(store, tmp_path, capsys, argv, text):
     assert code == 2 and text in err
     assert time.monotonic() - start < 15  # an unreachable scheduler fails in seconds
     assert not (tmp_path / "r").exists()
+
+
+@pytest.fixture
+def not_a_scheduler():
+    """A port that accepts connections and answers HTTP (as a proxy does), not Dask."""
+    server = socket.create_server(("127.0.0.1", 0))
+    stop = threading.Event()
+
+    def answer() -> None:
+        server.settimeout(0.2)
+        while not stop.is_set():
+            try:
+                conn, _ = server.accept()
+            except OSError:
+                continue
+            with conn:
+                conn.sendall(b"HTTP/1.0 426 Upgrade Required\r\ncontent-length: 0\r\n\r\n")
+
+    thread = threading.Thread(target=answer, daemon=True)
+    thread.start()
+    yield f"tcp://127.0.0.1:{server.getsockname()[1]}"
+    stop.set()
+    thread.join()
+    server.close()
+
+
+def test_a_port_that_is_not_a_dask_scheduler_is_named(store, tmp_path, capsys, not_a_scheduler):
+    pytest.importorskip("distributed")
+    argv = ["analyze", str(store), "--out", str(tmp_path / "r"), "--scheduler", not_a_scheduler]
+    code, _, err = _cli(argv, capsys)
+    assert code == 2, err
+    assert f"scheduler = '{not_a_scheduler}' accepts connections but does not answer" in err
+    assert "out of memory" not in err and not (tmp_path / "r").exists()
 
 
 @pytest.mark.parametrize(

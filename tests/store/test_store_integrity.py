@@ -108,7 +108,7 @@ def test_new_stores_carry_a_checksum_on_every_chunk(store, capsys):
 @pytest.mark.parametrize(
     "name, key",
     [
-        ("hazard", "hazard/1.0.0.0"),  # a summary variable, read by zarr-python
+        ("hazard", "hazard/1.0.0.0"),  # a summary variable, read by the engine (or zarr-python)
         ("p", "p/1.1.0.0.0"),  # a distribution, read by the engine (or zarr-python)
         ("branch_q", "branch_q/1.0.0.0.0.0"),
     ],

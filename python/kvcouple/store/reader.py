@@ -562,23 +562,20 @@ class TraceStoreReader(ObjectStorageReads):
         return block
 
     def read_summary(self, doc: int, names: tuple[str, ...]) -> dict[str, np.ndarray]:
-        """Several variables of one document, checked. On object storage with the engine's
-        client, every chunk object is fetched in one concurrent request batch and decoded from
-        memory (:meth:`_read_fetched`); else, with zarr-python 3, every chunk's presence is
-        asked, and every variable read, concurrently (one round trip each instead of one per
-        variable). A problem is then named by reading that variable alone. ``kept_length``'s
+        """Several variables of one document, checked. Where each variable holds a document in
+        one chunk of the layout kvcouple writes, the Rust engine reads and decodes them all at
+        once (:meth:`_read_direct`; on object storage from one batch of fetched objects);
+        else, with zarr-python 3, every chunk's presence is asked, and every variable read,
+        concurrently. A problem is then named by reading that variable alone. ``kept_length``'s
         check needs the document's ``prompt_length``: it is read in the same batch."""
         doc = int(doc)
         extra = (
             ("prompt_length",) if "kept_length" in names and "prompt_length" not in names else ()
         )
         wanted = names + extra if doc not in self.__dict__.get("_prompt_lengths", {}) else names
-        if is_url(self.path) and self._object_fetcher() is not None:
-            blocks = self._read_fetched(wanted, doc)
-        elif _zarr_major() >= 3:
+        blocks, supported = self._read_direct(wanted, doc)
+        if not supported and _zarr_major() >= 3:
             blocks = self._read_concurrently(wanted, doc)
-        else:
-            blocks = None
         if blocks is None:
             return {n: self.read_doc(n, doc) for n in names}
         if "prompt_length" in blocks:  # checked first: it bounds kept_length
@@ -588,6 +585,58 @@ class TraceStoreReader(ObjectStorageReads):
         for n, block in blocks.items():
             self.check_values(n, block, (doc,) + (0,) * block.ndim)
         return blocks
+
+    def _read_direct(
+        self, names: tuple[str, ...], doc: int
+    ) -> tuple[dict[str, np.ndarray] | None, bool]:
+        """``(name[doc] of every name, True)`` read and decoded by the Rust engine
+        (``kvcouple._core.store_decode_chunks``: every chunk in parallel, the GIL released,
+        checksums verified); ``(None, True)`` if a chunk is missing or damaged (the caller
+        names it); ``(None, False)`` where the engine cannot read these variables so: several
+        documents per chunk, sharded or another codec (then never again for this reader)."""
+        from kvcouple import _core
+
+        remote = is_url(self.path)
+        if (
+            self._engine_off
+            or self.__dict__.get("_no_direct")
+            or any(self.storage_grid(n)[0] != 1 for n in names)
+            or remote
+            and self._object_fetcher() is None
+        ):
+            self.__dict__["_no_direct"] = True
+            return None, False
+        metas = [self._metadata_document(n) for n in names]
+        cells = [
+            (i, cell, where)
+            for i, n in enumerate(names)
+            for cell, where in self._cells(
+                n,
+                (slice(doc, doc + 1),) + (slice(None),) * (self.array(n).ndim - 1),
+                self.storage_grid(n),
+            )
+        ]
+        which = [i for i, _, _ in cells]
+        keys = [self.chunk_key(names[i], cell) for i, cell, _ in cells]
+        if remote:
+            _, got = self._summary_objects(names, doc)
+            decoded, problem = _core.store_decode_chunks(metas, which, keys, chunks=got)
+        else:
+            decoded, problem = _core.store_decode_chunks(metas, which, keys, root=self.path)
+        if problem is not None:
+            if problem[0] == "unsupported":
+                self.__dict__["_no_direct"] = True
+                return None, False
+            return None, True
+        out = {n: np.empty(self.array(n).shape[1:], self.array(n).dtype) for n in names}
+        for (i, _, where), raw in zip(cells, decoded, strict=True):
+            a = self.array(names[i])
+            # Stored little endian (the layout the engine reads); edge chunks are padded.
+            chunk = np.frombuffer(raw, np.dtype(a.dtype).newbyteorder("<"))
+            chunk = chunk.reshape(self.storage_grid(names[i]))[0]
+            inner = tuple(slice(0, w.stop - w.start) for w in where[1:])
+            out[names[i]][where[1:]] = chunk[inner]
+        return out, True
 
     def _read_concurrently(self, names: tuple[str, ...], doc: int) -> dict[str, np.ndarray] | None:
         """``name[doc]`` of every name at once, or None if any chunk is missing or fails to

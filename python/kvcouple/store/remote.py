@@ -106,7 +106,7 @@ class ObjectStorageReads:
     (which provides the store's arrays, keys and grids). Per-process state lives in the
     reader's ``__dict__`` under the names :data:`PROCESS_STATE` (not pickled)."""
 
-    PROCESS_STATE = ("_ahead", "_ahead_pool", "_fetcher", "_memory", "_summary_ahead")
+    PROCESS_STATE = ("_ahead", "_ahead_pool", "_fetcher", "_summary_ahead")
 
     path: str
     storage_options: dict[str, Any]
@@ -137,28 +137,6 @@ class ObjectStorageReads:
     @property
     def _engine_off(self) -> bool:
         raise NotImplementedError
-
-    def _read_fetched(self, names: tuple[str, ...], doc: int) -> dict[str, np.ndarray] | None:
-        """``name[doc]`` of every name, their chunk objects fetched at once by the engine's
-        client and decoded by zarr-python from memory (this thread's copy of the arrays over
-        an in-memory store holding their metadata); None if any chunk is missing or fails to
-        decode (the caller reads one by one to name it)."""
-        from zarr.core.buffer import default_buffer_prototype
-
-        data, arrays = self._memory_arrays(names)
-        keys, got = self._summary_objects(names, doc)
-        present = [g for g in got if g is not None]
-        if len(present) < len(got):
-            return None
-        buf = default_buffer_prototype().buffer
-        data.update({k: buf.from_bytes(g) for k, g in zip(keys, present, strict=True)})
-        try:
-            return {n: np.asarray(arrays[n][doc]) for n in names}
-        except Exception:  # codecs raise many types; the caller names the chunk
-            return None
-        finally:
-            for k in keys:
-                data.pop(k, None)
 
     def _doc_keys(self, names: tuple[str, ...], doc: int) -> list[str]:
         return [
@@ -193,30 +171,6 @@ class ObjectStorageReads:
                 fut.set_exception(e)
                 raise
         return keys, [fut.result()[i] for fut, i in found]
-
-    def _memory_arrays(self, names: tuple[str, ...]) -> tuple[dict[str, Any], dict[str, Any]]:
-        """This thread's in-memory store (its dict) and the arrays ``names`` opened on it from
-        their stored metadata documents: chunks put there are read like the stored ones."""
-        import zarr
-        from zarr.core.buffer import default_buffer_prototype
-        from zarr.storage import MemoryStore
-
-        with _NOTICE_LOCK:
-            local = self.__dict__.setdefault("_memory", threading.local())
-        if not hasattr(local, "data"):
-            local.data, local.arrays = {}, {}
-            local.store = MemoryStore(local.data, read_only=True)
-        for n in names:
-            if n not in local.arrays:
-                arr = self.array(n)
-                v3 = arr.metadata.zarr_format == 3
-                key = f"{arr.path}/{'zarr.json' if v3 else '.zarray'}"
-                meta = self._metadata_document(n).encode()
-                local.data[key] = default_buffer_prototype().buffer.from_bytes(meta)
-                local.arrays[n] = zarr.open_array(
-                    local.store, path=arr.path, mode="r", zarr_format=3 if v3 else 2
-                )
-        return local.data, local.arrays
 
     def _remote_tv(
         self, p_name: str, q_name: str, blocks: np.ndarray, kind: str, decode_only: bool

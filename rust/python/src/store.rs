@@ -4,11 +4,13 @@ use std::ops::Range;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 
 use kvcouple_core::rows::Dtype;
+use kvcouple_store::chunks::{decode_chunks, Chunk, Source};
 use kvcouple_store::remote::{chunks_tv, Fetched, RemoteVariable};
 use kvcouple_store::{blocks_tv, Problem, Variable};
 use numpy::{IntoPyArray, PyArray1, PyReadonlyArray3, PyUntypedArrayMethods};
 use pyo3::prelude::*;
 use pyo3::pybacked::PyBackedBytes;
+use pyo3::types::PyBytes;
 
 use crate::errors::{InternalError, InvalidInputError, ShapeError};
 
@@ -183,7 +185,66 @@ fn fetched<'a>(keys: &'a [String], chunks: &'a [Option<PyBackedBytes>]) -> Vec<F
         .collect()
 }
 
+/// Whole chunks of small variables, decoded as stored: chunk `i` has key `keys[i]` and the
+/// metadata document `metas[which[i]]`; its bytes are the file `root/keys[i]` of a local
+/// store, or `chunks[i]` (fetched; None where absent). Returns `(decoded, problem)`: every
+/// chunk's little-endian bytes, or an empty list and `(kind, key, message)` as for
+/// `store_blocks_tv`. Read and decoded in parallel with the GIL released.
+#[pyfunction]
+#[pyo3(signature = (metas, which, keys, *, root=None, chunks=None))]
+pub fn store_decode_chunks<'py>(
+    py: Python<'py>,
+    metas: Vec<String>,
+    which: Vec<usize>,
+    keys: Vec<String>,
+    root: Option<String>,
+    chunks: Option<Vec<Option<PyBackedBytes>>>,
+) -> PyResult<(Vec<Bound<'py, PyBytes>>, Option<ProblemTuple>)> {
+    if which.len() != keys.len() || which.iter().any(|&w| w >= metas.len()) {
+        return Err(ShapeError::new_err(
+            "which must name a metadata document for every key",
+        ));
+    }
+    let paths: Vec<std::path::PathBuf> = match (&root, &chunks) {
+        (Some(r), None) => keys
+            .iter()
+            .map(|k| std::path::Path::new(r).join(k))
+            .collect(),
+        (None, Some(c)) if c.len() == keys.len() => Vec::new(),
+        _ => {
+            return Err(InvalidInputError::new_err(
+                "give root (a local store) or one fetched chunk per key, not both",
+            ))
+        }
+    };
+    let result = py.detach(|| {
+        catch_unwind(AssertUnwindSafe(|| {
+            let items: Vec<Chunk> = keys
+                .iter()
+                .enumerate()
+                .map(|(i, key)| Chunk {
+                    key,
+                    source: match &chunks {
+                        Some(c) => Source::Bytes(c[i].as_deref()),
+                        None => Source::File(&paths[i]),
+                    },
+                    meta: &metas[which[i]],
+                })
+                .collect();
+            decode_chunks(&items)
+        }))
+    });
+    match result {
+        Ok(Ok(decoded)) => Ok((decoded.iter().map(|b| PyBytes::new(py, b)).collect(), None)),
+        Ok(Err(problem)) => Ok((Vec::new(), Some(as_tuple(problem)))),
+        Err(_) => Err(InternalError::new_err(
+            "the store engine panicked; please report this with the store's layout",
+        )),
+    }
+}
+
 pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_function(wrap_pyfunction!(store_decode_chunks, m)?)?;
     m.add_function(wrap_pyfunction!(store_blocks_tv, m)?)?;
     m.add_function(wrap_pyfunction!(store_chunks_tv, m)?)?;
     Ok(())

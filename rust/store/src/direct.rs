@@ -56,8 +56,37 @@ fn v3_codecs(codecs: &[Value]) -> Option<bool> {
     }
 }
 
-/// The direct layout of an array, or None where it must go through zarrs.
+/// The direct layout of an array of floats (the distributions), or None where it must go
+/// through zarrs.
 pub(crate) fn layout(meta: &ArrayMetadata) -> Option<Layout> {
+    layout_with(meta, float_itemsize)
+}
+
+/// The direct layout of an array of any fixed-size number or bool (the small variables).
+pub(crate) fn layout_any(meta: &ArrayMetadata) -> Option<Layout> {
+    layout_with(meta, any_itemsize)
+}
+
+fn float_itemsize(dtype: &str) -> Option<usize> {
+    match dtype {
+        "float16" | "bfloat16" | "<f2" => Some(2),
+        "float32" | "<f4" => Some(4),
+        "float64" | "<f8" => Some(8),
+        _ => None,
+    }
+}
+
+fn any_itemsize(dtype: &str) -> Option<usize> {
+    float_itemsize(dtype).or(match dtype {
+        "bool" | "int8" | "uint8" | "|b1" | "|i1" | "|u1" => Some(1),
+        "int16" | "uint16" | "<i2" | "<u2" => Some(2),
+        "int32" | "uint32" | "<i4" | "<u4" => Some(4),
+        "int64" | "uint64" | "<i8" | "<u8" => Some(8),
+        _ => None,
+    })
+}
+
+fn layout_with(meta: &ArrayMetadata, itemsize_of: fn(&str) -> Option<usize>) -> Option<Layout> {
     if cfg!(not(target_endian = "little")) {
         return None;
     }
@@ -69,12 +98,7 @@ pub(crate) fn layout(meta: &ArrayMetadata) -> Option<Layout> {
                 return None;
             }
             let chunk = grid.get("configuration")?.get("chunk_shape")?;
-            let itemsize = match json.get("data_type")?.as_str()? {
-                "float16" | "bfloat16" => 2,
-                "float32" => 4,
-                "float64" => 8,
-                _ => return None,
-            };
+            let itemsize = itemsize_of(json.get("data_type")?.as_str()?)?;
             let transformers = json.get("storage_transformers");
             if transformers
                 .and_then(Value::as_array)
@@ -89,12 +113,7 @@ pub(crate) fn layout(meta: &ArrayMetadata) -> Option<Layout> {
             )
         }
         ArrayMetadata::V2(_) => {
-            let itemsize = match json.get("dtype")?.as_str()? {
-                "<f2" => 2,
-                "<f4" => 4,
-                "<f8" => 8,
-                _ => return None,
-            };
+            let itemsize = itemsize_of(json.get("dtype")?.as_str()?)?;
             let order = json.get("order").and_then(Value::as_str).unwrap_or("C");
             let filters = json.get("filters").and_then(Value::as_array);
             let compressor = json.get("compressor")?;

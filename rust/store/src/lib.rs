@@ -16,6 +16,7 @@
 //! Blocks that are whole chunks of the layout kvcouple writes (zstd, crc32c) skip zarrs' codec
 //! pipeline: [`direct`] decodes them into reused buffers that the kernels read in place.
 
+pub mod chunks;
 mod direct;
 pub mod remote;
 
