@@ -109,8 +109,9 @@ def couple_rows(
     a = p if p.dtype == torch.float64 else p.to(torch.float64)
     b = q if q.dtype == torch.float64 else q.to(torch.float64)
     # Rust scales by the reciprocal of a sequential sum; cumsum's last entry is that sum.
-    a = a * (1.0 / torch.cumsum(a, dim=-1)[..., -1:])
-    b = b * (1.0 / torch.cumsum(b, dim=-1)[..., -1:])
+    # (torch.reciprocal is ``1.0 / x`` without its multiplication by 1.0: the same bits.)
+    a = a * torch.reciprocal(torch.cumsum(a, dim=-1)[..., -1:])
+    b = b * torch.reciprocal(torch.cumsum(b, dim=-1)[..., -1:])
     if u.dtype != torch.float64 or u.device != a.device:
         u = u.to(device=a.device, dtype=torch.float64)
     d = a - b

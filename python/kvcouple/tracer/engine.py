@@ -122,18 +122,16 @@ def run_path(
     B = int(first.shape[0])
     device = first.device
     eos = EosState(settings.eos_token_ids, 2 * B, device)
-    alive = torch.ones(B, dtype=torch.bool, device=device)
-    tokens = first
-    u = torch.zeros(B, 3, dtype=torch.float64, device=device)
-    u[:, 0] = 1.0  # u0 = 1: always the overlap branch
+    # Every step's uniforms at once: u0 = 1 (always the overlap branch), u1 the path's.
+    u = torch.zeros(T, B, 3, dtype=torch.float64, device=device)
+    u[:, :, 0] = 1.0
+    u[:, :, 1] = path_u
+    tokens = torch.cat([first, first])  # P rows then Q rows: the same token on the path
     fed, steps = [], []
     staged = HostRecords(staged_names(settings.record), T * B, device)  # whole distributions
     for t in range(T):
         fed.append(tokens)
-        u[:, 1] = path_u[t]
-        step = coupled_step(
-            rows, torch.cat([tokens, tokens]), settings.decoding, eos, u, residuals=False
-        )
+        step = coupled_step(rows, tokens, settings.decoding, eos, u[t], residuals=False)
         has_overlap = step.overlap > 0
         z = step.x  # the overlap draw
         # Raw per-step values; which rows were still alive is applied on the host at the end
@@ -144,16 +142,19 @@ def run_path(
             rec.update(distribution_records(settings.record, side, probs, ""))
         staged.take(rec)
         steps.append(rec)
-        alive = alive & has_overlap
-        eos.advance(torch.cat([z, z]), torch.cat([alive, alive]))
-        tokens = torch.where(alive, z, 0)
+        # Every row is fed its draw, even after its path stopped (a step without overlap):
+        # rows are independent and what a stopped row does is blanked on the host, so the
+        # device never needs to know which rows are alive.
+        tokens = torch.cat([z, z])
+        eos.advance(tokens)
     arrays = {**to_host(steps, axis=1), **staged.by_step(T)}
     _mask_stopped(arrays)
     # After a stop (a step with no overlap) nothing is observed: blank the distributions.
     stopped = (arrays["tokens"] == NO_TOKEN) & (arrays["hazard"] == 0)
     for name, var in distribution_variables(settings.record).items():
         arrays[name][stopped] = var.fill
-    return Path(arrays, arrays["hazard"].astype(np.float64), torch.stack(fed, dim=1), rows)
+    fed_p = torch.stack(fed, dim=1)[:B]  # (B, T): P's half (Q's is the same)
+    return Path(arrays, arrays["hazard"].astype(np.float64), fed_p, rows)
 
 
 def _mask_stopped(arrays: dict[str, np.ndarray]) -> None:

@@ -16,15 +16,18 @@ PATH_METRICS = ("kl_pq", "kl_qp", "entropy_p", "entropy_q", "top1_agree")
 
 
 def path_metrics(p: torch.Tensor, q: torch.Tensor) -> dict[str, torch.Tensor]:
-    """KL both ways, entropies (nats) and top-1 agreement per row, on the device."""
-    lp, lq = torch.log(p), torch.log(q)
-    on_p, on_q = p > 0, q > 0  # the supports, once for both terms that need each
-    zero = torch.zeros((), dtype=p.dtype, device=p.device)
+    """KL both ways, entropies (nats) and top-1 agreement per row, on the device.
+
+    In four vocabulary-wide terms: ``H(p) = sum entr(p)`` and the cross term ``sum xlogy(p,
+    q)`` (both 0 where ``p = 0``, as the sums run over the support), ``KL(p||q) = -H(p) -
+    sum xlogy(p, q)`` (``inf`` where ``q = 0 < p``; exactly 0 where ``p = q``)."""
+    entropy_p = torch.special.entr(p).sum(-1)
+    entropy_q = torch.special.entr(q).sum(-1)
     return {
-        "kl_pq": torch.where(on_p, p * (lp - lq), zero).sum(-1),
-        "kl_qp": torch.where(on_q, q * (lq - lp), zero).sum(-1),
-        "entropy_p": -torch.where(on_p, p * lp, zero).sum(-1),
-        "entropy_q": -torch.where(on_q, q * lq, zero).sum(-1),
+        "kl_pq": -(entropy_p + torch.special.xlogy(p, q).sum(-1)),
+        "kl_qp": -(entropy_q + torch.special.xlogy(q, p).sum(-1)),
+        "entropy_p": entropy_p,
+        "entropy_q": entropy_q,
         "top1_agree": p.argmax(-1) == q.argmax(-1),
     }
 

@@ -85,6 +85,7 @@ class CacheRows:
         self.prefix = prefix
         self.dtype = dtype if dtype is not None else compat.cache_tensors(cache)[0][0].dtype
         self._columns: torch.Tensor | None = None  # arange over the capacity (static steps)
+        self._open = self._hidden = torch.zeros(())  # a static mask's two values (set with it)
 
     @property
     def valid(self) -> torch.Tensor | None:
@@ -103,17 +104,19 @@ class CacheRows:
         capacity = compat.cache_capacity(self.cache)
         column = self.cache.write_column
         rows = int(self.positions.shape[0])
-        if self._visible is None:
+        if self._visible is None:  # every row sees the written columns, and this one
             if self._columns is None or self._columns.shape[0] != capacity:
                 self._columns = torch.arange(capacity, device=column.device)
-            seen = (self._columns <= column).expand(rows, capacity)  # written columns, and this one
-        else:
-            if self._visible.shape[1] != capacity:  # the cache grew: so does the storage
-                grown = self._visible.new_zeros(rows, capacity)
-                grown[:, : self._visible.shape[1]] = self._visible
-                self._visible = grown
-            seen = self._visible.index_fill_(1, column, True)
-        return compat.additive_mask(seen, self.dtype)
+                self._open = torch.zeros((), dtype=self.dtype, device=column.device)
+                self._hidden = torch.full_like(self._open, torch.finfo(self.dtype).min)
+            # One row broadcast over the batch, additive as compat.additive_mask makes it.
+            seen = torch.where(self._columns <= column, self._open, self._hidden)
+            return seen.view(1, 1, 1, capacity)
+        if self._visible.shape[1] != capacity:  # the cache grew: so does the storage
+            grown = self._visible.new_zeros(rows, capacity)
+            grown[:, : self._visible.shape[1]] = self._visible
+            self._visible = grown
+        return compat.additive_mask(self._visible.index_fill_(1, column, True), self.dtype)
 
     def step(self, tokens: torch.Tensor) -> torch.Tensor:
         """Feed one token per row; returns ``(rows, vocab)`` logits."""

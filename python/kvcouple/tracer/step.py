@@ -33,13 +33,14 @@ class EosState:
         point = torch.nn.functional.one_hot(self.last, probs.shape[-1]).to(probs.dtype)
         return torch.where(self.done[:, None], point, probs)
 
-    def advance(self, tokens: torch.Tensor, active: torch.Tensor) -> None:
-        """Rows where ``active`` emitted ``tokens``; those that hit an EOS id are done."""
+    def advance(self, tokens: torch.Tensor, active: torch.Tensor | None = None) -> None:
+        """Rows where ``active`` (None: every row) emitted ``tokens``; those that hit an EOS id
+        are done. ``last`` follows every row until it is done (it is read only where done)."""
         if not self.ids.numel():
             return
-        newly = active & ~self.done & torch.isin(tokens, self.ids)
-        self.last = torch.where(newly, tokens, self.last)
-        self.done = self.done | newly
+        self.last = torch.where(self.done, self.last, tokens)
+        hit = torch.isin(tokens, self.ids)
+        self.done = self.done | (hit if active is None else active & hit)
 
 
 @dataclass
@@ -68,6 +69,6 @@ def coupled_step(
     what it needs and then calls ``eos.advance``."""
     probs = eos.absorb(decoding.probs(rows.step(tokens)))
     half = probs.shape[0] // 2
-    p, q = probs[:half], probs[half:]
+    p, q = probs.split(half)
     x, y, tv, overlap = couple_rows(p, q, u, residuals)
     return CoupledStep(p, q, x, y, tv, overlap)
