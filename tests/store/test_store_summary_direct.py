@@ -17,7 +17,6 @@ from kvcouple.store.schema import SUMMARY_VARIABLES
 from kvcouple.synth.trace_store import write_synthetic_trace_store
 
 ZARR3 = int(zarr.__version__.split(".")[0]) >= 3
-pytestmark = pytest.mark.skipif(not ZARR3, reason="rewrites arrays with zarr-python 3's API")
 
 _rng = np.random.default_rng(2)
 _P = _rng.dirichlet(np.ones(5), size=5)
@@ -87,6 +86,7 @@ def rewrite(path, name, *, chunks_of_docs=1, codec="zstd"):
         zarr.consolidate_metadata(str(path))
 
 
+@pytest.mark.skipif(not ZARR3, reason="rewrites arrays with zarr-python 3's API")
 @pytest.mark.parametrize(
     "name, change",
     [("hazard", {"codec": "gzip"}), ("tokens", {"chunks_of_docs": 2})],

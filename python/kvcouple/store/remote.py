@@ -26,6 +26,7 @@ import os
 import threading
 from collections.abc import Iterator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -282,8 +283,16 @@ class ObjectStorageReads:
 
     def _fetch_metadata_document(self, name: str) -> str:
         arr = self.array(name)
-        doc = "zarr.json" if arr.metadata.zarr_format == 3 else ".zarray"
-        (raw,) = self.fetch_objects([f"{arr.path}/{doc}"], count=False)
+        # (zarr-python 2's arrays have no ``metadata``: they are format 2)
+        fmt = getattr(getattr(arr, "metadata", None), "zarr_format", 2)
+        key = f"{arr.path}/{'zarr.json' if fmt == 3 else '.zarray'}"
+        if not is_url(self.path):
+            try:
+                return (Path(self.path) / key).read_text()
+            except FileNotFoundError:
+                raw = None
+        else:
+            (raw,) = self.fetch_objects([key], count=False)
         if raw is None:
             raise StoreError(f"{self.path}: the metadata of variable {name!r} is missing")
         return raw.decode()
