@@ -5,9 +5,12 @@ from __future__ import annotations
 
 import argparse
 import re
+import subprocess
+import sys
 
 import pytest
 
+import kvcouple
 from kvcouple.cli import build_parser
 
 
@@ -116,3 +119,17 @@ def test_analyze_imports_neither_the_tracer_nor_the_writer(tmp_path) -> None:
     run = [sys.executable, "-c", code, str(store), str(tmp_path / "out")]
     out = subprocess.run(run, capture_output=True, text=True, check=True).stdout
     assert out.strip().splitlines()[-1] == "0 []", out
+
+
+def test_python_dash_m_kvcouple_is_the_command() -> None:
+    """``python -m kvcouple`` runs the same command line (exit codes included)."""
+    ok = subprocess.run(
+        [sys.executable, "-m", "kvcouple", "--version"], capture_output=True, text=True
+    )
+    assert ok.returncode == 0 and kvcouple.__version__ in ok.stdout + ok.stderr
+    bad = subprocess.run(
+        [sys.executable, "-m", "kvcouple", "synth", "exact", "--pair", "/nonexistent", "-T", "3"],
+        capture_output=True,
+        text=True,
+    )
+    assert bad.returncode == 2 and "kvcouple synth exact: error: --pair" in bad.stderr
