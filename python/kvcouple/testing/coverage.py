@@ -37,7 +37,7 @@ FEATURES = {
     "smollm3": "no-RoPE layers",
     "deepseek_v3": "multi-head latent attention",
     "gpt_oss": "hybrid layers, attention sinks, MoE (eager)",
-    "falcon": "multi-query attention outside the attention interface",
+    "falcon": "multi-query attention (outside the attention interface before transformers 5.25)",
     "falcon_alibi": "Falcon with ALiBi",
     "bloom": "ALiBi",
     "gptj": "interleaved partial rotary, MHA",
