@@ -87,7 +87,9 @@ def _inverse_cdf(weight: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     vocab = weight.shape[-1]
     positions = torch.arange(vocab, device=weight.device)
     last_positive = torch.where(weight > 0, positions, -1).amax(dim=-1).clamp(min=0)
-    return torch.where(idx < vocab, idx, last_positive)
+    # An index < vocab has positive weight (its running weight rose past the target), so it
+    # is <= the last positive one: the minimum picks it, and the fallback where idx == vocab.
+    return torch.minimum(idx, last_positive)
 
 
 def couple_rows(

@@ -389,9 +389,11 @@ def test_branch_batches_change_only_float_noise():
         horizon=8, replicates=3, branches=3, window=4, record=Record("topk", 3)
     )
     ids = PROMPT[:20]
-    a, ta = trace_document(model("llama"), ids, ["snapkv:retain=0.5,window=8"], settings, seed=4)
+    # (Not seed 4: one of its branch uniforms, 0.49969274, lies 1e-7 from a boundary of a
+    # residual's CDF, where float noise of the batch legitimately flips the draw.)
+    a, ta = trace_document(model("llama"), ids, ["snapkv:retain=0.5,window=8"], settings, seed=5)
     small = dataclasses.replace(settings, branch_batch=2)
-    b, tb = trace_document(model("llama"), ids, ["snapkv:retain=0.5,window=8"], small, seed=4)
+    b, tb = trace_document(model("llama"), ids, ["snapkv:retain=0.5,window=8"], small, seed=5)
     assert ta == tb
     for name in a:
         if a[name].dtype.kind == "f":

@@ -438,6 +438,63 @@ def test_prefix_attention_equals_attention_over_the_concatenated_cache(mask_kind
         prefix_attention(query, own_k, own_v, mask, 0.25, SharedPrefix(groups[:1]), 0)
 
 
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_packed_prefix_one_call_equals_attention_over_the_kept_entries(dtype):
+    """One document's P rows on its prompt's cache and Q rows on the same cache with the
+    evicted entries hidden (per layer and KV head, as ``hidden_entries`` builds them): the
+    groups are packed (one prefix call per layer), the result equals dense attention over the
+    prompt (P) and over the gathered kept entries (Q) to rounding, and equals the per-group
+    loop; with nothing hidden, P and Q rows with equal inputs agree to an ulp."""
+    from kvcouple.tracer.attention import PrefixGroup, SharedPrefix, prefix_attention
+    from kvcouple.tracer.prefill import gather_kept, hidden_entries
+
+    g = torch.Generator().manual_seed(3)
+    n, H, KV, d, s, n1, keep = 3, 8, 2, 16, 4, 13, 6
+    B = 2 * n
+    kv = [(torch.randn(1, KV, n1, d, generator=g), torch.randn(1, KV, n1, d, generator=g))]
+    kv = [(k.to(dtype), v.to(dtype)) for k, v in kv]
+    idx = torch.stack([torch.randperm(n1, generator=g)[:keep].sort().values for _ in range(KV)])
+    hidden = hidden_entries(kv, idx[None])
+    assert hidden is not None and hidden[0].shape == (1, KV, 1, n1)
+    groups = [PrefixGroup(0, n, kv), PrefixGroup(n, B, kv, hidden)]
+    shared = SharedPrefix(groups)
+    assert shared.packed is not None  # one call for both groups
+    query = torch.randn(B, H, 1, d, generator=g, dtype=dtype)
+    own_k = torch.randn(B, KV, s, d, generator=g, dtype=dtype)
+    own_v = torch.randn(B, KV, s, d, generator=g, dtype=dtype)
+    got = prefix_attention(query, own_k, own_v, None, 0.25, shared, 0)
+    kept = gather_kept(kv, idx[None])
+    tol = dict(atol=1e-12, rtol=1e-12) if dtype == torch.float64 else dict(atol=2e-6, rtol=1e-5)
+    for rows, (kp, vp) in ((slice(0, n), kv[0]), (slice(n, B), kept[0])):
+        keys = torch.cat([kp.expand(n, -1, -1, -1), own_k[rows]], 2).double()
+        values = torch.cat([vp.expand(n, -1, -1, -1), own_v[rows]], 2).double()
+        seen = torch.ones(n, 1, keys.shape[2], dtype=torch.bool)
+        want = _dense_attention(query[rows].double(), keys, values, seen, 0.25)
+        torch.testing.assert_close(got[rows].double(), want, **tol)
+    loop = SharedPrefix(groups)
+    loop.packed = None  # the per-group calls
+    torch.testing.assert_close(prefix_attention(query, own_k, own_v, None, 0.25, loop, 0), got)
+    # Nothing hidden (a policy that keeps everything): equal inputs, equal outputs.
+    assert hidden_entries(kv, torch.arange(n1).expand(1, KV, n1)) is None
+    same = SharedPrefix(
+        [PrefixGroup(0, n, kv), PrefixGroup(n, B, kv, [torch.zeros_like(hidden[0])])]
+    )
+    assert same.packed is not None
+    q2, k2, v2 = (
+        query[:n].repeat(2, 1, 1, 1),
+        own_k[:n].repeat(2, 1, 1, 1),
+        own_v[:n].repeat(2, 1, 1, 1),
+    )
+    out = prefix_attention(q2, k2, v2, None, 0.25, same, 0)
+    # (one attention call gives both halves the same bits; the elementwise merge after it may
+    # take its vector path for one half and its scalar tail for the other: an ulp at most)
+    eps = torch.finfo(dtype).eps
+    torch.testing.assert_close(out[:n], out[n:], atol=4 * eps, rtol=4 * eps)
+    # A fork of these rows reuses the packed masks rather than stacking copies.
+    fork = shared.of_groups([PrefixGroup(0, 1, kv), PrefixGroup(1, 2, kv, hidden)])
+    assert fork.packed is not None and fork.packed[0][2] is shared.packed[0][2]
+
+
 @pytest.mark.parametrize("attn", ["sdpa", "eager"])
 def test_shared_layout_equals_a_masked_full_forward(attn):
     """P rows over the prompt's cache and Q rows over the kept entries, each held once, in one
@@ -498,7 +555,7 @@ def test_shared_prefix_is_refused_where_it_cannot_be_exact():
         "gemma2": dict(layer_types=["full_attention"] * 2),  # soft-cap only
         "gpt_oss": dict(layer_types=["full_attention"] * 2),  # sinks only
         "mistral_window": {},
-        "falcon": {},  # no attention interface
+        "bloom": {},  # no attention interface (ALiBi too)
     }
     for arch, kw in refused.items():
         shape = ModelShape.of_model(tiny_model(arch, seed=1, **kw))
@@ -506,12 +563,12 @@ def test_shared_prefix_is_refused_where_it_cannot_be_exact():
         assert choose_layout(shape, 40, 20, 2, False, "shared") != "shared", arch
     assert ModelShape.of_model(model("llama")).shared_prefix
 
-    falcon = tiny_model("falcon", seed=1)
+    bypass = tiny_model("bloom", seed=1)  # its attention does not dispatch through the interface
     kv = [(torch.zeros(1, 1, 3, 16), torch.zeros(1, 1, 3, 16))] * 2
     prefix = SharedPrefix([PrefixGroup(0, 1, kv)])
     cache = compat.new_cache()
     with pytest.raises(UnsupportedModelError, match="shared prefix"):
-        compat.forward(falcon, torch.tensor([[1]]), cache, torch.tensor([[3]]), prefix=prefix)
+        compat.forward(bypass, torch.tensor([[1]]), cache, torch.tensor([[3]]), prefix=prefix)
 
 
 # Capture only what a policy needs ----------------------------------------------------------------

@@ -70,20 +70,44 @@ class ForwardState:
 @dataclass
 class PrefixGroup:
     """Rows ``start:stop`` of a batch attend, before their own cache, to ``kv``: per layer the
-    ``(1, kv_heads, length, head_dim)`` keys and values of a prefix they all share."""
+    ``(1, kv_heads, length, head_dim)`` keys and values of a prefix they all share.
+
+    ``hidden``: per layer an additive ``(1, kv_heads, 1, length)`` mask (``finfo.min`` at the
+    entries the rows do not see, 0 elsewhere; None: every entry seen). A policy's kept cache
+    is the prompt's cache with its evicted entries hidden, so that P and Q rows of a document
+    attend to one tensor, in one call (:class:`SharedPrefix`)."""
 
     start: int
     stop: int
     kv: list[tuple[torch.Tensor, torch.Tensor]]
+    hidden: list[torch.Tensor] | None = None
 
 
 @dataclass
 class SharedPrefix:
     """The prefix groups of a batch, in row order (they cover every row once), and the
-    layers that used them."""
+    layers that used them.
+
+    Where every group has as many rows and the same prefix tensors (one document: its P rows
+    see the prompt's cache, its Q rows the same cache with the evicted entries hidden), the
+    groups are **packed**: per layer the prefix expanded to ``(groups, kv_heads, length,
+    head_dim)`` (a view, no copy) and the groups' masks stacked, so that every row's prefix
+    attention is one call (:func:`prefix_attention`). Built once per batch (and per fork), not
+    per step."""
 
     groups: list[PrefixGroup]
     served: set[int] = field(default_factory=set)
+    # Packed masks by the groups' masks (a fork whose groups have the masks of its source
+    # batch's reuses its stacks rather than holding copies): shared with :meth:`of_groups`.
+    # (keyed by the masks' ids; each entry holds its masks, so that no id is reused)
+    stacks: dict[tuple[int, ...], tuple[list[Any], list[torch.Tensor]]] = field(
+        default_factory=dict
+    )
+
+    def of_groups(self, groups: list[PrefixGroup]) -> SharedPrefix:
+        """The prefix of another batch of these groups' rows (a fork), sharing the packed
+        masks already built."""
+        return SharedPrefix(groups, stacks=self.stacks)
 
     def __post_init__(self) -> None:
         stop = 0
@@ -92,6 +116,40 @@ class SharedPrefix:
                 raise ValueError("prefix groups must cover consecutive rows, in order")
             stop = g.stop
         self.rows = stop
+        self.packed = self._pack()
+
+    def _pack(self) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]] | None:
+        first = self.groups[0] if self.groups else None
+        if first is None or first.stop == first.start or not first.kv:
+            return None
+        size = first.stop - first.start
+        if any(g.kv is not first.kv or g.stop - g.start != size for g in self.groups):
+            return None
+        if any(int(k.shape[-2]) == 0 for k, _ in first.kv):
+            return None
+        G = len(self.groups)
+        key = tuple(0 if g.hidden is None else id(g.hidden) for g in self.groups)
+        stacks = None
+        if any(key):
+            if key not in self.stacks:
+                masks = [g.hidden for g in self.groups]
+                self.stacks[key] = (masks, [self._stack(i) for i in range(len(first.kv))])
+            stacks = self.stacks[key][1]
+        return [
+            (
+                k.expand(G, -1, -1, -1),
+                v.expand(G, -1, -1, -1),
+                None if stacks is None else stacks[i],
+            )
+            for i, (k, v) in enumerate(first.kv)
+        ]
+
+    def _stack(self, layer: int) -> torch.Tensor:
+        """Layer ``layer``'s masks of every group, ``(groups, kv_heads, 1, length)`` (0 for a
+        group that sees every entry)."""
+        k = self.groups[0].kv[layer][0]
+        zero = k.new_zeros(1, k.shape[1], 1, k.shape[2])
+        return torch.cat([zero if g.hidden is None else g.hidden[layer] for g in self.groups])
 
     @property
     def layers(self) -> int:
@@ -286,23 +344,34 @@ def prefix_attention(
         else:
             m = m.expand(B, -1, q, -1).reshape(B, kv_heads, gq, -1)
     own, own_lse = attend_lse(qg, key, value, m, scaling)  # (B, kv, gq, d), (B, kv, gq)
-    # Every row's queries, a group's rows consecutive: (1, kv, B * gq, d), one copy per layer.
-    qt = qg.transpose(0, 1).reshape(1, kv_heads, B * gq, d)
-    outs, lses = [], []
-    for g in prefix.groups:
-        if g.stop == g.start:
-            continue
-        kp, vp = g.kv[layer]
-        if kp.shape[-2]:
-            out, lse = attend_lse(qt[:, :, g.start * gq : g.stop * gq], kp, vp, None, scaling)
-        else:  # an empty prefix: weight 0
-            out = own.new_zeros(1, kv_heads, (g.stop - g.start) * gq, own.shape[-1])
-            lse = own_lse.new_full((1, kv_heads, (g.stop - g.start) * gq), float("-inf"))
-        outs.append(out)
-        lses.append(lse)
-    pre = _rows_first(outs[0] if len(outs) == 1 else torch.cat(outs, dim=2), B)
-    pre_lse = _rows_first(lses[0] if len(lses) == 1 else torch.cat(lses, dim=2), B)
-    weight = torch.sigmoid(pre_lse - own_lse)[..., None]
+    if prefix.packed is not None:
+        # One call for every group: a group's rows folded into the query axis, (G, kv, n *
+        # gq, d), laid out row by row so that the output is a view in row order.
+        kp, vp, hidden = prefix.packed[layer]
+        G = int(kp.shape[0])
+        qp = qg.transpose(1, 2).reshape(G, B // G * gq, kv_heads, d).transpose(1, 2)
+        pre, pre_lse = attend_lse(qp, kp, vp, hidden, scaling)
+    else:
+        # Every row's queries, a group's rows consecutive: (1, kv, B * gq, d); a call per group.
+        qt = qg.transpose(0, 1).reshape(1, kv_heads, B * gq, d)
+        outs, lses = [], []
+        for g in prefix.groups:
+            if g.stop == g.start:
+                continue
+            kp, vp = g.kv[layer]
+            hidden = None if g.hidden is None else g.hidden[layer]
+            part = qt[:, :, g.start * gq : g.stop * gq]
+            if kp.shape[-2]:
+                out, lse = attend_lse(part, kp, vp, hidden, scaling)
+            else:  # an empty prefix: weight 0
+                out = own.new_zeros(1, kv_heads, (g.stop - g.start) * gq, own.shape[-1])
+                lse = own_lse.new_full((1, kv_heads, (g.stop - g.start) * gq), float("-inf"))
+            outs.append(out)
+            lses.append(lse)
+        pre = outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
+        pre_lse = lses[0] if len(lses) == 1 else torch.cat(lses, dim=2)
+    pre, pre_lse = _rows_first(pre, B), _rows_first(pre_lse, B, trailing=True)
+    weight = torch.sigmoid(pre_lse - own_lse[..., None])
     if own.dtype != weight.dtype:
         own, pre = own.to(weight.dtype), pre.to(weight.dtype)
     out = torch.lerp(own, pre, weight)  # (B, kv, gq, d_v)
@@ -311,10 +380,21 @@ def prefix_attention(
     return out if out.dtype == query.dtype else out.to(query.dtype)
 
 
-def _rows_first(t: torch.Tensor, rows: int) -> torch.Tensor:
-    """``(1, kv, rows * n, ...)`` as ``(rows, kv, n, ...)``, a view (splitting an axis is
-    one whatever the strides; the fused kernel's outputs are not contiguous)."""
-    return t.view(t.shape[1], rows, -1, *t.shape[3:]).transpose(0, 1)
+def _rows_first(t: torch.Tensor, rows: int, trailing: bool = False) -> torch.Tensor:
+    """``(G, kv, rows / G * n, ...)`` (group ``g``'s rows in order along the third axis) as
+    ``(rows, kv, n, ...)`` (``trailing``: with a last axis of size 1 added).
+
+    One strided view where the rows are evenly spaced in memory (always for ``G = 1``, and
+    for the fused kernel's outputs, whose third axis is outermost after the first); a copy
+    otherwise."""
+    G, kv, M = (int(x) for x in t.shape[:3])
+    n = M * G // rows
+    size = [rows, kv, n, *t.shape[3:]]
+    if G == 1 or t.stride(0) == M * t.stride(2):
+        stride = [n * t.stride(2), t.stride(1), t.stride(2), *t.stride()[3:]]
+        return t.as_strided(size + [1], stride + [1]) if trailing else t.as_strided(size, stride)
+    out = t.unflatten(2, (rows // G, n)).transpose(1, 2).reshape(size)
+    return out[..., None] if trailing else out
 
 
 def allowed_keys(

@@ -20,6 +20,7 @@ index)``, drawn in a fixed order, so a document's records depend on nothing else
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from functools import cached_property
 from typing import Any
 
 import numpy as np
@@ -103,7 +104,7 @@ def overlap_path(
         )
     rows: Rows
     if layout == "shared":
-        rows = SharedRows.start(model, pre.kv, kept, R, T)
+        rows = SharedRows.start(model, pre.kv, kept if idx is None else idx, R, T)
     elif layout == "split":
         rows = SplitRows.start(model, pre.kv, kept, R, T, idx)
     else:
@@ -281,13 +282,19 @@ class Unit:
     streams: dict[str, np.ndarray]
     admission: Admission
     idx: torch.Tensor
-    kept: list[tuple[torch.Tensor, torch.Tensor]]
     rule: DecodeRule | None
     layout: str
 
     @property
     def kept_length(self) -> int:
         return int(self.idx.shape[-1]) + 1
+
+    @cached_property
+    def kept(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """The kept entries as their own tensors (gathered when first asked: the shared
+        layout never asks, its Q rows see the prompt's cache with the evicted entries
+        hidden)."""
+        return gather_kept(self.pre.kv, self.idx)
 
 
 def prepare(
@@ -316,7 +323,7 @@ def prepare(
         rule is not None,
         settings.cache_layout,
     )
-    return Unit(pre, settings, streams, admission, idx, gather_kept(pre.kv, idx), rule, layout)
+    return Unit(pre, settings, streams, admission, idx, rule, layout)
 
 
 def trace_units(
@@ -359,7 +366,7 @@ def _trace_shared_batch(model: Any, units: list[Unit]) -> list[PolicyTrace]:
     settings = units[0].settings
     R, T = settings.replicates, settings.horizon
     device = units[0].pre.input_ids.device
-    rows = SharedRows.start_units(model, [(u.pre.kv, u.kept) for u in units], R, T)
+    rows = SharedRows.start_units(model, [(u.pre.kv, u.idx) for u in units], R, T)
     first = torch.tensor([int(u.pre.input_ids[-1]) for u in units for _ in range(R)], device=device)
     path_u = torch.as_tensor(np.concatenate([u.streams["path"] for u in units], axis=1))
     path = run_path(rows, first, settings, path_u.to(device))
@@ -407,9 +414,9 @@ def _trace_unit(model: Any, unit: Unit) -> PolicyTrace:
     path_u = torch.as_tensor(unit.streams["path"], device=device)
     strategy: BranchStrategy
     if rule is None:
-        path = overlap_path(
-            model, pre, unit.kept, settings, path_u, idx=unit.idx, layout=unit.layout
-        )
+        # (the shared layout's Q rows see the prompt's cache, masked: no kept copy)
+        kept = [] if unit.layout == "shared" else unit.kept
+        path = overlap_path(model, pre, kept, settings, path_u, idx=unit.idx, layout=unit.layout)
         strategy = ForkBranches(path, pre.prefix_length)
     else:
         decode_rule = rule

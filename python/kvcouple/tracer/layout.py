@@ -35,7 +35,12 @@ import torch
 from kvcouple.tracer import compat
 from kvcouple.tracer.attention import PrefixGroup, SharedPrefix
 from kvcouple.tracer.kvcache import cache_bytes, fork_cache
+from kvcouple.tracer.prefill import hidden_entries
 from kvcouple.tracer.rows import CacheRows
+
+# A Q side in the shared layout: the kept entries' own tensors per layer, or their positions
+# ``(layers, kv_heads, keep)`` in the prompt's cache.
+Kept = list[tuple[torch.Tensor, torch.Tensor]] | torch.Tensor
 
 
 class _Batch(CacheRows):
@@ -131,12 +136,12 @@ class SharedRows(CacheRows):
         cache: Any,
         valid: torch.Tensor | None,
         positions: torch.Tensor,
-        groups: list[PrefixGroup],
+        groups: list[PrefixGroup] | SharedPrefix,
         offsets: torch.Tensor,
     ):
-        shared = SharedPrefix(groups)
+        shared = groups if isinstance(groups, SharedPrefix) else SharedPrefix(groups)
         super().__init__(
-            model, cache, valid, positions, prefix=shared, dtype=groups[0].kv[0][0].dtype
+            model, cache, valid, positions, prefix=shared, dtype=shared.groups[0].kv[0][0].dtype
         )
         self.offsets = offsets
         self.shared = shared
@@ -146,20 +151,24 @@ class SharedRows(CacheRows):
         cls,
         model: Any,
         prefix: list[tuple[torch.Tensor, torch.Tensor]],
-        kept: list[tuple[torch.Tensor, torch.Tensor]],
+        kept: Kept,
         copies: int,
         steps: int,
     ) -> SharedRows:
-        """``copies`` P rows on ``prefix`` and ``copies`` Q rows on ``kept`` (both ``(1,
-        kv_heads, length, head_dim)`` per layer, held, not copied), own caches empty with room
-        for ``steps`` tokens, about to feed the last prompt token at position ``n - 1``."""
+        """``copies`` P rows on ``prefix`` (``(1, kv_heads, length, head_dim)`` per layer,
+        held, not copied) and ``copies`` Q rows on ``kept``: either the kept entries as their
+        own tensors (the same shape per layer), or their positions ``(layers, kv_heads,
+        keep)`` in ``prefix``, which the Q rows then attend to with every other entry hidden
+        (P and Q rows in one prefix call per layer, :class:`SharedPrefix`). Own caches empty
+        with room for ``steps`` tokens, about to feed the last prompt token at position
+        ``n - 1``."""
         return cls.start_units(model, [(prefix, kept)], copies, steps)
 
     @classmethod
     def start_units(
         cls,
         model: Any,
-        units: list[tuple[list[tuple[torch.Tensor, torch.Tensor]], ...]],
+        units: list[tuple[list[tuple[torch.Tensor, torch.Tensor]], Kept]],
         copies: int,
         steps: int,
     ) -> SharedRows:
@@ -178,10 +187,12 @@ class SharedRows(CacheRows):
         cache = compat.cache_from_tensors(empty, None, steps)
         half = copies * len(units)
         groups = [PrefixGroup(u * copies, (u + 1) * copies, p) for u, (p, _) in enumerate(units)]
-        groups += [
-            PrefixGroup(half + u * copies, half + (u + 1) * copies, q)
-            for u, (_, q) in enumerate(units)
-        ]
+        for u, (p, kept) in enumerate(units):
+            start, stop = half + u * copies, half + (u + 1) * copies
+            if isinstance(kept, torch.Tensor):
+                groups.append(PrefixGroup(start, stop, p, hidden_entries(p, kept)))
+            else:
+                groups.append(PrefixGroup(start, stop, kept))
         lengths = torch.tensor([int(p[0][0].shape[2]) for p, _ in units], device=device)
         offsets = lengths.repeat_interleave(copies).repeat(2)
         return cls(model, cache, None, offsets.clone(), groups, offsets)
@@ -204,7 +215,12 @@ class SharedRows(CacheRows):
             raise ValueError("a fork must see the whole prefix and only columns already fed")
         cache, seen = fork_cache(self.cache, self.valid, index, own, steps)
         return SharedRows(
-            self.model, cache, seen, visible_before.clone(), self._groups_of(index), offsets
+            self.model,
+            cache,
+            seen,
+            visible_before.clone(),
+            self.shared.of_groups(self._groups_of(index)),
+            offsets,
         )
 
     def _groups_of(self, index: torch.Tensor) -> list[PrefixGroup]:
@@ -214,11 +230,17 @@ class SharedRows(CacheRows):
             group_of[group.start : group.stop] = [g] * (group.stop - group.start)
         groups: list[PrefixGroup] = []
         for row, source in enumerate(index.tolist()):
-            kv = self.shared.groups[group_of[source]].kv
-            if groups and groups[-1].kv is kv and groups[-1].stop == row:
-                groups[-1].stop = row + 1
+            source_group = self.shared.groups[group_of[source]]
+            last = groups[-1] if groups else None
+            if (
+                last is not None
+                and last.kv is source_group.kv
+                and last.hidden is source_group.hidden
+                and last.stop == row
+            ):
+                last.stop = row + 1
             else:
-                groups.append(PrefixGroup(row, row + 1, kv))
+                groups.append(PrefixGroup(row, row + 1, source_group.kv, source_group.hidden))
         return groups
 
     def cache_bytes(self) -> int:

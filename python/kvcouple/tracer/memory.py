@@ -8,9 +8,11 @@ what the tracer holds in each phase of a document and takes the largest:
   prompt (their last queries; accumulated attention, summed while prefilling), and the
   prefill's activations;
 - **select**: the prefix cache, the capture and the costliest scorer's attention buffers;
-- **path** (per policy): the prefix cache, the policy's kept cache, the overlap path's P rows
-  and Q rows at their final length (P: ``n - 1 + T`` columns; Q: its kept entries plus ``T``
-  in the split layout, ``n - 1 + T`` in the joint one), and one decoding step's activations;
+- **path** (per policy): the prefix cache, the policy's kept cache (in the shared layout a
+  mask of the prompt's cache instead), the overlap path's P rows and Q rows at their final
+  length (P: ``n - 1 + T`` columns; Q: its kept entries plus ``T`` in the split layout,
+  ``n - 1 + T`` in the joint one, ``T`` in the shared one), and one decoding step's
+  activations;
 - **branches**: the path phase plus one batch of forks (P and Q rows copied from their
   replicates with room for their steps, at most ``L`` columns more); decode-time policies
   **replay** each batch from the prompt cache after the path's cache is freed.
@@ -215,7 +217,10 @@ def _plan_policy(
     n1, c = n - 1, shape.token_bytes
     k1 = policy.kept_count(n) - 1  # kept prefix entries (the re-fed last token is fed again)
     layout = choose_layout(shape, n, k1 + 1, R, policy.decode_time, sizes.layout)
-    held += k1 * c
+    # The kept entries: their own copy, or in the shared layout a mask hiding the evicted
+    # entries of the prompt's cache, per layer and KV head, and its stack with the P rows'.
+    kept = 3 * shape.layers * shape.kv_heads * n1 * shape.itemsize if layout == "shared" else k1 * c
+    held += kept
     q_columns = k1 if layout == "split" else n1  # joint: Q rows padded to the prefix length
 
     def rows(count: int, columns: int, q_side: bool) -> int:
@@ -228,8 +233,8 @@ def _plan_policy(
         return count * columns * (c + 4 * shape.layers * heads)
 
     if layout == "shared":
-        # The prefixes are the prompt's cache and the kept cache (held already): the rows
-        # hold their own columns only, and a fork copies none of the prefix.
+        # The prefix is the prompt's cache (held already): the rows hold their own columns
+        # only, and a fork copies none of the prefix.
         path_p = path_q = R * T * c
         path_act = _decode_activations(shape, 2 * R, n1 + T, shared=True)
         branches = 2 * batch * (T + L) * c
@@ -238,7 +243,7 @@ def _plan_policy(
             "path": held + path_p + path_q + path_act,
             "branches": held + path_p + path_q + branches + fork_act,
         }
-        return _PolicyPlan(layout, k1 * c, path_p, path_q, branches, phases, [path_act, fork_act])
+        return _PolicyPlan(layout, kept, path_p, path_q, branches, phases, [path_act, fork_act])
     path_p, path_q = rows(R, n1 + T, False), rows(R, q_columns + T, True)
     path_act = _decode_activations(shape, 2 * R, n1 + T)
     if policy.decode_time:
@@ -253,7 +258,7 @@ def _plan_policy(
             "path": held + path_p + path_q + evictor(R) + path_act,
             "replay": held + branches + evictor(batch) + replay_act,
         }
-        return _PolicyPlan(layout, k1 * c, path_p, path_q, branches, phases, [path_act, replay_act])
+        return _PolicyPlan(layout, kept, path_p, path_q, branches, phases, [path_act, replay_act])
     # A batch of forks copies the path columns its rows can see, one layer at a time, into
     # caches with room for its steps: at most n - 1 + T + L columns (Q: its own columns).
     branches = rows(batch, n1 + T + L, False) + rows(batch, q_columns + T + L, True)
@@ -263,7 +268,7 @@ def _plan_policy(
         "path": held + path_p + path_q + path_act,
         "branches": held + path_p + path_q + branches + max(copying, fork_act),
     }
-    return _PolicyPlan(layout, k1 * c, path_p, path_q, branches, phases, [path_act, fork_act])
+    return _PolicyPlan(layout, kept, path_p, path_q, branches, phases, [path_act, fork_act])
 
 
 def plan_document(

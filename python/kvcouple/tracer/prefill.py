@@ -132,6 +132,9 @@ def select(policy: Policy, pre: Prefill, generator: torch.Generator | None = Non
         )
     if keep and (int(idx.min()) < 0 or int(idx.max()) >= pre.prefix_length):
         raise ValueError(f"policy {policy.spec()} returned indices outside the prompt")
+    if keep > 1 and bool((torch.sort(idx, dim=-1).values.diff(dim=-1) == 0).any()):
+        # (an entry kept twice would count twice in the kept cache's softmax)
+        raise ValueError(f"policy {policy.spec()} returned an index twice in a layer and head")
     return idx
 
 
@@ -149,3 +152,22 @@ def gather_kept(
             )
         )
     return out
+
+
+def hidden_entries(
+    kv: list[tuple[torch.Tensor, torch.Tensor]], idx: torch.Tensor
+) -> list[torch.Tensor] | None:
+    """Per layer an additive ``(1, kv_heads, 1, n - 1)`` mask in the cache's dtype hiding
+    the prefix entries that ``idx`` ``(layers, kv_heads, keep)`` does not keep (``finfo.min``;
+    0 where kept); None where every entry is kept. Attention over the masked prompt's cache is
+    attention over the kept entries (:func:`gather_kept`), with no copy of them."""
+    k = kv[0][0]
+    layers, kv_heads, length = len(kv), int(k.shape[1]), int(k.shape[2])
+    index = idx.to(device=k.device, dtype=torch.long)
+    seen = torch.zeros((layers, kv_heads, length), dtype=torch.bool, device=k.device)
+    seen.scatter_(2, index, True)
+    if bool(seen.all()):
+        return None
+    hidden = torch.zeros(seen.shape, dtype=k.dtype, device=k.device)
+    hidden.masked_fill_(~seen, torch.finfo(k.dtype).min)
+    return [hidden[layer][None, :, None, :] for layer in range(layers)]
