@@ -14,8 +14,10 @@ import argparse
 import numpy as np
 import torch
 
+from kvcouple.policies import parse_policy
 from kvcouple.testing.op_counter import generate_peer, per_step
 from kvcouple.tracer import TraceSettings, trace_document
+from kvcouple.tracer.run import trace_documents_records
 
 CASES = [
     ("snapkv, shared", "snapkv:retain=0.5", "shared"),
@@ -53,6 +55,7 @@ def main() -> None:
     ap.add_argument("--prompt", type=int, default=64)
     ap.add_argument("--replicates", type=int, default=8)
     ap.add_argument("--horizons", type=int, nargs=2, default=(4, 12))
+    ap.add_argument("--documents", type=int, default=4, help="documents of the batch case")
     args = ap.parse_args()
 
     torch.set_num_threads(1)
@@ -85,6 +88,28 @@ def main() -> None:
         print(
             f"| {name} | {c.ops_per_step:,.0f} | {c.ops_per_step / gen.ops_per_step:.2f} | "
             f"{c.syncs_per_step:.1f} | {c.sync_sites_per_step} |"
+        )
+    # A batch of documents (the CUDA default batches them): their rows in one step, every
+    # document's prompt in one pack, against `generate` on as many rows.
+    D = args.documents
+    if D > 1:
+        rng = np.random.default_rng(1)
+        docs = [rng.integers(1, args.vocab - 1, args.prompt - 4 * i).tolist() for i in range(D)]
+        policies = [parse_policy("snapkv:retain=0.5")]
+
+        def run_batch(horizon: int) -> None:
+            settings = TraceSettings(
+                horizon=horizon, replicates=R, branches=1, window=0, cache_layout="shared"
+            )
+            batch = [(ids, i, f"d{i}", settings) for i, ids in enumerate(docs)]
+            trace_documents_records(model, batch, policies, seed=1)
+
+        peer = per_step(generate_peer(model, prompt, 2 * R * D), tuple(args.horizons))
+        c = per_step(run_batch, tuple(args.horizons))
+        print(
+            f"| snapkv, shared, {D} documents | {c.ops_per_step:,.0f} | "
+            f"{c.ops_per_step / peer.ops_per_step:.2f} (generate on {2 * R * D} rows: "
+            f"{peer.ops_per_step:,.0f}) | {c.syncs_per_step:.1f} | {c.sync_sites_per_step} |"
         )
 
 

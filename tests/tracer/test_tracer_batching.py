@@ -56,10 +56,14 @@ def test_batched_documents_equal_one_at_a_time(tmp_path, monkeypatch):
     units = []
     start_units = SharedRows.start_units.__func__
 
-    def spy(cls, model, sides, copies, steps):
+    packed = []
+
+    def spy(cls, model, sides, copies, steps, slots=None):
+        rows = start_units(cls, model, sides, copies, steps, slots)
         if copies == 2:  # (not the support check's trial trace, R = 1)
             units.append(len(sides))
-        return start_units(cls, model, sides, copies, steps)
+            packed.append(rows.shared.packed is not None)
+        return rows
 
     monkeypatch.setattr(SharedRows, "start_units", classmethod(spy))
     fork = SharedRows.fork
@@ -73,6 +77,8 @@ def test_batched_documents_equal_one_at_a_time(tmp_path, monkeypatch):
     monkeypatch.setattr(SharedRows, "fork", fork_spy)
     trace(m, prompts, SPECS, _settings(3), tmp_path / "b3.zarr", progress=False)
     assert units == [3, 3, 2, 2]  # two one-shot policies x two batches of documents
+    # Every batch's prompts are one pack: one prefix call per layer for all its rows.
+    assert packed == [True] * 4
     # The branches of a batch's documents fork together: a prefix group per document and side.
     assert max(fork_groups) == 6
     units.clear()

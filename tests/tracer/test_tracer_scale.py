@@ -495,6 +495,83 @@ def test_packed_prefix_one_call_equals_attention_over_the_kept_entries(dtype):
     assert fork.packed is not None and fork.packed[0][2] is shared.packed[0][2]
 
 
+@pytest.mark.parametrize("fused", [True, False])
+def test_a_batch_of_documents_in_one_pack_is_one_call_exact_per_document(fused):
+    """Three documents of different prompt lengths in one :class:`PromptPack` (padded to the
+    longest), each with P rows on its prompt and Q rows on its kept entries: one prefix call
+    per layer covers every row, and each row's output equals dense float64 attention over its
+    own document's prompt (P) or kept entries (Q) followed by its own columns; the fused
+    kernel (CPU) and the matrix-product path (other devices) alike."""
+    import kvcouple.tracer.attention as attention
+    from kvcouple.tracer.attention import PrefixGroup, PromptPack, SharedPrefix, prefix_attention
+    from kvcouple.tracer.prefill import gather_kept, hidden_entries
+
+    g = torch.Generator().manual_seed(7)
+    n, H, KV, d, s = 2, 8, 2, 16, 3
+    lengths, keep = [9, 13, 6], [4, 7, 6]
+    D = len(lengths)
+    docs = [
+        [(torch.randn(1, KV, m, d, generator=g), torch.randn(1, KV, m, d, generator=g))]
+        for m in lengths
+    ]
+    pack = PromptPack.allocate(docs[0], lengths)
+    for i, kv in enumerate(docs):
+        pack.put(i, kv)
+        assert torch.equal(pack.slot(i)[0][0], kv[0][0])
+    idx = [
+        torch.stack([torch.randperm(m, generator=g)[:k].sort().values for _ in range(KV)])[None]
+        for m, k in zip(lengths, keep, strict=True)
+    ]
+    views = [pack.slot(i) for i in range(D)]
+    groups = [PrefixGroup(i * n, (i + 1) * n, views[i], slot=(pack, i)) for i in range(D)]
+    groups += [
+        PrefixGroup(
+            (D + i) * n, (D + i + 1) * n, views[i], hidden_entries(views[i], idx[i]), (pack, i)
+        )
+        for i in range(D)
+    ]
+    shared = SharedPrefix(groups)
+    assert shared.packed is not None and shared.packed[0][0].shape[0] == D
+    B = 2 * D * n
+    query = torch.randn(B, H, 1, d, generator=g)
+    own_k, own_v = torch.randn(B, KV, s, d, generator=g), torch.randn(B, KV, s, d, generator=g)
+    real = attention.attend_lse
+    calls = []
+
+    def attend(*args, **kwargs):
+        calls.append(args[1].shape[0])
+        return real(*args, **kwargs, fused=fused)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(attention, "attend_lse", attend)
+        got = prefix_attention(query, own_k, own_v, None, 0.25, shared, 0)
+    assert calls == [B, D]  # the own columns, then every document's prefix at once
+    for i in range(D):
+        kept = gather_kept(docs[i], idx[i])
+        for side, (kp, vp) in ((0, docs[i][0]), (1, kept[0])):
+            rows = slice((side * D + i) * n, (side * D + i + 1) * n)
+            keys = torch.cat([kp.expand(n, -1, -1, -1), own_k[rows]], 2)
+            values = torch.cat([vp.expand(n, -1, -1, -1), own_v[rows]], 2)
+            seen = torch.ones(n, 1, keys.shape[2], dtype=torch.bool)
+            want = _dense_attention(query[rows], keys, values, seen, 0.25)
+            torch.testing.assert_close(got[rows].double(), want, atol=2e-6, rtol=1e-5)
+    # Documents out of the pack's order are not packed (they fall back to a call per group).
+    swapped = (
+        groups[1:2]
+        + groups[0:1]
+        + groups[D + 1 : D + 2]
+        + groups[D : D + 1]
+        + groups[2:D]
+        + groups[D + 2 :]
+    )
+    for j, grp in enumerate(swapped):
+        grp_rows = grp.stop - grp.start
+        swapped[j] = PrefixGroup(j * grp_rows, (j + 1) * grp_rows, grp.kv, grp.hidden, grp.slot)
+    assert SharedPrefix(swapped).packed is None
+    with pytest.raises(ValueError, match="document 1 has 9 entries, not 13"):
+        pack.put(1, docs[0])
+
+
 @pytest.mark.parametrize("attn", ["sdpa", "eager"])
 def test_shared_layout_equals_a_masked_full_forward(attn):
     """P rows over the prompt's cache and Q rows over the kept entries, each held once, in one

@@ -75,3 +75,28 @@ def test_rescore_rule_rows_folded_into_heads_select_as_row_by_row(model, monkeyp
             np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-9, err_msg=name)
         else:
             np.testing.assert_array_equal(a, b, err_msg=name)
+
+
+def test_a_batch_of_documents_costs_the_ops_of_one(model):
+    """Three documents of different lengths traced as one batch (their prompts in one pack,
+    one prefix call per layer for every row): no host sync, and the ops per step of one
+    document (the packed call does not grow with the documents)."""
+    from kvcouple.policies import parse_policy
+    from kvcouple.tracer.run import trace_documents_records
+
+    rng = np.random.default_rng(2)
+    docs = [rng.integers(1, 120, n).tolist() for n in (24, 19, 30)]
+    policies = [parse_policy("snapkv:retain=0.5,window=4")]
+
+    def run(horizon: int) -> None:
+        settings = TraceSettings(
+            horizon=horizon, replicates=R, branches=1, window=0, cache_layout="shared"
+        )
+        batch = [(ids, i, f"d{i}", settings) for i, ids in enumerate(docs)]
+        trace_documents_records(model, batch, policies, seed=1)
+
+    batch = per_step(run, HORIZONS)
+    one = per_step(lambda h: _trace(model, "snapkv:retain=0.5,window=4", "shared", h), HORIZONS)
+    assert batch.syncs_per_step == 0, batch.sync_sites_per_step
+    # (a call per document and side would add about 6 ops per layer and document)
+    assert batch.ops_per_step <= one.ops_per_step + 6, (batch.ops_per_step, one.ops_per_step)

@@ -67,6 +67,45 @@ class ForwardState:
     prefix: SharedPrefix | None = None  # the prefixes the rows share (shared layout)
 
 
+@dataclass(eq=False)
+class PromptPack:
+    """The prompt caches of a batch's documents in one tensor per layer, ``(documents,
+    kv_heads, longest, head_dim)``, each padded after its ``lengths[i]`` entries (zeros, never
+    seen): document ``i``'s cache is the view :meth:`slot` of it. Shared-layout attention then
+    covers every document of the batch in one call (:class:`SharedPrefix`)."""
+
+    kv: list[tuple[torch.Tensor, torch.Tensor]]
+    lengths: list[int]
+
+    @classmethod
+    def allocate(
+        cls, like: list[tuple[torch.Tensor, torch.Tensor]], lengths: list[int]
+    ) -> PromptPack:
+        """An empty pack shaped after one document's cache ``like``, for ``lengths``."""
+        longest = max(lengths)
+        kv = [
+            (
+                k.new_zeros(len(lengths), k.shape[1], longest, k.shape[3]),
+                v.new_zeros(len(lengths), v.shape[1], longest, v.shape[3]),
+            )
+            for k, v in like
+        ]
+        return cls(kv, list(lengths))
+
+    def put(self, i: int, kv: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Copy document ``i``'s cache into its slot."""
+        for (pk, pv), (k, v) in zip(self.kv, kv, strict=True):
+            if int(k.shape[2]) != self.lengths[i]:
+                raise ValueError(f"document {i} has {k.shape[2]} entries, not {self.lengths[i]}")
+            pk[i : i + 1, :, : k.shape[2]].copy_(k)
+            pv[i : i + 1, :, : v.shape[2]].copy_(v)
+
+    def slot(self, i: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Document ``i``'s cache, ``(1, kv_heads, lengths[i], head_dim)`` per layer (views)."""
+        n = self.lengths[i]
+        return [(k[i : i + 1, :, :n], v[i : i + 1, :, :n]) for k, v in self.kv]
+
+
 @dataclass
 class PrefixGroup:
     """Rows ``start:stop`` of a batch attend, before their own cache, to ``kv``: per layer the
@@ -81,6 +120,7 @@ class PrefixGroup:
     stop: int
     kv: list[tuple[torch.Tensor, torch.Tensor]]
     hidden: list[torch.Tensor] | None = None
+    slot: tuple[PromptPack, int] | None = None  # where ``kv`` lies in a batch's pack
 
 
 @dataclass
@@ -119,37 +159,58 @@ class SharedPrefix:
         self.packed = self._pack()
 
     def _pack(self) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]] | None:
-        first = self.groups[0] if self.groups else None
-        if first is None or first.stop == first.start or not first.kv:
-            return None
-        size = first.stop - first.start
-        if any(g.kv is not first.kv or g.stop - g.start != size for g in self.groups):
-            return None
-        if any(int(k.shape[-2]) == 0 for k, _ in first.kv):
-            return None
+        """Per layer the keys and values ``(documents, kv_heads, length, head_dim)`` and the
+        mask ``(documents, 2 kv_heads, 1, length)`` (query head ``2 h + side`` of KV head
+        ``h``; None: every entry seen) of one call covering every group, or None where the
+        groups do not have that form: ``D`` P groups then ``D`` Q groups, every one of ``n``
+        rows, Q group ``i`` on the same prefix as P group ``i`` (one document), and for
+        ``D > 1`` the documents in order in one :class:`PromptPack`."""
         G = len(self.groups)
-        key = tuple(0 if g.hidden is None else id(g.hidden) for g in self.groups)
-        stacks = None
-        if any(key):
+        if G == 0 or G % 2:
+            return None
+        D = G // 2
+        sides, n = self.groups[:D], self.groups[0].stop - self.groups[0].start
+        if n == 0 or any(g.stop - g.start != n for g in self.groups):
+            return None
+        if any(self.groups[D + i].kv is not g.kv for i, g in enumerate(sides)):
+            return None
+        if not sides[0].kv or any(int(k.shape[-2]) == 0 for g in sides for k, _ in g.kv):
+            return None
+        pack = None
+        if D > 1:
+            pack = sides[0].slot[0] if sides[0].slot is not None else None
+            if pack is None or len(pack.lengths) != D:
+                return None
+            if any(
+                g.slot is None or g.slot[0] is not pack or g.slot[1] != i
+                for i, g in enumerate(sides)
+            ):
+                return None
+        padded = pack is not None and min(pack.lengths) < max(pack.lengths)
+        key = (id(pack), *(0 if g.hidden is None else id(g.hidden) for g in self.groups))
+        masks = None
+        if padded or any(key[1:]):
             if key not in self.stacks:
-                masks = [g.hidden for g in self.groups]
-                self.stacks[key] = (masks, [self._stack(i) for i in range(len(first.kv))])
-            stacks = self.stacks[key][1]
-        return [
-            (
-                k.expand(G, -1, -1, -1),
-                v.expand(G, -1, -1, -1),
-                None if stacks is None else stacks[i],
-            )
-            for i, (k, v) in enumerate(first.kv)
-        ]
+                held = [pack, *(g.hidden for g in self.groups)]
+                self.stacks[key] = (held, [self._masks(i, pack) for i in range(self.layers)])
+            masks = self.stacks[key][1]
+        kv = sides[0].kv if pack is None else pack.kv
+        return [(k, v, None if masks is None else masks[i]) for i, (k, v) in enumerate(kv)]
 
-    def _stack(self, layer: int) -> torch.Tensor:
-        """Layer ``layer``'s masks of every group, ``(groups, kv_heads, 1, length)`` (0 for a
-        group that sees every entry)."""
-        k = self.groups[0].kv[layer][0]
-        zero = k.new_zeros(1, k.shape[1], 1, k.shape[2])
-        return torch.cat([zero if g.hidden is None else g.hidden[layer] for g in self.groups])
+    def _masks(self, layer: int, pack: PromptPack | None) -> torch.Tensor:
+        """Layer ``layer``'s additive masks for :meth:`_pack`: per document and KV head the P
+        rows' (padding hidden) and the Q rows' (padding and evicted entries hidden)."""
+        D = len(self.groups) // 2
+        k = self.groups[0].kv[layer][0] if pack is None else pack.kv[layer][0]
+        kv_heads, width = int(k.shape[1]), int(k.shape[2])
+        lowest = torch.finfo(k.dtype).min
+        out = k.new_full((D, kv_heads, 2, 1, width), lowest)
+        for i in range(D):
+            n = width if pack is None else pack.lengths[i]
+            out[i, :, 0, :, :n] = 0
+            hidden = self.groups[D + i].hidden
+            out[i, :, 1, :, :n] = 0 if hidden is None else hidden[layer][0]
+        return out.reshape(D, 2 * kv_heads, 1, width)
 
     @property
     def layers(self) -> int:
@@ -276,30 +337,45 @@ def attend_lse(
     value: torch.Tensor,
     mask: torch.Tensor | None,
     scaling: float,
+    fused: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Softmax attention of ``query`` ``(B, h, L, d)`` over ``key``/``value`` ``(B, h, S, d)``
-    (``S >= 1``; ``mask``: additive, broadcastable to ``(B, h, L, S)``, never hiding every
+    """Softmax attention of ``query`` ``(B, h, L, d)`` over ``key``/``value`` ``(B, kv, S,
+    d)`` (``h`` a multiple of ``kv``: query heads ``g * h / kv ...`` share KV head ``g``;
+    ``S >= 1``; ``mask``: additive, broadcastable to ``(B, h, L, S)``, never hiding every
     key of a query) and its log-sum-exp: ``(B, h, L, d)`` in the query's dtype and ``(B, h,
     L)`` in float32 (float64 for float64 inputs).
 
     On CPU one fused kernel (PyTorch's flash attention for CPU, which returns the log-sum-exp
-    and materialises no score tensor); elsewhere the same numbers by matrix products and
-    ``logsumexp`` (the fused kernels of other devices are not wired until measured there).
+    and materialises no score tensor); elsewhere (or ``fused=False``) the same numbers by
+    matrix products and ``logsumexp`` (the fused kernels of other devices are not wired until
+    measured there).
     """
-    if query.device.type == "cpu" and query.shape[-1] == value.shape[-1]:
+    if fused is None:
+        fused = query.device.type == "cpu"
+    if fused and query.shape[-1] == value.shape[-1]:
         if mask is not None and mask.dtype != query.dtype:
             mask = mask.to(query.dtype)
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
             query, key, value, 0.0, False, attn_mask=mask, scale=scaling
         )
         return out, lse
+    B, h, L, d = query.shape
+    kv_heads = int(key.shape[1])
+    group = h // kv_heads  # query heads per KV head (GQA: heads g * group ... share KV head g)
     wide = torch.promote_types(query.dtype, torch.float32)
-    scores = torch.matmul(query, key.transpose(-1, -2)).to(wide) * scaling
+    q5 = query.view(B, kv_heads, group, L, d)
+    scores = torch.matmul(q5, key[:, :, None].transpose(-1, -2)).to(wide) * scaling
     if mask is not None:
-        scores = scores + mask.to(wide)
+        m = mask.to(wide)
+        if m.dim() == 4 and m.shape[1] == h and group > 1:
+            m = m.view(m.shape[0], kv_heads, group, *m.shape[2:])
+        else:
+            m = m[:, :, None]
+        scores = scores + m
     lse = torch.logsumexp(scores, dim=-1)
     probs = torch.exp(scores - lse[..., None]).to(value.dtype)
-    return torch.matmul(probs, value).to(query.dtype), lse
+    out = torch.matmul(probs, value[:, :, None])
+    return out.reshape(B, h, L, -1).to(query.dtype), lse.reshape(B, h, L)
 
 
 def prefix_attention(
@@ -345,12 +421,30 @@ def prefix_attention(
             m = m.expand(B, -1, q, -1).reshape(B, kv_heads, gq, -1)
     own, own_lse = attend_lse(qg, key, value, m, scaling)  # (B, kv, gq, d), (B, kv, gq)
     if prefix.packed is not None:
-        # One call for every group: a group's rows folded into the query axis, (G, kv, n *
-        # gq, d), laid out row by row so that the output is a view in row order.
+        # One call for every group: rows are (side, document, row); per document its P and
+        # Q rows are two query heads of each KV head (GQA over one prefix tensor, the rows
+        # folded into the query axis): queries (D, 2 kv, n * gq, d).
         kp, vp, hidden = prefix.packed[layer]
-        G = int(kp.shape[0])
-        qp = qg.transpose(1, 2).reshape(G, B // G * gq, kv_heads, d).transpose(1, 2)
+        D = int(kp.shape[0])
+        n = B // (2 * D)
+        # (strides from the tensors' own: the kernels' outputs need not be contiguous)
+        S = qg.stride()
+        qp = qg.as_strided(
+            (D, kv_heads, 2, n, gq, d), (n * S[0], S[1], D * n * S[0], S[0], S[2], S[3])
+        ).reshape(D, 2 * kv_heads, n * gq, d)
         pre, pre_lse = attend_lse(qp, kp, vp, hidden, scaling)
+        # Merged as (side, document, row, kv, gq, ...): the outputs strided views of the
+        # kernel's (D, 2 kv, n * gq, ...), the own part's a view.
+        six = (2, D, n, kv_heads, gq)
+        o, s_ = pre.stride(), pre_lse.stride()
+        pre = pre.as_strided((*six, pre.shape[-1]), (o[1], o[0], gq * o[2], 2 * o[1], o[2], o[3]))
+        pre_lse = pre_lse.as_strided((*six, 1), (s_[1], s_[0], gq * s_[2], 2 * s_[1], s_[2], 1))
+        weight = torch.sigmoid(pre_lse - own_lse.reshape(*six, 1))
+        own6 = own.reshape(*six, own.shape[-1])
+        if own6.dtype != weight.dtype:
+            own6, pre = own6.to(weight.dtype), pre.to(weight.dtype)
+        out = torch.lerp(own6, pre, weight)
+        return _heads_out(out, B, heads, q, query.dtype)
     else:
         # Every row's queries, a group's rows consecutive: (1, kv, B * gq, d); a call per group.
         qt = qg.transpose(0, 1).reshape(1, kv_heads, B * gq, d)
@@ -374,10 +468,14 @@ def prefix_attention(
     weight = torch.sigmoid(pre_lse - own_lse[..., None])
     if own.dtype != weight.dtype:
         own, pre = own.to(weight.dtype), pre.to(weight.dtype)
-    out = torch.lerp(own, pre, weight)  # (B, kv, gq, d_v)
-    # (B, q, heads, d_v); at q == 1 that is the same order, so one view (or copy) does it.
+    return _heads_out(torch.lerp(own, pre, weight), B, heads, q, query.dtype)
+
+
+def _heads_out(out: torch.Tensor, B: int, heads: int, q: int, dtype: torch.dtype) -> torch.Tensor:
+    """``(B, kv, gq, d_v)`` as transformers' ``(B, q, heads, d_v)``; at ``q == 1`` that is the
+    same order, so one view (or copy) does it."""
     out = out.reshape(B, 1, heads, -1) if q == 1 else out.reshape(B, heads, q, -1).transpose(1, 2)
-    return out if out.dtype == query.dtype else out.to(query.dtype)
+    return out if out.dtype == dtype else out.to(dtype)
 
 
 def _rows_first(t: torch.Tensor, rows: int, trailing: bool = False) -> torch.Tensor:

@@ -366,7 +366,9 @@ def _trace_shared_batch(model: Any, units: list[Unit]) -> list[PolicyTrace]:
     settings = units[0].settings
     R, T = settings.replicates, settings.horizon
     device = units[0].pre.input_ids.device
-    rows = SharedRows.start_units(model, [(u.pre.kv, u.idx) for u in units], R, T)
+    rows = SharedRows.start_units(
+        model, [(u.pre.kv, u.idx) for u in units], R, T, [u.pre.pack for u in units]
+    )
     first = torch.tensor([int(u.pre.input_ids[-1]) for u in units for _ in range(R)], device=device)
     path_u = torch.as_tensor(np.concatenate([u.streams["path"] for u in units], axis=1))
     path = run_path(rows, first, settings, path_u.to(device))

@@ -11,11 +11,13 @@ one ``(2B, vocab)`` batch, P rows first, exactly like the joint layout. Neither 
 attention mask on the overlap path (every cached entry is visible); forks mask the path's
 columns from ``t*`` on, per row.
 
-**shared.** Every P row's prefix is the prompt's cache and every Q row's the policy's kept
-entries: held once, not once per replicate. The batch's cache holds only each row's own
-columns (the tokens fed from the last prompt token on), and attention over a row's prefix and
-its own columns is one softmax over both
-(:func:`kvcouple.tracer.attention.prefix_attention`). P and Q rows run as one batch (the
+**shared.** Every P row's prefix is the prompt's cache and every Q row's the same cache with
+the policy's evicted entries hidden (or the kept entries as their own tensors): held once,
+not once per replicate. The batch's cache holds only each row's own columns (the tokens fed
+from the last prompt token on), and attention over a row's prefix and its own columns is one
+softmax over both (:func:`kvcouple.tracer.attention.prefix_attention`: one prefix call per
+layer for every row, the documents' prompts in one
+:class:`~kvcouple.tracer.attention.PromptPack`). P and Q rows run as one batch (the
 weights read once per step), and a fork copies none of the prefix. At 32k tokens, R=8, on an
 8B model the P rows' cache falls from 32 GiB to the prompt's 4 GiB plus 8 x T columns. It
 needs a model whose every layer attends through the tracer's wrapper without a window,
@@ -33,7 +35,7 @@ from typing import Any
 import torch
 
 from kvcouple.tracer import compat
-from kvcouple.tracer.attention import PrefixGroup, SharedPrefix
+from kvcouple.tracer.attention import PrefixGroup, PromptPack, SharedPrefix
 from kvcouple.tracer.kvcache import cache_bytes, fork_cache
 from kvcouple.tracer.prefill import hidden_entries
 from kvcouple.tracer.rows import CacheRows
@@ -171,9 +173,12 @@ class SharedRows(CacheRows):
         units: list[tuple[list[tuple[torch.Tensor, torch.Tensor]], Kept]],
         copies: int,
         steps: int,
+        slots: list[tuple[PromptPack, int] | None] | None = None,
     ) -> SharedRows:
         """:meth:`start` for several ``(prefix, kept)`` units (documents) in one batch: the P
-        rows of every unit in order, then their Q rows in the same order."""
+        rows of every unit in order, then their Q rows in the same order. ``slots``: where
+        each unit's prefix lies in a :class:`PromptPack` (the units' prompts in order in one
+        pack: one prefix call per layer for the whole batch)."""
         first = units[0][0]
         device = first[0][0].device
         rows = 2 * copies * len(units)
@@ -186,11 +191,15 @@ class SharedRows(CacheRows):
         )
         cache = compat.cache_from_tensors(empty, None, steps)
         half = copies * len(units)
-        groups = [PrefixGroup(u * copies, (u + 1) * copies, p) for u, (p, _) in enumerate(units)]
+        where = slots or [None] * len(units)
+        groups = [
+            PrefixGroup(u * copies, (u + 1) * copies, p, slot=where[u])
+            for u, (p, _) in enumerate(units)
+        ]
         for u, (p, kept) in enumerate(units):
             start, stop = half + u * copies, half + (u + 1) * copies
             if isinstance(kept, torch.Tensor):
-                groups.append(PrefixGroup(start, stop, p, hidden_entries(p, kept)))
+                groups.append(PrefixGroup(start, stop, p, hidden_entries(p, kept), where[u]))
             else:
                 groups.append(PrefixGroup(start, stop, kept))
         lengths = torch.tensor([int(p[0][0].shape[2]) for p, _ in units], device=device)
@@ -240,7 +249,11 @@ class SharedRows(CacheRows):
             ):
                 last.stop = row + 1
             else:
-                groups.append(PrefixGroup(row, row + 1, source_group.kv, source_group.hidden))
+                groups.append(
+                    PrefixGroup(
+                        row, row + 1, source_group.kv, source_group.hidden, source_group.slot
+                    )
+                )
         return groups
 
     def cache_bytes(self) -> int:

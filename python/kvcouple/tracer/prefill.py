@@ -21,6 +21,7 @@ from kvcouple.policies import Policy, PolicyContext
 from kvcouple.policies.base import query_needs as query_needs
 from kvcouple.policies.context import LayerInputCapture
 from kvcouple.tracer import compat, support
+from kvcouple.tracer.attention import PromptPack
 from kvcouple.tracer.model import attn_implementation as attn_implementation
 from kvcouple.tracer.model import facts
 from kvcouple.tracer.model import vocab_size as vocab_size
@@ -41,6 +42,7 @@ class Prefill:
     num_query_heads: int
     vocab_size: int
     layer_inputs: LayerInputCapture | None = None  # for policies with NEEDS_LAYER_INPUTS
+    pack: tuple[PromptPack, int] | None = None  # ``kv`` is this slot of a batch's pack
 
     @property
     def prompt_length(self) -> int:
@@ -111,6 +113,31 @@ def prefill(
         vocab_size(model),
         inputs,
     )
+
+
+def prefill_documents(
+    model: Any,
+    prompts: Sequence[torch.Tensor],
+    need_queries: bool,
+    doc_ids: Sequence[str],
+    policies: Sequence[Policy] | None = None,
+) -> list[Prefill]:
+    """:func:`prefill` of each prompt of a batch; two or more share one :class:`PromptPack`
+    (each document's ``kv`` a view of its slot, padded to the longest prompt), so that the
+    shared layout attends to every document's prompt in one call. Packed one document at a
+    time: at most one document's cache is held beyond the pack."""
+    pres: list[Prefill] = []
+    pack = None
+    lengths = [int(torch.as_tensor(ids).numel()) - 1 for ids in prompts]
+    for i, (ids, doc) in enumerate(zip(prompts, doc_ids, strict=True)):
+        pre = prefill(model, ids, need_queries, doc=doc, policies=policies)
+        if len(prompts) > 1:
+            if pack is None:
+                pack = PromptPack.allocate(pre.kv, lengths)
+            pack.put(i, pre.kv)
+            pre.kv, pre.pack = pack.slot(i), (pack, i)
+        pres.append(pre)
+    return pres
 
 
 class _ScoredPolicy:

@@ -65,7 +65,7 @@ from kvcouple.tracer.memory import (
 )
 from kvcouple.tracer.model import facts, refresh
 from kvcouple.tracer.model import model_eos_ids as model_eos_ids
-from kvcouple.tracer.prefill import prefill
+from kvcouple.tracer.prefill import prefill_documents
 from kvcouple.tracer.prompts import Prompt
 from kvcouple.tracer.provenance import provenance
 from kvcouple.tracer.settings import TraceSettings
@@ -167,10 +167,13 @@ def _trace_batch(
 ) -> list[DocumentTrace]:
     """:func:`trace_documents_records` of a model and policies already checked."""
     need = any(p.NEEDS_QUERIES for p in policies)
-    pres = [
-        prefill(model, torch.as_tensor(ids, dtype=torch.long), need, doc=doc_id, policies=policies)
-        for ids, _, doc_id, _ in documents
-    ]
+    pres = prefill_documents(
+        model,
+        [torch.as_tensor(ids, dtype=torch.long) for ids, _, _, _ in documents],
+        need,
+        [doc_id for _, _, doc_id, _ in documents],
+        policies,
+    )
     units = [(pre, s, d) for pre, (_, d, _, s) in zip(pres, documents, strict=True)]
     traces = []  # per policy, per document
     for i, pol in enumerate(policies):
@@ -197,14 +200,27 @@ def _trace_batch(
 MAX_DOC_ROWS = 128
 
 
+def _pack_padding(plans: dict[int, DocumentPlan], members: list[int]) -> int:
+    """Bytes the batch's prompt pack holds beyond its prompts' caches (each padded to the
+    longest, :func:`~kvcouple.tracer.prefill.prefill_documents`)."""
+    longest = max(plans[b].prompt_length for b in members)
+    return sum(
+        (longest - plans[b].prompt_length)
+        * plans[b].prompt_cache
+        // max(plans[b].prompt_length - 1, 1)
+        for b in members
+    )
+
+
 def document_batches(
     documents: Sequence[int], plans: dict[int, DocumentPlan], settings: TraceSettings
 ) -> list[list[int]]:
     """The shard's documents in batches, in order: ``settings.doc_batch`` documents at most
     (``"auto"``: up to :data:`MAX_DOC_ROWS` rows on a device whose memory is known, one at a
     time otherwise), and never more than fit the plans' budget together (the sum of their
-    planned peaks, a bound: they share the activations), of prompt lengths within a factor of
-    two (a batch's rows hold prefix scores as wide as its longest prompt). Policies whose layout is not shared
+    planned peaks, a bound: they share the activations, plus the padding of their prompt
+    pack), of prompt lengths within a factor of two (the pack pads every prompt to the
+    longest, and a batch's prefix call reads that width for every document). Policies whose layout is not shared
     (decode-time eviction, windowed models) trace a batch's documents one at a time
     (:func:`~kvcouple.tracer.engine.trace_units`)."""
     budget = next((p.budget for p in plans.values() if p.budget is not None), None)
@@ -216,14 +232,14 @@ def document_batches(
     total = 0
     for d in documents:
         peak = plans[d].peak
-        lengths = [plans[b].prompt_length for b in (batches[-1] if batches else [])]
-        lengths.append(plans[d].prompt_length)
+        members = [*(batches[-1] if batches else []), d]
+        lengths = [plans[b].prompt_length for b in members]
         similar = max(lengths) <= 2 * min(lengths)
         if (
             batches
             and len(batches[-1]) < most
             and similar
-            and (budget is None or total + peak <= budget)
+            and (budget is None or total + peak + _pack_padding(plans, members) <= budget)
         ):
             batches[-1].append(d)
             total += peak
