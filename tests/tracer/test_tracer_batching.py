@@ -2,6 +2,8 @@
 held once (the shared cache layout); records equal one-at-a-time tracing to float noise, and a
 resumed run equals an uninterrupted one exactly."""
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 
@@ -134,3 +136,22 @@ def test_document_batches_follow_the_memory_plan():
 def test_doc_batch_must_be_positive_or_auto(bad):
     with pytest.raises(ValueError, match="doc_batch must be >= 1 or 'auto'"):
         _settings(bad)
+
+
+@pytest.mark.parametrize("doc_batch", [1, 3])
+def test_keeping_everything_is_exactly_no_hazard_in_the_shared_layout(doc_batch):
+    """``full`` in the shared layout, one document at a time and three in one pack (padded
+    prompts): P and Q rows attend to the same prefix tensor with equal inputs, so every
+    hazard is exactly 0 and no branch is drawn (float noise would draw spurious branches)."""
+    from kvcouple.policies import parse_policy
+    from kvcouple.tracer.run import trace_documents_records
+
+    m = model("llama")
+    prompts = _prompts([20, 33, 27])
+    settings = replace(_settings(doc_batch), cache_layout="shared")
+    docs = [(list(p.input_ids), i, p.id, settings) for i, p in enumerate(prompts)]
+    batches = [docs] if doc_batch == 3 else [[d] for d in docs]
+    for batch in batches:
+        for out in trace_documents_records(m, batch, [parse_policy("full")], seed=2):
+            assert np.all(out.arrays["hazard"] == 0)
+            assert np.all(out.arrays["branch_step"] == 0)
