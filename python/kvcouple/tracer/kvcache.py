@@ -34,6 +34,7 @@ import torch
 from transformers.cache_utils import DynamicCache
 
 from kvcouple.tracer.model import UnsupportedModelError
+from kvcouple.tracer.settings import active_compile_mode
 
 _MIN_GROWTH = 64
 _STATIC_SLACK = 1024
@@ -117,6 +118,11 @@ def _make_layer_class(base: Any) -> Any:
             self._v = values.new_empty(*values.shape[:-2], max(capacity, length), values.shape[-1])
             self._k[..., :length, :] = keys
             self._v[..., :length, :] = values
+            if active_compile_mode() == "reduce-overhead":
+                # CUDA graphs write the step's column into the buffers in place: allowed for
+                # inputs at static addresses only (else inductor skips the graphs).
+                torch._dynamo.mark_static_address(self._k)
+                torch._dynamo.mark_static_address(self._v)
             self.length = length
             self.zeroed = False  # whether the unwritten columns hold zeros (zero_tail)
             self.device = keys.device
