@@ -395,12 +395,23 @@ def _dense_attention(query, keys, values, visible, scaling):
     return torch.matmul(torch.softmax(scores, -1), v).transpose(1, 2)
 
 
+@pytest.mark.parametrize("fused", [True, False])
 @pytest.mark.parametrize("mask_kind", ["none", "bool", "additive"])
-def test_prefix_attention_equals_attention_over_the_concatenated_cache(mask_kind):
+def test_prefix_attention_equals_attention_over_the_concatenated_cache(
+    mask_kind, fused, monkeypatch
+):
     """Rows in two groups, each group with its own shared prefix (one empty), GQA 8 query heads
     on 2 KV heads, two queries per row, per-row hidden own columns: the prefix-group attention equals
-    softmax attention over prefix + own columns, in float64, to float32 rounding."""
+    softmax attention over prefix + own columns, in float64, to float32 rounding; with the
+    fused kernel (CPU) and the matrix-product path (other devices)."""
+    import functools
+
+    import kvcouple.tracer.attention as attention
     from kvcouple.tracer.attention import PrefixGroup, SharedPrefix, prefix_attention
+
+    monkeypatch.setattr(
+        attention, "attend_lse", functools.partial(attention.attend_lse, fused=fused)
+    )
 
     g = torch.Generator().manual_seed(0)
     B, H, KV, q, d, s = 5, 8, 2, 2, 16, 7

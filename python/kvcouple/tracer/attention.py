@@ -360,22 +360,38 @@ def attend_lse(
         )
         return out, lse
     B, h, L, d = query.shape
-    kv_heads = int(key.shape[1])
+    kv_heads, S = int(key.shape[1]), int(key.shape[2])
     group = h // kv_heads  # query heads per KV head (GQA: heads g * group ... share KV head g)
-    wide = torch.promote_types(query.dtype, torch.float32)
-    q5 = query.view(B, kv_heads, group, L, d)
-    scores = torch.matmul(q5, key[:, :, None].transpose(-1, -2)).to(wide) * scaling
-    if mask is not None:
-        m = mask.to(wide)
-        if m.dim() == 4 and m.shape[1] == h and group > 1:
-            m = m.view(m.shape[0], kv_heads, group, *m.shape[2:])
+    wide = torch.float64 if query.dtype == torch.float64 else torch.float32
+    # The group's queries folded into the query axis: one product per (row, KV head), in 3-d
+    # (fewer ops than a broadcast 4-d matmul).
+    q3 = query.reshape(B * kv_heads, group * L, d)
+    raw = torch.bmm(q3, key.reshape(B * kv_heads, S, d).transpose(1, 2))
+    if mask is None:
+        scores = raw.to(wide) * scaling
+    else:
+        m = mask
+        if group > 1 and (m.shape[1] == h or m.shape[-2] != 1):
+            # a mask per query head, or per query: broadcast over (kv, group, L)
+            per_head = m.shape[1] == h
+            m = m.view(m.shape[0], kv_heads, group, *m.shape[2:]) if per_head else m[:, :, None]
+            raw = raw.view(B, kv_heads, group, L, S)
         else:
-            m = m[:, :, None]
-        scores = scores + m
-    lse = torch.logsumexp(scores, dim=-1)
-    probs = torch.exp(scores - lse[..., None]).to(value.dtype)
-    out = torch.matmul(probs, value[:, :, None])
-    return out.reshape(B, h, L, -1).to(query.dtype), lse.reshape(B, h, L)
+            raw = raw.view(B, kv_heads, group * L, S)
+        # scale and mask in one op, in the wide dtype (the mask's promotion does the cast)
+        scores = torch.add(m if m.dtype == wide else m.to(wide), raw, alpha=scaling)
+    # The softmax with its log-sum-exp in as few passes as it takes: exp(s - max) once,
+    # normalised after the product (as fused kernels do); in 3-d, (row x KV head, query, key).
+    scores = scores.view(B * kv_heads, group * L, S)
+    top = scores.amax(dim=-1, keepdim=True)
+    weights = torch.exp(scores - top)
+    total = weights.sum(dim=-1, keepdim=True)
+    if weights.dtype != value.dtype:
+        weights = weights.to(value.dtype)
+    out = torch.bmm(weights, value.reshape(B * kv_heads, S, -1)) / total
+    lse = (top + torch.log(total)).view(B, h, L)
+    out = out.view(B, h, L, -1)
+    return (out if out.dtype == query.dtype else out.to(query.dtype)), lse
 
 
 def prefix_attention(
