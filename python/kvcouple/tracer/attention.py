@@ -461,25 +461,25 @@ def prefix_attention(
             own6, pre = own6.to(weight.dtype), pre.to(weight.dtype)
         out = torch.lerp(own6, pre, weight)
         return _heads_out(out, B, heads, q, query.dtype)
-    else:
-        # Every row's queries, a group's rows consecutive: (1, kv, B * gq, d); a call per group.
-        qt = qg.transpose(0, 1).reshape(1, kv_heads, B * gq, d)
-        outs, lses = [], []
-        for g in prefix.groups:
-            if g.stop == g.start:
-                continue
-            kp, vp = g.kv[layer]
-            hidden = None if g.hidden is None else g.hidden[layer]
-            part = qt[:, :, g.start * gq : g.stop * gq]
-            if kp.shape[-2]:
-                out, lse = attend_lse(part, kp, vp, hidden, scaling)
-            else:  # an empty prefix: weight 0
-                out = own.new_zeros(1, kv_heads, (g.stop - g.start) * gq, own.shape[-1])
-                lse = own_lse.new_full((1, kv_heads, (g.stop - g.start) * gq), float("-inf"))
-            outs.append(out)
-            lses.append(lse)
-        pre = outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
-        pre_lse = lses[0] if len(lses) == 1 else torch.cat(lses, dim=2)
+    # Otherwise a call per group. Every row's queries, a group's rows consecutive: (1, kv, B *
+    # gq, d).
+    qt = qg.transpose(0, 1).reshape(1, kv_heads, B * gq, d)
+    outs, lses = [], []
+    for g in prefix.groups:
+        if g.stop == g.start:
+            continue
+        kp, vp = g.kv[layer]
+        hidden = None if g.hidden is None else g.hidden[layer]
+        part = qt[:, :, g.start * gq : g.stop * gq]
+        if kp.shape[-2]:
+            out, lse = attend_lse(part, kp, vp, hidden, scaling)
+        else:  # an empty prefix: weight 0
+            out = own.new_zeros(1, kv_heads, (g.stop - g.start) * gq, own.shape[-1])
+            lse = own_lse.new_full((1, kv_heads, (g.stop - g.start) * gq), float("-inf"))
+        outs.append(out)
+        lses.append(lse)
+    pre = outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
+    pre_lse = lses[0] if len(lses) == 1 else torch.cat(lses, dim=2)
     pre, pre_lse = _rows_first(pre, B), _rows_first(pre_lse, B, trailing=True)
     weight = torch.sigmoid(pre_lse - own_lse[..., None])
     if own.dtype != weight.dtype:
@@ -495,20 +495,13 @@ def _heads_out(out: torch.Tensor, B: int, heads: int, q: int, dtype: torch.dtype
 
 
 def _rows_first(t: torch.Tensor, rows: int, trailing: bool = False) -> torch.Tensor:
-    """``(G, kv, rows / G * n, ...)`` (group ``g``'s rows in order along the third axis) as
-    ``(rows, kv, n, ...)`` (``trailing``: with a last axis of size 1 added).
-
-    One strided view where the rows are evenly spaced in memory (always for ``G = 1``, and
-    for the fused kernel's outputs, whose third axis is outermost after the first); a copy
-    otherwise."""
-    G, kv, M = (int(x) for x in t.shape[:3])
-    n = M * G // rows
+    """``(1, kv, rows * n, ...)`` (the rows in order along the third axis) as ``(rows, kv, n,
+    ...)`` (``trailing``: with a last axis of size 1 added): one strided view."""
+    kv, M = int(t.shape[1]), int(t.shape[2])
+    n = M // rows
     size = [rows, kv, n, *t.shape[3:]]
-    if G == 1 or t.stride(0) == M * t.stride(2):
-        stride = [n * t.stride(2), t.stride(1), t.stride(2), *t.stride()[3:]]
-        return t.as_strided(size + [1], stride + [1]) if trailing else t.as_strided(size, stride)
-    out = t.unflatten(2, (rows // G, n)).transpose(1, 2).reshape(size)
-    return out[..., None] if trailing else out
+    stride = [n * t.stride(2), t.stride(1), t.stride(2), *t.stride()[3:]]
+    return t.as_strided(size + [1], stride + [1]) if trailing else t.as_strided(size, stride)
 
 
 def allowed_keys(
