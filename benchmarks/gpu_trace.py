@@ -31,6 +31,7 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
@@ -95,8 +96,6 @@ def short_documents(
 ) -> dict[str, Any]:
     """``count`` documents of ``length`` tokens traced as one batch of documents and one at a
     time (the same records to float noise): tokens/s of both."""
-    from dataclasses import replace
-
     from kvcouple.tracer.memory import plan_loaded
     from kvcouple.tracer.run import trace_documents_records
 
@@ -188,7 +187,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = ap.parse_args(argv)
 
     from kvcouple.policies import parse_policy
-    from kvcouple.tracer import TraceSettings, trace_document
+    from kvcouple.tracer import TraceSettings, lse_attention, trace_document
     from kvcouple.tracer.memory import ModelShape, plan_loaded
     from kvcouple.tracer.provenance import device_name
 
@@ -212,13 +211,16 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         raise SystemExit(f"--decode-horizons must be 0 < h1 < h2, got {h1},{h2}")
 
     model = build_model(tiny, device, dtype)
+    # cascade attention's kernel here (CUDA: the memory-efficient kernel, once it passed its
+    # self-check on this device; else the matrix products)
+    attention_path = lse_attention.fused_path(device, dtype)
     shape = ModelShape.of_model(model)
     vocab = model.config.vocab_size
     rng = np.random.default_rng(0)
     built_s = time.perf_counter() - wall
     print(
         f"model built in {built_s:.1f} s: {shape.weight_bytes / 2**30:.2f} GiB of weights, "
-        f"{dtype}, {device_name(device)}",
+        f"{dtype}, {device_name(device)}; cascade attention: {attention_path}",
         flush=True,
     )
 
@@ -261,8 +263,6 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             run = TraceSettings(horizon=h1, replicates=R, branches=1, window=0, compile=mode)
 
             def trace_h(h: int, run: TraceSettings = run) -> None:
-                from dataclasses import replace
-
                 trace_document(model, prompt, [policy], replace(run, horizon=h), seed=1)
 
             trace_h(h1)  # warm-up (and the compilation, for a compiled mode)
@@ -276,12 +276,29 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 "trace_tokens_per_s": 2 * R * 1e3 / ms if ms > 0 else None,
                 "over_floor": ms / floor_ms,
             }
+        if attention_path != "matrix" and "off" in modes:
+            # The eager step again with cascade attention's matrix path forced: what the fused
+            # kernel buys, side by side (the first H200 run had only the matrix path).
+            lse_attention.FORCE_MATRIX = True
+            try:
+                run = TraceSettings(horizon=h1, replicates=R, branches=1, window=0)
+                ms = marginal_ms(
+                    lambda h: trace_document(
+                        model, prompt, [policy], replace(run, horizon=h), seed=1
+                    ),
+                    (h1, h2),
+                    device,
+                )
+            finally:
+                lse_attention.FORCE_MATRIX = False
+            out["off_matrix_attention"] = {"trace_ms_per_step": ms, "over_floor": ms / floor_ms}
         gen_ms = marginal_ms(lambda h: run_generate(prompt, h), (h1, h2), device)
         out["generate_ms_per_step"] = gen_ms
         out["generate_tokens_per_s"] = 2 * R * 1e3 / gen_ms if gen_ms > 0 else None
-        for mode in modes:
-            ms = out[mode]["trace_ms_per_step"]
-            out[mode]["ratio_to_generate"] = gen_ms / ms if ms > 0 else None
+        for mode in [*modes, "off_matrix_attention"]:
+            if mode in out:
+                ms = out[mode]["trace_ms_per_step"]
+                out[mode]["ratio_to_generate"] = gen_ms / ms if ms > 0 else None
         return out
 
     warm = rng.integers(2, vocab, min(lengths)).tolist()
@@ -323,8 +340,6 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         if n == min(lengths) and plan.layout == "shared":
             # The shared layout trades bytes for kernel launches: at the shortest prompt, where
             # launches weigh most, the joint layout side by side (the data for `auto`).
-            from dataclasses import replace
-
             try:
                 joint_s, joint_tokens = run_trace(prompt, replace(settings, cache_layout="joint"))
                 row.update(joint_trace_tokens_per_s=joint_tokens / joint_s)
@@ -355,7 +370,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             f"{ratio}, peak/plan {over}, branch batch {plan.branch_batch}, {plan.layout} layout",
             flush=True,
         )
-        for mode in modes:
+        for mode in [*modes, "off_matrix_attention"]:
             step = row["decode"].get(mode)
             if step is not None:
                 print(
@@ -397,6 +412,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         },
         "settings": {"R": R, "K": args.branches, "L": L, "T": T, "policy": policy.spec()},
         "compile_modes": modes,
+        "attention_path": attention_path,
         "copy_bandwidth_bytes_per_s": bandwidth,
         "weight_read_floor_ms": floor_ms,
         "model_build_s": built_s,

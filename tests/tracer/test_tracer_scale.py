@@ -300,6 +300,14 @@ def test_gpu_script_cpu_size_path(tmp_path, capsys):
         rows[0]["trace_tokens_per_s"] / rows[0]["joint_trace_tokens_per_s"]
     )
     assert "shared_over_joint" not in rows[1]  # the shortest prompt only
+    # The eager step with cascade attention's matrix path forced, beside the fused kernel's.
+    assert report["attention_path"] == "cpu-flash"
+    for r in rows:
+        forced = r["decode"]["off_matrix_attention"]
+        assert forced["trace_ms_per_step"] > 0 and forced["ratio_to_generate"] > 0
+    from kvcouple.tracer import lse_attention
+
+    assert lse_attention.FORCE_MATRIX is False  # restored
     short = report["short_documents"]
     assert short["documents"] == 3 and short["prompt_tokens"] == 32
     assert short["ratio"] == pytest.approx(short["one_at_a_time_s"] / short["batched_s"])
@@ -404,23 +412,35 @@ def _dense_attention(query, keys, values, visible, scaling):
     return torch.matmul(torch.softmax(scores, -1), v).transpose(1, 2)
 
 
-@pytest.mark.parametrize("fused", [True, False])
+def _attend_by(path: str):
+    """``attend_lse`` forced onto one path: CPU flash, the matrix products, or the CUDA
+    memory-efficient kernel's adapter over its CPU stand-in (the kernel's contract checked)."""
+    import functools
+
+    from kvcouple.testing.efficient_attention import efficient_attention
+    from kvcouple.tracer import lse_attention
+
+    if path == "efficient":
+        return functools.partial(lse_attention.efficient_lse, kernel=efficient_attention)
+    return functools.partial(lse_attention.attend_lse, fused=path == "cpu-flash")
+
+
+LSE_PATHS = ["cpu-flash", "matrix", "efficient"]
+
+
+@pytest.mark.parametrize("path", LSE_PATHS)
 @pytest.mark.parametrize("mask_kind", ["none", "bool", "additive"])
 def test_prefix_attention_equals_attention_over_the_concatenated_cache(
-    mask_kind, fused, monkeypatch
+    mask_kind, path, monkeypatch
 ):
     """Rows in two groups, each group with its own shared prefix (one empty), GQA 8 query heads
     on 2 KV heads, two queries per row, per-row hidden own columns: the prefix-group attention equals
     softmax attention over prefix + own columns, in float64, to float32 rounding; with the
-    fused kernel (CPU) and the matrix-product path (other devices)."""
-    import functools
-
+    fused kernel (CPU), the matrix-product path, and CUDA's memory-efficient kernel's adapter."""
     import kvcouple.tracer.attention as attention
     from kvcouple.tracer.attention import PrefixGroup, SharedPrefix, prefix_attention
 
-    monkeypatch.setattr(
-        attention, "attend_lse", functools.partial(attention.attend_lse, fused=fused)
-    )
+    monkeypatch.setattr(attention, "attend_lse", _attend_by(path))
 
     g = torch.Generator().manual_seed(0)
     B, H, KV, q, d, s = 5, 8, 2, 2, 16, 7
@@ -515,8 +535,8 @@ def test_packed_prefix_one_call_equals_attention_over_the_kept_entries(dtype):
     assert fork.packed is not None and fork.packed[0][2] is shared.packed[0][2]
 
 
-@pytest.mark.parametrize("fused", [True, False])
-def test_a_batch_of_documents_in_one_pack_is_one_call_exact_per_document(fused):
+@pytest.mark.parametrize("path", LSE_PATHS)
+def test_a_batch_of_documents_in_one_pack_is_one_call_exact_per_document(path):
     """Three documents of different prompt lengths in one :class:`PromptPack` (padded to the
     longest), each with P rows on its prompt and Q rows on its kept entries: one prefix call
     per layer covers every row, and each row's output equals dense float64 attention over its
@@ -555,12 +575,12 @@ def test_a_batch_of_documents_in_one_pack_is_one_call_exact_per_document(fused):
     B = 2 * D * n
     query = torch.randn(B, H, 1, d, generator=g)
     own_k, own_v = torch.randn(B, KV, s, d, generator=g), torch.randn(B, KV, s, d, generator=g)
-    real = attention.attend_lse
+    real = _attend_by(path)
     calls = []
 
     def attend(*args, **kwargs):
         calls.append(args[1].shape[0])
-        return real(*args, **kwargs, fused=fused)
+        return real(*args, **kwargs)
 
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(attention, "attend_lse", attend)

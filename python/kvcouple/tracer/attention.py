@@ -23,7 +23,7 @@ case), the layer's ``sliding_window``, ``softcap`` and sinks. It does two things
   group's rows (the prefix is read once per step, not once per row) that also returns its
   log-sum-exp, the rows' own columns another, and the two are merged exactly by their
   log-sum-exps. No score tensor as wide as the prefix is materialised where the device has a
-  kernel that returns the log-sum-exp (:func:`attend_lse`).
+  kernel that returns the log-sum-exp (:mod:`kvcouple.tracer.lse_attention`: CPU and CUDA).
 """
 
 from __future__ import annotations
@@ -37,6 +37,7 @@ from typing import Any
 
 import torch
 
+from kvcouple.tracer.lse_attention import attend_lse, fused_path
 from kvcouple.tracer.model import WRAPPER_PREFIX as _PREFIX
 from kvcouple.tracer.model import UnsupportedModelError, facts
 from kvcouple.tracer.model import uses_interface as uses_interface
@@ -157,6 +158,10 @@ class SharedPrefix:
             stop = g.stop
         self.rows = stop
         self.packed = self._pack()
+        if self.groups and self.groups[0].kv:
+            # the device's attention path decided now, eagerly, not inside a compiled step
+            k = self.groups[0].kv[0][0]
+            fused_path(k.device, k.dtype)
 
     def _pack(self) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]] | None:
         """Per layer the keys and values ``(documents, kv_heads, length, head_dim)`` and the
@@ -329,69 +334,6 @@ def _refuse_for_prefix(module: Any, window: Any, kwargs: dict[str, Any]) -> None
             raise UnsupportedModelError(f"{name} passes {key}: no shared-prefix attention")
     if _captures():
         raise UnsupportedModelError("queries cannot be captured with shared-prefix attention")
-
-
-def attend_lse(
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    mask: torch.Tensor | None,
-    scaling: float,
-    fused: bool | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Softmax attention of ``query`` ``(B, h, L, d)`` over ``key``/``value`` ``(B, kv, S,
-    d)`` (``h`` a multiple of ``kv``: query heads ``g * h / kv ...`` share KV head ``g``;
-    ``S >= 1``; ``mask``: additive, broadcastable to ``(B, h, L, S)``, never hiding every
-    key of a query) and its log-sum-exp: ``(B, h, L, d)`` in the query's dtype and ``(B, h,
-    L)`` in float32 (float64 for float64 inputs).
-
-    On CPU one fused kernel (PyTorch's flash attention for CPU, which returns the log-sum-exp
-    and materialises no score tensor); elsewhere (or ``fused=False``) the same numbers by
-    matrix products and ``logsumexp`` (the fused kernels of other devices are not wired until
-    measured there).
-    """
-    if fused is None:
-        fused = query.device.type == "cpu"
-    if fused and query.shape[-1] == value.shape[-1]:
-        if mask is not None and mask.dtype != query.dtype:
-            mask = mask.to(query.dtype)
-        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-            query, key, value, 0.0, False, attn_mask=mask, scale=scaling
-        )
-        return out, lse
-    B, h, L, d = query.shape
-    kv_heads, S = int(key.shape[1]), int(key.shape[2])
-    group = h // kv_heads  # query heads per KV head (GQA: heads g * group ... share KV head g)
-    wide = torch.float64 if query.dtype == torch.float64 else torch.float32
-    # The group's queries folded into the query axis: one product per (row, KV head), in 3-d
-    # (fewer ops than a broadcast 4-d matmul).
-    q3 = query.reshape(B * kv_heads, group * L, d)
-    raw = torch.bmm(q3, key.reshape(B * kv_heads, S, d).transpose(1, 2))
-    if mask is None:
-        scores = raw.to(wide) * scaling
-    else:
-        m = mask
-        if group > 1 and (m.shape[1] == h or m.shape[-2] != 1):
-            # a mask per query head, or per query: broadcast over (kv, group, L)
-            per_head = m.shape[1] == h
-            m = m.view(m.shape[0], kv_heads, group, *m.shape[2:]) if per_head else m[:, :, None]
-            raw = raw.view(B, kv_heads, group, L, S)
-        else:
-            raw = raw.view(B, kv_heads, group * L, S)
-        # scale and mask in one op, in the wide dtype (the mask's promotion does the cast)
-        scores = torch.add(m if m.dtype == wide else m.to(wide), raw, alpha=scaling)
-    # The softmax with its log-sum-exp in as few passes as it takes: exp(s - max) once,
-    # normalised after the product (as fused kernels do); in 3-d, (row x KV head, query, key).
-    scores = scores.view(B * kv_heads, group * L, S)
-    top = scores.amax(dim=-1, keepdim=True)
-    weights = torch.exp(scores - top)
-    total = weights.sum(dim=-1, keepdim=True)
-    if weights.dtype != value.dtype:
-        weights = weights.to(value.dtype)
-    out = torch.bmm(weights, value.reshape(B * kv_heads, S, -1)) / total
-    lse = (top + torch.log(total)).view(B, h, L)
-    out = out.view(B, h, L, -1)
-    return (out if out.dtype == query.dtype else out.to(query.dtype)), lse
 
 
 def prefix_attention(
