@@ -447,7 +447,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 2)
     ap.add_argument("--repeats", type=int, default=2, help="best of this many runs of each")
     ap.add_argument("--s3-gb", type=float, default=0.25, help="size of the S3 comparison (0: skip)")
-    ap.add_argument("--rows", type=int, default=256, help="rows of the in-memory kernel test (0: skip)")
+    ap.add_argument(
+        "--rows", type=int, default=256, help="rows of the in-memory kernel test (0: skip)"
+    )
     ap.add_argument("--codecs", action="store_true", help="also measure candidate codecs")
     ap.add_argument("--model-store", default=None, help="a traced full store for --codecs")
     ap.add_argument("--keep", action="store_true", help="keep the generated stores")

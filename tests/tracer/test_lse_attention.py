@@ -85,7 +85,8 @@ def test_the_stand_in_refuses_what_the_kernel_refuses():
 
 def test_the_self_check_takes_the_kernel_only_when_it_agrees(monkeypatch):
     """The kernel's stand-in passes; one whose log-sum-exp is off by 0.1, one whose output is
-    off, and one that raises are refused with a warning naming why (the matrix path then)."""
+    off, one that raises, and one that fails only on the second form the tracer calls it in
+    are refused with a warning naming why (the matrix path then)."""
     cpu = torch.device("cpu")
     assert lse_attention._self_check(cpu, torch.float32, efficient_attention) == "cuda-efficient"
     assert lse_attention._self_check(cpu, torch.bfloat16, efficient_attention) == "cuda-efficient"
@@ -101,7 +102,19 @@ def test_the_self_check_takes_the_kernel_only_when_it_agrees(monkeypatch):
     def raises(*args, **kwargs):
         raise RuntimeError("no kernel image is available for execution on the device")
 
-    for kernel, why in ((lse_off, "differs"), (out_off, "differs"), (raises, "no kernel image")):
+    def no_broadcast(query, key, value, bias, *args, **kwargs):
+        # a kernel that cannot read a bias broadcast over heads (the own columns' form)
+        if bias is not None and bias.stride(1) == 0:
+            raise RuntimeError("attn_bias is not correctly aligned (strideH)")
+        return efficient_attention(query, key, value, bias, *args, **kwargs)
+
+    cases = [
+        (lse_off, "differs"),
+        (out_off, "differs"),
+        (raises, "no kernel image"),
+        (no_broadcast, "strideH"),
+    ]
+    for kernel, why in cases:
         with pytest.warns(RuntimeWarning, match=why):
             assert lse_attention._self_check(cpu, torch.float32, kernel) == "matrix"
 

@@ -22,7 +22,6 @@ buys).
 
 from __future__ import annotations
 
-import math
 import os
 import warnings
 from collections.abc import Callable
@@ -101,33 +100,45 @@ def _self_check(
     device: torch.device, dtype: torch.dtype, kernel: Callable[..., Any] | None = None
 ) -> str:
     """``"cuda-efficient"`` if the memory-efficient kernel (``kernel``: a stand-in, for tests),
-    through :func:`efficient_lse`, matches the matrix path here on a problem with grouped
-    heads, a mask per query head and 37 keys; else ``"matrix"``, with a warning naming why."""
+    through :func:`efficient_lse`, matches the matrix path here on the two forms the tracer
+    calls it in: grouped heads with a mask per query head over a misaligned key count (the
+    packed prefix call: the bias padded), and one query head per KV head with one mask row
+    broadcast over rows and heads (the own columns: the bias taken as it is); else
+    ``"matrix"``, with a warning naming why."""
     g = torch.Generator(device="cpu").manual_seed(0)
-    B, kv, group, L, S, d = 2, 2, 2, 3, 37, 64
+    tol = 1e-4 if dtype == torch.float32 else 5e-2
+    reason = ""
+    for B, kv, group, L, S, mask_heads, mask_rows in (
+        (2, 2, 2, 3, 37, 4, 2),
+        (3, 2, 1, 4, 64, 1, 1),
+    ):
+        d = 64
 
-    def rand(*shape: int) -> torch.Tensor:
-        return torch.randn(*shape, generator=g).to(device=device, dtype=dtype)
+        def rand(*shape: int) -> torch.Tensor:
+            return torch.randn(*shape, generator=g).to(device=device, dtype=dtype)
 
-    query, key, value = rand(B, kv * group, L, d), rand(B, kv, S, d), rand(B, kv, S, d)
-    hidden = torch.rand(B, kv * group, 1, S, generator=g) < 0.3
-    hidden[..., -1] = False  # every query sees a key
-    mask = torch.zeros(hidden.shape, dtype=dtype).masked_fill(hidden, torch.finfo(dtype).min)
-    mask = mask.to(device)
-    try:
-        out, lse = efficient_lse(query, key, value, mask, 0.125, kernel)
-        want, want_lse = attend_lse_matrix(query, key, value, mask, 0.125)
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)  # a kernel's asynchronous error surfaces here
-    except Exception as e:  # any failure of an unchecked kernel: do not use it
-        reason = f"{type(e).__name__}: {e}"
-    else:
-        tol = 1e-5 if dtype == torch.float32 else 2e-2
+        query, key, value = rand(B, kv * group, L, d), rand(B, kv, S, d), rand(B, kv, S, d)
+        hidden = torch.rand(mask_rows, mask_heads, 1, S, generator=g) < 0.3
+        hidden[..., -1] = False  # every query sees a key
+        lowest = torch.finfo(dtype).min
+        mask = torch.zeros(hidden.shape, dtype=dtype).masked_fill(hidden, lowest).to(device)
+        try:
+            out, lse = efficient_lse(query, key, value, mask, 0.125, kernel)
+            want, want_lse = attend_lse_matrix(query, key, value, mask, 0.125)
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)  # a kernel's asynchronous error surfaces here
+        except Exception as e:  # any failure of an unchecked kernel: do not use it
+            reason = f"{type(e).__name__}: {e}"
+            break
         out_err = float((out.float() - want.float()).abs().max())
         lse_err = float((lse.float() - want_lse.float()).abs().max())
-        if out_err <= tol and lse_err <= tol and math.isfinite(out_err + lse_err):
-            return "cuda-efficient"
-        reason = f"it differs from the matrix path by {out_err:.3g} (output), {lse_err:.3g} (lse)"
+        if not (out_err <= tol and lse_err <= tol):  # (NaN fails too)
+            reason = (
+                f"it differs from the matrix path by {out_err:.3g} (output), {lse_err:.3g} (lse)"
+            )
+            break
+    if not reason:
+        return "cuda-efficient"
     warnings.warn(
         f"kvcouple: the memory-efficient attention kernel failed its check on {device} "
         f"({dtype}): {reason}; shared-prefix attention uses matrix products instead",
