@@ -66,6 +66,9 @@ def bootstrap_intervals(
     z_upper: float,
     bca: bool,
 ) -> npt.NDArray[np.float64]: ...
+def jackknife_se(
+    values: npt.NDArray[np.float64], weights: npt.NDArray[np.float64]
+) -> npt.NDArray[np.float64]: ...
 def row_tv(p: npt.NDArray[Any], q: npt.NDArray[Any], dtype: str) -> npt.NDArray[np.float64]: ...
 
 # --- store.rs ---

@@ -32,6 +32,31 @@ def test_counts_are_the_resamples_of_the_means():
     np.testing.assert_allclose(counts @ mat / 9, _core.bootstrap_means(mat, 40, 5), atol=1e-12)
 
 
+def test_the_jackknife_kernel_equals_its_definition_inside_every_resample():
+    """``_core.jackknife_se`` (the studentized interval's standard error inside each resample)
+    against ``sqrt((n-1)/n sum w (v - mean)^2)`` in numpy: draw counts from the bootstrap,
+    values far from 0 (no cancellation), NaN at undrawn documents ignored and at drawn ones
+    propagated, a row without draws NaN; shapes that differ refused, typed."""
+    rng = np.random.default_rng(3)
+    counts = _core.bootstrap_counts(37, 500, 9).astype(np.float64)
+    values = 1e6 + rng.normal(size=counts.shape)
+    values[counts == 0] = np.nan  # never read: those documents are not drawn
+    n = counts.sum(1)
+    mean = np.nansum(counts * values, 1) / n
+    want = np.sqrt((n - 1) / n * np.nansum(counts * (values - mean[:, None]) ** 2, 1))
+    got = _core.jackknife_se(values, counts)
+    np.testing.assert_allclose(got, want, rtol=1e-9)
+    drawn = int(np.flatnonzero(counts[0])[0])
+    values[0, drawn] = np.nan
+    counts[1] = 0.0
+    got = _core.jackknife_se(values, counts)
+    assert np.isnan(got[0]) and np.isnan(got[1]) and np.isfinite(got[2:]).all()
+    with pytest.raises(_core.ShapeError, match="one shape"):
+        _core.jackknife_se(values, counts[:, :5])
+    with pytest.raises(_core.ShapeError, match="C-contiguous"):
+        _core.jackknife_se(values[:, ::2], counts[:, ::2])
+
+
 def test_the_standard_error_of_a_mean_is_s_over_root_n():
     x = np.random.default_rng(1).normal(size=N_DOCS)
     e = _bootstrap({"p|x": x}, 0).evaluate(lambda g: g("p|x"))

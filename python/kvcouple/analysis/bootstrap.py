@@ -200,9 +200,9 @@ class Bootstrap:
         se_boot = np.empty((self.counts.shape[0], k))
         inner = self._resample_jackknife()
         for j, f in enumerate(fns):
-            se[j] = _jackknife_se(self._values(f, self.jack)[None, :], np.ones((1, n)), point[j])[0]
+            se[j] = _jackknife_se(self._values(f, self.jack)[None, :], np.ones((1, n)))[0]
             loo = np.broadcast_to(np.asarray(f(inner.get), np.float64), inner.shape)
-            se_boot[:, j] = _jackknife_se(loo, inner.weights, self._values(f, self.reps))
+            se_boot[:, j] = _jackknife_se(loo, inner.weights)
             inner.forget()
         return se, se_boot
 
@@ -280,20 +280,19 @@ class _ResampleJackknife:
         self.cache.clear()
 
 
-def _jackknife_se(
-    values: np.ndarray, weights: np.ndarray, center: float | np.ndarray = 0.0
-) -> np.ndarray:
+def _jackknife_se(values: np.ndarray, weights: np.ndarray) -> np.ndarray:
     """Jackknife standard errors along the last axis: ``values[..., i]`` the statistic without
     one draw of document ``i``, which ``weights[..., i]`` draws share (n draws in all):
-    ``sqrt((n-1)/n sum_draws (v - mean)^2)`` (for a mean, ``s / sqrt(n)`` with ``ddof=1``).
-    ``center`` (near the values, e.g. the statistic itself) keeps the sums of squares exact."""
-    n = weights.sum(-1)
-    dev = np.where(weights > 0, values - np.asarray(center)[..., None], 0.0)
-    wdev = weights * dev
-    mean = wdev.sum(-1) / n
-    with np.errstate(invalid="ignore"):
-        var = np.maximum((wdev * dev).sum(-1) / n - mean * mean, 0.0)
-        return np.asarray(np.sqrt((n - 1) * var))
+    ``sqrt((n-1)/n sum_draws (v - mean)^2)`` (for a mean, ``s / sqrt(n)`` with ``ddof=1``);
+    one pass per row in Rust (:func:`kvcouple._core.jackknife_se`: the studentized bootstrap
+    takes one per statistic and resample)."""
+    from kvcouple import _core
+
+    values = np.asarray(values, np.float64)
+    n = values.shape[-1]
+    flat = np.ascontiguousarray(values.reshape(-1, n))
+    draws = np.ascontiguousarray(np.broadcast_to(weights, values.shape).reshape(-1, n), np.float64)
+    return np.asarray(_core.jackknife_se(flat, draws)).reshape(values.shape[:-1])
 
 
 def _t_ends(tstar: np.ndarray, level: float) -> tuple[float, float]:

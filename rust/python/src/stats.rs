@@ -1,9 +1,9 @@
 //! Wrappers of the analysis kernels (`kvcouple-core::stats`): bootstrap of column means and
 //! TV recomputed from stored distributions.
 
-use kvcouple_core::stats::{bootstrap, intervals, recompute};
+use kvcouple_core::stats::{bootstrap, intervals, jackknife, recompute};
 use numpy::{
-    IntoPyArray, PyArray2, PyArrayMethods, PyReadonlyArray1, PyReadonlyArray2,
+    IntoPyArray, PyArray1, PyArray2, PyArrayMethods, PyReadonlyArray1, PyReadonlyArray2,
     PyUntypedArrayMethods,
 };
 use pyo3::prelude::*;
@@ -87,6 +87,30 @@ pub fn bootstrap_intervals<'py>(
     flat.into_pyarray(py).reshape([rows.len(), 4])
 }
 
+/// Jackknife standard errors of the rows of `values` (rows x n, leave-one-out values) with
+/// draw counts `weights` (rows x n): `kvcouple-core::stats::jackknife`.
+#[pyfunction]
+#[pyo3(signature = (values, weights))]
+pub fn jackknife_se<'py>(
+    py: Python<'py>,
+    values: PyReadonlyArray2<'py, f64>,
+    weights: PyReadonlyArray2<'py, f64>,
+) -> PyResult<Bound<'py, PyArray1<f64>>> {
+    let (rows, n) = (values.shape()[0], values.shape()[1]);
+    if weights.shape() != values.shape() {
+        return Err(ShapeError::new_err(format!(
+            "values {:?} and weights {:?} must have one shape (rows, n)",
+            values.shape(),
+            weights.shape()
+        )));
+    }
+    let not_contiguous = |name: &str| ShapeError::new_err(format!("{name} must be C-contiguous"));
+    let v = values.as_slice().map_err(|_| not_contiguous("values"))?;
+    let w = weights.as_slice().map_err(|_| not_contiguous("weights"))?;
+    let out = py.detach(|| guard(|| jackknife::jackknife_se(v, w, rows, n)))?;
+    Ok(out.into_pyarray(py))
+}
+
 /// Per-row TV between stored distributions; NaN for rows that hold NaN (never recorded).
 #[pyfunction]
 pub fn row_tv<'py>(
@@ -106,6 +130,7 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(bootstrap_means, m)?)?;
     m.add_function(wrap_pyfunction!(bootstrap_counts, m)?)?;
     m.add_function(wrap_pyfunction!(bootstrap_intervals, m)?)?;
+    m.add_function(wrap_pyfunction!(jackknife_se, m)?)?;
     m.add_function(wrap_pyfunction!(row_tv, m)?)?;
     Ok(())
 }

@@ -3,9 +3,12 @@
 //! - [`bootstrap`]: document-level bootstrap of column means, seeded per replicate so that
 //!   results do not depend on the number of threads;
 //! - [`intervals`]: percentile and BCa intervals of many statistics from their replicates;
+//! - [`jackknife`]: jackknife standard errors of many rows of leave-one-out values (the
+//!   studentized bootstrap's, inside every resample);
 //! - [`recompute`]: per-row total variation recomputed from stored distributions (rows that
 //!   were never recorded hold NaN and give NaN).
 
 pub mod bootstrap;
 pub mod intervals;
+pub mod jackknife;
 pub mod recompute;
