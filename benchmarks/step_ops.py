@@ -70,12 +70,12 @@ def main() -> None:
     if args.attention != "fused":
         import functools
 
-        import kvcouple.tracer.attention as attention
+        import kvcouple.tracer.prefix as prefix
         from kvcouple.testing.efficient_attention import efficient_attention
         from kvcouple.tracer.lse_attention import efficient_lse
 
-        attention.attend_lse = (  # type: ignore[assignment]
-            functools.partial(attention.attend_lse, fused=False)
+        prefix.attend_lse = (  # type: ignore[assignment]
+            functools.partial(prefix.attend_lse, fused=False)
             if args.attention == "matrix"
             else functools.partial(efficient_lse, kernel=efficient_attention)
         )

@@ -437,10 +437,10 @@ def test_prefix_attention_equals_attention_over_the_concatenated_cache(
     on 2 KV heads, two queries per row, per-row hidden own columns: the prefix-group attention equals
     softmax attention over prefix + own columns, in float64, to float32 rounding; with the
     fused kernel (CPU), the matrix-product path, and CUDA's memory-efficient kernel's adapter."""
-    import kvcouple.tracer.attention as attention
-    from kvcouple.tracer.attention import PrefixGroup, SharedPrefix, prefix_attention
+    import kvcouple.tracer.prefix as prefix
+    from kvcouple.tracer.prefix import PrefixGroup, SharedPrefix, prefix_attention
 
-    monkeypatch.setattr(attention, "attend_lse", _attend_by(path))
+    monkeypatch.setattr(prefix, "attend_lse", _attend_by(path))
 
     g = torch.Generator().manual_seed(0)
     B, H, KV, q, d, s = 5, 8, 2, 2, 16, 7
@@ -485,8 +485,8 @@ def test_packed_prefix_one_call_equals_attention_over_the_kept_entries(dtype):
     groups are packed (one prefix call per layer), the result equals dense attention over the
     prompt (P) and over the gathered kept entries (Q) to rounding, and equals the per-group
     loop; with nothing hidden, P and Q rows with equal inputs agree to an ulp."""
-    from kvcouple.tracer.attention import PrefixGroup, SharedPrefix, prefix_attention
     from kvcouple.tracer.prefill import gather_kept, hidden_entries
+    from kvcouple.tracer.prefix import PrefixGroup, SharedPrefix, prefix_attention
 
     g = torch.Generator().manual_seed(3)
     n, H, KV, d, s, n1, keep = 3, 8, 2, 16, 4, 13, 6
@@ -542,9 +542,9 @@ def test_a_batch_of_documents_in_one_pack_is_one_call_exact_per_document(path):
     per layer covers every row, and each row's output equals dense float64 attention over its
     own document's prompt (P) or kept entries (Q) followed by its own columns; the fused
     kernel (CPU) and the matrix-product path (other devices) alike."""
-    import kvcouple.tracer.attention as attention
-    from kvcouple.tracer.attention import PrefixGroup, PromptPack, SharedPrefix, prefix_attention
+    import kvcouple.tracer.prefix as prefix
     from kvcouple.tracer.prefill import gather_kept, hidden_entries
+    from kvcouple.tracer.prefix import PrefixGroup, PromptPack, SharedPrefix, prefix_attention
 
     g = torch.Generator().manual_seed(7)
     n, H, KV, d, s = 2, 8, 2, 16, 3
@@ -583,7 +583,7 @@ def test_a_batch_of_documents_in_one_pack_is_one_call_exact_per_document(path):
         return real(*args, **kwargs)
 
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(attention, "attend_lse", attend)
+        mp.setattr(prefix, "attend_lse", attend)
         got = prefix_attention(query, own_k, own_v, None, 0.25, shared, 0)
     assert calls == [B, D]  # the own columns, then every document's prefix at once
     for i in range(D):
@@ -665,8 +665,9 @@ def test_shared_prefix_is_refused_where_it_cannot_be_exact():
     falls back); a forward with a prefix on a model whose attention bypasses the wrapper is
     refused rather than run without the prefix."""
     from kvcouple.tracer import compat
-    from kvcouple.tracer.attention import PrefixGroup, SharedPrefix, UnsupportedModelError
+    from kvcouple.tracer.attention import UnsupportedModelError
     from kvcouple.tracer.memory import ModelShape, choose_layout
+    from kvcouple.tracer.prefix import PrefixGroup, SharedPrefix
 
     refused = {
         "gemma2": dict(layer_types=["full_attention"] * 2),  # soft-cap only

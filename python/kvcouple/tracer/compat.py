@@ -35,6 +35,7 @@ from kvcouple.tracer.kvcache import cache_tensors as cache_tensors
 from kvcouple.tracer.kvcache import new_cache as new_cache
 from kvcouple.tracer.model import UnsupportedModelError as UnsupportedModelError
 from kvcouple.tracer.model import facts
+from kvcouple.tracer.prefix import SharedPrefix
 from kvcouple.tracer.settings import active_compile_mode
 
 __all__ = [
@@ -67,7 +68,7 @@ def forward(
     position_ids: torch.Tensor,
     attention_mask: torch.Tensor | None = None,
     last_only: bool = True,
-    prefix: attention.SharedPrefix | None = None,
+    prefix: SharedPrefix | None = None,
     step: bool = False,
     whole: bool = False,
 ) -> torch.Tensor:
@@ -126,7 +127,7 @@ def _call(
     model: Any,
     kw: dict[str, Any],
     positions: list[torch.Tensor] | None,
-    prefix: attention.SharedPrefix | None,
+    prefix: SharedPrefix | None,
     last_only: bool,
 ) -> torch.Tensor:
     with attention.active(model, kw["position_ids"], positions, prefix):

@@ -15,9 +15,9 @@ columns from ``t*`` on, per row.
 the policy's evicted entries hidden (or the kept entries as their own tensors): held once,
 not once per replicate. The batch's cache holds only each row's own columns (the tokens fed
 from the last prompt token on), and attention over a row's prefix and its own columns is one
-softmax over both (:func:`kvcouple.tracer.attention.prefix_attention`: one prefix call per
+softmax over both (:func:`kvcouple.tracer.prefix.prefix_attention`: one prefix call per
 layer for every row, the documents' prompts in one
-:class:`~kvcouple.tracer.attention.PromptPack`). P and Q rows run as one batch (the
+:class:`~kvcouple.tracer.prefix.PromptPack`). P and Q rows run as one batch (the
 weights read once per step), and a fork copies none of the prefix. At 32k tokens, R=8, on an
 8B model the P rows' cache falls from 32 GiB to the prompt's 4 GiB plus 8 x T columns. It
 needs a model whose every layer attends through the tracer's wrapper without a window,
@@ -35,9 +35,9 @@ from typing import Any
 import torch
 
 from kvcouple.tracer import compat
-from kvcouple.tracer.attention import PrefixGroup, PromptPack, SharedPrefix
 from kvcouple.tracer.kvcache import cache_bytes, fork_cache
 from kvcouple.tracer.prefill import hidden_entries
+from kvcouple.tracer.prefix import PrefixGroup, PromptPack, SharedPrefix
 from kvcouple.tracer.rows import CacheRows
 
 # A Q side in the shared layout: the kept entries' own tensors per layer, or their positions

@@ -1,5 +1,5 @@
 """Softmax attention that also returns its log-sum-exp (cascade attention merges two such
-calls exactly, :func:`kvcouple.tracer.attention.prefix_attention`), on each device's fastest
+calls exactly, :func:`kvcouple.tracer.prefix.prefix_attention`), on each device's fastest
 path that gives the same numbers:
 
 - **CPU**: PyTorch's flash attention for CPU (``_scaled_dot_product_flash_attention_for_cpu``):

@@ -21,10 +21,10 @@ from kvcouple.policies import Policy, PolicyContext
 from kvcouple.policies.base import query_needs as query_needs
 from kvcouple.policies.context import LayerInputCapture
 from kvcouple.tracer import compat, support
-from kvcouple.tracer.attention import PromptPack
 from kvcouple.tracer.model import attn_implementation as attn_implementation
 from kvcouple.tracer.model import facts
 from kvcouple.tracer.model import vocab_size as vocab_size
+from kvcouple.tracer.prefix import PromptPack
 from kvcouple.tracer.settings import without_grad
 
 

@@ -17,7 +17,7 @@ from typing import Any, Protocol
 import torch
 
 from kvcouple.tracer import compat
-from kvcouple.tracer.attention import SharedPrefix
+from kvcouple.tracer.prefix import SharedPrefix
 
 
 class StepHook(Protocol):

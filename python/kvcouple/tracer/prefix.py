@@ -1,0 +1,294 @@
+"""Shared prefixes (the ``shared`` cache layout, :mod:`kvcouple.tracer.layout`): the rows of a
+batch hold only their own columns and all attend, before them, to a prefix they share (their
+document's prompt cache, held once, with a policy's evicted entries hidden by a mask for the
+Q rows).
+
+- :class:`PromptPack`: a batch's documents' prompt caches in one padded tensor per layer;
+- :class:`PrefixGroup`: rows that share one prefix; :class:`SharedPrefix`: a batch's groups,
+  **packed** into one attention call per layer where they have that form;
+- :func:`prefix_attention`: cascade attention over a row's prefix and its own columns, two
+  attention calls that each return their log-sum-exp (:mod:`kvcouple.tracer.lse_attention`),
+  merged exactly.
+
+:mod:`kvcouple.tracer.attention`'s wrapper calls :func:`prefix_attention` for models that
+dispatch through transformers' attention interface.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from kvcouple.tracer.lse_attention import attend_lse, fused_path
+
+__all__ = ["PrefixGroup", "PromptPack", "SharedPrefix", "prefix_attention"]
+
+
+@dataclass(eq=False)
+class PromptPack:
+    """The prompt caches of a batch's documents in one tensor per layer, ``(documents,
+    kv_heads, longest, head_dim)``, each padded after its ``lengths[i]`` entries (zeros, never
+    seen): document ``i``'s cache is the view :meth:`slot` of it. Shared-layout attention then
+    covers every document of the batch in one call (:class:`SharedPrefix`)."""
+
+    kv: list[tuple[torch.Tensor, torch.Tensor]]
+    lengths: list[int]
+
+    @classmethod
+    def allocate(
+        cls, like: list[tuple[torch.Tensor, torch.Tensor]], lengths: list[int]
+    ) -> PromptPack:
+        """An empty pack shaped after one document's cache ``like``, for ``lengths``."""
+        longest = max(lengths)
+        kv = [
+            (
+                k.new_zeros(len(lengths), k.shape[1], longest, k.shape[3]),
+                v.new_zeros(len(lengths), v.shape[1], longest, v.shape[3]),
+            )
+            for k, v in like
+        ]
+        return cls(kv, list(lengths))
+
+    def put(self, i: int, kv: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Copy document ``i``'s cache into its slot."""
+        for (pk, pv), (k, v) in zip(self.kv, kv, strict=True):
+            if int(k.shape[2]) != self.lengths[i]:
+                raise ValueError(f"document {i} has {k.shape[2]} entries, not {self.lengths[i]}")
+            pk[i : i + 1, :, : k.shape[2]].copy_(k)
+            pv[i : i + 1, :, : v.shape[2]].copy_(v)
+
+    def slot(self, i: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Document ``i``'s cache, ``(1, kv_heads, lengths[i], head_dim)`` per layer (views)."""
+        n = self.lengths[i]
+        return [(k[i : i + 1, :, :n], v[i : i + 1, :, :n]) for k, v in self.kv]
+
+
+@dataclass
+class PrefixGroup:
+    """Rows ``start:stop`` of a batch attend, before their own cache, to ``kv``: per layer the
+    ``(1, kv_heads, length, head_dim)`` keys and values of a prefix they all share.
+
+    ``hidden``: per layer an additive ``(1, kv_heads, 1, length)`` mask (``finfo.min`` at the
+    entries the rows do not see, 0 elsewhere; None: every entry seen). A policy's kept cache
+    is the prompt's cache with its evicted entries hidden, so that P and Q rows of a document
+    attend to one tensor, in one call (:class:`SharedPrefix`)."""
+
+    start: int
+    stop: int
+    kv: list[tuple[torch.Tensor, torch.Tensor]]
+    hidden: list[torch.Tensor] | None = None
+    slot: tuple[PromptPack, int] | None = None  # where ``kv`` lies in a batch's pack
+
+
+@dataclass
+class SharedPrefix:
+    """The prefix groups of a batch, in row order (they cover every row once), and the
+    layers that used them.
+
+    Where every group has as many rows and the same prefix tensors (one document: its P rows
+    see the prompt's cache, its Q rows the same cache with the evicted entries hidden), the
+    groups are **packed**: per layer the prefix expanded to ``(groups, kv_heads, length,
+    head_dim)`` (a view, no copy) and the groups' masks stacked, so that every row's prefix
+    attention is one call (:func:`prefix_attention`). Built once per batch (and per fork), not
+    per step."""
+
+    groups: list[PrefixGroup]
+    served: set[int] = field(default_factory=set)
+    # Packed masks by the groups' masks (a fork whose groups have the masks of its source
+    # batch's reuses its stacks rather than holding copies): shared with :meth:`of_groups`.
+    # (keyed by the masks' ids; each entry holds its masks, so that no id is reused)
+    stacks: dict[tuple[int, ...], tuple[list[Any], list[torch.Tensor]]] = field(
+        default_factory=dict
+    )
+
+    def of_groups(self, groups: list[PrefixGroup]) -> SharedPrefix:
+        """The prefix of another batch of these groups' rows (a fork), sharing the packed
+        masks already built."""
+        return SharedPrefix(groups, stacks=self.stacks)
+
+    def __post_init__(self) -> None:
+        stop = 0
+        for g in self.groups:
+            if g.start != stop or g.stop < g.start:
+                raise ValueError("prefix groups must cover consecutive rows, in order")
+            stop = g.stop
+        self.rows = stop
+        self.packed = self._pack()
+        if self.groups and self.groups[0].kv:
+            # the device's attention path decided now, eagerly, not inside a compiled step
+            k = self.groups[0].kv[0][0]
+            fused_path(k.device, k.dtype)
+
+    def _pack(self) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]] | None:
+        """Per layer the keys and values ``(documents, kv_heads, length, head_dim)`` and the
+        mask ``(documents, 2 kv_heads, 1, length)`` (query head ``2 h + side`` of KV head
+        ``h``; None: every entry seen) of one call covering every group, or None where the
+        groups do not have that form: ``D`` P groups then ``D`` Q groups, every one of ``n``
+        rows, Q group ``i`` on the same prefix as P group ``i`` (one document), and for
+        ``D > 1`` the documents in order in one :class:`PromptPack`."""
+        G = len(self.groups)
+        if G == 0 or G % 2:
+            return None
+        D = G // 2
+        sides, n = self.groups[:D], self.groups[0].stop - self.groups[0].start
+        if n == 0 or any(g.stop - g.start != n for g in self.groups):
+            return None
+        if any(self.groups[D + i].kv is not g.kv for i, g in enumerate(sides)):
+            return None
+        if not sides[0].kv or any(int(k.shape[-2]) == 0 for g in sides for k, _ in g.kv):
+            return None
+        pack = None
+        if D > 1:
+            pack = sides[0].slot[0] if sides[0].slot is not None else None
+            if pack is None or len(pack.lengths) != D:
+                return None
+            if any(
+                g.slot is None or g.slot[0] is not pack or g.slot[1] != i
+                for i, g in enumerate(sides)
+            ):
+                return None
+        padded = pack is not None and min(pack.lengths) < max(pack.lengths)
+        key = (id(pack), *(0 if g.hidden is None else id(g.hidden) for g in self.groups))
+        masks = None
+        if padded or any(key[1:]):
+            if key not in self.stacks:
+                held = [pack, *(g.hidden for g in self.groups)]
+                self.stacks[key] = (held, [self._masks(i, pack) for i in range(self.layers)])
+            masks = self.stacks[key][1]
+        kv = sides[0].kv if pack is None else pack.kv
+        return [(k, v, None if masks is None else masks[i]) for i, (k, v) in enumerate(kv)]
+
+    def _masks(self, layer: int, pack: PromptPack | None) -> torch.Tensor:
+        """Layer ``layer``'s additive masks for :meth:`_pack`: per document and KV head the P
+        rows' (padding hidden) and the Q rows' (padding and evicted entries hidden)."""
+        D = len(self.groups) // 2
+        k = self.groups[0].kv[layer][0] if pack is None else pack.kv[layer][0]
+        kv_heads, width = int(k.shape[1]), int(k.shape[2])
+        lowest = torch.finfo(k.dtype).min
+        out = k.new_full((D, kv_heads, 2, 1, width), lowest)
+        for i in range(D):
+            n = width if pack is None else pack.lengths[i]
+            out[i, :, 0, :, :n] = 0
+            hidden = self.groups[D + i].hidden
+            out[i, :, 1, :, :n] = 0 if hidden is None else hidden[layer][0]
+        return out.reshape(D, 2 * kv_heads, 1, width)
+
+    @property
+    def layers(self) -> int:
+        return len(self.groups[0].kv)
+
+    def width(self, layer: int) -> int:
+        """The longest prefix of ``layer``."""
+        return max(int(g.kv[layer][0].shape[-2]) for g in self.groups)
+
+
+def prefix_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    mask: torch.Tensor | None,
+    scaling: float,
+    prefix: SharedPrefix,
+    layer: int,
+) -> torch.Tensor:
+    """Attention of ``query`` ``(B, heads, q, d)`` over each row's group prefix followed by
+    its own ``key``/``value`` ``(B, kv_heads, s, d)`` (visible where ``mask`` ``(B, 1 or
+    heads, q, >= s)`` allows; None: everywhere; a row always sees its newest column). Returns
+    ``(B, q, heads, d_v)`` like transformers' attention functions.
+
+    Cascade attention: the prefix part and the own part are two softmax attentions, each with
+    its log-sum-exp ``lse_p``, ``lse_o``; attention over both is exactly ``o_p w + o_o (1 -
+    w)`` with ``w = exp(lse_p) / (exp(lse_p) + exp(lse_o)) = sigmoid(lse_p - lse_o)``, in
+    float32. Query heads sharing a KV head are one set of query rows (GQA without copies), and
+    a group's rows are folded into the query axis so that its prefix is read once per layer.
+    """
+    B, heads, q, d = query.shape
+    kv_heads = key.shape[1]
+    group = heads // kv_heads
+    gq = group * q
+    # Query heads h = kv * group + j share KV head kv: rows of (B, kv_heads, group * q, d).
+    qg = query.reshape(B, kv_heads, gq, d)
+    if prefix.rows != B:
+        raise ValueError(f"prefix groups cover {prefix.rows} rows of a batch of {B}")
+    m = None
+    if mask is not None:
+        m = mask if mask.shape[-1] == key.shape[-2] else mask[..., : key.shape[-2]]
+        if m.dtype == torch.bool:
+            m = torch.zeros(m.shape, dtype=query.dtype, device=m.device).masked_fill(
+                ~m, torch.finfo(query.dtype).min
+            )
+        if q == 1 and m.shape[1] == 1:
+            pass  # (B, 1, 1, s) broadcasts over (B, kv, group, s)
+        elif m.shape[1] == 1:
+            m = m.expand(B, 1, q, -1)[:, :, None].expand(B, 1, group, q, -1).reshape(B, 1, gq, -1)
+        else:
+            m = m.expand(B, -1, q, -1).reshape(B, kv_heads, gq, -1)
+    own, own_lse = attend_lse(qg, key, value, m, scaling)  # (B, kv, gq, d), (B, kv, gq)
+    if prefix.packed is not None:
+        # One call for every group: rows are (side, document, row); per document its P and
+        # Q rows are two query heads of each KV head (GQA over one prefix tensor, the rows
+        # folded into the query axis): queries (D, 2 kv, n * gq, d).
+        kp, vp, hidden = prefix.packed[layer]
+        D = int(kp.shape[0])
+        n = B // (2 * D)
+        # (strides from the tensors' own: the kernels' outputs need not be contiguous)
+        S = qg.stride()
+        qp = qg.as_strided(
+            (D, kv_heads, 2, n, gq, d), (n * S[0], S[1], D * n * S[0], S[0], S[2], S[3])
+        ).reshape(D, 2 * kv_heads, n * gq, d)
+        pre, pre_lse = attend_lse(qp, kp, vp, hidden, scaling)
+        # Merged as (side, document, row, kv, gq, ...): the outputs strided views of the
+        # kernel's (D, 2 kv, n * gq, ...), the own part's a view.
+        six = (2, D, n, kv_heads, gq)
+        o, s_ = pre.stride(), pre_lse.stride()
+        pre = pre.as_strided((*six, pre.shape[-1]), (o[1], o[0], gq * o[2], 2 * o[1], o[2], o[3]))
+        pre_lse = pre_lse.as_strided((*six, 1), (s_[1], s_[0], gq * s_[2], 2 * s_[1], s_[2], 1))
+        weight = torch.sigmoid(pre_lse - own_lse.reshape(*six, 1))
+        own6 = own.reshape(*six, own.shape[-1])
+        if own6.dtype != weight.dtype:
+            own6, pre = own6.to(weight.dtype), pre.to(weight.dtype)
+        out = torch.lerp(own6, pre, weight)
+        return _heads_out(out, B, heads, q, query.dtype)
+    # Otherwise a call per group. Every row's queries, a group's rows consecutive: (1, kv, B *
+    # gq, d).
+    qt = qg.transpose(0, 1).reshape(1, kv_heads, B * gq, d)
+    outs, lses = [], []
+    for g in prefix.groups:
+        if g.stop == g.start:
+            continue
+        kp, vp = g.kv[layer]
+        hidden = None if g.hidden is None else g.hidden[layer]
+        part = qt[:, :, g.start * gq : g.stop * gq]
+        if kp.shape[-2]:
+            out, lse = attend_lse(part, kp, vp, hidden, scaling)
+        else:  # an empty prefix: weight 0
+            out = own.new_zeros(1, kv_heads, (g.stop - g.start) * gq, own.shape[-1])
+            lse = own_lse.new_full((1, kv_heads, (g.stop - g.start) * gq), float("-inf"))
+        outs.append(out)
+        lses.append(lse)
+    pre = outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
+    pre_lse = lses[0] if len(lses) == 1 else torch.cat(lses, dim=2)
+    pre, pre_lse = _rows_first(pre, B), _rows_first(pre_lse, B, trailing=True)
+    weight = torch.sigmoid(pre_lse - own_lse[..., None])
+    if own.dtype != weight.dtype:
+        own, pre = own.to(weight.dtype), pre.to(weight.dtype)
+    return _heads_out(torch.lerp(own, pre, weight), B, heads, q, query.dtype)
+
+
+def _heads_out(out: torch.Tensor, B: int, heads: int, q: int, dtype: torch.dtype) -> torch.Tensor:
+    """``(B, kv, gq, d_v)`` as transformers' ``(B, q, heads, d_v)``; at ``q == 1`` that is the
+    same order, so one view (or copy) does it."""
+    out = out.reshape(B, 1, heads, -1) if q == 1 else out.reshape(B, heads, q, -1).transpose(1, 2)
+    return out if out.dtype == dtype else out.to(dtype)
+
+
+def _rows_first(t: torch.Tensor, rows: int, trailing: bool = False) -> torch.Tensor:
+    """``(1, kv, rows * n, ...)`` (the rows in order along the third axis) as ``(rows, kv, n,
+    ...)`` (``trailing``: with a last axis of size 1 added): one strided view."""
+    kv, M = int(t.shape[1]), int(t.shape[2])
+    n = M // rows
+    size = [rows, kv, n, *t.shape[3:]]
+    stride = [n * t.stride(2), t.stride(1), t.stride(2), *t.stride()[3:]]
+    return t.as_strided(size + [1], stride + [1]) if trailing else t.as_strided(size, stride)
