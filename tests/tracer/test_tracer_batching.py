@@ -155,3 +155,50 @@ def test_keeping_everything_is_exactly_no_hazard_in_the_shared_layout(doc_batch)
         for out in trace_documents_records(m, batch, [parse_policy("full")], seed=2):
             assert np.all(out.arrays["hazard"] == 0)
             assert np.all(out.arrays["branch_step"] == 0)
+
+
+@pytest.mark.parametrize("path", ["matrix", "efficient"])
+def test_every_cascade_attention_path_traces_the_same_records(path, monkeypatch):
+    """Three documents in one pack and their branches (forks, where rows per document differ:
+    a call per group), traced with cascade attention on the matrix path and on CUDA's
+    memory-efficient kernel's adapter (over the kernel's CPU stand-in, which refuses what the
+    kernel refuses): the records equal those of the CPU's flash kernel to float noise. Every
+    form in which the tracer calls attention with its log-sum-exp goes through the path."""
+    import functools
+
+    import kvcouple.tracer.prefix as prefix
+    from kvcouple.policies import parse_policy
+    from kvcouple.testing.efficient_attention import efficient_attention
+    from kvcouple.tracer.lse_attention import attend_lse, efficient_lse
+    from kvcouple.tracer.run import trace_documents_records
+
+    m = model("llama")
+    prompts = _prompts([20, 33, 27])
+    settings = replace(_settings(3), cache_layout="shared")
+    docs = [(list(p.input_ids), i, p.id, settings) for i, p in enumerate(prompts)]
+    policies = [parse_policy(s) for s in SPECS[:2]]
+    want = list(trace_documents_records(m, docs, policies, seed=2))
+    calls = []
+    forced = (
+        functools.partial(attend_lse, fused=False)
+        if path == "matrix"
+        else functools.partial(efficient_lse, kernel=efficient_attention)
+    )
+
+    def counted(*args, **kwargs):
+        calls.append(args[1].shape[0])
+        return forced(*args, **kwargs)
+
+    monkeypatch.setattr(prefix, "attend_lse", counted)
+    got = list(trace_documents_records(m, docs, policies, seed=2))
+    assert 3 in calls  # the packed call over three documents ran through the path
+    assert len(got) == len(want) > 0
+    for a, b in zip(want, got, strict=True):
+        assert a.arrays.keys() == b.arrays.keys()
+        assert (b.arrays["branch_step"] > 0).any()  # branches ran (forks took the path too)
+        for name, x in a.arrays.items():
+            y = b.arrays[name]
+            if x.dtype.kind == "f":
+                np.testing.assert_allclose(x, y, atol=2e-5, err_msg=f"{path}: {name}")
+            else:
+                np.testing.assert_array_equal(x, y, err_msg=f"{path}: {name}")
