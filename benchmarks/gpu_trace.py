@@ -124,6 +124,14 @@ def short_documents(
     return out
 
 
+def guarded_short_documents(*args: Any) -> dict[str, Any]:
+    """:func:`short_documents`, a failure recorded rather than raised (the JSON so far is kept)."""
+    try:
+        return short_documents(*args)
+    except Exception as e:
+        return {"error": f"{type(e).__name__}: {str(e)[:800]}"}
+
+
 def copy_bandwidth(device: torch.device) -> float:
     """Bytes per second the device moves in a large copy (read plus write), best of five."""
     size = (1 << 30) if device.type == "cuda" else (64 << 20)
@@ -265,16 +273,25 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             def trace_h(h: int, run: TraceSettings = run) -> None:
                 trace_document(model, prompt, [policy], replace(run, horizon=h), seed=1)
 
-            trace_h(h1)  # warm-up (and the compilation, for a compiled mode)
-            if mode != "off":
-                # Each horizon is its own cache capacity, so its own shape: compile both
-                # before timing (else the second horizon's compilation counts as steps).
-                trace_h(h2)
-            ms = marginal_ms(trace_h, (h1, h2), device)
+            try:
+                t0 = time.perf_counter()
+                trace_h(h1)  # warm-up (and the compilation, for a compiled mode)
+                if mode != "off":
+                    # Each horizon is its own cache capacity, so its own shape: compile both
+                    # before timing (else the second horizon's compilation counts as steps).
+                    trace_h(h2)
+                warmup_s = time.perf_counter() - t0
+                ms = marginal_ms(trace_h, (h1, h2), device)
+            except Exception as e:  # a mode that fails on this device is recorded, not fatal
+                out[mode] = {"error": f"{type(e).__name__}: {str(e)[:800]}"}
+                if device.type == "cuda":
+                    torch.cuda.empty_cache()
+                continue
             out[mode] = {
                 "trace_ms_per_step": ms,
                 "trace_tokens_per_s": 2 * R * 1e3 / ms if ms > 0 else None,
                 "over_floor": ms / floor_ms,
+                "warmup_s": warmup_s,
             }
         if attention_path != "matrix" and "off" in modes:
             # The eager step again with cascade attention's matrix path forced: what the fused
@@ -289,14 +306,17 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                     (h1, h2),
                     device,
                 )
+                forced = {"trace_ms_per_step": ms, "over_floor": ms / floor_ms}
+            except Exception as e:
+                forced = {"error": f"{type(e).__name__}: {str(e)[:800]}"}
             finally:
                 lse_attention.FORCE_MATRIX = False
-            out["off_matrix_attention"] = {"trace_ms_per_step": ms, "over_floor": ms / floor_ms}
+            out["off_matrix_attention"] = forced
         gen_ms = marginal_ms(lambda h: run_generate(prompt, h), (h1, h2), device)
         out["generate_ms_per_step"] = gen_ms
         out["generate_tokens_per_s"] = 2 * R * 1e3 / gen_ms if gen_ms > 0 else None
         for mode in [*modes, "off_matrix_attention"]:
-            if mode in out:
+            if "trace_ms_per_step" in out.get(mode, {}):
                 ms = out[mode]["trace_ms_per_step"]
                 out[mode]["ratio_to_generate"] = gen_ms / ms if ms > 0 else None
         return out
@@ -306,6 +326,38 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     run_generate(warm, 2)
 
     results: list[dict[str, Any]] = []
+
+    def report_now(short: dict[str, Any], partial: bool) -> dict[str, Any]:
+        """The JSON so far; written to ``--out`` after every prompt length too, so that a run
+        cut short (the device's time spent) still leaves what it measured."""
+        report = {
+            "device": device_name(device),
+            "dtype": str(dtype).removeprefix("torch."),
+            "torch_version": torch.__version__,
+            "model": {
+                "layers": shape.layers,
+                "kv_heads": shape.kv_heads,
+                "head_dim": shape.head_dim,
+                "vocab": shape.vocab,
+                "weight_bytes": shape.weight_bytes,
+            },
+            "settings": {"R": R, "K": args.branches, "L": L, "T": T, "policy": policy.spec()},
+            "compile_modes": modes,
+            "attention_path": attention_path,
+            "copy_bandwidth_bytes_per_s": bandwidth,
+            "weight_read_floor_ms": floor_ms,
+            "model_build_s": built_s,
+            "results": results,
+            "short_documents": short,
+            "wall_s": time.perf_counter() - wall,
+        }
+        if partial:
+            report["partial"] = True
+        if args.out:
+            with open(args.out, "w") as f:
+                f.write(json.dumps(report, indent=1) + "\n")
+        return report
+
     for n in lengths:
         if time.perf_counter() - wall > args.budget_s:
             results.append({"prompt_tokens": n, "skipped": "time budget spent"})
@@ -326,10 +378,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             torch.cuda.reset_peak_memory_stats(device)
         try:
             trace_s, tokens = run_trace(prompt, settings)
-        except torch.cuda.OutOfMemoryError:  # the plan was wrong: record it, go on
-            row["trace_error"] = "out of memory"
+        except Exception as e:  # out of memory (the plan was wrong) or a failure: record, go on
+            row["trace_error"] = f"{type(e).__name__}: {str(e)[:800]}"
             results.append(row)
-            torch.cuda.empty_cache()
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+            report_now({"skipped": "not reached yet"}, partial=True)
             continue
         row.update(trace_s=trace_s, trace_tokens=tokens, trace_tokens_per_s=tokens / trace_s)
         if device.type == "cuda":
@@ -358,11 +412,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             row["generate_error"] = f"out of memory at batch {2 * R}"
         try:
             row["decode"] = decode_step(prompt)
-        except torch.cuda.OutOfMemoryError:
-            row["decode"] = {"error": "out of memory"}
+        except Exception as e:  # (each compile mode's own failure is recorded inside)
+            row["decode"] = {"error": f"{type(e).__name__}: {str(e)[:800]}"}
         if device.type == "cuda":
             torch.cuda.empty_cache()
         results.append(row)
+        report_now({"skipped": "not reached yet"}, partial=True)
         ratio = "-" if row["ratio"] is None else f"{row['ratio']:.2f}x"
         over = "-" if row["peak_over_plan"] is None else f"{row['peak_over_plan']:.2f}"
         print(
@@ -372,7 +427,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         )
         for mode in [*modes, "off_matrix_attention"]:
             step = row["decode"].get(mode)
-            if step is not None:
+            if step is not None and "error" in step:
+                print(f"  decode, compile {mode}: failed: {step['error'][:300]}", flush=True)
+            elif step is not None:
                 print(
                     f"  decode, compile {mode}: {step['trace_ms_per_step']:.2f} ms/step "
                     f"({step['over_floor']:.1f}x the weight-read floor), generate "
@@ -382,7 +439,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
     short: dict[str, Any] = {"skipped": "time budget spent"}
     if time.perf_counter() - wall <= args.budget_s:
-        short = short_documents(
+        short = guarded_short_documents(
             model,
             policy,
             settings,
@@ -391,6 +448,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             rng,
             device,
         )
+    if "ratio" in short:
         print(
             f"{short['documents']} documents of {short['prompt_tokens']} tokens: "
             f"{short['batched_tokens_per_s']:.0f} tokens/s as one batch, "
@@ -399,32 +457,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             flush=True,
         )
 
-    report = {
-        "device": device_name(device),
-        "dtype": str(dtype).removeprefix("torch."),
-        "torch_version": torch.__version__,
-        "model": {
-            "layers": shape.layers,
-            "kv_heads": shape.kv_heads,
-            "head_dim": shape.head_dim,
-            "vocab": shape.vocab,
-            "weight_bytes": shape.weight_bytes,
-        },
-        "settings": {"R": R, "K": args.branches, "L": L, "T": T, "policy": policy.spec()},
-        "compile_modes": modes,
-        "attention_path": attention_path,
-        "copy_bandwidth_bytes_per_s": bandwidth,
-        "weight_read_floor_ms": floor_ms,
-        "model_build_s": built_s,
-        "results": results,
-        "short_documents": short,
-        "wall_s": time.perf_counter() - wall,
-    }
-    text = json.dumps(report, indent=1)
-    print(text)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(text + "\n")
+    report = report_now(short, partial=False)
+    print(json.dumps(report, indent=1))
     return report
 
 

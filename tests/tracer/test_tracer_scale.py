@@ -314,6 +314,37 @@ def test_gpu_script_cpu_size_path(tmp_path, capsys):
     assert report["wall_s"] > 0 and "ratio to generate" in capsys.readouterr().out
 
 
+def test_gpu_script_records_a_failing_mode_and_goes_on(tmp_path, monkeypatch):
+    """A compile mode that raises on the device (here `graphs`, made to fail) is recorded in
+    the JSON with its error, and the other modes, generate and the JSON still come: one lent
+    GPU run must not be lost to one failure."""
+    import importlib.util
+    from pathlib import Path
+
+    import kvcouple.tracer as tracer
+
+    real = tracer.trace_document
+
+    def failing(model, prompt, policies, settings, **kw):
+        if settings.compile == "graphs":
+            raise RuntimeError("boom: cudagraphs")
+        return real(model, prompt, policies, settings, **kw)
+
+    monkeypatch.setattr(tracer, "trace_document", failing)
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "gpu_trace.py"
+    spec = importlib.util.spec_from_file_location("gpu_trace", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    out = tmp_path / "gpu.json"
+    args = ["--tiny", "--prompts", "24", "--horizon", "4", "--window", "2", "--compile"]
+    report = module.main([*args, "off,graphs", "--short-docs", "2", "--out", str(out)])
+    decode = report["results"][0]["decode"]
+    assert decode["graphs"] == {"error": "RuntimeError: boom: cudagraphs"}
+    assert decode["off"]["trace_ms_per_step"] > 0 and decode["generate_ms_per_step"] > 0
+    assert json.loads(out.read_text()) == json.loads(json.dumps(report))
+    assert "partial" not in report
+
+
 # Caches that grow in place ---------------------------------------------------------------------
 def test_preallocated_cache_equals_the_dynamic_cache_and_writes_in_place():
     """Decoding on a preallocated cache gives the dynamic cache's logits bit for bit, with a
