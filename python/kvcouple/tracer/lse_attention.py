@@ -32,7 +32,7 @@ import torch
 __all__ = ["attend_lse", "attend_lse_matrix", "efficient_lse", "fused_path"]
 
 # Fused-path decisions by (device, dtype): "cpu-flash", "cuda-efficient" or "matrix".
-_DECIDED: dict[tuple[str, torch.dtype], str] = {}
+_DECIDED: dict[tuple[torch.device, torch.dtype], str] = {}
 # The memory-efficient kernel's bias rows must start 16-element aligned (SDPA pads to this).
 _BIAS_ALIGNMENT = 16
 _EFFICIENT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -87,7 +87,7 @@ def fused_path(device: torch.device, dtype: torch.dtype) -> str:
         return "cpu-flash"
     if device.type != "cuda" or dtype not in _EFFICIENT_DTYPES:
         return "matrix"
-    key = (str(device), dtype)
+    key = (device, dtype)
     path = _DECIDED.get(key)
     if path is None:
         if torch.compiler.is_compiling():
