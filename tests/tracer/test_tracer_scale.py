@@ -626,19 +626,41 @@ def test_a_batch_of_documents_in_one_pack_is_one_call_exact_per_document(path):
             seen = torch.ones(n, 1, keys.shape[2], dtype=torch.bool)
             want = _dense_attention(query[rows], keys, values, seen, 0.25)
             torch.testing.assert_close(got[rows].double(), want, atol=2e-6, rtol=1e-5)
-    # Documents out of the pack's order are not packed (they fall back to a call per group).
-    swapped = (
-        groups[1:2]
-        + groups[0:1]
-        + groups[D + 1 : D + 2]
-        + groups[D : D + 1]
-        + groups[2:D]
-        + groups[D + 2 :]
-    )
-    for j, grp in enumerate(swapped):
-        grp_rows = grp.stop - grp.start
-        swapped[j] = PrefixGroup(j * grp_rows, (j + 1) * grp_rows, grp.kv, grp.hidden, grp.slot)
-    assert SharedPrefix(swapped).packed is None
+    # A fork of these rows (branches per document differ): documents out of the pack's order,
+    # unequal rows per document and side, a document split over two runs. Its rows are
+    # gathered into one call and back; each still equals dense attention over its own prefix.
+    layout = [(0, 1, 1), (1, 0, 3), (0, 2, 2), (1, 2, 1), (0, 0, 1), (1, 1, 2), (1, 0, 1)]
+    fork_groups, fork_kinds, row = [], [], 0
+    for side, doc, count in layout:  # (P or Q, document, rows)
+        hidden = groups[D + doc].hidden if side else None
+        fork_groups.append(PrefixGroup(row, row + count, views[doc], hidden, (pack, doc)))
+        fork_kinds += [(side, doc)] * count
+        row += count
+    fork = shared.of_groups(fork_groups)
+    assert fork.packed is not None and fork.gather is not None
+    assert fork.packed[0][2] is shared.packed[0][2]  # the source batch's masks, not copies
+    Bf = len(fork_kinds)
+    qf = torch.randn(Bf, H, 1, d, generator=g)
+    kf, vf = torch.randn(Bf, KV, s, d, generator=g), torch.randn(Bf, KV, s, d, generator=g)
+    calls.clear()
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(prefix, "attend_lse", attend)
+        got = prefix_attention(qf, kf, vf, None, 0.25, fork, 0)
+    assert calls == [Bf, D]
+    for r, (side, doc) in enumerate(fork_kinds):
+        kp, vp = docs[doc][0] if side == 0 else gather_kept(docs[doc], idx[doc])[0]
+        keys = torch.cat([kp, kf[r : r + 1]], 2)
+        values = torch.cat([vp, vf[r : r + 1]], 2)
+        seen = torch.ones(1, 1, keys.shape[2], dtype=torch.bool)
+        want = _dense_attention(qf[r : r + 1], keys, values, seen, 0.25)
+        torch.testing.assert_close(got[r : r + 1].double(), want, atol=2e-6, rtol=1e-5)
+    # A fork that leaves a document out is not packed: the call would read a prompt no row
+    # attends to (a call per group instead).
+    two_docs = [
+        PrefixGroup(0, 1, views[1], None, (pack, 1)),
+        PrefixGroup(1, 3, views[0], groups[D].hidden, (pack, 0)),
+    ]
+    assert shared.of_groups(two_docs).packed is None
     with pytest.raises(ValueError, match="document 1 has 9 entries, not 13"):
         pack.put(1, docs[0])
 

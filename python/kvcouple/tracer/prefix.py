@@ -65,6 +65,15 @@ class PromptPack:
         return [(k[i : i + 1, :, :n], v[i : i + 1, :, :n]) for k, v in self.kv]
 
 
+# A packed call's form: the pack (None: one document's prefix), per document its Q rows' mask,
+# and the row gathers into the call's order and back (None: the rows are in that order).
+_Form = tuple[
+    PromptPack | None,
+    list[list[torch.Tensor] | None],
+    tuple[torch.Tensor, torch.Tensor, int] | None,
+]
+
+
 @dataclass
 class PrefixGroup:
     """Rows ``start:stop`` of a batch attend, before their own cache, to ``kv``: per layer the
@@ -125,19 +134,44 @@ class SharedPrefix:
         """Per layer the keys and values ``(documents, kv_heads, length, head_dim)`` and the
         mask ``(documents, 2 kv_heads, 1, length)`` (query head ``2 h + side`` of KV head
         ``h``; None: every entry seen) of one call covering every group, or None where the
-        groups do not have that form: ``D`` P groups then ``D`` Q groups, every one of ``n``
-        rows, Q group ``i`` on the same prefix as P group ``i`` (one document), and for
-        ``D > 1`` the documents in order in one :class:`PromptPack`."""
+        groups have no such form (:meth:`_in_order`, :meth:`_gathered`). Sets ``gather``:
+        None where the rows are already in the call's order, else the row gathers."""
+        self.gather: tuple[torch.Tensor, torch.Tensor, int] | None = None
+        if not self.groups or not self.groups[0].kv:
+            return None
+        form = self._in_order() or self._gathered()
+        if form is None:
+            return None
+        pack, hiddens, gather = form
+        kv = self.groups[0].kv if pack is None else pack.kv
+        if any(int(k.shape[-2]) == 0 for k, _ in kv):
+            return None
+        padded = pack is not None and min(pack.lengths) < max(pack.lengths)
+        key = (id(pack), *(0 if h is None else id(h) for h in hiddens))
+        masks = None
+        if padded or any(key[1:]):
+            if key not in self.stacks:
+                held = [pack, *hiddens]
+                self.stacks[key] = (
+                    held,
+                    [self._masks(i, pack, hiddens) for i in range(self.layers)],
+                )
+            masks = self.stacks[key][1]
+        self.gather = gather
+        return [(k, v, None if masks is None else masks[i]) for i, (k, v) in enumerate(kv)]
+
+    def _in_order(self) -> _Form | None:
+        """The rows already in the packed call's order: ``D`` P groups then ``D`` Q groups,
+        every one of ``n`` rows, Q group ``i`` on the same prefix as P group ``i`` (one
+        document), and for ``D > 1`` the documents in order in one :class:`PromptPack`."""
         G = len(self.groups)
-        if G == 0 or G % 2:
+        if G % 2:
             return None
         D = G // 2
         sides, n = self.groups[:D], self.groups[0].stop - self.groups[0].start
         if n == 0 or any(g.stop - g.start != n for g in self.groups):
             return None
         if any(self.groups[D + i].kv is not g.kv for i, g in enumerate(sides)):
-            return None
-        if not sides[0].kv or any(int(k.shape[-2]) == 0 for g in sides for k, _ in g.kv):
             return None
         pack = None
         if D > 1:
@@ -149,21 +183,60 @@ class SharedPrefix:
                 for i, g in enumerate(sides)
             ):
                 return None
-        padded = pack is not None and min(pack.lengths) < max(pack.lengths)
-        key = (id(pack), *(0 if g.hidden is None else id(g.hidden) for g in self.groups))
-        masks = None
-        if padded or any(key[1:]):
-            if key not in self.stacks:
-                held = [pack, *(g.hidden for g in self.groups)]
-                self.stacks[key] = (held, [self._masks(i, pack) for i in range(self.layers)])
-            masks = self.stacks[key][1]
-        kv = sides[0].kv if pack is None else pack.kv
-        return [(k, v, None if masks is None else masks[i]) for i, (k, v) in enumerate(kv)]
+        return pack, [self.groups[D + i].hidden for i in range(D)], None
 
-    def _masks(self, layer: int, pack: PromptPack | None) -> torch.Tensor:
+    def _gathered(self) -> _Form | None:
+        """Rows of one document's prefix or of one pack's documents in any order and number
+        (a fork of a batch of documents: branches per document differ): gathered into the
+        call's order, ``(side, document, slot)`` with ``n`` slots each (the most rows any
+        document has on a side; unused slots repeat row 0, their outputs dropped), and back.
+        P rows see no hidden entries, Q rows their document's one mask. Every document of
+        the pack must have rows (else the call would read prompts no row attends to)."""
+        first = self.groups[0]
+        pack = first.slot[0] if first.slot is not None else None
+        D = 1 if pack is None else len(pack.lengths)
+        rows: list[list[list[int]]] = [[[] for _ in range(D)] for _ in range(2)]
+        hiddens: list[list[torch.Tensor] | None] = [None] * D
+        for g in self.groups:
+            if pack is None:
+                if g.kv is not first.kv or g.slot is not None:
+                    return None
+                doc = 0
+            else:
+                if g.slot is None or g.slot[0] is not pack:
+                    return None
+                doc = g.slot[1]
+            side = 0 if g.hidden is None else 1
+            if side and hiddens[doc] is not None and hiddens[doc] is not g.hidden:
+                return None  # two masks on one document
+            if side:
+                hiddens[doc] = g.hidden
+            rows[side][doc].extend(range(g.start, g.stop))
+        if any(not (rows[0][i] or rows[1][i]) for i in range(D)):
+            return None
+        n = max(len(r) for side in rows for r in side)
+        slot_rows = [0] * (2 * D * n)
+        row_slot = [0] * self.rows
+        for side in range(2):
+            for doc in range(D):
+                for j, row in enumerate(rows[side][doc]):
+                    slot_rows[(side * D + doc) * n + j] = row
+                    row_slot[row] = (side * D + doc) * n + j
+        device = first.kv[0][0].device
+        gather = (
+            torch.tensor(slot_rows, dtype=torch.long, device=device),
+            torch.tensor(row_slot, dtype=torch.long, device=device),
+            n,
+        )
+        return pack, hiddens, gather
+
+    def _masks(
+        self, layer: int, pack: PromptPack | None, hiddens: list[list[torch.Tensor] | None]
+    ) -> torch.Tensor:
         """Layer ``layer``'s additive masks for :meth:`_pack`: per document and KV head the P
-        rows' (padding hidden) and the Q rows' (padding and evicted entries hidden)."""
-        D = len(self.groups) // 2
+        rows' (padding hidden) and the Q rows' (padding and the document's ``hiddens``
+        entries hidden)."""
+        D = len(hiddens)
         k = self.groups[0].kv[layer][0] if pack is None else pack.kv[layer][0]
         kv_heads, width = int(k.shape[1]), int(k.shape[2])
         lowest = torch.finfo(k.dtype).min
@@ -171,7 +244,7 @@ class SharedPrefix:
         for i in range(D):
             n = width if pack is None else pack.lengths[i]
             out[i, :, 0, :, :n] = 0
-            hidden = self.groups[D + i].hidden
+            hidden = hiddens[i]
             out[i, :, 1, :, :n] = 0 if hidden is None else hidden[layer][0]
         return out.reshape(D, 2 * kv_heads, 1, width)
 
@@ -232,10 +305,11 @@ def prefix_attention(
         # folded into the query axis): queries (D, 2 kv, n * gq, d).
         kp, vp, hidden = prefix.packed[layer]
         D = int(kp.shape[0])
-        n = B // (2 * D)
+        ordered = qg if prefix.gather is None else qg.index_select(0, prefix.gather[0])
+        n = int(ordered.shape[0]) // (2 * D)
         # (strides from the tensors' own: the kernels' outputs need not be contiguous)
-        S = qg.stride()
-        qp = qg.as_strided(
+        S = ordered.stride()
+        qp = ordered.as_strided(
             (D, kv_heads, 2, n, gq, d), (n * S[0], S[1], D * n * S[0], S[0], S[2], S[3])
         ).reshape(D, 2 * kv_heads, n * gq, d)
         pre, pre_lse = attend_lse(qp, kp, vp, hidden, scaling)
@@ -245,6 +319,14 @@ def prefix_attention(
         o, s_ = pre.stride(), pre_lse.stride()
         pre = pre.as_strided((*six, pre.shape[-1]), (o[1], o[0], gq * o[2], 2 * o[1], o[2], o[3]))
         pre_lse = pre_lse.as_strided((*six, 1), (s_[1], s_[0], gq * s_[2], 2 * s_[1], s_[2], 1))
+        if prefix.gather is not None:  # back to the rows' order: (B, kv, gq, ...)
+            back = prefix.gather[1]
+            pre = pre.reshape(2 * D * n, kv_heads, gq, -1).index_select(0, back)
+            pre_lse = pre_lse.reshape(2 * D * n, kv_heads, gq, 1).index_select(0, back)
+            weight = torch.sigmoid(pre_lse - own_lse[..., None])
+            if own.dtype != weight.dtype:
+                own, pre = own.to(weight.dtype), pre.to(weight.dtype)
+            return _heads_out(torch.lerp(own, pre, weight), B, heads, q, query.dtype)
         weight = torch.sigmoid(pre_lse - own_lse.reshape(*six, 1))
         own6 = own.reshape(*six, own.shape[-1])
         if own6.dtype != weight.dtype:
