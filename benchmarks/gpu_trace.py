@@ -219,10 +219,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         raise SystemExit(f"--decode-horizons must be 0 < h1 < h2, got {h1},{h2}")
 
     model = build_model(tiny, device, dtype)
+    shape = ModelShape.of_model(model)
     # cascade attention's kernel here (CUDA: the memory-efficient kernel, once it passed its
     # self-check on this device; else the matrix products)
-    attention_path = lse_attention.fused_path(device, dtype)
-    shape = ModelShape.of_model(model)
+    attention_path = lse_attention.fused_path(device, dtype, shape.head_dim)
     vocab = model.config.vocab_size
     rng = np.random.default_rng(0)
     built_s = time.perf_counter() - wall

@@ -88,8 +88,12 @@ def test_the_self_check_takes_the_kernel_only_when_it_agrees(monkeypatch):
     off, one that raises, and one that fails only on the second form the tracer calls it in
     are refused with a warning naming why (the matrix path then)."""
     cpu = torch.device("cpu")
-    assert lse_attention._self_check(cpu, torch.float32, efficient_attention) == "cuda-efficient"
-    assert lse_attention._self_check(cpu, torch.bfloat16, efficient_attention) == "cuda-efficient"
+    assert (
+        lse_attention._self_check(cpu, torch.float32, 64, efficient_attention) == "cuda-efficient"
+    )
+    assert (
+        lse_attention._self_check(cpu, torch.bfloat16, 128, efficient_attention) == "cuda-efficient"
+    )
 
     def lse_off(*args, **kwargs):
         out, lse, s, o = efficient_attention(*args, **kwargs)
@@ -116,33 +120,35 @@ def test_the_self_check_takes_the_kernel_only_when_it_agrees(monkeypatch):
     ]
     for kernel, why in cases:
         with pytest.warns(RuntimeWarning, match=why):
-            assert lse_attention._self_check(cpu, torch.float32, kernel) == "matrix"
+            assert lse_attention._self_check(cpu, torch.float32, 64, kernel) == "matrix"
 
 
 def test_the_path_is_decided_once_per_device_and_dtype_and_never_while_compiling(monkeypatch):
     checks = []
 
-    def check(device, dtype, kernel=None):
-        checks.append((str(device), dtype))
+    def check(device, dtype, head_dim, kernel=None):
+        checks.append((str(device), dtype, head_dim))
         return "cuda-efficient"
 
     monkeypatch.setattr(lse_attention, "_self_check", check)
     monkeypatch.setattr(lse_attention, "_DECIDED", {})
     cuda = torch.device("cuda:0")  # only its type and name are read: no GPU needed
-    assert lse_attention.fused_path(torch.device("cpu"), torch.float32) == "cpu-flash"
-    assert lse_attention.fused_path(cuda, torch.float64) == "matrix"  # no float64 kernel
+    assert lse_attention.fused_path(torch.device("cpu"), torch.float32, 128) == "cpu-flash"
+    assert lse_attention.fused_path(cuda, torch.float64, 128) == "matrix"  # no float64 kernel
     monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
-    assert lse_attention.fused_path(cuda, torch.bfloat16) == "matrix"  # undecided, compiling
+    assert lse_attention.fused_path(cuda, torch.bfloat16, 128) == "matrix"  # undecided, compiling
     assert checks == []
     monkeypatch.setattr(torch.compiler, "is_compiling", lambda: False)
     for _ in range(3):
-        assert lse_attention.fused_path(cuda, torch.bfloat16) == "cuda-efficient"
-    assert checks == [("cuda:0", torch.bfloat16)]
+        assert lse_attention.fused_path(cuda, torch.bfloat16, 128) == "cuda-efficient"
+    assert checks == [("cuda:0", torch.bfloat16, 128)]
+    assert lse_attention.fused_path(cuda, torch.bfloat16, 64) == "cuda-efficient"
+    assert checks[-1] == ("cuda:0", torch.bfloat16, 64)  # its own check: another kernel variant
     monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
-    assert lse_attention.fused_path(cuda, torch.bfloat16) == "cuda-efficient"  # decided before
+    assert lse_attention.fused_path(cuda, torch.bfloat16, 128) == "cuda-efficient"  # decided before
     monkeypatch.setattr(lse_attention, "FORCE_MATRIX", True)
-    assert lse_attention.fused_path(cuda, torch.bfloat16) == "matrix"
-    assert lse_attention.fused_path(torch.device("cpu"), torch.float32) == "matrix"
+    assert lse_attention.fused_path(cuda, torch.bfloat16, 128) == "matrix"
+    assert lse_attention.fused_path(torch.device("cpu"), torch.float32, 128) == "matrix"
 
 
 def test_keys_and_values_of_different_head_sizes_take_the_matrix_path():

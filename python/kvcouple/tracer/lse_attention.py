@@ -9,7 +9,8 @@ path that gives the same numbers:
   (padded to 32 queries). It takes as many query heads as KV heads, so grouped query heads
   are one call each (a view of the queries, no copy of the keys); its bias must be expanded
   to the full score shape with 16-element-aligned rows (as SDPA itself does before calling
-  it). It is used only after a **self-check** on this device and dtype (:func:`fused_path`):
+  it). It is used only after a **self-check** on this device, dtype and head size
+  (:func:`fused_path`):
   the kernel against the matrix path on a small problem with every feature the tracer uses
   (grouped heads, a mask per query head, a misaligned key count); a kernel that raises or
   disagrees is not used, with one warning, and the matrix path runs instead.
@@ -31,8 +32,8 @@ import torch
 
 __all__ = ["attend_lse", "attend_lse_matrix", "efficient_lse", "fused_path"]
 
-# Fused-path decisions by (device, dtype): "cpu-flash", "cuda-efficient" or "matrix".
-_DECIDED: dict[tuple[torch.device, torch.dtype], str] = {}
+# Fused-path decisions by (device, dtype, head size): "cpu-flash", "cuda-efficient" or "matrix".
+_DECIDED: dict[tuple[torch.device, torch.dtype, int], str] = {}
 # The memory-efficient kernel's bias rows must start 16-element aligned (SDPA pads to this).
 _BIAS_ALIGNMENT = 16
 _EFFICIENT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -59,7 +60,7 @@ def attend_lse(
     L)`` in float32 (float64 for float64 inputs). ``fused``: None, the device's fused kernel
     where it passed its self-check (see the module); False, the matrix path; True, the
     device's fused kernel without the check (tests)."""
-    path = fused_path(query.device, query.dtype) if fused is None else None
+    path = fused_path(query.device, query.dtype, int(query.shape[-1])) if fused is None else None
     if fused is True:
         path = "cpu-flash" if query.device.type == "cpu" else "cuda-efficient"
     if query.shape[-1] != value.shape[-1]:
@@ -76,10 +77,10 @@ def attend_lse(
     return attend_lse_matrix(query, key, value, mask, scaling)
 
 
-def fused_path(device: torch.device, dtype: torch.dtype) -> str:
+def fused_path(device: torch.device, dtype: torch.dtype, head_dim: int) -> str:
     """The path :func:`attend_lse` takes on ``device`` for ``dtype``: ``"cpu-flash"``,
     ``"cuda-efficient"`` (once its self-check passed here) or ``"matrix"``. Decided once
-    per device and dtype, eagerly (inside a compiled region an undecided device takes the
+    per device, dtype and head size (the kernel has a variant per head size), eagerly (inside a compiled region an undecided device takes the
     matrix path: the check runs kernels, which is not for tracing)."""
     if FORCE_MATRIX:
         return "matrix"
@@ -87,17 +88,20 @@ def fused_path(device: torch.device, dtype: torch.dtype) -> str:
         return "cpu-flash"
     if device.type != "cuda" or dtype not in _EFFICIENT_DTYPES:
         return "matrix"
-    key = (device, dtype)
+    key = (device, dtype, head_dim)
     path = _DECIDED.get(key)
     if path is None:
         if torch.compiler.is_compiling():
             return "matrix"
-        path = _DECIDED[key] = _self_check(device, dtype)
+        path = _DECIDED[key] = _self_check(device, dtype, head_dim)
     return path
 
 
 def _self_check(
-    device: torch.device, dtype: torch.dtype, kernel: Callable[..., Any] | None = None
+    device: torch.device,
+    dtype: torch.dtype,
+    head_dim: int = 64,
+    kernel: Callable[..., Any] | None = None,
 ) -> str:
     """``"cuda-efficient"`` if the memory-efficient kernel (``kernel``: a stand-in, for tests),
     through :func:`efficient_lse`, matches the matrix path here on the two forms the tracer
@@ -112,7 +116,7 @@ def _self_check(
         (2, 2, 2, 3, 37, 4, 2),
         (3, 2, 1, 4, 64, 1, 1),
     ):
-        d = 64
+        d = head_dim
 
         def rand(*shape: int) -> torch.Tensor:
             return torch.randn(*shape, generator=g).to(device=device, dtype=dtype)
@@ -141,7 +145,7 @@ def _self_check(
         return "cuda-efficient"
     warnings.warn(
         f"kvcouple: the memory-efficient attention kernel failed its check on {device} "
-        f"({dtype}): {reason}; shared-prefix attention uses matrix products instead",
+        f"({dtype}, head size {head_dim}): {reason}; shared-prefix attention uses matrix products instead",
         RuntimeWarning,
         stacklevel=3,
     )

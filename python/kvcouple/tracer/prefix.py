@@ -128,7 +128,7 @@ class SharedPrefix:
         if self.groups and self.groups[0].kv:
             # the device's attention path decided now, eagerly, not inside a compiled step
             k = self.groups[0].kv[0][0]
-            fused_path(k.device, k.dtype)
+            fused_path(k.device, k.dtype, int(k.shape[-1]))
 
     def _pack(self) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]] | None:
         """Per layer the keys and values ``(documents, kv_heads, length, head_dim)`` and the
