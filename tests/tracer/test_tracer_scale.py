@@ -603,6 +603,10 @@ def test_a_batch_of_documents_in_one_pack_is_one_call_exact_per_document(path):
     ]
     shared = SharedPrefix(groups)
     assert shared.packed is not None and shared.packed[0][0].shape[0] == D
+    # The masks' rows are stored 16-element aligned, so CUDA's kernel takes them as they are
+    # (no padded copy per layer and step).
+    masks = shared.packed[0][2]
+    assert masks.shape[-1] == max(lengths) and all(st % 16 == 0 for st in masks.stride()[:-1])
     B = 2 * D * n
     query = torch.randn(B, H, 1, d, generator=g)
     own_k, own_v = torch.randn(B, KV, s, d, generator=g), torch.randn(B, KV, s, d, generator=g)

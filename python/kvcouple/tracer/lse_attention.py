@@ -34,8 +34,9 @@ __all__ = ["attend_lse", "attend_lse_matrix", "efficient_lse", "fused_path"]
 
 # Fused-path decisions by (device, dtype, head size): "cpu-flash", "cuda-efficient" or "matrix".
 _DECIDED: dict[tuple[torch.device, torch.dtype, int], str] = {}
-# The memory-efficient kernel's bias rows must start 16-element aligned (SDPA pads to this).
-_BIAS_ALIGNMENT = 16
+# The memory-efficient kernel's bias rows must start 16-element aligned (SDPA pads to this);
+# masks made once per batch are stored so (:mod:`kvcouple.tracer.prefix`).
+MASK_ALIGNMENT = 16
 _EFFICIENT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 # Read once at import (a compiled step does not read the environment).
 FORCE_MATRIX = os.environ.get("KVCOUPLE_ATTENTION", "").strip().lower() == "matrix"
@@ -172,9 +173,9 @@ def efficient_lse(
         bias = mask if mask.dtype == query.dtype else mask.to(query.dtype)
         if bias.dim() < 4:
             bias = bias.reshape((1,) * (4 - bias.dim()) + tuple(bias.shape))
-        if any(st % _BIAS_ALIGNMENT for st, n in zip(bias.stride()[:-1], bias.shape[:-1]) if n > 1):
+        if any(st % MASK_ALIGNMENT for st, n in zip(bias.stride()[:-1], bias.shape[:-1]) if n > 1):
             # a fresh tensor with rows padded to the alignment, viewed back to S columns
-            pad = -S % _BIAS_ALIGNMENT
+            pad = -S % MASK_ALIGNMENT
             bias = torch.nn.functional.pad(bias, (0, pad))[..., :S]
         if group > 1 and bias.shape[1] == h:
             bias = bias.unflatten(1, (kv_heads, group))

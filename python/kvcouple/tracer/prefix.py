@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from kvcouple.tracer.lse_attention import attend_lse, fused_path
+from kvcouple.tracer.lse_attention import MASK_ALIGNMENT, attend_lse, fused_path
 
 __all__ = ["PrefixGroup", "PromptPack", "SharedPrefix", "prefix_attention"]
 
@@ -240,13 +240,16 @@ class SharedPrefix:
         k = self.groups[0].kv[layer][0] if pack is None else pack.kv[layer][0]
         kv_heads, width = int(k.shape[1]), int(k.shape[2])
         lowest = torch.finfo(k.dtype).min
-        out = k.new_full((D, kv_heads, 2, 1, width), lowest)
+        # Rows stored 16-element aligned (a view of ``width`` columns): the CUDA kernel needs
+        # its bias rows aligned, and would otherwise pad a copy every layer and step.
+        stored = width + (-width % MASK_ALIGNMENT)
+        out = k.new_full((D, kv_heads, 2, 1, stored), lowest)
         for i in range(D):
             n = width if pack is None else pack.lengths[i]
             out[i, :, 0, :, :n] = 0
             hidden = hiddens[i]
             out[i, :, 1, :, :n] = 0 if hidden is None else hidden[layer][0]
-        return out.reshape(D, 2 * kv_heads, 1, width)
+        return out.view(D, 2 * kv_heads, 1, stored)[..., :width]
 
     @property
     def layers(self) -> int:
