@@ -665,6 +665,11 @@ def test_a_batch_of_documents_in_one_pack_is_one_call_exact_per_document(path):
         PrefixGroup(1, 3, views[0], groups[D].hidden, (pack, 0)),
     ]
     assert shared.of_groups(two_docs).packed is None
+    # A group whose slot label disagrees with its tensors (document 0's label on document 1's
+    # prompt) is not packed: the packed call would attend to the label's prompt.
+    mislabelled = [*groups]
+    mislabelled[0] = PrefixGroup(0, n, views[1], None, (pack, 0))
+    assert SharedPrefix(mislabelled).packed is None
     with pytest.raises(ValueError, match="document 1 has 9 entries, not 13"):
         pack.put(1, docs[0])
 

@@ -178,10 +178,7 @@ class SharedPrefix:
             pack = sides[0].slot[0] if sides[0].slot is not None else None
             if pack is None or len(pack.lengths) != D:
                 return None
-            if any(
-                g.slot is None or g.slot[0] is not pack or g.slot[1] != i
-                for i, g in enumerate(sides)
-            ):
+            if any(not _in_slot(g, pack, i) for i, g in enumerate(sides)):
                 return None
         return pack, [self.groups[D + i].hidden for i in range(D)], None
 
@@ -203,9 +200,9 @@ class SharedPrefix:
                     return None
                 doc = 0
             else:
-                if g.slot is None or g.slot[0] is not pack:
+                doc = g.slot[1] if g.slot is not None else -1
+                if not _in_slot(g, pack, doc):
                     return None
-                doc = g.slot[1]
             side = 0 if g.hidden is None else 1
             if side and hiddens[doc] is not None and hiddens[doc] is not g.hidden:
                 return None  # two masks on one document
@@ -258,6 +255,20 @@ class SharedPrefix:
     def width(self, layer: int) -> int:
         """The longest prefix of ``layer``."""
         return max(int(g.kv[layer][0].shape[-2]) for g in self.groups)
+
+
+def _in_slot(g: PrefixGroup, pack: PromptPack, doc: int) -> bool:
+    """Whether ``g``'s prefix is document ``doc``'s slot of ``pack``, by its tensors, not only
+    by its label: the packed call reads the pack, so a label that disagreed with the tensors
+    would attend to another document's prompt (such groups are not packed)."""
+    if g.slot is None or g.slot[0] is not pack or g.slot[1] != doc:
+        return False
+    return len(g.kv) == len(pack.kv) and all(
+        int(k.shape[-2]) == pack.lengths[doc]
+        and k.data_ptr() == pk[doc].data_ptr()
+        and v.data_ptr() == pv[doc].data_ptr()
+        for (k, v), (pk, pv) in zip(g.kv, pack.kv, strict=True)
+    )
 
 
 def prefix_attention(
@@ -326,15 +337,11 @@ def prefix_attention(
             back = prefix.gather[1]
             pre = pre.reshape(2 * D * n, kv_heads, gq, -1).index_select(0, back)
             pre_lse = pre_lse.reshape(2 * D * n, kv_heads, gq, 1).index_select(0, back)
-            weight = torch.sigmoid(pre_lse - own_lse[..., None])
-            if own.dtype != weight.dtype:
-                own, pre = own.to(weight.dtype), pre.to(weight.dtype)
-            return _heads_out(torch.lerp(own, pre, weight), B, heads, q, query.dtype)
-        weight = torch.sigmoid(pre_lse - own_lse.reshape(*six, 1))
+            return _heads_out(
+                _merged(own, own_lse[..., None], pre, pre_lse), B, heads, q, query.dtype
+            )
         own6 = own.reshape(*six, own.shape[-1])
-        if own6.dtype != weight.dtype:
-            own6, pre = own6.to(weight.dtype), pre.to(weight.dtype)
-        out = torch.lerp(own6, pre, weight)
+        out = _merged(own6, own_lse.reshape(*six, 1), pre, pre_lse)
         return _heads_out(out, B, heads, q, query.dtype)
     # Otherwise a call per group. Every row's queries, a group's rows consecutive: (1, kv, B *
     # gq, d).
@@ -356,10 +363,18 @@ def prefix_attention(
     pre = outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
     pre_lse = lses[0] if len(lses) == 1 else torch.cat(lses, dim=2)
     pre, pre_lse = _rows_first(pre, B), _rows_first(pre_lse, B, trailing=True)
-    weight = torch.sigmoid(pre_lse - own_lse[..., None])
+    return _heads_out(_merged(own, own_lse[..., None], pre, pre_lse), B, heads, q, query.dtype)
+
+
+def _merged(
+    own: torch.Tensor, own_lse: torch.Tensor, pre: torch.Tensor, pre_lse: torch.Tensor
+) -> torch.Tensor:
+    """The two parts' softmax attentions merged exactly by their log-sum-exps (shapes that
+    broadcast): ``own + w (pre - own)``, ``w = sigmoid(lse_pre - lse_own)``, in float32."""
+    weight = torch.sigmoid(pre_lse - own_lse)
     if own.dtype != weight.dtype:
         own, pre = own.to(weight.dtype), pre.to(weight.dtype)
-    return _heads_out(torch.lerp(own, pre, weight), B, heads, q, query.dtype)
+    return torch.lerp(own, pre, weight)
 
 
 def _heads_out(out: torch.Tensor, B: int, heads: int, q: int, dtype: torch.dtype) -> torch.Tensor:
