@@ -1,0 +1,254 @@
+"""Cascade attention over shared prefixes (kvcouple.tracer.prefix): groups, packed calls,
+prompt packs and gathered forks equal dense float64 attention on every attention path (CPU
+flash, matrix products, CUDA's memory-efficient kernel through its CPU stand-in)."""
+
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+pytestmark = pytest.mark.torch
+
+from tracer_helpers import one_thread  # noqa: E402, F401 - autouse fixture
+
+
+def _dense_attention(query, keys, values, visible, scaling):
+    """Plain softmax attention, float64: ``query`` (B, H, q, d); ``keys``/``values`` per row
+    (B, kv_heads, S, d); ``visible`` (B, q, S) bool."""
+    group = query.shape[1] // keys.shape[1]
+    k = keys.double().repeat_interleave(group, dim=1)
+    v = values.double().repeat_interleave(group, dim=1)
+    scores = torch.matmul(query.double(), k.transpose(-1, -2)) * scaling
+    scores = scores.masked_fill(~visible[:, None], float("-inf"))
+    return torch.matmul(torch.softmax(scores, -1), v).transpose(1, 2)
+
+
+def _attend_by(path: str):
+    """``attend_lse`` forced onto one path: CPU flash, the matrix products, or the CUDA
+    memory-efficient kernel's adapter over its CPU stand-in (the kernel's contract checked)."""
+    import functools
+
+    from kvcouple.testing.efficient_attention import efficient_attention
+    from kvcouple.tracer import lse_attention
+
+    if path == "efficient":
+        return functools.partial(lse_attention.efficient_lse, kernel=efficient_attention)
+    return functools.partial(lse_attention.attend_lse, fused=path == "cpu-flash")
+
+
+LSE_PATHS = ["cpu-flash", "matrix", "efficient"]
+
+
+@pytest.mark.parametrize("path", LSE_PATHS)
+@pytest.mark.parametrize("mask_kind", ["none", "bool", "additive"])
+def test_prefix_attention_equals_attention_over_the_concatenated_cache(
+    mask_kind, path, monkeypatch
+):
+    """Rows in two groups, each group with its own shared prefix (one empty), GQA 8 query heads
+    on 2 KV heads, two queries per row, per-row hidden own columns: the prefix-group attention equals
+    softmax attention over prefix + own columns, in float64, to float32 rounding; with the
+    fused kernel (CPU), the matrix-product path, and CUDA's memory-efficient kernel's adapter."""
+    import kvcouple.tracer.prefix as prefix
+    from kvcouple.tracer.prefix import PrefixGroup, SharedPrefix, prefix_attention
+
+    monkeypatch.setattr(prefix, "attend_lse", _attend_by(path))
+
+    g = torch.Generator().manual_seed(0)
+    B, H, KV, q, d, s = 5, 8, 2, 2, 16, 7
+    query = torch.randn(B, H, q, d, generator=g)
+    own_k, own_v = torch.randn(B, KV, s, d, generator=g), torch.randn(B, KV, s, d, generator=g)
+    prefixes = [
+        [(torch.randn(1, KV, n, d, generator=g), torch.randn(1, KV, n, d, generator=g))]
+        for n in (11, 0)
+    ]
+    groups = [PrefixGroup(0, 3, prefixes[0]), PrefixGroup(3, 5, prefixes[1])]
+    visible = torch.rand(B, q, s, generator=g) > 0.4
+    visible[:, :, -1] = True  # a row always sees the token it was just fed
+    if mask_kind == "none":
+        visible[:] = True
+        mask = None
+    elif mask_kind == "bool":
+        mask = visible[:, None]
+    else:
+        mask = torch.zeros(B, 1, q, s).masked_fill(
+            ~visible[:, None], torch.finfo(torch.float32).min
+        )
+    got = prefix_attention(query, own_k, own_v, mask, 0.25, SharedPrefix(groups), 0)
+    assert got.shape == (B, q, H, d)
+    for grp in groups:
+        rows = slice(grp.start, grp.stop)
+        n = grp.kv[0][0].shape[2]
+        keys = torch.cat([grp.kv[0][0].expand(grp.stop - grp.start, -1, -1, -1), own_k[rows]], 2)
+        values = torch.cat([grp.kv[0][1].expand(grp.stop - grp.start, -1, -1, -1), own_v[rows]], 2)
+        seen = torch.cat(
+            [torch.ones(grp.stop - grp.start, q, n, dtype=torch.bool), visible[rows]], 2
+        )
+        want = _dense_attention(query[rows], keys, values, seen, 0.25)
+        torch.testing.assert_close(got[rows].double(), want, atol=2e-6, rtol=1e-5)
+    with pytest.raises(ValueError, match="cover 3 rows of a batch of 5"):
+        prefix_attention(query, own_k, own_v, mask, 0.25, SharedPrefix(groups[:1]), 0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_packed_prefix_one_call_equals_attention_over_the_kept_entries(dtype):
+    """One document's P rows on its prompt's cache and Q rows on the same cache with the
+    evicted entries hidden (per layer and KV head, as ``hidden_entries`` builds them): the
+    groups are packed (one prefix call per layer), the result equals dense attention over the
+    prompt (P) and over the gathered kept entries (Q) to rounding, and equals the per-group
+    loop; with nothing hidden, P and Q rows with equal inputs agree to an ulp."""
+    from kvcouple.tracer.prefill import gather_kept, hidden_entries
+    from kvcouple.tracer.prefix import PrefixGroup, SharedPrefix, prefix_attention
+
+    g = torch.Generator().manual_seed(3)
+    n, H, KV, d, s, n1, keep = 3, 8, 2, 16, 4, 13, 6
+    B = 2 * n
+    kv = [(torch.randn(1, KV, n1, d, generator=g), torch.randn(1, KV, n1, d, generator=g))]
+    kv = [(k.to(dtype), v.to(dtype)) for k, v in kv]
+    idx = torch.stack([torch.randperm(n1, generator=g)[:keep].sort().values for _ in range(KV)])
+    hidden = hidden_entries(kv, idx[None])
+    assert hidden is not None and hidden[0].shape == (1, KV, 1, n1)
+    groups = [PrefixGroup(0, n, kv), PrefixGroup(n, B, kv, hidden)]
+    shared = SharedPrefix(groups)
+    assert shared.packed is not None  # one call for both groups
+    query = torch.randn(B, H, 1, d, generator=g, dtype=dtype)
+    own_k = torch.randn(B, KV, s, d, generator=g, dtype=dtype)
+    own_v = torch.randn(B, KV, s, d, generator=g, dtype=dtype)
+    got = prefix_attention(query, own_k, own_v, None, 0.25, shared, 0)
+    kept = gather_kept(kv, idx[None])
+    tol = dict(atol=1e-12, rtol=1e-12) if dtype == torch.float64 else dict(atol=2e-6, rtol=1e-5)
+    for rows, (kp, vp) in ((slice(0, n), kv[0]), (slice(n, B), kept[0])):
+        keys = torch.cat([kp.expand(n, -1, -1, -1), own_k[rows]], 2).double()
+        values = torch.cat([vp.expand(n, -1, -1, -1), own_v[rows]], 2).double()
+        seen = torch.ones(n, 1, keys.shape[2], dtype=torch.bool)
+        want = _dense_attention(query[rows].double(), keys, values, seen, 0.25)
+        torch.testing.assert_close(got[rows].double(), want, **tol)
+    loop = SharedPrefix(groups)
+    loop.packed = None  # the per-group calls
+    torch.testing.assert_close(prefix_attention(query, own_k, own_v, None, 0.25, loop, 0), got)
+    # Nothing hidden (a policy that keeps everything): equal inputs, equal outputs.
+    assert hidden_entries(kv, torch.arange(n1).expand(1, KV, n1)) is None
+    same = SharedPrefix(
+        [PrefixGroup(0, n, kv), PrefixGroup(n, B, kv, [torch.zeros_like(hidden[0])])]
+    )
+    assert same.packed is not None
+    q2, k2, v2 = (
+        query[:n].repeat(2, 1, 1, 1),
+        own_k[:n].repeat(2, 1, 1, 1),
+        own_v[:n].repeat(2, 1, 1, 1),
+    )
+    out = prefix_attention(q2, k2, v2, None, 0.25, same, 0)
+    # (one attention call gives both halves the same bits; the elementwise merge after it may
+    # take its vector path for one half and its scalar tail for the other: an ulp at most)
+    eps = torch.finfo(dtype).eps
+    torch.testing.assert_close(out[:n], out[n:], atol=4 * eps, rtol=4 * eps)
+    # A fork of these rows reuses the packed masks rather than stacking copies.
+    fork = shared.of_groups([PrefixGroup(0, 1, kv), PrefixGroup(1, 2, kv, hidden)])
+    assert fork.packed is not None and fork.packed[0][2] is shared.packed[0][2]
+
+
+@pytest.mark.parametrize("path", LSE_PATHS)
+def test_a_batch_of_documents_in_one_pack_is_one_call_exact_per_document(path):
+    """Three documents of different prompt lengths in one :class:`PromptPack` (padded to the
+    longest), each with P rows on its prompt and Q rows on its kept entries: one prefix call
+    per layer covers every row, and each row's output equals dense float64 attention over its
+    own document's prompt (P) or kept entries (Q) followed by its own columns; the fused
+    kernel (CPU) and the matrix-product path (other devices) alike."""
+    import kvcouple.tracer.prefix as prefix
+    from kvcouple.tracer.prefill import gather_kept, hidden_entries
+    from kvcouple.tracer.prefix import PrefixGroup, PromptPack, SharedPrefix, prefix_attention
+
+    g = torch.Generator().manual_seed(7)
+    n, H, KV, d, s = 2, 8, 2, 16, 3
+    lengths, keep = [9, 13, 6], [4, 7, 6]
+    D = len(lengths)
+    docs = [
+        [(torch.randn(1, KV, m, d, generator=g), torch.randn(1, KV, m, d, generator=g))]
+        for m in lengths
+    ]
+    pack = PromptPack.allocate(docs[0], lengths)
+    for i, kv in enumerate(docs):
+        pack.put(i, kv)
+        assert torch.equal(pack.slot(i)[0][0], kv[0][0])
+    idx = [
+        torch.stack([torch.randperm(m, generator=g)[:k].sort().values for _ in range(KV)])[None]
+        for m, k in zip(lengths, keep, strict=True)
+    ]
+    views = [pack.slot(i) for i in range(D)]
+    groups = [PrefixGroup(i * n, (i + 1) * n, views[i], slot=(pack, i)) for i in range(D)]
+    groups += [
+        PrefixGroup(
+            (D + i) * n, (D + i + 1) * n, views[i], hidden_entries(views[i], idx[i]), (pack, i)
+        )
+        for i in range(D)
+    ]
+    shared = SharedPrefix(groups)
+    assert shared.packed is not None and shared.packed[0][0].shape[0] == D
+    # The masks' rows are stored 16-element aligned, so CUDA's kernel takes them as they are
+    # (no padded copy per layer and step).
+    masks = shared.packed[0][2]
+    assert masks.shape[-1] == max(lengths) and all(st % 16 == 0 for st in masks.stride()[:-1])
+    B = 2 * D * n
+    query = torch.randn(B, H, 1, d, generator=g)
+    own_k, own_v = torch.randn(B, KV, s, d, generator=g), torch.randn(B, KV, s, d, generator=g)
+    real = _attend_by(path)
+    calls = []
+
+    def attend(*args, **kwargs):
+        calls.append(args[1].shape[0])
+        return real(*args, **kwargs)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(prefix, "attend_lse", attend)
+        got = prefix_attention(query, own_k, own_v, None, 0.25, shared, 0)
+    assert calls == [B, D]  # the own columns, then every document's prefix at once
+    for i in range(D):
+        kept = gather_kept(docs[i], idx[i])
+        for side, (kp, vp) in ((0, docs[i][0]), (1, kept[0])):
+            rows = slice((side * D + i) * n, (side * D + i + 1) * n)
+            keys = torch.cat([kp.expand(n, -1, -1, -1), own_k[rows]], 2)
+            values = torch.cat([vp.expand(n, -1, -1, -1), own_v[rows]], 2)
+            seen = torch.ones(n, 1, keys.shape[2], dtype=torch.bool)
+            want = _dense_attention(query[rows], keys, values, seen, 0.25)
+            torch.testing.assert_close(got[rows].double(), want, atol=2e-6, rtol=1e-5)
+    # A fork of these rows (branches per document differ): documents out of the pack's order,
+    # unequal rows per document and side, a document split over two runs. Its rows are
+    # gathered into one call and back; each still equals dense attention over its own prefix.
+    layout = [(0, 1, 1), (1, 0, 3), (0, 2, 2), (1, 2, 1), (0, 0, 1), (1, 1, 2), (1, 0, 1)]
+    fork_groups, fork_kinds, row = [], [], 0
+    for side, doc, count in layout:  # (P or Q, document, rows)
+        hidden = groups[D + doc].hidden if side else None
+        fork_groups.append(PrefixGroup(row, row + count, views[doc], hidden, (pack, doc)))
+        fork_kinds += [(side, doc)] * count
+        row += count
+    fork = shared.of_groups(fork_groups)
+    assert fork.packed is not None and fork.gather is not None
+    assert fork.packed[0][2] is shared.packed[0][2]  # the source batch's masks, not copies
+    Bf = len(fork_kinds)
+    qf = torch.randn(Bf, H, 1, d, generator=g)
+    kf, vf = torch.randn(Bf, KV, s, d, generator=g), torch.randn(Bf, KV, s, d, generator=g)
+    calls.clear()
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(prefix, "attend_lse", attend)
+        got = prefix_attention(qf, kf, vf, None, 0.25, fork, 0)
+    assert calls == [Bf, D]
+    for r, (side, doc) in enumerate(fork_kinds):
+        kp, vp = docs[doc][0] if side == 0 else gather_kept(docs[doc], idx[doc])[0]
+        keys = torch.cat([kp, kf[r : r + 1]], 2)
+        values = torch.cat([vp, vf[r : r + 1]], 2)
+        seen = torch.ones(1, 1, keys.shape[2], dtype=torch.bool)
+        want = _dense_attention(qf[r : r + 1], keys, values, seen, 0.25)
+        torch.testing.assert_close(got[r : r + 1].double(), want, atol=2e-6, rtol=1e-5)
+    # A fork that leaves a document out is not packed: the call would read a prompt no row
+    # attends to (a call per group instead).
+    two_docs = [
+        PrefixGroup(0, 1, views[1], None, (pack, 1)),
+        PrefixGroup(1, 3, views[0], groups[D].hidden, (pack, 0)),
+    ]
+    assert shared.of_groups(two_docs).packed is None
+    # A group whose slot label disagrees with its tensors (document 0's label on document 1's
+    # prompt) is not packed: the packed call would attend to the label's prompt.
+    mislabelled = [*groups]
+    mislabelled[0] = PrefixGroup(0, n, views[1], None, (pack, 0))
+    assert SharedPrefix(mislabelled).packed is None
+    with pytest.raises(ValueError, match="document 1 has 9 entries, not 13"):
+        pack.put(1, docs[0])
