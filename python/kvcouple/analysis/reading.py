@@ -76,10 +76,10 @@ def recompute_full(
     from kvcouple import _core
 
     doc_id = reader.doc_ids[doc]
+    fused = recompute_full_engine(reader, [doc], [summary], tolerance)
+    if fused is not None:
+        return fused[0]
     check = RecomputeCheck()
-    fused = _recompute_full_engine(reader, doc, summary, tolerance, check)
-    if fused:
-        return check
     jobs = []
     for where, (pn, qn, recorded_name) in PAIRS.items():
         for pol in range(len(reader.policies)):
@@ -118,31 +118,38 @@ def recompute_full(
     return check
 
 
-def _recompute_full_engine(
+def recompute_full_engine(
     reader: TraceStoreReader,
-    doc: int,
-    summary: dict[str, np.ndarray],
+    docs: list[int],
+    summaries: list[dict[str, np.ndarray]],
     tolerance: float | None,
-    check: RecomputeCheck,
-) -> bool:
-    """The fused path: the Rust engine decodes every block of the document in parallel and
-    returns row TVs only. False where it cannot read this store (the caller reads in Python)."""
+) -> list[RecomputeCheck] | None:
+    """The fused path of :func:`recompute_full` for documents ``docs`` (``summaries``: their
+    :meth:`~kvcouple.store.reader.TraceStoreReader.read_summary`): the Rust engine decodes
+    every block of every document in one call, in parallel, and returns row TVs only; one
+    check per document. None where it cannot read this store (the caller reads in Python);
+    a damaged block raises :class:`StoreError` (naming its document when there is one)."""
+    checks = [RecomputeCheck() for _ in docs]
+    if not docs:
+        return checks
     for where, (pn, qn, recorded_name) in PAIRS.items():
-        sels: list[tuple[Any, ...]] = [
-            (doc, pol, *sel)
+        arr = reader.array(pn)
+        per_doc = [
+            (pol, sel)
             for pol in range(len(reader.policies))
-            for sel in reader.blocks(pn, doc, pol)
+            for sel in reader.blocks(pn, docs[0], pol)
         ]
+        sels: list[tuple[Any, ...]] = [(doc, pol, *sel) for doc in docs for pol, sel in per_doc]
         tv = reader.rows_tv(pn, qn, sels)
         if tv is None:
-            return False
-        kind = (
-            "bfloat16" if reader.array(pn).dtype.name == "bfloat16" else reader.array(pn).dtype.name
-        )
+            return None
+        kind = "bfloat16" if arr.dtype.name == "bfloat16" else arr.dtype.name
         tol = TOLERANCE.get(kind, 1e-3) if tolerance is None else tolerance
-        itemsize = reader.array(pn).dtype.itemsize
+        itemsize = arr.dtype.itemsize
         at = 0
-        for sel in sels:
+        for k, sel in enumerate(sels):
+            doc_index = k // len(per_doc)
+            check, summary = checks[doc_index], summaries[doc_index]
             shape = tuple(s.stop - s.start for s in sel[2:-1])
             n = int(np.prod(shape))
             pol = sel[1]
@@ -156,11 +163,11 @@ def _recompute_full_engine(
                 where,
                 sel,
                 shape,
-                reader.doc_ids[doc],
+                reader.doc_ids[sel[0]],
                 reader.policies[pol],
             )
             at += n
-    return True
+    return checks
 
 
 def _compare(

@@ -2,9 +2,10 @@
 
 Work is split by document (a document is one chunk along ``doc`` in every variable): each task
 reads one document's RB-CMC fields, estimates every policy, and for ``full``/``topk`` records
-recomputes the hazards and branch TVs from the stored distributions, chunk by chunk. Locally the
-tasks run a few at a time on threads (each overlapping its chunk decoding with the Rust
-kernels); on a Dask cluster (``client=`` or ``scheduler=``) they run on the workers, which open
+recomputes the hazards and branch TVs from the stored distributions, chunk by chunk. Locally
+documents are taken in batches (:func:`analyze_docs`: one engine call reads a batch's summaries,
+one decodes and compares all its distributions), a few batches in flight on threads; on a Dask
+cluster (``client=`` or ``scheduler=``) they run on the workers, which open
 the store themselves (so the store's path must be readable from every worker: a shared
 filesystem), and only the small per-document results travel back.
 
@@ -20,11 +21,14 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
 from kvcouple.analysis.estimates import UnitEstimate, estimate_unit
 from kvcouple.analysis.reading import (
     SUMMARY_READ,
     RecomputeCheck,
     recompute_full,
+    recompute_full_engine,
     recompute_topk,
 )
 from kvcouple.errors import StoreError
@@ -77,21 +81,7 @@ def analyze_doc(info: TraceStoreReader, doc: int, options: Options) -> DocResult
     doc_id = info.doc_ids[doc]
     try:
         summary = info.read_summary(doc, SUMMARY_READ)
-        L = info.window
-        obs = L if options.window is None else int(options.window)
-        units = {
-            pol: estimate_unit(
-                summary["hazard"][i],
-                summary["branch_step"][i],
-                summary["branch_mismatch"][i],
-                summary["branch_tv"][i],
-                obs_window=obs,
-                estimator=options.estimator,
-                doc_id=doc_id,
-                policy=pol,
-            )
-            for i, pol in enumerate(info.policies)
-        }
+        units = _units(info, doc, summary, options)
         check = None
         if options.recompute and info.record == "full":
             check = recompute_full(info, doc, summary, options.tolerance, options.io_threads)
@@ -100,6 +90,65 @@ def analyze_doc(info: TraceStoreReader, doc: int, options: Options) -> DocResult
         return DocResult(doc, doc_id, units, check)
     except StoreError as e:
         return DocResult(doc, doc_id, None, None, str(e))
+
+
+def analyze_docs(info: TraceStoreReader, docs: list[int], options: Options) -> list[DocResult]:
+    """:func:`analyze_doc` of several documents of one store as one task: their summaries read
+    in one engine call and their distributions recomputed in another (every block of every
+    document on every core), so that the per-call costs are paid once per batch rather than
+    per document. Where anything in the batch is damaged (or the engine cannot read the
+    store) the batch is redone document by document: the same results and messages as
+    :func:`analyze_doc`, the damage named and only its document skipped."""
+    together = _analyze_together(info, docs, options) if len(docs) > 1 else None
+    if together is not None:
+        return together
+    return [analyze_doc(info, d, options) for d in docs]
+
+
+def _analyze_together(
+    info: TraceStoreReader, docs: list[int], options: Options
+) -> list[DocResult] | None:
+    try:
+        summaries = info.read_summaries(docs, SUMMARY_READ)
+        if summaries is None:
+            return None
+        units = [_units(info, d, s, options) for d, s in zip(docs, summaries, strict=True)]
+        checks: list[RecomputeCheck | None] = [None] * len(docs)
+        if options.recompute and info.record == "full":
+            fused = recompute_full_engine(info, docs, summaries, options.tolerance)
+            if fused is None:
+                return None
+            checks = list(fused)
+        elif options.recompute and info.record.startswith("topk"):
+            checks = [
+                recompute_topk(info, d, s, options.tolerance)
+                for d, s in zip(docs, summaries, strict=True)
+            ]
+    except StoreError:
+        return None
+    return [
+        DocResult(d, info.doc_ids[d], u, c) for d, u, c in zip(docs, units, checks, strict=True)
+    ]
+
+
+def _units(
+    info: TraceStoreReader, doc: int, summary: dict[str, np.ndarray], options: Options
+) -> dict[str, UnitEstimate]:
+    """Every policy's RB-CMC unit of one document from its summary."""
+    obs = info.window if options.window is None else int(options.window)
+    return {
+        pol: estimate_unit(
+            summary["hazard"][i],
+            summary["branch_step"][i],
+            summary["branch_mismatch"][i],
+            summary["branch_tv"][i],
+            obs_window=obs,
+            estimator=options.estimator,
+            doc_id=info.doc_ids[doc],
+            policy=pol,
+        )
+        for i, pol in enumerate(info.policies)
+    }
 
 
 def _limit_worker_threads(threads: int | None = None, dask_worker: Any = None) -> int:
@@ -118,6 +167,24 @@ def _limit_worker_threads(threads: int | None = None, dask_worker: Any = None) -
     return kvcouple.get_num_threads()
 
 
+# Documents per local task (analyze_docs): enough blocks per engine call to fill the cores and
+# to share the per-call costs; few enough that the batches in flight keep every core busy.
+LOCAL_BATCH = 8
+
+
+def _batches(
+    tasks: list[tuple[TraceStoreReader, int]], size: int
+) -> list[tuple[TraceStoreReader, list[int]]]:
+    """Consecutive tasks of one store, ``size`` documents at most per batch, in task order."""
+    out: list[tuple[TraceStoreReader, list[int]]] = []
+    for info, doc in tasks:
+        if out and out[-1][0] is info and len(out[-1][1]) < size:
+            out[-1][1].append(doc)
+        else:
+            out.append((info, [doc]))
+    return out
+
+
 def run_docs(
     tasks: list[tuple[TraceStoreReader, int]],
     options: Options,
@@ -125,25 +192,27 @@ def run_docs(
     worker_threads: int | None,
     progress: bool = False,
 ) -> list[DocResult]:
-    """Every task ``(store, document)``'s :func:`analyze_doc`, in task order: a few documents
-    in flight on local threads, or one Dask task each on ``client``'s workers."""
+    """Every task ``(store, document)``'s :func:`analyze_doc`, in task order: batches of a
+    store's documents (:func:`analyze_docs`), a few in flight on local threads, or one Dask
+    task per document on ``client``'s workers."""
     from tqdm import tqdm  # type: ignore[import-untyped]
 
     bar = tqdm(total=len(tasks), unit="doc", desc="kvcouple analyze", disable=not progress)
     try:
         if client is None:
-            # A few documents in flight: a document may be one chunk per variable, and the Rust
-            # engine (GIL released) decodes the chunks of all documents in flight on every
-            # core. Memory: a few documents' summaries plus a block pair per engine thread.
+            # A few batches in flight: each batch's engine calls decode its chunks on every
+            # core (GIL released) while another batch's Python part runs. Memory: a batch's
+            # summaries plus a block pair per engine thread.
             from concurrent.futures import ThreadPoolExecutor
 
-            def one(task: tuple[TraceStoreReader, int]) -> DocResult:
-                r = analyze_doc(task[0], task[1], options)
-                bar.update(1)
+            def one(batch: tuple[TraceStoreReader, list[int]]) -> list[DocResult]:
+                r = analyze_docs(batch[0], batch[1], options)
+                bar.update(len(batch[1]))
                 return r
 
             with ThreadPoolExecutor(max(1, options.io_threads)) as pool:
-                return list(pool.map(one, tasks))
+                done = pool.map(one, _batches(tasks, LOCAL_BATCH))
+                return [r for rs in done for r in rs]
         from distributed import as_completed
 
         client.run(_limit_worker_threads, worker_threads)

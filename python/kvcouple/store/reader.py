@@ -314,20 +314,33 @@ class TraceStoreReader(ObjectStorageReads):
 
     def _read_completed(self) -> tuple[np.ndarray, dict[int, str]]:
         """The completion flags by document; a damaged flag chunk marks its documents damaged
-        (with the message) rather than finished or unfinished."""
+        (with the message) rather than finished or unfinished. One existence query for every
+        flag chunk and one read of the array (a store of thousands of documents has as many
+        flag chunks: asked one at a time they cost milliseconds each); chunk by chunk only to
+        name a chunk that fails to decode."""
         n = self.dims["doc"]
         flags = np.zeros(n, bool)
         errors: dict[int, str] = {}
         step = self.storage_grid(COMPLETED)[0]
-        for start in range(0, n, step):
-            sel = (slice(start, min(start + step, n)),)
-            if self.missing(self.keys(COMPLETED, sel)):
-                continue  # never written (zarr 3 skips all-False chunks): unfinished
-            try:
-                flags[sel] = self.read(COMPLETED, sel)
-            except StoreError as e:
-                for d in range(sel[0].start, sel[0].stop):
-                    errors[d] = str(e)
+        cells = [(slice(start, min(start + step, n)),) for start in range(0, n, step)]
+        keys = [self.keys(COMPLETED, sel) for sel in cells]
+        absent = set(self.missing([k for ks in keys for k in ks]))
+        # Never written (zarr 3 skips all-False chunks): unfinished.
+        present = [sel for sel, ks in zip(cells, keys, strict=True) if absent.isdisjoint(ks)]
+        if not present:
+            return flags, errors
+        try:
+            whole = np.asarray(self.array(COMPLETED)[:], dtype=bool)
+        except Exception:  # codecs raise many types: find the chunk (and its documents)
+            for sel in present:
+                try:
+                    flags[sel] = self.read(COMPLETED, sel)
+                except StoreError as e:
+                    for d in range(sel[0].start, sel[0].stop):
+                        errors[d] = str(e)
+            return flags, errors
+        for sel in present:
+            flags[sel] = whole[sel]
         return flags, errors
 
     # -- what the analysis asks ---------------------------------------------------------------
@@ -569,34 +582,75 @@ class TraceStoreReader(ObjectStorageReads):
         concurrently. A problem is then named by reading that variable alone. ``kept_length``'s
         check needs the document's ``prompt_length``: it is read in the same batch."""
         doc = int(doc)
-        extra = (
-            ("prompt_length",) if "kept_length" in names and "prompt_length" not in names else ()
-        )
-        wanted = names + extra if doc not in self.__dict__.get("_prompt_lengths", {}) else names
-        blocks, supported = self._read_direct(wanted, doc)
+        wanted, extra = self._with_prompt_length(names, [doc])
+        got, supported = self._read_direct(wanted, [doc])
+        blocks = None if got is None else got[0]
         if not supported and _zarr_major() >= 3:
             blocks = self._read_concurrently(wanted, doc)
         if blocks is None:
             return {n: self.read_doc(n, doc) for n in names}
-        if "prompt_length" in blocks:  # checked first: it bounds kept_length
+        self._check_summary(doc, blocks, extra)
+        return blocks
+
+    def read_summaries(
+        self, docs: list[int], names: tuple[str, ...]
+    ) -> list[dict[str, np.ndarray]] | None:
+        """:meth:`read_summary` of several documents of a local store in one engine call
+        (every chunk of every document decoded in parallel, the per-call costs paid once), in
+        the order of ``docs``. None where the engine cannot read them so, or where any chunk
+        or value of any of them is damaged: the caller then reads document by document, which
+        names the damage and keeps the other documents."""
+        docs = [int(d) for d in docs]
+        if is_url(self.path) or not docs:
+            return None
+        wanted, extra = self._with_prompt_length(names, docs)
+        got, _ = self._read_direct(wanted, docs)
+        if got is None:
+            return None
+        try:
+            for doc, blocks in zip(docs, got, strict=True):
+                self._check_summary(doc, blocks, extra)
+        except StoreError:
+            return None
+        return got
+
+    def _with_prompt_length(
+        self, names: tuple[str, ...], docs: list[int]
+    ) -> tuple[tuple[str, ...], bool]:
+        """``names`` and whether ``prompt_length`` was added to them: ``kept_length``'s check
+        needs it, unless every document's is known already."""
+        known = self.__dict__.get("_prompt_lengths", {})
+        extra = (
+            "kept_length" in names
+            and "prompt_length" not in names
+            and any(d not in known for d in docs)
+        )
+        return (names + ("prompt_length",) if extra else names), extra
+
+    def _check_summary(self, doc: int, blocks: dict[str, np.ndarray], extra: bool) -> None:
+        """Check one document's blocks, ``prompt_length`` first (it bounds ``kept_length``;
+        ``extra``: it was read only for that, and is dropped)."""
+        if "prompt_length" in blocks:
             prompt = blocks.pop("prompt_length") if extra else blocks["prompt_length"]
             self.check_values("prompt_length", prompt, (doc,))
             self.__dict__.setdefault("_prompt_lengths", {})[doc] = int(prompt)
         for n, block in blocks.items():
             self.check_values(n, block, (doc,) + (0,) * block.ndim)
-        return blocks
 
     def _read_direct(
-        self, names: tuple[str, ...], doc: int
-    ) -> tuple[dict[str, np.ndarray] | None, bool]:
-        """``(name[doc] of every name, True)`` read and decoded by the Rust engine
-        (``kvcouple._core.store_decode_chunks``: every chunk in parallel, the GIL released,
-        checksums verified); ``(None, True)`` if a chunk is missing or damaged (the caller
-        names it); ``(None, False)`` where the engine cannot read these variables so: several
-        documents per chunk, sharded or another codec (then never again for this reader)."""
+        self, names: tuple[str, ...], docs: list[int]
+    ) -> tuple[list[dict[str, np.ndarray]] | None, bool]:
+        """``([name[doc] of every name, for each doc], True)`` read and decoded by the Rust
+        engine (``kvcouple._core.store_decode_chunks``: every chunk in parallel, the GIL
+        released, checksums verified); ``(None, True)`` if a chunk is missing or damaged (the
+        caller names it); ``(None, False)`` where the engine cannot read these variables so:
+        several documents per chunk, sharded or another codec (then never again for this
+        reader). On object storage one document at a time."""
         from kvcouple import _core
 
         remote = is_url(self.path)
+        if remote and len(docs) != 1:
+            return None, False  # fetched a document at a time (read_summary's prefetch)
         if (
             self._engine_off
             or self.__dict__.get("_no_direct")
@@ -607,19 +661,23 @@ class TraceStoreReader(ObjectStorageReads):
             self.__dict__["_no_direct"] = True
             return None, False
         metas = [self._metadata_document(n) for n in names]
-        cells = [
-            (i, cell, where)
-            for i, n in enumerate(names)
-            for cell, where in self._cells(
-                n,
-                (slice(doc, doc + 1),) + (slice(None),) * (self.array(n).ndim - 1),
-                self.storage_grid(n),
-            )
+        arrays = [self.array(n) for n in names]
+        grids = [self.storage_grid(n) for n in names]
+        per_doc = [
+            [
+                (i, cell, where)
+                for i, a in enumerate(arrays)
+                for cell, where in self._cells(
+                    names[i], (slice(doc, doc + 1),) + (slice(None),) * (a.ndim - 1), grids[i]
+                )
+            ]
+            for doc in docs
         ]
+        cells = [c for doc_cells in per_doc for c in doc_cells]
         which = [i for i, _, _ in cells]
         keys = [self.chunk_key(names[i], cell) for i, cell, _ in cells]
         if remote:
-            _, got = self._summary_objects(names, doc)
+            _, got = self._summary_objects(names, docs[0])
             decoded, problem = _core.store_decode_chunks(metas, which, keys, chunks=got)
         else:
             decoded, problem = _core.store_decode_chunks(metas, which, keys, root=self.path)
@@ -628,14 +686,17 @@ class TraceStoreReader(ObjectStorageReads):
                 self.__dict__["_no_direct"] = True
                 return None, False
             return None, True
-        out = {n: np.empty(self.array(n).shape[1:], self.array(n).dtype) for n in names}
-        for (i, _, where), raw in zip(cells, decoded, strict=True):
-            a = self.array(names[i])
-            # Stored little endian (the layout the engine reads); edge chunks are padded.
-            chunk = np.frombuffer(raw, np.dtype(a.dtype).newbyteorder("<"))
-            chunk = chunk.reshape(self.storage_grid(names[i]))[0]
-            inner = tuple(slice(0, w.stop - w.start) for w in where[1:])
-            out[names[i]][where[1:]] = chunk[inner]
+        # Stored little endian (the layout the engine reads); edge chunks are padded.
+        stored = [np.dtype(a.dtype).newbyteorder("<") for a in arrays]
+        raws = iter(decoded)
+        out: list[dict[str, np.ndarray]] = []
+        for doc_cells in per_doc:
+            blocks = {n: np.empty(a.shape[1:], a.dtype) for n, a in zip(names, arrays, strict=True)}
+            for (i, _, where), raw in zip(doc_cells, raws, strict=False):
+                chunk = np.frombuffer(raw, stored[i]).reshape(grids[i])[0]
+                inner = tuple(slice(0, w.stop - w.start) for w in where[1:])
+                blocks[names[i]][where[1:]] = chunk[inner]
+            out.append(blocks)
         return out, True
 
     def _read_concurrently(self, names: tuple[str, ...], doc: int) -> dict[str, np.ndarray] | None:

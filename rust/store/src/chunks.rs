@@ -6,6 +6,7 @@
 //! Only the layout kvcouple writes is read here ([`crate::direct`]: `bytes` -> `zstd`
 //! (-> `crc32c`), little endian); anything else is [`Problem::Unsupported`].
 
+use std::collections::HashMap;
 use std::path::Path;
 
 use rayon::prelude::*;
@@ -45,10 +46,21 @@ fn layout_of(key: &str, meta: &str) -> Result<Layout, Problem> {
 
 /// Every chunk's decoded bytes, in order; the first problem (in chunk order) otherwise.
 pub fn decode_chunks(chunks: &[Chunk]) -> Result<Vec<Vec<u8>>, Problem> {
-    let layouts = chunks
-        .iter()
-        .map(|c| layout_of(c.key, c.meta))
-        .collect::<Result<Vec<_>, _>>()?;
+    // A call holds many documents' chunks of a few variables: each metadata document is
+    // parsed once.
+    let mut parsed: HashMap<&str, Layout> = HashMap::new();
+    let mut layouts: Vec<Layout> = Vec::with_capacity(chunks.len());
+    for c in chunks {
+        let layout = match parsed.get(c.meta) {
+            Some(layout) => layout.clone(),
+            None => {
+                let layout = layout_of(c.key, c.meta)?;
+                parsed.insert(c.meta, layout.clone());
+                layout
+            }
+        };
+        layouts.push(layout);
+    }
     let decoded: Vec<Result<Vec<u8>, Problem>> = parallel::install(|| {
         chunks
             .par_iter()
