@@ -265,15 +265,18 @@ class _ResampleJackknife:
         if col not in self.cache:
             j = self.index[col]
             finite = self.finite[:, j]
+            # (resamples x documents) values: built in place, two passes, one allocation.
             if finite.all():  # every resample holds n entries: its sum is n * mean
-                count = np.full(self.shape[0], float(self.shape[1]))
+                n = float(self.shape[1])
+                loo = np.subtract.outer(self.reps[:, j] * n, self.vals[:, j])
+                loo /= n - 1.0
             else:
                 count = self.weights @ finite
-            total = np.where(count > 0, self.reps[:, j], 0.0) * count
-            with np.errstate(divide="ignore", invalid="ignore"):
-                self.cache[col] = (total[:, None] - self.vals[None, :, j]) / (
-                    count[:, None] - finite[None, :]
-                )
+                total = np.where(count > 0, self.reps[:, j], 0.0) * count
+                loo = np.subtract.outer(total, self.vals[:, j])
+                with np.errstate(divide="ignore", invalid="ignore"):
+                    np.divide(loo, np.subtract.outer(count, finite), out=loo)
+            self.cache[col] = loo
         return self.cache[col]
 
     def forget(self) -> None:

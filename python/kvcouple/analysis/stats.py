@@ -122,13 +122,20 @@ def build_table(
 
 
 def _ratio(a: np.ndarray, b: np.ndarray) -> np.ndarray:
-    with np.errstate(divide="ignore", invalid="ignore"):
-        return np.where(b > 0, a / np.where(b > 0, b, 1.0), np.nan)
+    return _divided_where(a, b, np.asarray(b) > 0)
 
 
 def _signed_ratio(a: np.ndarray, b: np.ndarray) -> np.ndarray:
-    with np.errstate(divide="ignore", invalid="ignore"):
-        return np.where(b != 0, a / np.where(b != 0, b, 1.0), np.nan)
+    return _divided_where(a, b, np.asarray(b) != 0)
+
+
+def _divided_where(a: np.ndarray, b: np.ndarray, ok: np.ndarray) -> np.ndarray:
+    """``a / b`` where ``ok``, NaN elsewhere, in one pass over the operands (the studentized
+    bootstrap calls it on (resamples x documents) arrays, once per statistic)."""
+    a, b = np.asarray(a), np.asarray(b)
+    dtype = np.result_type(a.dtype, b.dtype, np.float64)
+    out = np.full(np.broadcast_shapes(a.shape, b.shape), np.nan, dtype)
+    return np.divide(a, b, out=out, where=ok)
 
 
 def _pooled_median(g: Getter, policy: str, horizon: int) -> np.ndarray:
