@@ -127,3 +127,55 @@ def test_stores_with_and_without_compile_agree(counting_compile, tmp_path):
         {k: eager[k].values for k in eager.data_vars},
         {k: compiled[k].values for k in compiled.data_vars},
     )
+
+
+def _compiled_with(monkeypatch, backend):
+    """compat's compiled step through ``backend``, in a fresh process state."""
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    compiled: dict[str, object] = {}
+    monkeypatch.setattr(compat, "_FAILED", {})
+    monkeypatch.setattr(
+        compat,
+        "_compiled",
+        lambda mode: compiled.setdefault(mode, torch.compile(compat._call, backend=backend)),
+    )
+
+
+def test_a_step_that_fails_to_compile_runs_eagerly_after_one_warning(monkeypatch):
+    """Eager is the fallback: a backend that fails makes one RuntimeWarning naming the mode
+    and why, and every step then runs eagerly (the records are eager's, bit for bit)."""
+    calls = []
+
+    def failing(gm, example_inputs):
+        calls.append(1)
+        raise RuntimeError("this backend refuses every graph")
+
+    _compiled_with(monkeypatch, failing)
+    model = tiny_model("llama", num_hidden_layers=2, attn_implementation="sdpa")
+    settings = TraceSettings(
+        horizon=8, replicates=2, branches=1, window=2, cache_layout="joint", compile="graphs"
+    )
+    with pytest.warns(RuntimeWarning, match="failed to compile") as seen:
+        got, _ = trace_document(model, PROMPT, SPEC, settings, seed=1)
+    ours = [w for w in seen if "failed to compile" in str(w.message)]
+    assert len(ours) == 1 and "this backend refuses" in str(ours[0].message)
+    assert calls == [1]  # tried once, not at every step
+    assert compat._FAILED
+    torch._dynamo.reset()
+    eager, _ = trace_document(model, PROMPT, SPEC, replace(settings, compile="off"), seed=1)
+    _assert_records_agree(eager, got, rtol=0, atol=0)
+
+
+def test_an_error_of_the_step_itself_is_not_hidden_by_the_fallback(monkeypatch):
+    def broken(*args):
+        raise ValueError("the step itself failed")
+
+    monkeypatch.setattr(compat, "_FAILED", {})
+    monkeypatch.setattr(compat, "_compiled", lambda mode: broken)
+    model = tiny_model("llama", num_hidden_layers=2, attn_implementation="sdpa")
+    settings = TraceSettings(horizon=4, replicates=2, branches=1, window=2, compile="graphs")
+    with pytest.raises(ValueError, match="the step itself failed"):
+        trace_document(model, PROMPT, SPEC, settings, seed=1)
+    assert not compat._FAILED

@@ -20,6 +20,8 @@ from here, and the row layouts build their caches through this module (one place
 
 from __future__ import annotations
 
+import sys
+import warnings
 from typing import Any
 
 import torch
@@ -110,8 +112,18 @@ def forward(
         positions = None
         kvcache.forget_positions(cache)
     mode = active_compile_mode() if step else None
-    call = _compiled(mode) if mode is not None else _call
-    logits = call(model, kw, positions, prefix, last_only)
+    if mode is None or mode in _FAILED:
+        logits = _call(model, kw, positions, prefix, last_only)
+    else:
+        try:
+            logits = _compiled(mode)(model, kw, positions, prefix, last_only)
+        except Exception as e:
+            if not _is_compile_failure(e):
+                raise
+            # Eager is the fallback: the failure came while compiling, before the step's
+            # graph ran, and the step's one write (at the device-side column) is idempotent.
+            _compile_failed(mode, e)
+            logits = _call(model, kw, positions, prefix, last_only)
     kvcache.advance(cache, int(input_ids.shape[1]))
     return logits
 
@@ -141,6 +153,33 @@ def _call(
 # (other prompt lengths, other row counts) dynamo's automatic dynamic shapes make the second
 # shape's graph dynamic instead of compiling once per document.
 _COMPILED: dict[str, Any] = {}
+
+
+# Modes whose compilation failed in this process (why): their steps run eagerly.
+_FAILED: dict[str, str] = {}
+
+
+def _is_compile_failure(e: BaseException) -> bool:
+    """Whether ``e`` is torch.compile failing (dynamo, or its backend, which dynamo wraps),
+    not the step itself. Dynamo raised it, so it is imported (torch imports it lazily: ~1 s
+    that an eager run never pays)."""
+    exc = sys.modules.get("torch._dynamo.exc")
+    return exc is not None and isinstance(e, exc.TorchDynamoException)
+
+
+def _compile_failed(mode: str, e: BaseException) -> None:
+    inner = getattr(e, "inner_exception", None)  # what a failing backend raised
+    shown = inner if isinstance(inner, BaseException) else e
+    lines = str(shown).strip().splitlines()
+    why = f"{type(shown).__name__}: {lines[0] if lines else ''}"
+    _FAILED[mode] = why
+    warnings.warn(
+        f"kvcouple: the decoding step failed to compile with torch.compile(mode={mode!r}) "
+        f"({why[:300]}); it runs eagerly for the rest of this process (--compile off "
+        "skips the attempt)",
+        RuntimeWarning,
+        stacklevel=3,
+    )
 
 
 def _compiled(mode: str) -> Any:
