@@ -67,3 +67,32 @@ def test_dask_equals_local(tmp_path):
         via_address = analyze(path, n_boot=200, scheduler=cluster.scheduler_address)
     assert _canonical(remote) == _canonical(local)
     assert _canonical(via_address) == _canonical(local)
+
+
+def test_dask_tasks_are_batches_of_documents_with_the_same_results(tmp_path, monkeypatch):
+    """Documents travel to the workers in batches (a few per worker thread): 16 documents on
+    2 worker threads are 8 tasks of 2, and the results are the local path's."""
+    from kvcouple.analysis import tasks
+
+    path = write_synthetic_trace_store(
+        tmp_path / "run.zarr", PAIRS, horizon=5, replicates=8, branches=2, docs=16, record="full"
+    )
+    local = analyze(path, n_boot=100)
+    sizes: list[list[int]] = []
+    real = tasks._batches
+
+    def recorded(tasks_, size):
+        got = real(tasks_, size)
+        sizes.append([len(docs) for _, docs in got])
+        return got
+
+    monkeypatch.setattr(tasks, "_batches", recorded)
+    with (
+        distributed.LocalCluster(
+            n_workers=2, threads_per_worker=1, processes=True, dashboard_address=None
+        ) as cluster,
+        distributed.Client(cluster) as client,
+    ):
+        remote = analyze(path, n_boot=100, client=client)
+    assert sizes == [[2] * 8]
+    assert _canonical(remote) == _canonical(local)

@@ -2,10 +2,10 @@
 
 Work is split by document (a document is one chunk along ``doc`` in every variable): each task
 reads one document's RB-CMC fields, estimates every policy, and for ``full``/``topk`` records
-recomputes the hazards and branch TVs from the stored distributions, chunk by chunk. Locally
-documents are taken in batches (:func:`analyze_docs`: one engine call reads a batch's summaries,
-one decodes and compares all its distributions), a few batches in flight on threads; on a Dask
-cluster (``client=`` or ``scheduler=``) they run on the workers, which open
+recomputes the hazards and branch TVs from the stored distributions, chunk by chunk. Documents
+are taken in batches (:func:`analyze_docs`: one engine call reads a batch's summaries, one
+decodes and compares all its distributions): locally a few batches in flight on threads; on a
+Dask cluster (``client=`` or ``scheduler=``) they run on the workers, which open
 the store themselves (so the store's path must be readable from every worker: a shared
 filesystem), and only the small per-document results travel back.
 
@@ -192,9 +192,10 @@ def run_docs(
     worker_threads: int | None,
     progress: bool = False,
 ) -> list[DocResult]:
-    """Every task ``(store, document)``'s :func:`analyze_doc`, in task order: batches of a
-    store's documents (:func:`analyze_docs`), a few in flight on local threads, or one Dask
-    task per document on ``client``'s workers."""
+    """Every task ``(store, document)``'s :func:`analyze_doc`, in task order, by batches of a
+    store's documents (:func:`analyze_docs`): a few in flight on local threads, or one Dask
+    task each on ``client``'s workers (batches small enough that every worker thread gets
+    several)."""
     from tqdm import tqdm  # type: ignore[import-untyped]
 
     bar = tqdm(total=len(tasks), unit="doc", desc="kvcouple analyze", disable=not progress)
@@ -216,11 +217,19 @@ def run_docs(
         from distributed import as_completed
 
         client.run(_limit_worker_threads, worker_threads)
+        # Batches too, but small enough that every worker thread gets several.
+        threads = max(1, sum(client.nthreads().values()))
+        batches = _batches(tasks, max(1, min(LOCAL_BATCH, len(tasks) // (4 * threads))))
         futures = client.map(
-            analyze_doc, [t[0] for t in tasks], [t[1] for t in tasks], options=options, pure=False
+            analyze_docs,
+            [b[0] for b in batches],
+            [b[1] for b in batches],
+            options=options,
+            pure=False,
         )
-        for _ in as_completed(futures):
-            bar.update(1)
-        return list(client.gather(futures))
+        sizes = {f.key: len(b[1]) for f, b in zip(futures, batches, strict=True)}
+        for f in as_completed(futures):
+            bar.update(sizes[f.key])
+        return [r for rs in client.gather(futures) for r in rs]
     finally:
         bar.close()
