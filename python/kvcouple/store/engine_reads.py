@@ -1,0 +1,324 @@
+"""The part of :class:`kvcouple.store.reader.TraceStoreReader` that reads through the Rust
+store engine: a document's small variables (:meth:`EngineReads.read_summary`, several
+documents at once with :meth:`EngineReads.read_summaries`) and the row TVs of the stored
+distributions (:meth:`EngineReads.rows_tv`), decoded on every core with the GIL released,
+checksums verified and every value checked. Where the engine cannot read a store (a codec or
+layout it lacks, ``KVCOUPLE_STORE_ENGINE=zarr``) these say so, and the reader reads with
+zarr-python instead: the same numbers and the same messages.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import sys
+from typing import Any
+
+import numpy as np
+
+from kvcouple.errors import StoreError
+from kvcouple.store.remote import _NOTICE_LOCK, ObjectStorageReads, is_url
+
+# Stores the engine fell back on (the notice is printed once per store and process).
+_NOTICED: set[str] = set()
+
+
+def zarr_major() -> int:
+    """The major version of the installed zarr-python."""
+    import zarr
+
+    return int(zarr.__version__.split(".")[0])
+
+
+class EngineReads(ObjectStorageReads):
+    """Reads through the Rust store engine, for :class:`~kvcouple.store.reader.
+    TraceStoreReader` (which provides the store's arrays, grids, keys and value checks)."""
+
+    doc_ids: list[str]
+
+    # Provided by the reader.
+    def check_values(self, name: str, block: np.ndarray, origin: tuple[int, ...]) -> None:
+        raise NotImplementedError
+
+    def read_doc(self, name: str, doc: int) -> np.ndarray:
+        raise NotImplementedError
+
+    def decode_grid(self, name: str) -> tuple[int, ...]:
+        raise NotImplementedError
+
+    def _value_error(
+        self, name: str, full_pos: tuple[int, ...], shown: str, allowed: str
+    ) -> StoreError:
+        raise NotImplementedError
+
+    def _checksum_error(self, name: str, key: str, label: str, detail: str) -> StoreError:
+        raise NotImplementedError
+
+    def read_summary(self, doc: int, names: tuple[str, ...]) -> dict[str, np.ndarray]:
+        """Several variables of one document, checked. Where each variable holds a document in
+        one chunk of the layout kvcouple writes, the Rust engine reads and decodes them all at
+        once (:meth:`_read_direct`; on object storage from one batch of fetched objects);
+        else, with zarr-python 3, every chunk's presence is asked, and every variable read,
+        concurrently. A problem is then named by reading that variable alone. ``kept_length``'s
+        check needs the document's ``prompt_length``: it is read in the same batch."""
+        doc = int(doc)
+        wanted, extra = self._with_prompt_length(names, [doc])
+        got, supported = self._read_direct(wanted, [doc])
+        blocks = None if got is None else got[0]
+        if not supported and zarr_major() >= 3:
+            blocks = self._read_concurrently(wanted, doc)
+        if blocks is None:
+            return {n: self.read_doc(n, doc) for n in names}
+        self._check_summary(doc, blocks, extra)
+        return blocks
+
+    def read_summaries(
+        self, docs: list[int], names: tuple[str, ...]
+    ) -> list[dict[str, np.ndarray]] | None:
+        """:meth:`read_summary` of several documents of a local store in one engine call
+        (every chunk of every document decoded in parallel, the per-call costs paid once), in
+        the order of ``docs``. None where the engine cannot read them so, or where any chunk
+        or value of any of them is damaged: the caller then reads document by document, which
+        names the damage and keeps the other documents."""
+        docs = [int(d) for d in docs]
+        if is_url(self.path) or not docs:
+            return None
+        wanted, extra = self._with_prompt_length(names, docs)
+        got, _ = self._read_direct(wanted, docs)
+        if got is None:
+            return None
+        try:
+            for doc, blocks in zip(docs, got, strict=True):
+                self._check_summary(doc, blocks, extra)
+        except StoreError:
+            return None
+        return got
+
+    def _with_prompt_length(
+        self, names: tuple[str, ...], docs: list[int]
+    ) -> tuple[tuple[str, ...], bool]:
+        """``names`` and whether ``prompt_length`` was added to them: ``kept_length``'s check
+        needs it, unless every document's is known already."""
+        known = self.__dict__.get("_prompt_lengths", {})
+        extra = (
+            "kept_length" in names
+            and "prompt_length" not in names
+            and any(d not in known for d in docs)
+        )
+        return (names + ("prompt_length",) if extra else names), extra
+
+    def _check_summary(self, doc: int, blocks: dict[str, np.ndarray], extra: bool) -> None:
+        """Check one document's blocks, ``prompt_length`` first (it bounds ``kept_length``;
+        ``extra``: it was read only for that, and is dropped)."""
+        if "prompt_length" in blocks:
+            prompt = blocks.pop("prompt_length") if extra else blocks["prompt_length"]
+            self.check_values("prompt_length", prompt, (doc,))
+            self.__dict__.setdefault("_prompt_lengths", {})[doc] = int(prompt)
+        for n, block in blocks.items():
+            self.check_values(n, block, (doc,) + (0,) * block.ndim)
+
+    def _read_direct(
+        self, names: tuple[str, ...], docs: list[int]
+    ) -> tuple[list[dict[str, np.ndarray]] | None, bool]:
+        """``([name[doc] of every name, for each doc], True)`` read and decoded by the Rust
+        engine (``kvcouple._core.store_decode_chunks``: every chunk in parallel, the GIL
+        released, checksums verified); ``(None, True)`` if a chunk is missing or damaged (the
+        caller names it); ``(None, False)`` where the engine cannot read these variables so:
+        several documents per chunk, sharded or another codec (then never again for this
+        reader). On object storage one document at a time."""
+        from kvcouple import _core
+
+        remote = is_url(self.path)
+        if remote and len(docs) != 1:
+            return None, False  # fetched a document at a time (read_summary's prefetch)
+        if (
+            self._engine_off
+            or self.__dict__.get("_no_direct")
+            or any(self.storage_grid(n)[0] != 1 for n in names)
+            or remote
+            and self._object_fetcher() is None
+        ):
+            self.__dict__["_no_direct"] = True
+            return None, False
+        metas = [self._metadata_document(n) for n in names]
+        arrays = [self.array(n) for n in names]
+        grids = [self.storage_grid(n) for n in names]
+        per_doc = [
+            [
+                (i, cell, where)
+                for i, a in enumerate(arrays)
+                for cell, where in self._cells(
+                    names[i], (slice(doc, doc + 1),) + (slice(None),) * (a.ndim - 1), grids[i]
+                )
+            ]
+            for doc in docs
+        ]
+        cells = [c for doc_cells in per_doc for c in doc_cells]
+        which = [i for i, _, _ in cells]
+        keys = [self.chunk_key(names[i], cell) for i, cell, _ in cells]
+        if remote:
+            _, got = self._summary_objects(names, docs[0])
+            decoded, problem = _core.store_decode_chunks(metas, which, keys, chunks=got)
+        else:
+            decoded, problem = _core.store_decode_chunks(metas, which, keys, root=self.path)
+        if problem is not None:
+            if problem[0] == "unsupported":
+                self.__dict__["_no_direct"] = True
+                return None, False
+            return None, True
+        # Stored little endian (the layout the engine reads); edge chunks are padded.
+        stored = [np.dtype(a.dtype).newbyteorder("<") for a in arrays]
+        raws = iter(decoded)
+        out: list[dict[str, np.ndarray]] = []
+        for doc_cells in per_doc:
+            blocks = {n: np.empty(a.shape[1:], a.dtype) for n, a in zip(names, arrays, strict=True)}
+            for (i, _, where), raw in zip(doc_cells, raws, strict=False):
+                chunk = np.frombuffer(raw, stored[i]).reshape(grids[i])[0]
+                inner = tuple(slice(0, w.stop - w.start) for w in where[1:])
+                blocks[names[i]][where[1:]] = chunk[inner]
+            out.append(blocks)
+        return out, True
+
+    def _read_concurrently(self, names: tuple[str, ...], doc: int) -> dict[str, np.ndarray] | None:
+        """``name[doc]`` of every name at once, or None if any chunk is missing or fails to
+        decode (the caller reads one by one to name it)."""
+        import asyncio
+
+        from zarr.core.sync import sync
+
+        arrays = [self.array(n) for n in names]
+        keys = [
+            k
+            for n, a in zip(names, arrays, strict=True)
+            for k in self.keys(n, (slice(doc, doc + 1),) + (slice(None),) * (len(a.shape) - 1))
+        ]
+        store = arrays[0].store_path.store
+
+        async def both() -> tuple[list[bool], list[Any]]:
+            there = await asyncio.gather(*(store.exists(k) for k in keys))
+            if not all(there):
+                return list(there), []
+            got = await asyncio.gather(
+                *(a._async_array.getitem((doc,)) for a in arrays), return_exceptions=True
+            )
+            return list(there), list(got)
+
+        there, got = sync(both())
+        if not all(there) or any(isinstance(g, BaseException) for g in got):
+            return None
+        return {n: np.asarray(g) for n, g in zip(names, got, strict=True)}
+
+    def blocks(
+        self, name: str, doc: int, policy: int, whole_last: bool = True
+    ) -> list[tuple[slice, ...]]:
+        """Selections over the axes after (doc, policy) that follow the decoded chunks (the
+        last axis taken whole when ``whole_last``, e.g. a vocabulary), so that streaming them
+        holds a few chunks at a time."""
+        arr = self.array(name)
+        shape, grid = arr.shape[2:], self.decode_grid(name)[2:]
+        if whole_last:
+            grid = grid[:-1] + (shape[-1],)
+        ranges = [range(0, n, c) for n, c in zip(shape, grid, strict=True)]
+        return [
+            tuple(slice(s, min(s + c, n)) for s, c, n in zip(st, grid, shape, strict=True))
+            for st in itertools.product(*ranges)
+        ]
+
+    def rows_tv(
+        self, p_name: str, q_name: str, sels: list[tuple[Any, ...]], *, decode_only: bool = False
+    ) -> np.ndarray | None:
+        """TV of every row (last axis: the distribution) of the blocks ``sels`` (each an index
+        or a slice per axis, the last axis whole) of ``p_name`` against ``q_name``, decoded and
+        computed by the Rust engine (zarrs, all cores, GIL released), the blocks' rows one after
+        another. Every row of both is checked first to be a distribution (as
+        :meth:`check_values` does), and every chunk against its checksum. On object storage
+        the chunk objects are fetched concurrently and decoded by the same engine
+        (:meth:`_remote_tv`). None where the engine cannot read this store (a codec or layout
+        it lacks, zarr-python 2 on object storage, ``KVCOUPLE_STORE_ENGINE=zarr``): the caller
+        then reads with :meth:`read`."""
+        if self._engine_off:
+            return None
+        from kvcouple import _core
+
+        p = self.array(p_name)
+        kind = "bfloat16" if p.dtype.name == "bfloat16" else np.dtype(p.dtype).name
+        blocks = np.empty((len(sels), len(p.shape), 2), np.int64)
+        for i, sel in enumerate(sels):
+            for ax, (s, n) in enumerate(zip(sel, p.shape, strict=True)):
+                if isinstance(s, slice):
+                    start, stop, _ = s.indices(n)
+                else:
+                    start, stop = int(s), int(s) + 1
+                blocks[i, ax] = (start, stop)
+        # One tolerance for both: p and q share the format and the vocabulary.
+        if is_url(self.path):
+            tv, problem = self._remote_tv(p_name, q_name, blocks, kind, decode_only)
+        else:
+            tv, problem = _core.store_blocks_tv(
+                self.path,
+                p.path,
+                self.array(q_name).path,
+                blocks,
+                kind,
+                row_tolerance=self.row_tolerance(p_name),
+                decode_only=decode_only,
+            )
+        if problem is None:
+            return np.asarray(tv)
+        what, key, message = problem
+        if what == "unsupported":
+            self._engine_off = True
+            with _NOTICE_LOCK:  # one line per store, however many threads hit it
+                first = self.path not in _NOTICED
+                _NOTICED.add(self.path)
+            if first:
+                print(
+                    f"kvcouple: the Rust store engine cannot read {self.path} ({message}); "
+                    f"reading with zarr-python instead",
+                    file=sys.stderr,
+                )
+            return None
+        name = key.rsplit("/", 1)[0].split("/")[-1] if "/" in key else key
+        docs = {int(sel[0]) for sel in sels if not isinstance(sel[0], slice)}
+        label = f" (document {self.doc_ids[docs.pop()]!r})" if len(docs) == 1 else ""
+        if what == "missing":
+            raise StoreError(
+                f"{self.path}: chunk {key} of variable {name!r}{label} is missing; the store is "
+                f"damaged. Re-trace that document, or pass --allow-incomplete to analyse the others."
+            )
+        if what == "checksum":
+            raise self._checksum_error(name, key, label, message)
+        if what == "value":
+            # "entry;i0,...,iN;value" or "sum;i0,...,-1;sum" (the engine's row check).
+            kind_, at, value = message.split(";")
+            pos = tuple(int(i) for i in at.split(","))
+            if kind_ == "sum":
+                tol = self.row_tolerance(name)
+                raise self._value_error(
+                    name,
+                    pos[:-1],
+                    "a row",
+                    f"rows summing to 1 within {tol:.2g} (this row sums to {float(value):.6g})",
+                )
+            raise self._value_error(
+                name,
+                pos,
+                repr(float(value)),
+                "finite and >= 0 in a recorded row (an unrecorded row is all NaN)",
+            )
+        raise StoreError(
+            f"{self.path}: chunk {key} of variable {name!r}{label} cannot be decoded ({message}); "
+            f"the store is damaged."
+        )
+
+    @property
+    def _engine_off(self) -> bool:
+        return (
+            self.__dict__.get("_no_engine", False)
+            or (is_url(self.path) and zarr_major() < 3)
+            or os.environ.get("KVCOUPLE_STORE_ENGINE", "auto") == "zarr"
+        )
+
+    @_engine_off.setter
+    def _engine_off(self, value: bool) -> None:
+        self.__dict__["_no_engine"] = value
