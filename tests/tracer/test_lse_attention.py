@@ -160,3 +160,48 @@ def test_keys_and_values_of_different_head_sizes_take_the_matrix_path():
     assert out.shape[-1] == 24
     torch.testing.assert_close(out, want)
     torch.testing.assert_close(lse, want_lse)
+
+
+@pytest.mark.parametrize("layout", ["shared", "joint"])
+def test_step_masks_are_stored_aligned_so_no_layer_pads_them(layout, monkeypatch):
+    """Every mask a decoding step hands to attention has 16-element-aligned strides on every
+    axis but the last (the size-1 axes too: CUDA's kernels check them all), whatever the
+    cache's capacity; so on CUDA's memory-efficient path (counted here through its stand-in)
+    no layer pads a copy of it. Branch batches (a mask per row) included."""
+    import functools
+
+    import kvcouple.tracer.prefix as prefix
+    from kvcouple.testing.efficient_attention import efficient_attention
+    from kvcouple.testing.op_counter import count_ops
+    from kvcouple.testing.tiny_models import tiny_model
+    from kvcouple.tracer import TraceSettings, compat, trace_document
+    from kvcouple.tracer.lse_attention import MASK_ALIGNMENT, efficient_lse
+
+    monkeypatch.setattr(
+        prefix, "attend_lse", functools.partial(efficient_lse, kernel=efficient_attention)
+    )
+    masks, pads = [], []
+    forward = compat.forward
+
+    def recorded(model, input_ids, cache, position_ids, attention_mask=None, *a, **kw):
+        if not kw.get("step"):
+            return forward(model, input_ids, cache, position_ids, attention_mask, *a, **kw)
+        if attention_mask is not None:
+            masks.append(attention_mask)
+        with count_ops() as counts:  # the decoding steps' ops (set-up may pad caches)
+            out = forward(model, input_ids, cache, position_ids, attention_mask, *a, **kw)
+        pads.append(counts.by_op["aten.pad"])
+        return out
+
+    monkeypatch.setattr(compat, "forward", recorded)
+    model = tiny_model("llama", num_hidden_layers=2, attn_implementation="sdpa")
+    prompt = list(range(3, 44))  # 41 tokens: capacities that are not multiples of 16
+    settings = TraceSettings(horizon=9, replicates=3, branches=2, window=4, cache_layout=layout)
+    trace_document(model, prompt, ["snapkv:retain=0.5,window=4"], settings, seed=1)
+    assert masks
+    assert any(m.shape[0] > 1 for m in masks)  # a mask per row (branches) among them
+    assert any(m.shape[-1] % MASK_ALIGNMENT for m in masks)  # misaligned widths among them
+    for m in masks:
+        assert all(s % MASK_ALIGNMENT == 0 for s in m.stride()[:-1]), (m.shape, m.stride())
+        assert m.stride()[-1] == 1
+    assert len(pads) >= len(masks) and sum(pads) == 0

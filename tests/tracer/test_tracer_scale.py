@@ -92,15 +92,18 @@ def _live_tensor_bytes(exclude: set[int]) -> int:
     import warnings
 
     seen = {}
-    with warnings.catch_warnings():  # isinstance on deprecated torch module attributes warns
+    # isinstance on deprecated torch module attributes warns, and so does the data pointer of
+    # a fake tensor left by an earlier torch.compile (it holds no memory: skipped).
+    with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         tensors = [o for o in gc.get_objects() if _is_tensor(o)]
-    for o in tensors:
-        if o.device.type == "cpu":
+        for o in tensors:
+            if o.device.type != "cpu" or type(o).__name__ == "FakeTensor":
+                continue
             storage = o.untyped_storage()
             try:
                 ptr = storage.data_ptr()
-            except RuntimeError:  # a fake tensor left by an earlier torch.compile: no memory
+            except RuntimeError:  # a fake storage: no memory
                 continue
             if ptr not in exclude:
                 seen[ptr] = storage.nbytes()

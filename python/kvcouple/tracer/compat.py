@@ -35,6 +35,7 @@ from kvcouple.tracer.kvcache import cache_length as cache_length
 from kvcouple.tracer.kvcache import cache_positions as cache_positions
 from kvcouple.tracer.kvcache import cache_tensors as cache_tensors
 from kvcouple.tracer.kvcache import new_cache as new_cache
+from kvcouple.tracer.lse_attention import MASK_ALIGNMENT
 from kvcouple.tracer.model import UnsupportedModelError as UnsupportedModelError
 from kvcouple.tracer.model import facts
 from kvcouple.tracer.prefix import SharedPrefix
@@ -191,7 +192,18 @@ def _compiled(mode: str) -> Any:
 
 
 def additive_mask(valid: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """A ``(batch, 1, 1, keys)`` additive mask from a ``(batch, keys)`` bool mask of visible keys."""
-    mask = torch.zeros(valid.shape, dtype=dtype, device=valid.device)
-    mask = mask.masked_fill(~valid, torch.finfo(dtype).min)
-    return mask[:, None, None, :]
+    """A ``(batch, 1, 1, keys)`` additive mask from a ``(batch, keys)`` bool mask of visible
+    keys, its rows stored 16-element aligned (a view of ``keys`` columns): CUDA's attention
+    kernels take such a mask as it is, and would pad a copy of any other in every layer."""
+    rows, keys = (int(n) for n in valid.shape)
+    stored = keys + (-keys % MASK_ALIGNMENT)
+    mask = torch.zeros((rows, stored), dtype=dtype, device=valid.device)
+    mask[:, :keys].masked_fill_(~valid, torch.finfo(dtype).min)
+    return aligned_rows(mask, keys)
+
+
+def aligned_rows(mask: torch.Tensor, keys: int) -> torch.Tensor:
+    """``(batch, 1, 1, keys)`` view of a ``(batch, stored)`` mask (``stored`` a multiple of
+    16, ``>= keys``): every stride aligned, the size-1 axes' too (the kernels check them all)."""
+    stored = int(mask.shape[-1])
+    return mask.as_strided((int(mask.shape[0]), 1, 1, keys), (stored, stored, stored, 1))

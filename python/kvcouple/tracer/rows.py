@@ -102,21 +102,28 @@ class CacheRows:
         """The mask of a static step over the cache's capacity: the columns each row sees,
         with the one being written, in place of ``valid`` plus a concatenated column."""
         capacity = compat.cache_capacity(self.cache)
+        # Masks are stored with 16-element-aligned rows (compat.additive_mask): the columns
+        # past the capacity are hidden and outside the view.
+        stored = capacity + (-capacity % compat.MASK_ALIGNMENT)
         column = self.cache.write_column
         rows = int(self.positions.shape[0])
         if self._visible is None:  # every row sees the written columns, and this one
-            if self._columns is None or self._columns.shape[0] != capacity:
-                self._columns = torch.arange(capacity, device=column.device)
+            if self._columns is None or self._columns.shape[0] != stored:
+                self._columns = torch.arange(stored, device=column.device)
                 self._open = torch.zeros((), dtype=self.dtype, device=column.device)
                 self._hidden = torch.full_like(self._open, torch.finfo(self.dtype).min)
             # One row broadcast over the batch, additive as compat.additive_mask makes it.
             seen = torch.where(self._columns <= column, self._open, self._hidden)
-            return seen.view(1, 1, 1, capacity)
-        if self._visible.shape[1] != capacity:  # the cache grew: so does the storage
-            grown = self._visible.new_zeros(rows, capacity)
-            grown[:, : self._visible.shape[1]] = self._visible
+            return compat.aligned_rows(seen.view(1, stored), capacity)
+        if self._visible.shape[1] != stored:  # the cache grew: so does the storage
+            grown = self._visible.new_zeros(rows, stored)
+            kept = min(int(self._visible.shape[1]), capacity)
+            grown[:, :kept] = self._visible[:, :kept]
             self._visible = grown
-        return compat.additive_mask(self._visible.index_fill_(1, column, True), self.dtype)
+        visible = self._visible.index_fill_(1, column, True)
+        mask = torch.zeros((rows, stored), dtype=self.dtype, device=visible.device)
+        mask.masked_fill_(~visible, torch.finfo(self.dtype).min)
+        return compat.aligned_rows(mask, capacity)
 
     def step(self, tokens: torch.Tensor) -> torch.Tensor:
         """Feed one token per row; returns ``(rows, vocab)`` logits."""
