@@ -223,12 +223,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     # cascade attention's kernel here (CUDA: the memory-efficient kernel, once it passed its
     # self-check on this device; else the matrix products)
     attention_path = lse_attention.fused_path(device, dtype, shape.head_dim)
+    # one document's P and Q rows as the kernel's batch (checked on the device; else per head)
+    sides_batched = lse_attention.sides_batched(device, dtype, shape.head_dim)
     vocab = model.config.vocab_size
     rng = np.random.default_rng(0)
     built_s = time.perf_counter() - wall
     print(
         f"model built in {built_s:.1f} s: {shape.weight_bytes / 2**30:.2f} GiB of weights, "
-        f"{dtype}, {device_name(device)}; cascade attention: {attention_path}",
+        f"{dtype}, {device_name(device)}; cascade attention: {attention_path}"
+        f"{' (one document: sides batched)' if sides_batched else ''}",
         flush=True,
     )
 
@@ -344,6 +347,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             "settings": {"R": R, "K": args.branches, "L": L, "T": T, "policy": policy.spec()},
             "compile_modes": modes,
             "attention_path": attention_path,
+            "sides_batched": sides_batched,
             "copy_bandwidth_bytes_per_s": bandwidth,
             "weight_read_floor_ms": floor_ms,
             "model_build_s": built_s,

@@ -50,6 +50,7 @@ def test_gpu_script_cpu_size_path(tmp_path, capsys):
     assert "shared_over_joint" not in rows[1]  # the shortest prompt only
     # The eager step with cascade attention's matrix path forced, beside the fused kernel's.
     assert report["attention_path"] == "cpu-flash"
+    assert report["sides_batched"] is False  # (CUDA's efficient kernel only)
     for r in rows:
         forced = r["decode"]["off_matrix_attention"]
         assert forced["trace_ms_per_step"] > 0 and forced["ratio_to_generate"] > 0

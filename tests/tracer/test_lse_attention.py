@@ -205,3 +205,28 @@ def test_step_masks_are_stored_aligned_so_no_layer_pads_them(layout, monkeypatch
         assert all(s % MASK_ALIGNMENT == 0 for s in m.stride()[:-1]), (m.shape, m.stride())
         assert m.stride()[-1] == 1
     assert len(pads) >= len(masks) and sum(pads) == 0
+
+
+def test_the_sides_form_is_taken_only_where_the_kernel_agrees():
+    """One document's sides as the kernel's batch (the prompt broadcast with stride 0) is
+    checked on its own: taken with a kernel that computes it right, not with one that
+    refuses a broadcast batch or gets it wrong; never off CUDA's efficient path."""
+    from kvcouple.testing.efficient_attention import efficient_attention
+    from kvcouple.tracer import lse_attention
+
+    cpu = torch.device("cpu")
+    assert lse_attention._sides_check(cpu, torch.float32, 64, kernel=efficient_attention)
+    assert lse_attention._sides_check(cpu, torch.bfloat16, 128, kernel=efficient_attention)
+
+    def no_broadcast(query, key, *args, **kwargs):
+        if key.stride(0) == 0:
+            raise RuntimeError("key batch stride 0")
+        return efficient_attention(query, key, *args, **kwargs)
+
+    def off(query, key, value, *args, **kwargs):
+        out, lse, *rest = efficient_attention(query, key, value, *args, **kwargs)
+        return (out * 1.01, lse, *rest)
+
+    assert not lse_attention._sides_check(cpu, torch.float32, 64, kernel=no_broadcast)
+    assert not lse_attention._sides_check(cpu, torch.float32, 64, kernel=off)
+    assert not lse_attention.sides_batched(cpu, torch.float32, 64)  # CPU runs its flash kernel

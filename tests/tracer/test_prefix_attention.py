@@ -252,3 +252,99 @@ def test_a_batch_of_documents_in_one_pack_is_one_call_exact_per_document(path):
     assert SharedPrefix(mislabelled).packed is None
     with pytest.raises(ValueError, match="document 1 has 9 entries, not 13"):
         pack.put(1, docs[0])
+
+
+@pytest.mark.parametrize("hide", [True, False])
+@pytest.mark.parametrize("fork", [False, True])
+def test_one_documents_sides_as_the_kernels_batch_equal_dense_attention(hide, fork, monkeypatch):
+    """CUDA's kernel takes one document's P and Q rows as its batch, the prompt broadcast over
+    it with stride 0 (``sides_batched``; here through the kernel's stand-in, which refuses a
+    batch that is not the queries'): one kernel call per layer, no stacks, and every row
+    equals dense float64 attention over its prompt (P) or kept entries (Q) and its own
+    columns; also for a fork with unequal rows per side (gathered), and with nothing hidden."""
+
+    import kvcouple.tracer.prefix as prefix
+    from kvcouple.testing.efficient_attention import efficient_attention
+    from kvcouple.tracer import lse_attention
+    from kvcouple.tracer.prefill import gather_kept, hidden_entries
+    from kvcouple.tracer.prefix import PrefixGroup, SharedPrefix, prefix_attention
+
+    calls = []
+
+    def efficient(query, key, *args, **kwargs):
+        calls.append((tuple(query.shape), key.stride(0)))
+        return lse_attention.efficient_lse(query, key, *args, kernel=efficient_attention, **kwargs)
+
+    monkeypatch.setattr(prefix, "attend_lse", efficient)
+    monkeypatch.setattr(prefix, "sides_batched", lambda *a: True)
+    g = torch.Generator().manual_seed(5)
+    H, KV, d, s, n1, keep = 8, 2, 16, 4, 21, 9
+    kv = [(torch.randn(1, KV, n1, d, generator=g), torch.randn(1, KV, n1, d, generator=g))]
+    idx = torch.stack([torch.randperm(n1, generator=g)[:keep].sort().values for _ in range(KV)])
+    if not hide:
+        idx = torch.arange(n1).expand(KV, n1)
+    hidden = hidden_entries(kv, idx[None]) if hide else [torch.zeros(1, KV, 1, n1)]
+    p_rows, q_rows = (2, 3) if fork else (3, 3)
+    B = p_rows + q_rows
+    groups = [PrefixGroup(0, p_rows, kv), PrefixGroup(p_rows, B, kv, hidden)]
+    shared = SharedPrefix(groups)
+    assert shared.packed is not None and shared.sides is not None
+    assert (shared.gather is not None) == fork
+    query = torch.randn(B, H, 1, d, generator=g)
+    own_k, own_v = torch.randn(B, KV, s, d, generator=g), torch.randn(B, KV, s, d, generator=g)
+    got = prefix_attention(query, own_k, own_v, None, 0.25, shared, 0)
+    prefix_calls = [c for c in calls if c[0][0] == 2]
+    assert len(prefix_calls) == 1 and prefix_calls[0][1] == 0  # one call, the prompt broadcast
+    kept = gather_kept(kv, idx[None])
+    for rows, (kp, vp) in ((slice(0, p_rows), kv[0]), (slice(p_rows, B), kept[0])):
+        m = rows.stop - rows.start
+        keys = torch.cat([kp.expand(m, -1, -1, -1), own_k[rows]], 2).double()
+        values = torch.cat([vp.expand(m, -1, -1, -1), own_v[rows]], 2).double()
+        seen = torch.ones(m, 1, keys.shape[2], dtype=torch.bool)
+        want = _dense_attention(query[rows].double(), keys, values, seen, 0.25)
+        torch.testing.assert_close(got[rows].double(), want, atol=2e-6, rtol=1e-5)
+    # The per-head form of the same kernel gives the same rows.
+    monkeypatch.setattr(prefix, "sides_batched", lambda *a: False)
+    per_head = SharedPrefix(groups)
+    assert per_head.sides is None
+    torch.testing.assert_close(
+        prefix_attention(query, own_k, own_v, None, 0.25, per_head, 0), got, atol=2e-6, rtol=1e-5
+    )
+
+
+def test_a_trace_with_the_sides_as_the_kernels_batch_records_what_cpu_flash_records(
+    monkeypatch,
+):
+    """One document traced with its packed prefix calls in the sides form (through the
+    kernel's stand-in), path and forked branches: the records equal those of the CPU's flash
+    kernel to float noise."""
+
+    import numpy as np
+
+    import kvcouple.tracer.prefix as prefix
+    from kvcouple.testing.efficient_attention import efficient_attention
+    from kvcouple.testing.tiny_models import tiny_model
+    from kvcouple.tracer import TraceSettings, lse_attention, trace_document
+
+    m = tiny_model("llama", num_hidden_layers=2, attn_implementation="sdpa")
+    prompt = np.random.default_rng(1).integers(1, 120, 29).tolist()
+    settings = TraceSettings(horizon=7, replicates=3, branches=2, window=3, cache_layout="shared")
+    spec = ["snapkv:retain=0.5,window=4"]
+    want, _ = trace_document(m, prompt, spec, settings, seed=4)
+    broadcast = []
+
+    def efficient(query, key, *args, **kwargs):
+        broadcast.append(key.stride(0) == 0 and query.shape[0] == 2)
+        return lse_attention.efficient_lse(query, key, *args, kernel=efficient_attention, **kwargs)
+
+    monkeypatch.setattr(prefix, "attend_lse", efficient)
+    monkeypatch.setattr(prefix, "sides_batched", lambda *a: True)
+    got, _ = trace_document(m, prompt, spec, settings, seed=4)
+    assert any(broadcast)
+    assert want.keys() == got.keys()
+    for name in want:
+        a, b = np.asarray(want[name]), np.asarray(got[name])
+        if a.dtype.kind == "f":
+            np.testing.assert_allclose(a, b, rtol=1e-4, atol=2e-5, err_msg=name)
+        else:
+            np.testing.assert_array_equal(a, b, err_msg=name)

@@ -32,6 +32,8 @@ def _efficient_attention(
     S = key.shape[2]
     if key.shape[1] != H or value.shape[1] != H:
         raise RuntimeError(f"query heads {H} != key heads {key.shape[1]} (no GQA in this kernel)")
+    if key.shape[0] != B or value.shape[0] != B:
+        raise RuntimeError(f"query batch {B} != key batch {key.shape[0]} (expand it: stride 0)")
     if bias is not None:
         if bias.dtype != query.dtype:
             raise RuntimeError(f"bias dtype {bias.dtype} != query dtype {query.dtype}")

@@ -30,10 +30,12 @@ from typing import Any
 
 import torch
 
-__all__ = ["attend_lse", "attend_lse_matrix", "efficient_lse", "fused_path"]
+__all__ = ["attend_lse", "attend_lse_matrix", "efficient_lse", "fused_path", "sides_batched"]
 
 # Fused-path decisions by (device, dtype, head size): "cpu-flash", "cuda-efficient" or "matrix".
 _DECIDED: dict[tuple[torch.device, torch.dtype, int], str] = {}
+# Whether the kernel takes one document's sides as its batch (sides_batched), by the same key.
+_SIDES: dict[tuple[torch.device, torch.dtype, int], bool] = {}
 # The memory-efficient kernel's bias rows must start 16-element aligned (SDPA pads to this);
 # masks made once per batch are stored so (:mod:`kvcouple.tracer.prefix`).
 MASK_ALIGNMENT = 16
@@ -96,6 +98,65 @@ def fused_path(device: torch.device, dtype: torch.dtype, head_dim: int) -> str:
             return "matrix"
         path = _DECIDED[key] = _self_check(device, dtype, head_dim)
     return path
+
+
+def sides_batched(device: torch.device, dtype: torch.dtype, head_dim: int) -> bool:
+    """Whether one document's packed prefix call takes its two sides (P and Q rows) as the
+    kernel's batch, the prompt's keys and values broadcast over it with stride 0 (one call,
+    no stacks: :func:`kvcouple.tracer.prefix.prefix_attention`): on CUDA's memory-efficient
+    path, once the kernel has matched the matrix path in that form here
+    (:func:`_sides_check`; else the per-head calls, the same kernel). Decided eagerly, as
+    :func:`fused_path`."""
+    if fused_path(device, dtype, head_dim) != "cuda-efficient":
+        return False
+    key = (device, dtype, head_dim)
+    ok = _SIDES.get(key)
+    if ok is None:
+        if torch.compiler.is_compiling():
+            return False
+        ok = _SIDES[key] = _sides_check(device, dtype, head_dim)
+    return ok
+
+
+def _sides_check(
+    device: torch.device,
+    dtype: torch.dtype,
+    head_dim: int = 64,
+    kernel: Callable[..., Any] | None = None,
+) -> bool:
+    """The kernel (``kernel``: a stand-in, for tests) through :func:`efficient_lse` in the
+    sides form: queries ``(2, kv, L, d)``, one prompt's keys broadcast over the batch (stride
+    0), a bias per side and KV head stored as the packed masks are (sides interleaved within
+    16-element-aligned rows), against the matrix path on copies."""
+    g = torch.Generator(device="cpu").manual_seed(1)
+    tol = 1e-4 if dtype == torch.float32 else 5e-2
+    kv, L, S, d = 2, 5, 37, head_dim
+
+    def rand(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=g).to(device=device, dtype=dtype)
+
+    query, key, value = rand(2, kv, L, d), rand(1, kv, S, d), rand(1, kv, S, d)
+    hidden = torch.rand(kv, 2, 1, S, generator=g) < 0.3
+    hidden[..., -1] = False  # every query sees a key
+    stored = torch.zeros(kv, 2, 1, S + (-S % MASK_ALIGNMENT), dtype=dtype)
+    stored[..., :S].masked_fill_(hidden, torch.finfo(dtype).min)
+    bias = stored.to(device)[..., :S].transpose(0, 1)  # (2, kv, 1, S), as the packs store it
+    try:
+        out, lse = efficient_lse(query, key, value, bias, 0.125, kernel)
+        want, want_lse = attend_lse_matrix(
+            query,
+            key.expand(2, -1, -1, -1).contiguous(),
+            value.expand(2, -1, -1, -1).contiguous(),
+            bias.contiguous(),
+            0.125,
+        )
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+    except Exception:  # any failure: the per-head form, which passed its own check, is used
+        return False
+    out_err = float((out.float() - want.float()).abs().max())
+    lse_err = float((lse.float() - want_lse.float()).abs().max())
+    return bool(out_err <= tol and lse_err <= tol)
 
 
 def _self_check(
@@ -167,6 +228,8 @@ def efficient_lse(
     kernel = _efficient_kernel() if kernel is None else kernel
     B, h, L, d = query.shape
     kv_heads, S = int(key.shape[1]), int(key.shape[2])
+    if key.shape[0] != B:  # one prompt for every query batch: broadcast, stride 0 (no copy)
+        key, value = key.expand(B, -1, -1, -1), value.expand(B, -1, -1, -1)
     group = h // kv_heads
     bias = None
     if mask is not None:

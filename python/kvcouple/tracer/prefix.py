@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from kvcouple.tracer.lse_attention import MASK_ALIGNMENT, attend_lse, fused_path
+from kvcouple.tracer.lse_attention import MASK_ALIGNMENT, attend_lse, fused_path, sides_batched
 
 __all__ = ["PrefixGroup", "PromptPack", "SharedPrefix", "prefix_attention"]
 
@@ -125,10 +125,14 @@ class SharedPrefix:
             stop = g.stop
         self.rows = stop
         self.packed = self._pack()
+        self.sides: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]] | None = None
         if self.groups and self.groups[0].kv:
             # the device's attention path decided now, eagerly, not inside a compiled step
             k = self.groups[0].kv[0][0]
             fused_path(k.device, k.dtype, int(k.shape[-1]))
+            one_document = self.packed is not None and int(self.packed[0][0].shape[0]) == 1
+            if one_document and sides_batched(k.device, k.dtype, int(k.shape[-1])):
+                self.sides = [_sides_form(*layer) for layer in self.packed or ()]
 
     def _pack(self) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]] | None:
         """Per layer the keys and values ``(documents, kv_heads, length, head_dim)`` and the
@@ -257,6 +261,18 @@ class SharedPrefix:
         return max(int(g.kv[layer][0].shape[-2]) for g in self.groups)
 
 
+def _sides_form(
+    key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """One document's packed layer (keys and values ``(1, kv, S, d)``, mask ``(1, 2 kv, 1,
+    S)`` or None) with its sides as the batch: the keys and values broadcast over it (stride
+    0) and the mask ``(2, kv, 1, S)`` (query head ``2 h + side`` is side ``side`` of KV head
+    ``h``): views, made once per batch."""
+    kv_heads = int(key.shape[1])
+    bias = None if mask is None else mask[0].unflatten(0, (kv_heads, 2)).transpose(0, 1)
+    return key.expand(2, -1, -1, -1), value.expand(2, -1, -1, -1), bias
+
+
 def _in_slot(g: PrefixGroup, pack: PromptPack, doc: int) -> bool:
     """Whether ``g``'s prefix is document ``doc``'s slot of ``pack``, by its tensors, not only
     by its label: the packed call reads the pack, so a label that disagreed with the tensors
@@ -323,16 +339,30 @@ def prefix_attention(
         n = int(ordered.shape[0]) // (2 * D)
         # (strides from the tensors' own: the kernels' outputs need not be contiguous)
         S = ordered.stride()
-        qp = ordered.as_strided(
-            (D, kv_heads, 2, n, gq, d), (n * S[0], S[1], D * n * S[0], S[0], S[2], S[3])
-        ).reshape(D, 2 * kv_heads, n * gq, d)
-        pre, pre_lse = attend_lse(qp, kp, vp, hidden, scaling)
-        # Merged as (side, document, row, kv, gq, ...): the outputs strided views of the
-        # kernel's (D, 2 kv, n * gq, ...), the own part's a view.
         six = (2, D, n, kv_heads, gq)
-        o, s_ = pre.stride(), pre_lse.stride()
-        pre = pre.as_strided((*six, pre.shape[-1]), (o[1], o[0], gq * o[2], 2 * o[1], o[2], o[3]))
-        pre_lse = pre_lse.as_strided((*six, 1), (s_[1], s_[0], gq * s_[2], 2 * s_[1], s_[2], 1))
+        if prefix.sides is not None:
+            # One document on CUDA's kernel: its sides are the call's batch, the prompt
+            # broadcast over it (sides_batched): queries (2, kv, n * gq, d), one call.
+            ks, vs, bias = prefix.sides[layer]
+            qs = ordered.as_strided(
+                (2, kv_heads, n, gq, d), (n * S[0], S[1], S[0], S[2], S[3])
+            ).reshape(2, kv_heads, n * gq, d)
+            pre, pre_lse = attend_lse(qs, ks, vs, bias, scaling)
+            o, s_ = pre.stride(), pre_lse.stride()
+            pre = pre.as_strided((*six, pre.shape[-1]), (o[0], 0, gq * o[2], o[1], o[2], o[3]))
+            pre_lse = pre_lse.as_strided((*six, 1), (s_[0], 0, gq * s_[2], s_[1], s_[2], 1))
+        else:
+            qp = ordered.as_strided(
+                (D, kv_heads, 2, n, gq, d), (n * S[0], S[1], D * n * S[0], S[0], S[2], S[3])
+            ).reshape(D, 2 * kv_heads, n * gq, d)
+            pre, pre_lse = attend_lse(qp, kp, vp, hidden, scaling)
+            # Merged as (side, document, row, kv, gq, ...): the outputs strided views of the
+            # kernel's (D, 2 kv, n * gq, ...), the own part's a view.
+            o, s_ = pre.stride(), pre_lse.stride()
+            pre = pre.as_strided(
+                (*six, pre.shape[-1]), (o[1], o[0], gq * o[2], 2 * o[1], o[2], o[3])
+            )
+            pre_lse = pre_lse.as_strided((*six, 1), (s_[1], s_[0], gq * s_[2], 2 * s_[1], s_[2], 1))
         if prefix.gather is not None:  # back to the rows' order: (B, kv, gq, ...)
             back = prefix.gather[1]
             pre = pre.reshape(2 * D * n, kv_heads, gq, -1).index_select(0, back)
