@@ -92,3 +92,35 @@ def test_gpu_script_records_a_failing_mode_and_goes_on(tmp_path, monkeypatch):
     assert decode["off"]["trace_ms_per_step"] > 0 and decode["generate_ms_per_step"] > 0
     assert json.loads(out.read_text()) == json.loads(json.dumps(report))
     assert "partial" not in report
+
+
+def test_gpu_script_measures_every_length_eagerly_before_compiling(tmp_path, monkeypatch):
+    """The compiled modes (minutes of compilation on an 8B model) come after the eager step
+    at every prompt length, so a lent GPU's budget measures every length first."""
+    import importlib.util
+    from pathlib import Path
+
+    import kvcouple.tracer as tracer
+
+    real = tracer.trace_document
+    calls: list[tuple[str, int]] = []
+
+    def recorded(model, prompt, policies, settings, **kw):
+        calls.append((settings.compile, len(prompt)))
+        if settings.compile == "graphs":
+            raise RuntimeError("not compiled in this test")
+        return real(model, prompt, policies, settings, **kw)
+
+    monkeypatch.setattr(tracer, "trace_document", recorded)
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "gpu_trace.py"
+    spec = importlib.util.spec_from_file_location("gpu_trace", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    args = ["--tiny", "--prompts", "24,40", "--horizon", "4", "--window", "2", "--compile"]
+    report = module.main([*args, "off,graphs", "--short-docs", "2"])
+    compiled = [i for i, (mode, _) in enumerate(calls) if mode == "graphs"]
+    eager_40 = [i for i, (mode, n) in enumerate(calls) if mode == "off" and n == 40]
+    assert compiled and eager_40 and min(compiled) > max(eager_40)
+    for row in report["results"]:  # each length's compiled mode recorded beside its eager one
+        assert row["decode"]["graphs"] == {"error": "RuntimeError: not compiled in this test"}
+        assert row["decode"]["off"]["trace_ms_per_step"] > 0
