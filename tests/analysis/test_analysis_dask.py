@@ -27,6 +27,13 @@ PAIRS = {
 }
 
 
+def _two_workers():
+    """A LocalCluster of two single-threaded worker processes."""
+    return distributed.LocalCluster(
+        n_workers=2, threads_per_worker=1, processes=True, dashboard_address=None
+    )
+
+
 def _canonical(result):
     tables = {m.model: m.tables for m in result.models}
     per_doc = [
@@ -56,9 +63,7 @@ def test_dask_equals_local(tmp_path):
     )
     local = analyze(path, n_boot=200)
     with (
-        distributed.LocalCluster(
-            n_workers=2, threads_per_worker=1, processes=True, dashboard_address=None
-        ) as cluster,
+        _two_workers() as cluster,
         distributed.Client(cluster) as client,
     ):
         remote = analyze(path, n_boot=200, client=client)
@@ -88,9 +93,7 @@ def test_dask_tasks_are_batches_of_documents_with_the_same_results(tmp_path, mon
 
     monkeypatch.setattr(tasks, "_batches", recorded)
     with (
-        distributed.LocalCluster(
-            n_workers=2, threads_per_worker=1, processes=True, dashboard_address=None
-        ) as cluster,
+        _two_workers() as cluster,
         distributed.Client(cluster) as client,
     ):
         remote = analyze(path, n_boot=100, client=client)

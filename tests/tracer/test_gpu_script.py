@@ -13,9 +13,8 @@ pytestmark = pytest.mark.torch
 from tracer_helpers import one_thread  # noqa: E402, F401 - autouse fixture
 
 
-def test_gpu_script_cpu_size_path(tmp_path, capsys):
-    """benchmarks/gpu_trace.py --tiny: the GPU check's code on CPU, one JSON with a row per
-    prompt length (plan, trace and generate throughput, their ratio)."""
+def _script():
+    """benchmarks/gpu_trace.py as a module (it is a script, not part of the package)."""
     import importlib.util
     from pathlib import Path
 
@@ -23,6 +22,13 @@ def test_gpu_script_cpu_size_path(tmp_path, capsys):
     spec = importlib.util.spec_from_file_location("gpu_trace", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
+    return module
+
+
+def test_gpu_script_cpu_size_path(tmp_path, capsys):
+    """benchmarks/gpu_trace.py --tiny: the GPU check's code on CPU, one JSON with a row per
+    prompt length (plan, trace and generate throughput, their ratio)."""
+    module = _script()
     out = tmp_path / "gpu.json"
     args = ["--tiny", "--prompts", "24,40", "--horizon", "4", "--window", "2", "--out", str(out)]
     report = module.main(args)
@@ -67,9 +73,6 @@ def test_gpu_script_records_a_failing_mode_and_goes_on(tmp_path, monkeypatch):
     """A compile mode that raises on the device (here `graphs`, made to fail) is recorded in
     the JSON with its error, and the other modes, generate and the JSON still come: one lent
     GPU run must not be lost to one failure."""
-    import importlib.util
-    from pathlib import Path
-
     import kvcouple.tracer as tracer
 
     real = tracer.trace_document
@@ -80,10 +83,7 @@ def test_gpu_script_records_a_failing_mode_and_goes_on(tmp_path, monkeypatch):
         return real(model, prompt, policies, settings, **kw)
 
     monkeypatch.setattr(tracer, "trace_document", failing)
-    path = Path(__file__).resolve().parents[2] / "benchmarks" / "gpu_trace.py"
-    spec = importlib.util.spec_from_file_location("gpu_trace", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = _script()
     out = tmp_path / "gpu.json"
     args = ["--tiny", "--prompts", "24", "--horizon", "4", "--window", "2", "--compile"]
     report = module.main([*args, "off,graphs", "--short-docs", "2", "--out", str(out)])
@@ -97,9 +97,6 @@ def test_gpu_script_records_a_failing_mode_and_goes_on(tmp_path, monkeypatch):
 def test_gpu_script_measures_every_length_eagerly_before_compiling(tmp_path, monkeypatch):
     """The compiled modes (minutes of compilation on an 8B model) come after the eager step
     at every prompt length, so a lent GPU's budget measures every length first."""
-    import importlib.util
-    from pathlib import Path
-
     import kvcouple.tracer as tracer
 
     real = tracer.trace_document
@@ -112,10 +109,7 @@ def test_gpu_script_measures_every_length_eagerly_before_compiling(tmp_path, mon
         return real(model, prompt, policies, settings, **kw)
 
     monkeypatch.setattr(tracer, "trace_document", recorded)
-    path = Path(__file__).resolve().parents[2] / "benchmarks" / "gpu_trace.py"
-    spec = importlib.util.spec_from_file_location("gpu_trace", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = _script()
     args = ["--tiny", "--prompts", "24,40", "--horizon", "4", "--window", "2", "--compile"]
     report = module.main([*args, "off,graphs", "--short-docs", "2"])
     compiled = [i for i, (mode, _) in enumerate(calls) if mode == "graphs"]

@@ -2,8 +2,9 @@
 statistics out (SPEC section 9).
 
 :func:`analyze` checks the options, resolves the settings (a plan fixes every one that changes a
-number), selects the documents, runs one task per document (:mod:`kvcouple.analysis.tasks`:
-locally or on a Dask cluster; only the small per-document results travel back) and computes
+number), selects the documents, runs the per-document work in batches of documents
+(:mod:`kvcouple.analysis.tasks`: locally or on a Dask cluster; only the small per-document
+results travel back) and computes
 the statistics on the caller from those results, so both paths give identical numbers.
 """
 

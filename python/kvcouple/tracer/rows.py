@@ -121,9 +121,7 @@ class CacheRows:
             grown[:, :kept] = self._visible[:, :kept]
             self._visible = grown
         visible = self._visible.index_fill_(1, column, True)
-        mask = torch.zeros((rows, stored), dtype=self.dtype, device=visible.device)
-        mask.masked_fill_(~visible, torch.finfo(self.dtype).min)
-        return compat.aligned_rows(mask, capacity)
+        return compat.additive_mask(visible[:, :capacity], self.dtype)
 
     def step(self, tokens: torch.Tensor) -> torch.Tensor:
         """Feed one token per row; returns ``(rows, vocab)`` logits."""
