@@ -23,6 +23,15 @@ def one_thread():
     torch.set_num_threads(old)
 
 
+def is_tensor(o: object) -> bool:
+    """isinstance, except that a ``weakref.proxy`` whose referent died (left by an earlier test's
+    library) raises ReferenceError on any attribute lookup: such an object holds no tensor."""
+    try:
+        return isinstance(o, torch.Tensor)
+    except ReferenceError:
+        return False
+
+
 def model(arch: str, attn: str = "sdpa"):
     try:
         return _model(arch, attn)

@@ -1,6 +1,6 @@
-"""Host copies of the records (issue 12): whole distributions of the path and the branches go
-to preallocated host buffers without a per-step synchronisation, and land where the
-synchronous code put them."""
+"""Where records go: whole distributions of the path and the branches to preallocated host
+buffers without a per-step synchronisation (issue 12), landing where the synchronous code put
+them; every other record into device buffers preallocated for every step (issue 21)."""
 
 import numpy as np
 import pytest
@@ -11,13 +11,14 @@ pytest.importorskip("transformers")
 from kvcouple.store import Record  # noqa: E402
 from kvcouple.store.schema import NO_TOKEN  # noqa: E402
 from kvcouple.tracer import TraceSettings, trace_document  # noqa: E402
-from kvcouple.tracer.records import HostRecords, staged_names  # noqa: E402
+from kvcouple.tracer.records import HostRecords, LagRecords, staged_names  # noqa: E402
 
 pytestmark = pytest.mark.torch
 
 from tracer_helpers import (  # noqa: E402
     PROMPT,
     VOCAB,
+    is_tensor,
     kept_positions,
     masked_forward,
     model,
@@ -155,7 +156,7 @@ def test_path_metrics_equal_the_rust_divergence_kernel_with_ties():
     Rust kernel's on rows with tied maxima (both take the first maximal index), zeros and a
     point mass."""
     from kvcouple.kernels import divergences
-    from kvcouple.tracer.records import path_metrics
+    from kvcouple.tracer.records import row_metrics
 
     p = np.array(
         [
@@ -173,12 +174,87 @@ def test_path_metrics_equal_the_rust_divergence_kernel_with_ties():
             [0.2, 0.4, 0.4, 0.0],  # top-1 is 1: agrees
         ]
     )
-    got = path_metrics(torch.from_numpy(p), torch.from_numpy(q))
+    entropy, kl, top = (t.numpy() for t in row_metrics(torch.from_numpy(np.concatenate([p, q]))))
     want = divergences(p, q)
-    np.testing.assert_array_equal(got["top1_agree"].numpy(), [False, True, True, True])
-    np.testing.assert_array_equal(got["top1_agree"].numpy(), want.top1_agree)
-    for name in ("entropy_p", "entropy_q"):
-        np.testing.assert_allclose(got[name].numpy(), getattr(want, name), atol=1e-12)
+    top1_agree = top[:4] == top[4:]
+    np.testing.assert_array_equal(top1_agree, [False, True, True, True])
+    np.testing.assert_array_equal(top1_agree, want.top1_agree)
+    np.testing.assert_allclose(entropy[:4], want.entropy_p, atol=1e-12)
+    np.testing.assert_allclose(entropy[4:], want.entropy_q, atol=1e-12)
     finite = np.isfinite(want.kl_pq)
-    np.testing.assert_allclose(got["kl_pq"].numpy()[finite], want.kl_pq[finite], atol=1e-12)
-    np.testing.assert_allclose(got["kl_qp"].numpy(), want.kl_qp, atol=1e-12)
+    np.testing.assert_allclose(kl[:4][finite], want.kl_pq[finite], atol=1e-12)
+    assert np.isinf(kl[:4][~finite]).all() and (~finite).any()  # q = 0 < p: infinite
+    np.testing.assert_allclose(kl[4:], want.kl_qp, atol=1e-12)
+
+
+@pytest.mark.parametrize("record", ["summary", "topk:5", "full"])
+@pytest.mark.parametrize("layout", ["shared", "joint"])
+def test_a_path_step_holds_no_more_tensors_than_the_last(monkeypatch, record, layout):
+    """The path's records go into buffers preallocated for every step: from the third step
+    on, as many tensors are alive at each path step as at the one before (a list of each
+    step's records would grow by one per variable and step)."""
+    import gc
+
+    import kvcouple.tracer.engine as engine
+
+    live: list[int] = []
+    step = engine.coupled_step
+
+    def counted(*args, **kwargs):
+        gc.collect()
+        live.append(sum(1 for o in gc.get_objects() if is_tensor(o)))
+        return step(*args, **kwargs)
+
+    T = 10
+    settings = TraceSettings(
+        horizon=T, replicates=2, branches=1, window=2, record=Record.parse(record),
+        cache_layout=layout,
+    )  # fmt: skip
+    m = model("llama")
+    trace_document(m, PROMPT, ["snapkv:retain=0.5"], settings, seed=3)  # (the model's probe)
+    monkeypatch.setattr(engine, "coupled_step", counted)
+    trace_document(m, PROMPT, ["snapkv:retain=0.5"], settings, seed=3)
+    assert len(live) == T  # the path's steps (the branches step elsewhere)
+    assert len(set(live[2:])) == 1, live
+
+
+def test_lag_records_write_each_row_at_its_lag_and_cast_on_the_host():
+    """Row ``i`` lands at its own lag, a row writing the spare column leaves its fills, the
+    store's dtypes come back, and the mismatch is the tokens' (fill where none recorded)."""
+    from kvcouple.store.schema import NO_MISMATCH
+
+    fills = {
+        "branch_tv": np.full((2, 3), np.nan, np.float32),
+        "branch_tokens_p": np.full((2, 3), NO_TOKEN, np.int32),
+        "branch_tokens_q": np.full((2, 3), NO_TOKEN, np.int32),
+        "branch_mismatch": np.full((2, 3), NO_MISMATCH, np.int8),
+        "branch_topk_ids_p": np.full((2, 3, 2), NO_TOKEN, np.int32),
+    }
+    records = LagRecords(fills, "cpu")
+    steps = [  # (lag per row: 3 is the spare column), tv, x, y, top-2 ids
+        ([0, 3], [0.5, 0.9], [4, 8], [5, 8], [[1, 2], [3, 4]]),
+        ([1, 0], [0.25, 0.125], [6, 7], [6, 9], [[5, 6], [7, 8]]),
+        ([3, 1], [0.75, 1e-40], [1, 2], [1, 2], [[9, 9], [9, 9]]),
+    ]
+    for lag, tv, x, y, ids in steps:
+        records.write(
+            {
+                "branch_tv": torch.tensor(tv, dtype=torch.float64),
+                "branch_tokens_p": torch.tensor(x),
+                "branch_tokens_q": torch.tensor(y),
+                "branch_topk_ids_p": torch.tensor(ids),
+            },
+            torch.tensor(lag),
+        )
+    out = records.arrays()
+    assert {n: a.dtype for n, a in out.items()} == {n: a.dtype for n, a in fills.items()}
+    np.testing.assert_array_equal(
+        out["branch_tv"], [[0.5, 0.25, np.nan], [0.125, np.float32(1e-40), np.nan]]
+    )
+    np.testing.assert_array_equal(out["branch_tokens_p"], [[4, 6, -1], [7, 2, -1]])
+    np.testing.assert_array_equal(out["branch_tokens_q"], [[5, 6, -1], [9, 2, -1]])
+    np.testing.assert_array_equal(out["branch_mismatch"], [[1, 0, -1], [1, 0, -1]])
+    np.testing.assert_array_equal(
+        out["branch_topk_ids_p"][:, :2], [[[1, 2], [5, 6]], [[7, 8], [9, 9]]]
+    )
+    assert (out["branch_topk_ids_p"][:, 2] == NO_TOKEN).all()

@@ -18,7 +18,7 @@ from kvcouple.tracer.provenance import resolved_revision  # noqa: E402
 
 pytestmark = pytest.mark.torch
 
-from tracer_helpers import model, one_thread  # noqa: E402, F401 - autouse fixture
+from tracer_helpers import is_tensor, model, one_thread  # noqa: E402, F401 - autouse fixture
 
 COMMIT = "0123456789abcdef0123456789abcdef01234567"
 
@@ -77,15 +77,6 @@ def test_revision_resolved_from_a_hub_snapshot(tmp_path, capsys):
 
 
 # The memory plan ------------------------------------------------------------------------------
-def _is_tensor(o: object) -> bool:
-    """isinstance, except that a ``weakref.proxy`` whose referent died (left by an earlier test's
-    library) raises ReferenceError on any attribute lookup: such an object holds no tensor."""
-    try:
-        return isinstance(o, torch.Tensor)
-    except ReferenceError:
-        return False
-
-
 def _live_tensor_bytes(exclude: set[int]) -> int:
     """Bytes of every distinct CPU tensor storage alive now, except ``exclude`` (the weights)."""
     import gc
@@ -96,7 +87,7 @@ def _live_tensor_bytes(exclude: set[int]) -> int:
     # a fake tensor left by an earlier torch.compile (it holds no memory: skipped).
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        tensors = [o for o in gc.get_objects() if _is_tensor(o)]
+        tensors = [o for o in gc.get_objects() if is_tensor(o)]
         for o in tensors:
             if o.device.type != "cpu" or type(o).__name__ == "FakeTensor":
                 continue

@@ -25,7 +25,7 @@ import torch
 
 from kvcouple.store.schema import empty_arrays
 from kvcouple.tracer.prefill import Prefill
-from kvcouple.tracer.records import HostRecords, branch_record, staged_names
+from kvcouple.tracer.records import HostRecords, LagRecords, branch_values, staged_names
 from kvcouple.tracer.rows import Rows, StepHook
 from kvcouple.tracer.settings import TraceSettings
 from kvcouple.tracer.step import EosState, coupled_step
@@ -152,16 +152,16 @@ def run_branch_group(
     # Whole distributions go to pinned host slots as they are made: at iteration i the rows
     # recording (lag 0..lags) are known on the host, so slot j holds (row[j], lag[j]) and is
     # scattered into ``out`` after one synchronisation (the rest never touches the device).
-    # The small records keep a masked update on the device and one copy at the end.
+    # The small records are written at each row's lag into preallocated device buffers
+    # (LagRecords: one op per variable and step) and copied once at the end.
     lag_grid = np.arange(iterations)[:, None] - offset.cpu().numpy()[None, :]
     it, row = np.nonzero((lag_grid >= 0) & (lag_grid <= np.minimum(T - ts_np, L)))
     bounds = np.searchsorted(it, np.arange(iterations + 1)).tolist()
     recording = torch.as_tensor(row, device=device)
     staged = HostRecords(staged_names(settings.record, "branch_"), row.size, device)
     names = [n for n in out if n != "branch_step" and n not in staged.names]
-    rec = {
-        name: torch.from_numpy(np.ascontiguousarray(out[name][rr, kk])).to(device) for name in names
-    }
+    records = LagRecords({name: out[name][rr, kk] for name in names}, device)
+    spare = L + 1  # the column rows write at a step they do not record
     eos = EosState(settings.eos_token_ids, 2 * B, device)
     own = torch.zeros(2 * B, dtype=torch.long, device=device)
     for i in range(iterations):
@@ -169,23 +169,19 @@ def run_branch_group(
         teacher = torch.cat([lag <= 0, lag <= 0])
         path_token = fed[arange, (ts + lag - 1).clamp(0, T - 1)]
         tokens = torch.where(teacher, torch.cat([path_token, path_token]), own)
-        lag_c = lag.clamp(0, L)
-        u = branch_u[lag_c, rr_t, kk_t].clone()
+        u = branch_u[lag.clamp(0, L), rr_t, kk_t].clone()
         u[:, 0] = torch.where(lag == 0, 0.0, u[:, 0])  # lag 0: the residuals
         step = coupled_step(rows, tokens, settings.decoding, eos, u)
         active = (lag >= 0) & (lag <= lags)
         both = torch.cat([active, active])
         drawn = torch.cat([step.x, step.y])
         own = torch.where(both, drawn, own)
-        values = branch_record(settings.record, step.p, step.q, step.x, step.y, step.tv)
+        values = branch_values(settings.record, step.probs, step.x, step.y, step.tv)
         staged.take(values, recording[bounds[i] : bounds[i + 1]])
-        for name, value in values.items():
-            target = rec[name]
-            keep = active.reshape((-1,) + (1,) * (value.dim() - 1))
-            target[arange, lag_c] = torch.where(keep, value.to(target.dtype), target[arange, lag_c])
+        records.write(values, torch.where(active, lag, spare))
         eos.advance(drawn, both)
-    for name, value in rec.items():
-        out[name][rr, kk] = value.cpu().numpy()
+    for name, value in records.arrays().items():
+        out[name][rr, kk] = value
     staged.scatter(out, (rr[row], kk[row], lag_grid[it, row]))
     out["branch_tv"][rr, kk, 0] = path.hazard[rr, ts_np - 1]
     return 2 * B * iterations

@@ -44,15 +44,7 @@ from kvcouple.tracer.branches import (
 from kvcouple.tracer.decode import DecodeEvictor
 from kvcouple.tracer.layout import SharedRows, SplitRows
 from kvcouple.tracer.prefill import Prefill, gather_kept, select
-from kvcouple.tracer.records import (
-    PATH_METRICS,
-    SCHEMA,
-    HostRecords,
-    distribution_records,
-    path_metrics,
-    staged_names,
-    to_host,
-)
+from kvcouple.tracer.records import PATH_METRICS, SCHEMA, PathRecords
 from kvcouple.tracer.rows import Rows, StepHook
 from kvcouple.tracer.settings import (
     Decoding,
@@ -128,33 +120,24 @@ def run_path(
     u[:, :, 0] = 1.0
     u[:, :, 1] = path_u
     tokens = torch.cat([first, first])  # P rows then Q rows: the same token on the path
-    fed, steps = [], []
-    staged = HostRecords(staged_names(settings.record), T * B, device)  # whole distributions
-    for t in range(T):
-        fed.append(tokens)
-        step = coupled_step(rows, tokens, settings.decoding, eos, u[t], residuals=False)
-        has_overlap = step.overlap > 0
-        z = step.x  # the overlap draw
+    records = PathRecords(settings.record, T, B, device)  # every step's, preallocated
+    for t, step_u in enumerate(u.unbind(0)):
+        step = coupled_step(rows, tokens, settings.decoding, eos, step_u, residuals=False)
         # Raw per-step values; which rows were still alive is applied on the host at the end
         # (fewer ops per step than masking each record on the device).
-        rec = {"tv": step.tv, "has_overlap": has_overlap, "draw": z}
-        rec.update(path_metrics(step.p, step.q))
-        for side, probs in (("p", step.p), ("q", step.q)):
-            rec.update(distribution_records(settings.record, side, probs, ""))
-        staged.take(rec)
-        steps.append(rec)
-        # Every row is fed its draw, even after its path stopped (a step without overlap):
-        # rows are independent and what a stopped row does is blanked on the host, so the
-        # device never needs to know which rows are alive.
-        tokens = torch.cat([z, z])
+        records.write(t, step.probs, step.x, step.tv, step.overlap)
+        # Every row is fed its draw (the overlap draw), even after its path stopped (a step
+        # without overlap): rows are independent and what a stopped row does is blanked on
+        # the host, so the device never needs to know which rows are alive.
+        tokens = torch.cat([step.x, step.x])
         eos.advance(tokens)
-    arrays = {**to_host(steps, axis=1), **staged.by_step(T)}
+    fed_p = records.fed(first)  # (B, T): P's half (Q's is the same)
+    arrays = records.arrays()
     _mask_stopped(arrays)
     # After a stop (a step with no overlap) nothing is observed: blank the distributions.
     stopped = (arrays["tokens"] == NO_TOKEN) & (arrays["hazard"] == 0)
     for name, var in distribution_variables(settings.record).items():
         arrays[name][stopped] = var.fill
-    fed_p = torch.stack(fed, dim=1)[:B]  # (B, T): P's half (Q's is the same)
     return Path(arrays, arrays["hazard"].astype(np.float64), fed_p, rows)
 
 

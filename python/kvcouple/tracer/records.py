@@ -8,80 +8,199 @@ from collections.abc import Iterable, MutableMapping
 import numpy as np
 import torch
 
-from kvcouple.store.schema import Record, distribution_variables, variables
+from kvcouple.store.schema import NO_TOKEN, Record, distribution_variables, variables
 
 SCHEMA = variables(Record())
-# What path_metrics returns, per row.
+# The path's per-row metrics, as the store names them.
 PATH_METRICS = ("kl_pq", "kl_qp", "entropy_p", "entropy_q", "top1_agree")
 
 
-def path_metrics(p: torch.Tensor, q: torch.Tensor) -> dict[str, torch.Tensor]:
-    """KL both ways, entropies (nats) and top-1 agreement per row, on the device.
+def row_metrics(probs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Entropy (nats), KL to the row's partner and argmax of every row of ``probs`` ``(2B,
+    vocab)`` (``B`` P rows then their ``B`` Q partners), on the device, both sides at once.
 
-    In four vocabulary-wide terms: ``H(p) = sum entr(p)`` and the cross term ``sum xlogy(p,
-    q)`` (both 0 where ``p = 0``, as the sums run over the support), ``KL(p||q) = -H(p) -
-    sum xlogy(p, q)`` (``inf`` where ``q = 0 < p``; exactly 0 where ``p = q``)."""
-    entropy_p = torch.special.entr(p).sum(-1)
-    entropy_q = torch.special.entr(q).sum(-1)
-    return {
-        "kl_pq": -(entropy_p + torch.special.xlogy(p, q).sum(-1)),
-        "kl_qp": -(entropy_q + torch.special.xlogy(q, p).sum(-1)),
-        "entropy_p": entropy_p,
-        "entropy_q": entropy_q,
-        "top1_agree": p.argmax(-1) == q.argmax(-1),
-    }
+    ``kl[i]`` is ``KL(p_i || q_i)`` for a P row and ``KL(q_i || p_i)`` for a Q row, from two
+    vocabulary-wide terms: ``H = sum entr(row)`` and the cross term ``sum xlogy(row,
+    partner)`` (both 0 where the row is 0, so the sums run over its support): ``KL = -H -
+    cross`` (``inf`` where the partner is 0 and the row is not; exactly 0 where they are
+    equal). Top-1 agreement is ``argmax p_i == argmax q_i`` (first maximum, as the Rust
+    kernel), compared on the host."""
+    partner = probs.roll(probs.shape[0] // 2, 0)  # Q rows then P rows
+    entropy = torch.special.entr(probs).sum(-1)
+    kl = -(entropy + torch.special.xlogy(probs, partner).sum(-1))
+    return entropy, kl, probs.argmax(-1)
 
 
-def distribution_records(
-    record: Record, side: str, probs: torch.Tensor, prefix: str
-) -> dict[str, torch.Tensor]:
-    """Top-k ids/probs/tail mass, or the whole distribution (float16), for one side; on the
-    device (:class:`HostRecords` brings whole distributions to the host)."""
-    if record.kind == "topk":
-        k = min(record.k, probs.shape[-1])
-        vals, ids = torch.topk(probs, k, dim=-1)
-        pad = record.k - k
-        if pad:
-            fills = distribution_variables(record)
-            ids = torch.nn.functional.pad(ids, (0, pad), value=fills["topk_ids_p"].fill)
-            vals = torch.nn.functional.pad(vals, (0, pad), value=fills["topk_probs_p"].fill)
-        return {
-            f"{prefix}topk_ids_{side}": ids.to(torch.int32),
-            f"{prefix}topk_probs_{side}": vals.to(torch.float32),
-            f"{prefix}tail_mass_{side}": (1.0 - vals.nan_to_num(0.0).sum(-1)).clamp(min=0.0),
+def top_k(record: Record, probs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The ``record.k`` largest probabilities of every row, their ids and the tail mass ``1 -
+    sum`` (float64, clamped at 0); padded with the fills where the vocabulary is smaller."""
+    k = min(record.k, probs.shape[-1])
+    vals, ids = torch.topk(probs, k, dim=-1)
+    pad = record.k - k
+    if pad:
+        fills = distribution_variables(record)
+        ids = torch.nn.functional.pad(ids, (0, pad), value=fills["topk_ids_p"].fill)
+        vals = torch.nn.functional.pad(vals, (0, pad), value=fills["topk_probs_p"].fill)
+    tail = (1.0 - vals.nan_to_num(0.0).sum(-1)).clamp(min=0.0)
+    return ids, vals, tail
+
+
+def _sides(name: str, values: np.ndarray, pairs: int) -> dict[str, np.ndarray]:
+    """``{name}_p`` and ``{name}_q`` from ``(steps, 2B, ...)`` host values, as ``(B, steps,
+    ...)`` views."""
+    rows = values.swapaxes(0, 1)
+    return {f"{name}_p": rows[:pairs], f"{name}_q": rows[pairs:]}
+
+
+class PathRecords:
+    """The overlap path's per-step records, written into device buffers preallocated for every
+    step (issue 21: nothing a step records allocates or grows with the step; one host copy
+    of each buffer at the end).
+
+    A step of ``B`` row pairs writes each buffer's row ``t`` (views made once) in one op:
+
+    - ``floats``: float64 ``[entropy (2B) | kl (2B) | tv (B) | overlap (B) | tail mass
+      (2B, top-k records)]``;
+    - ``ints``: int64 ``[draw (B) | argmax (2B)]``;
+    - top-k ids (int32) and probabilities (float32), ``(2B, k)``: the casts are the copies'.
+
+    Whole distributions (``record="full"``) go to pinned host slots as they are made
+    (:class:`HostRecords`). :meth:`arrays` names the values as the store does (``(B,
+    steps, ...)``), with the raw ``tv``, ``has_overlap`` and ``draw`` the engine turns into
+    the hazard and the path's tokens.
+    """
+
+    def __init__(self, record: Record, steps: int, pairs: int, device: torch.device | str):
+        self.record, self.steps, self.pairs = record, steps, pairs
+        topk = record.kind == "topk"
+        width = (8 if topk else 6) * pairs
+        self.floats = torch.empty(steps, width, dtype=torch.float64, device=device)
+        self.ints = torch.empty(steps, 3 * pairs, dtype=torch.long, device=device)
+        self._floats, self._ints = self.floats.unbind(0), self.ints.unbind(0)
+        self.ids = self.probs = None
+        if topk:
+            shape = (steps, 2 * pairs, record.k)
+            self.ids = torch.empty(shape, dtype=torch.int32, device=device)
+            self.probs = torch.empty(shape, dtype=torch.float32, device=device)
+            self._ids, self._probs = self.ids.unbind(0), self.probs.unbind(0)
+        self.staged = HostRecords(
+            ["full"] if record.kind == "full" else [], steps * 2 * pairs, device
+        )
+
+    def write(
+        self,
+        t: int,
+        probs: torch.Tensor,
+        draw: torch.Tensor,
+        tv: torch.Tensor,
+        overlap: torch.Tensor,
+    ) -> None:
+        """Step ``t``'s records of ``probs`` ``(2B, vocab)``, the overlap ``draw``, ``tv`` and
+        ``overlap`` ``(B,)``."""
+        entropy, kl, top = row_metrics(probs)
+        floats = [entropy, kl, tv, overlap]
+        if self.record.kind == "topk":
+            ids, vals, tail = top_k(self.record, probs)
+            self._ids[t].copy_(ids)
+            self._probs[t].copy_(vals)
+            floats.append(tail)
+        elif self.record.kind == "full":
+            self.staged.take({"full": probs.to(torch.float16)})
+        torch.cat(floats, out=self._floats[t])
+        torch.cat([draw, top], out=self._ints[t])
+
+    def fed(self, first: torch.Tensor) -> torch.Tensor:
+        """``(B, steps)`` on the device: the token each step fed (``first``, then the draws)."""
+        return torch.cat([first[None], self.ints[: self.steps - 1, : self.pairs]]).T
+
+    def arrays(self) -> dict[str, np.ndarray]:
+        """Every record by its name, ``(B, steps, ...)``, on the host (one copy per buffer)."""
+        B = self.pairs
+        floats, ints = self.floats.cpu().numpy(), self.ints.cpu().numpy()
+        out = {
+            "tv": floats[:, 4 * B : 5 * B].T,
+            "has_overlap": floats[:, 5 * B : 6 * B].T > 0,
+            "draw": ints[:, :B].T,
+            "top1_agree": (ints[:, B : 2 * B] == ints[:, 2 * B :]).T,
+            **_sides("entropy", floats[:, : 2 * B], B),
         }
-    if record.kind == "full":
-        return {f"{prefix}{side}": probs.to(torch.float16)}
-    return {}
+        kl = _sides("kl", floats[:, 2 * B : 4 * B], B)
+        out["kl_pq"], out["kl_qp"] = kl["kl_p"], kl["kl_q"]
+        if self.ids is not None and self.probs is not None:
+            out.update(_sides("topk_ids", self.ids.cpu().numpy(), B))
+            out.update(_sides("topk_probs", self.probs.cpu().numpy(), B))
+            out.update(_sides("tail_mass", floats[:, 6 * B :], B))
+        if self.staged.names:
+            full = self.staged.arrays()["full"].reshape(self.steps, 2 * B, -1).swapaxes(0, 1)
+            out["p"], out["q"] = full[:B], full[B:]
+        return out
 
 
-def branch_record(
-    record: Record,
-    p: torch.Tensor,
-    q: torch.Tensor,
-    x: torch.Tensor,
-    y: torch.Tensor,
-    tv: torch.Tensor,
+def branch_values(
+    record: Record, step_probs: torch.Tensor, x: torch.Tensor, y: torch.Tensor, tv: torch.Tensor
 ) -> dict[str, torch.Tensor]:
-    """What one branch step records: TV, mismatch, both tokens, and the distributions."""
-    rec = {
-        "branch_tv": tv,
-        "branch_mismatch": (x != y).to(torch.int8),
-        "branch_tokens_p": x,
-        "branch_tokens_q": y,
-    }
-    for side, probs_side in (("p", p), ("q", q)):
-        rec.update(distribution_records(record, side, probs_side, "branch_"))
+    """What one branch step records, by store name, ``(B, ...)`` in the device's dtypes (cast
+    on the host): TV, both tokens and the distributions; the mismatch ``1{X != Y}`` is the
+    tokens' (:meth:`LagRecords.arrays`)."""
+    B = x.shape[0]
+    rec = {"branch_tv": tv, "branch_tokens_p": x, "branch_tokens_q": y}
+    if record.kind == "topk":
+        ids, vals, tail = top_k(record, step_probs)
+        for name, value in (("topk_ids", ids), ("topk_probs", vals), ("tail_mass", tail)):
+            rec[f"branch_{name}_p"], rec[f"branch_{name}_q"] = value[:B], value[B:]
+    elif record.kind == "full":
+        half = step_probs.to(torch.float16)
+        rec["branch_p"], rec["branch_q"] = half[:B], half[B:]
     return rec
 
 
-def to_host(steps: list[dict[str, torch.Tensor]], axis: int) -> dict[str, np.ndarray]:
-    """Stack per-step device records along ``axis`` and bring them to the host at once."""
-    if not steps:
-        return {}
-    return {
-        name: torch.stack([s[name] for s in steps], dim=axis).cpu().numpy() for name in steps[0]
-    }
+class LagRecords:
+    """A branch batch's records, written into device buffers ``(B, lags + 2, ...)``
+    preallocated from the store's fills: each step writes every row at its own lag (a
+    device-side write index), one op per variable; rows not recording at a step write the
+    spare last column, which is never read (no masked read-modify-write per variable).
+
+    Parameters
+    ----------
+    fills : dict of str to numpy.ndarray
+        Each variable's ``(B, lags + 1, ...)`` slice of the store's arrays (its fills).
+    device : torch.device
+        Where the records are made.
+    """
+
+    def __init__(self, fills: dict[str, np.ndarray], device: torch.device | str):
+        self.fills = fills
+        self.device = torch.device(device)
+        self.buffers: dict[str, torch.Tensor] = {}
+        rows = next(iter(fills.values())).shape[0] if fills else 0
+        self._rows = torch.arange(rows, device=self.device)
+
+    def write(self, values: dict[str, torch.Tensor], lag: torch.Tensor) -> None:
+        """Row ``i`` of each value at lag ``lag[i]`` (the spare column: not recorded)."""
+        for name, value in values.items():
+            buffer = self.buffers.get(name)
+            if buffer is None:  # the value's dtype: the store's is cast to on the host
+                fill = torch.from_numpy(np.ascontiguousarray(self.fills[name]))
+                spare = torch.nn.functional.pad(fill.to(value.dtype), _spare_pad(fill.dim()))
+                buffer = self.buffers[name] = spare.to(self.device)
+            buffer.index_put_((self._rows, lag), value)
+
+    def arrays(self) -> dict[str, np.ndarray]:
+        """``(B, lags + 1, ...)`` host arrays in the store's dtypes, and the mismatch."""
+        out = {
+            name: b[:, :-1].cpu().numpy().astype(self.fills[name].dtype)
+            for name, b in self.buffers.items()
+        }
+        if "branch_tokens_p" in out and "branch_mismatch" in self.fills:
+            p, q = out["branch_tokens_p"], out["branch_tokens_q"]
+            fill = self.fills["branch_mismatch"]
+            out["branch_mismatch"] = np.where(p == NO_TOKEN, fill, p != q).astype(fill.dtype)
+        return out
+
+
+def _spare_pad(dims: int) -> tuple[int, ...]:
+    """``pad`` widths adding one column on axis 1 of a ``dims``-d tensor."""
+    return (0, 0) * (dims - 2) + (0, 1)
 
 
 def staged_names(record: Record, prefix: str = "") -> list[str]:

@@ -47,7 +47,8 @@ class EosState:
 class CoupledStep:
     """One coupled step of ``B`` row pairs: both kernels, the coupled draws, TV and overlap."""
 
-    p: torch.Tensor  # (B, vocab)
+    probs: torch.Tensor  # (2B, vocab): P rows then Q rows (records are made from it at once)
+    p: torch.Tensor  # (B, vocab), a view of probs
     q: torch.Tensor
     x: torch.Tensor  # (B,) P's token
     y: torch.Tensor  # (B,) Q's token
@@ -71,4 +72,4 @@ def coupled_step(
     half = probs.shape[0] // 2
     p, q = probs.split(half)
     x, y, tv, overlap = couple_rows(p, q, u, residuals)
-    return CoupledStep(p, q, x, y, tv, overlap)
+    return CoupledStep(probs, p, q, x, y, tv, overlap)
