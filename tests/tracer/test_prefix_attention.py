@@ -146,16 +146,22 @@ def test_packed_prefix_one_call_equals_attention_over_the_kept_entries(dtype):
     assert fork.packed is not None and fork.packed[0][2] is shared.packed[0][2]
 
 
-@pytest.mark.parametrize("path", LSE_PATHS)
-def test_a_batch_of_documents_in_one_pack_is_one_call_exact_per_document(path):
+@pytest.mark.parametrize("path", [*LSE_PATHS, "efficient-sides"])
+def test_a_batch_of_documents_in_one_pack_is_one_call_exact_per_document(path, monkeypatch):
     """Three documents of different prompt lengths in one :class:`PromptPack` (padded to the
     longest), each with P rows on its prompt and Q rows on its kept entries: one prefix call
     per layer covers every row, and each row's output equals dense float64 attention over its
     own document's prompt (P) or kept entries (Q) followed by its own columns; the fused
-    kernel (CPU) and the matrix-product path (other devices) alike."""
+    kernel (CPU), the matrix-product path (other devices) and CUDA's kernel alike, the last
+    also with the sides as its batch (``efficient-sides``: the pack broadcast over them with
+    stride 0, every document's KV heads as the call's heads)."""
     import kvcouple.tracer.prefix as prefix
     from kvcouple.tracer.prefill import gather_kept, hidden_entries
     from kvcouple.tracer.prefix import PrefixGroup, PromptPack, SharedPrefix, prefix_attention
+
+    sides = path == "efficient-sides"
+    monkeypatch.setattr(prefix, "sides_batched", lambda *a: sides)
+    path = "efficient" if sides else path
 
     g = torch.Generator().manual_seed(7)
     n, H, KV, d, s = 2, 8, 2, 16, 3
@@ -183,6 +189,7 @@ def test_a_batch_of_documents_in_one_pack_is_one_call_exact_per_document(path):
     ]
     shared = SharedPrefix(groups)
     assert shared.packed is not None and shared.packed[0][0].shape[0] == D
+    assert (shared.sides is not None) == sides
     # The masks' rows are stored 16-element aligned, so CUDA's kernel takes them as they are
     # (no padded copy per layer and step).
     masks = shared.packed[0][2]
@@ -194,13 +201,16 @@ def test_a_batch_of_documents_in_one_pack_is_one_call_exact_per_document(path):
     calls = []
 
     def attend(*args, **kwargs):
-        calls.append(args[1].shape[0])
+        # (the sides form: a batch of 2, the pack broadcast over it)
+        calls.append(args[1].shape[0] if args[1].stride(0) else -args[1].shape[1])
         return real(*args, **kwargs)
+
+    prefix_call = -D * KV if sides else D  # every document's prefix at once
 
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(prefix, "attend_lse", attend)
         got = prefix_attention(query, own_k, own_v, None, 0.25, shared, 0)
-    assert calls == [B, D]  # the own columns, then every document's prefix at once
+    assert calls == [B, prefix_call]  # the own columns, then every document's prefix
     for i in range(D):
         kept = gather_kept(docs[i], idx[i])
         for side, (kp, vp) in ((0, docs[i][0]), (1, kept[0])):
@@ -223,6 +233,7 @@ def test_a_batch_of_documents_in_one_pack_is_one_call_exact_per_document(path):
     fork = shared.of_groups(fork_groups)
     assert fork.packed is not None and fork.gather is not None
     assert fork.packed[0][2] is shared.packed[0][2]  # the source batch's masks, not copies
+    assert (fork.sides is not None) == sides
     Bf = len(fork_kinds)
     qf = torch.randn(Bf, H, 1, d, generator=g)
     kf, vf = torch.randn(Bf, KV, s, d, generator=g), torch.randn(Bf, KV, s, d, generator=g)
@@ -230,7 +241,7 @@ def test_a_batch_of_documents_in_one_pack_is_one_call_exact_per_document(path):
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(prefix, "attend_lse", attend)
         got = prefix_attention(qf, kf, vf, None, 0.25, fork, 0)
-    assert calls == [Bf, D]
+    assert calls == [Bf, prefix_call]
     for r, (side, doc) in enumerate(fork_kinds):
         kp, vp = docs[doc][0] if side == 0 else gather_kept(docs[doc], idx[doc])[0]
         keys = torch.cat([kp, kf[r : r + 1]], 2)
@@ -348,3 +359,52 @@ def test_a_trace_with_the_sides_as_the_kernels_batch_records_what_cpu_flash_reco
             np.testing.assert_allclose(a, b, rtol=1e-4, atol=2e-5, err_msg=name)
         else:
             np.testing.assert_array_equal(a, b, err_msg=name)
+
+
+def test_a_batch_of_documents_traced_with_the_sides_as_the_kernels_batch_records_as_cpu_flash(
+    monkeypatch,
+):
+    """Three documents of different prompt lengths traced as one batch (one prompt pack) with
+    their packed prefix calls in the sides form (every document's KV heads as the heads of one
+    kernel call, through the stand-in), path and forked branches: every document's records
+    equal those of the CPU's flash kernel to float noise."""
+    import numpy as np
+
+    import kvcouple.tracer.prefix as prefix
+    from kvcouple.policies import parse_policy
+    from kvcouple.testing.efficient_attention import efficient_attention
+    from kvcouple.testing.tiny_models import tiny_model
+    from kvcouple.tracer import TraceSettings, lse_attention
+    from kvcouple.tracer.run import trace_documents_records
+
+    m = tiny_model("llama", num_hidden_layers=2, attn_implementation="sdpa")
+    rng = np.random.default_rng(2)
+    settings = TraceSettings(
+        horizon=6, replicates=2, branches=2, window=3, cache_layout="shared", branch_batch=3
+    )
+    batch = [
+        (rng.integers(1, 120, length).tolist(), i, f"d{i}", settings)
+        for i, length in enumerate((29, 22, 17))
+    ]
+    policies = [parse_policy("snapkv:retain=0.5,window=4")]
+    want = trace_documents_records(m, batch, policies, seed=6)
+    heads = []
+
+    def efficient(query, key, *args, **kwargs):
+        if key.stride(0) == 0:
+            heads.append(int(key.shape[1]))
+        return lse_attention.efficient_lse(query, key, *args, kernel=efficient_attention, **kwargs)
+
+    monkeypatch.setattr(prefix, "attend_lse", efficient)
+    monkeypatch.setattr(prefix, "sides_batched", lambda *a: True)
+    got = trace_documents_records(m, batch, policies, seed=6)
+    kv_heads = m.config.num_key_value_heads
+    assert 3 * kv_heads in heads  # the path: every document in one call
+    for doc_want, doc_got in zip(want, got, strict=True):
+        assert doc_want.arrays.keys() == doc_got.arrays.keys()
+        for name in doc_want.arrays:
+            a, b = np.asarray(doc_want.arrays[name]), np.asarray(doc_got.arrays[name])
+            if a.dtype.kind == "f":
+                np.testing.assert_allclose(a, b, rtol=1e-4, atol=2e-5, err_msg=name)
+            else:
+                np.testing.assert_array_equal(a, b, err_msg=name)

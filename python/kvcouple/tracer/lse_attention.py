@@ -55,6 +55,7 @@ def attend_lse(
     mask: torch.Tensor | None,
     scaling: float,
     fused: bool | None = None,
+    padded_lse: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Softmax attention of ``query`` ``(B, h, L, d)`` over ``key``/``value`` ``(B, kv, S,
     d)`` (``h`` a multiple of ``kv``: query heads ``g * h / kv ...`` share KV head ``g``;
@@ -62,7 +63,9 @@ def attend_lse(
     key of a query) and its log-sum-exp: ``(B, h, L, d)`` in the query's dtype and ``(B, h,
     L)`` in float32 (float64 for float64 inputs). ``fused``: None, the device's fused kernel
     where it passed its self-check (see the module); False, the matrix path; True, the
-    device's fused kernel without the check (tests)."""
+    device's fused kernel without the check (tests). ``padded_lse``: the log-sum-exp may be
+    ``(B, h, L')`` with ``L' >= L``, its first ``L`` entries the values (a caller that reads
+    it through a strided view of its own saves the slice)."""
     path = fused_path(query.device, query.dtype, int(query.shape[-1])) if fused is None else None
     if fused is True:
         path = "cpu-flash" if query.device.type == "cpu" else "cuda-efficient"
@@ -76,7 +79,7 @@ def attend_lse(
         )
         return out, lse
     if path == "cuda-efficient":
-        return efficient_lse(query, key, value, mask, scaling)
+        return efficient_lse(query, key, value, mask, scaling, padded_lse=padded_lse)
     return attend_lse_matrix(query, key, value, mask, scaling)
 
 
@@ -221,10 +224,11 @@ def efficient_lse(
     mask: torch.Tensor | None,
     scaling: float,
     kernel: Callable[..., Any] | None = None,
+    padded_lse: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`attend_lse` by the memory-efficient kernel (``kernel``: its stand-in, for tests
     off CUDA): one call per query head of each KV head, the bias aligned and expanded as the
-    kernel requires, the log-sum-exp's padding cut."""
+    kernel requires, the log-sum-exp's padding cut (kept with ``padded_lse``)."""
     kernel = _efficient_kernel() if kernel is None else kernel
     B, h, L, d = query.shape
     kv_heads, S = int(key.shape[1]), int(key.shape[2])
@@ -244,7 +248,7 @@ def efficient_lse(
             bias = bias.unflatten(1, (kv_heads, group))
     if group == 1:
         out, lse = _efficient_call(kernel, query, key, value, bias, (B, h, L, S), scaling)
-        return out, lse[..., :L]
+        return out, lse if padded_lse else lse[..., :L]
     # query head j of every KV head: strided views of the queries (and of a bias per head)
     queries = query.unflatten(1, (kv_heads, group)).unbind(2)
     biases = bias.unbind(2) if bias is not None and bias.dim() == 5 else [bias] * group
@@ -256,8 +260,8 @@ def efficient_lse(
         outs.append(out)
         lses.append(lse)
     out = torch.stack(outs, dim=2).view(B, h, L, -1)
-    lse = torch.stack(lses, dim=2)[..., :L].flatten(1, 2)
-    return out, lse
+    lse = torch.stack(lses, dim=2)
+    return out, (lse if padded_lse else lse[..., :L]).flatten(1, 2)
 
 
 def _efficient_call(
@@ -269,7 +273,7 @@ def _efficient_call(
     shape: tuple[int, int, int, int],
     scaling: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    if bias is not None:
+    if bias is not None and tuple(bias.shape) != shape:
         bias = bias.expand(shape)  # the kernel reads the bias at the full score shape
     out, lse = kernel(query, key, value, bias, True, 0.0, False, scale=scaling)[:2]
     return out, lse

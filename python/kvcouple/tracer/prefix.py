@@ -126,13 +126,15 @@ class SharedPrefix:
         self.rows = stop
         self.packed = self._pack()
         self.sides: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]] | None = None
+        self._step_bias: tuple[torch.Tensor, torch.Tensor] | None = None
         if self.groups and self.groups[0].kv:
             # the device's attention path decided now, eagerly, not inside a compiled step
             k = self.groups[0].kv[0][0]
             fused_path(k.device, k.dtype, int(k.shape[-1]))
-            one_document = self.packed is not None and int(self.packed[0][0].shape[0]) == 1
-            if one_document and sides_batched(k.device, k.dtype, int(k.shape[-1])):
-                self.sides = [_sides_form(*layer) for layer in self.packed or ()]
+            if self.packed is not None and sides_batched(k.device, k.dtype, int(k.shape[-1])):
+                forms = [_sides_form(*layer) for layer in self.packed]
+                if all(form is not None for form in forms):
+                    self.sides = forms  # type: ignore[assignment]
 
     def _pack(self) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]] | None:
         """Per layer the keys and values ``(documents, kv_heads, length, head_dim)`` and the
@@ -252,6 +254,30 @@ class SharedPrefix:
             out[i, :, 1, :, :n] = 0 if hidden is None else hidden[layer][0]
         return out.view(D, 2 * kv_heads, 1, stored)[..., :width]
 
+    def step_bias(self, mask: torch.Tensor, shape: tuple[int, int, int, int]) -> torch.Tensor:
+        """The step's mask expanded to the own columns' score ``shape`` (a view), once per
+        step: every layer of a step gets the same mask, and CUDA's kernel reads its bias at
+        the full score shape (one expand a step, not one a layer)."""
+        if torch.compiler.is_compiling():  # (no state kept while tracing)
+            return mask.expand(shape)
+        last = self._step_bias
+        if last is None or last[0] is not mask or tuple(last[1].shape) != shape:
+            last = self._step_bias = (mask, mask.expand(shape))
+        return last[1]
+
+    def sides_at(
+        self, layer: int, rows: int
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """Layer ``layer``'s sides form (:attr:`sides`) with its mask expanded to the call's
+        ``rows`` queries (a view, made at the first step: a batch's rows do not change)."""
+        assert self.sides is not None
+        key, value, bias = self.sides[layer]
+        if bias is not None and int(bias.shape[2]) != rows:
+            bias = bias.expand(-1, -1, rows, -1)
+            if not torch.compiler.is_compiling():
+                self.sides[layer] = (key, value, bias)
+        return key, value, bias
+
     @property
     def layers(self) -> int:
         return len(self.groups[0].kv)
@@ -263,14 +289,24 @@ class SharedPrefix:
 
 def _sides_form(
     key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """One document's packed layer (keys and values ``(1, kv, S, d)``, mask ``(1, 2 kv, 1,
-    S)`` or None) with its sides as the batch: the keys and values broadcast over it (stride
-    0) and the mask ``(2, kv, 1, S)`` (query head ``2 h + side`` is side ``side`` of KV head
-    ``h``): views, made once per batch."""
-    kv_heads = int(key.shape[1])
-    bias = None if mask is None else mask[0].unflatten(0, (kv_heads, 2)).transpose(0, 1)
-    return key.expand(2, -1, -1, -1), value.expand(2, -1, -1, -1), bias
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None:
+    """A packed layer of ``D`` documents (keys and values ``(D, kv, S, d)``, mask ``(D, 2 kv,
+    1, S)`` or None) with its sides as the batch and its documents' KV heads as the heads:
+    keys and values ``(2, D kv, S, d)`` broadcast over the sides (stride 0), the mask ``(2,
+    D kv, 1, S)`` (query head ``2 h + side`` of document ``i`` is side ``side``, head ``i kv
+    + h``). Views, made once per batch; None where the pack's documents and heads do not
+    merge into one axis without a copy (the per-head calls run instead)."""
+    D, kv_heads, S = (int(x) for x in key.shape[:3])
+    try:
+        k = key.view(1, D * kv_heads, S, key.shape[-1])
+        v = value.view(1, D * kv_heads, S, value.shape[-1])
+        bias = None
+        if mask is not None:
+            sides = mask.unflatten(1, (kv_heads, 2)).permute(2, 0, 1, 3, 4)
+            bias = sides.view(2, D * kv_heads, 1, S)
+    except RuntimeError:  # strides that do not merge: would need a copy
+        return None
+    return k.expand(2, -1, -1, -1), v.expand(2, -1, -1, -1), bias
 
 
 def _in_slot(g: PrefixGroup, pack: PromptPack, doc: int) -> bool:
@@ -322,13 +358,15 @@ def prefix_attention(
             m = torch.zeros(m.shape, dtype=query.dtype, device=m.device).masked_fill(
                 ~m, torch.finfo(query.dtype).min
             )
-        if q == 1 and m.shape[1] == 1:
-            pass  # (B, 1, 1, s) broadcasts over (B, kv, group, s)
+        if q == 1 and m.shape[1] == 1:  # (B, 1, 1, s) broadcasts over (B, kv, group, s)
+            m = prefix.step_bias(m, (B, kv_heads, gq, int(m.shape[-1])))
         elif m.shape[1] == 1:
             m = m.expand(B, 1, q, -1)[:, :, None].expand(B, 1, group, q, -1).reshape(B, 1, gq, -1)
         else:
             m = m.expand(B, -1, q, -1).reshape(B, kv_heads, gq, -1)
-    own, own_lse = attend_lse(qg, key, value, m, scaling)  # (B, kv, gq, d), (B, kv, gq)
+    # (B, kv, gq, d), (B, kv, >= gq): the log-sum-exps are read through strided views (their
+    # padding, where a kernel pads them, never sliced off)
+    own, own_lse = attend_lse(qg, key, value, m, scaling, padded_lse=True)
     if prefix.packed is not None:
         # One call for every group: rows are (side, document, row); per document its P and
         # Q rows are two query heads of each KV head (GQA over one prefix tensor, the rows
@@ -341,21 +379,26 @@ def prefix_attention(
         S = ordered.stride()
         six = (2, D, n, kv_heads, gq)
         if prefix.sides is not None:
-            # One document on CUDA's kernel: its sides are the call's batch, the prompt
-            # broadcast over it (sides_batched): queries (2, kv, n * gq, d), one call.
-            ks, vs, bias = prefix.sides[layer]
+            # CUDA's kernel: the sides are the call's batch, the prompts broadcast over it, and
+            # the documents' KV heads its heads (sides_batched): queries (2, D kv, n * gq, d),
+            # one call for every document.
+            ks, vs, bias = prefix.sides_at(layer, n * gq)
             qs = ordered.as_strided(
-                (2, kv_heads, n, gq, d), (n * S[0], S[1], S[0], S[2], S[3])
-            ).reshape(2, kv_heads, n * gq, d)
-            pre, pre_lse = attend_lse(qs, ks, vs, bias, scaling)
+                (2, D, kv_heads, n, gq, d), (D * n * S[0], n * S[0], S[1], S[0], S[2], S[3])
+            ).reshape(2, D * kv_heads, n * gq, d)
+            pre, pre_lse = attend_lse(qs, ks, vs, bias, scaling, padded_lse=True)
             o, s_ = pre.stride(), pre_lse.stride()
-            pre = pre.as_strided((*six, pre.shape[-1]), (o[0], 0, gq * o[2], o[1], o[2], o[3]))
-            pre_lse = pre_lse.as_strided((*six, 1), (s_[0], 0, gq * s_[2], s_[1], s_[2], 1))
+            pre = pre.as_strided(
+                (*six, pre.shape[-1]), (o[0], kv_heads * o[1], gq * o[2], o[1], o[2], o[3])
+            )
+            pre_lse = pre_lse.as_strided(
+                (*six, 1), (s_[0], kv_heads * s_[1], gq * s_[2], s_[1], s_[2], 1)
+            )
         else:
             qp = ordered.as_strided(
                 (D, kv_heads, 2, n, gq, d), (n * S[0], S[1], D * n * S[0], S[0], S[2], S[3])
             ).reshape(D, 2 * kv_heads, n * gq, d)
-            pre, pre_lse = attend_lse(qp, kp, vp, hidden, scaling)
+            pre, pre_lse = attend_lse(qp, kp, vp, hidden, scaling, padded_lse=True)
             # Merged as (side, document, row, kv, gq, ...): the outputs strided views of the
             # kernel's (D, 2 kv, n * gq, ...), the own part's a view.
             o, s_ = pre.stride(), pre_lse.stride()
@@ -368,10 +411,12 @@ def prefix_attention(
             pre = pre.reshape(2 * D * n, kv_heads, gq, -1).index_select(0, back)
             pre_lse = pre_lse.reshape(2 * D * n, kv_heads, gq, 1).index_select(0, back)
             return _heads_out(
-                _merged(own, own_lse[..., None], pre, pre_lse), B, heads, q, query.dtype
+                _merged(own, _lse_rows(own_lse, gq), pre, pre_lse), B, heads, q, query.dtype
             )
         own6 = own.reshape(*six, own.shape[-1])
-        out = _merged(own6, own_lse.reshape(*six, 1), pre, pre_lse)
+        ls = own_lse.stride()
+        own6_lse = own_lse.as_strided((*six, 1), (D * n * ls[0], n * ls[0], ls[0], ls[1], ls[2], 1))
+        out = _merged(own6, own6_lse, pre, pre_lse)
         return _heads_out(out, B, heads, q, query.dtype)
     # Otherwise a call per group. Every row's queries, a group's rows consecutive: (1, kv, B *
     # gq, d).
@@ -393,7 +438,8 @@ def prefix_attention(
     pre = outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
     pre_lse = lses[0] if len(lses) == 1 else torch.cat(lses, dim=2)
     pre, pre_lse = _rows_first(pre, B), _rows_first(pre_lse, B, trailing=True)
-    return _heads_out(_merged(own, own_lse[..., None], pre, pre_lse), B, heads, q, query.dtype)
+    own_lse = _lse_rows(own_lse, gq)
+    return _heads_out(_merged(own, own_lse, pre, pre_lse), B, heads, q, query.dtype)
 
 
 def _merged(
@@ -405,6 +451,12 @@ def _merged(
     if own.dtype != weight.dtype:
         own, pre = own.to(weight.dtype), pre.to(weight.dtype)
     return torch.lerp(own, pre, weight)
+
+
+def _lse_rows(lse: torch.Tensor, rows: int) -> torch.Tensor:
+    """A log-sum-exp ``(B, kv, >= rows)`` as ``(B, kv, rows, 1)``: one strided view."""
+    st = lse.stride()
+    return lse.as_strided((*lse.shape[:2], rows, 1), (st[0], st[1], st[2], 1))
 
 
 def _heads_out(out: torch.Tensor, B: int, heads: int, q: int, dtype: torch.dtype) -> torch.Tensor:
