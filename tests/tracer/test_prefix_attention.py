@@ -249,13 +249,39 @@ def test_a_batch_of_documents_in_one_pack_is_one_call_exact_per_document(path, m
         seen = torch.ones(1, 1, keys.shape[2], dtype=torch.bool)
         want = _dense_attention(qf[r : r + 1], keys, values, seen, 0.25)
         torch.testing.assert_close(got[r : r + 1].double(), want, atol=2e-6, rtol=1e-5)
-    # A fork that leaves a document out is not packed: the call would read a prompt no row
-    # attends to (a call per group instead).
-    two_docs = [
-        PrefixGroup(0, 1, views[1], None, (pack, 1)),
-        PrefixGroup(1, 3, views[0], groups[D].hidden, (pack, 0)),
-    ]
-    assert shared.of_groups(two_docs).packed is None
+    # A fork of a range of the documents (one left out at an end) is one call over that
+    # range of the pack (views of it and of the batch's masks); a fork with a gap (document
+    # 1 left out) is not packed: the call would read a prompt no row attends to.
+    for docs_in, packed in (((1, 0), True), ((0, 2), False), ((2, 1), True)):
+        part_groups, part_kinds, row = [], [], 0
+        for side, doc in ((0, docs_in[0]), (1, docs_in[1]), (0, docs_in[1])):
+            hidden = groups[D + doc].hidden if side else None
+            part_groups.append(PrefixGroup(row, row + 2, views[doc], hidden, (pack, doc)))
+            part_kinds += [(side, doc)] * 2
+            row += 2
+        part = shared.of_groups(part_groups)
+        assert (part.packed is not None) == packed
+        if not packed:
+            continue
+        assert part.packed[0][0].shape[0] == 2 and part.gather is not None
+        lo = min(docs_in)
+        assert part.packed[0][0].data_ptr() == pack.kv[0][0][lo].data_ptr()  # a view
+        assert part.packed[0][2].data_ptr() == shared.packed[0][2][lo].data_ptr()
+        Bp = len(part_kinds)
+        qp = torch.randn(Bp, H, 1, d, generator=g)
+        kp_, vp_ = torch.randn(Bp, KV, s, d, generator=g), torch.randn(Bp, KV, s, d, generator=g)
+        calls.clear()
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(prefix, "attend_lse", attend)
+            got = prefix_attention(qp, kp_, vp_, None, 0.25, part, 0)
+        assert calls == [Bp, -2 * KV if sides else 2]
+        for r, (side, doc) in enumerate(part_kinds):
+            kd, vd = docs[doc][0] if side == 0 else gather_kept(docs[doc], idx[doc])[0]
+            keys = torch.cat([kd, kp_[r : r + 1]], 2)
+            values = torch.cat([vd, vp_[r : r + 1]], 2)
+            seen = torch.ones(1, 1, keys.shape[2], dtype=torch.bool)
+            want = _dense_attention(qp[r : r + 1], keys, values, seen, 0.25)
+            torch.testing.assert_close(got[r : r + 1].double(), want, atol=2e-6, rtol=1e-5)
     # A group whose slot label disagrees with its tensors (document 0's label on document 1's
     # prompt) is not packed: the packed call would attend to the label's prompt.
     mislabelled = [*groups]

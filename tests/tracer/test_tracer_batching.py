@@ -202,3 +202,32 @@ def test_every_cascade_attention_path_traces_the_same_records(path, monkeypatch)
                 np.testing.assert_allclose(x, y, atol=2e-5, err_msg=f"{path}: {name}")
             else:
                 np.testing.assert_array_equal(x, y, err_msg=f"{path}: {name}")
+
+
+def test_forks_of_some_of_a_batchs_documents_are_packed_and_equal_one_at_a_time(
+    tmp_path, monkeypatch
+):
+    """Branch batches smaller than a batch's branches fork a range of its documents: each such
+    fork is one packed prefix call over that range of the pack (a view), and the store equals
+    tracing one document at a time."""
+    from kvcouple.tracer.layout import SharedRows
+
+    m = model("llama")
+    prompts = _prompts([20, 33, 27, 25])
+    fork = SharedRows.fork
+    widths = []
+
+    def fork_spy(self, index, visible_before, steps=0):
+        forked = fork(self, index, visible_before, steps)
+        packed = forked.shared.packed
+        widths.append(None if packed is None else int(packed[0][0].shape[0]))
+        return forked
+
+    monkeypatch.setattr(SharedRows, "fork", fork_spy)
+    settings = replace(_settings(4), cache_layout="shared", branch_batch=3)
+    trace(m, prompts, SPECS[:2], settings, tmp_path / "b3.zarr", progress=False)
+    assert None not in widths  # every fork packed
+    assert any(1 < w < 4 for w in widths)  # forks of some documents: a range of the pack
+    one = replace(settings, doc_batch=1)
+    trace(m, prompts, SPECS[:2], one, tmp_path / "b1.zarr", progress=False)
+    _assert_same(xr.open_zarr(tmp_path / "b1.zarr"), xr.open_zarr(tmp_path / "b3.zarr"))

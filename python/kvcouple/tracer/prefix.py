@@ -59,6 +59,12 @@ class PromptPack:
             pk[i : i + 1, :, : k.shape[2]].copy_(k)
             pv[i : i + 1, :, : v.shape[2]].copy_(v)
 
+    def part(self, documents: slice) -> PromptPack:
+        """Documents ``documents`` (a range) of the pack: views of its tensors."""
+        return PromptPack(
+            [(k[documents], v[documents]) for k, v in self.kv], self.lengths[documents]
+        )
+
     def slot(self, i: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Document ``i``'s cache, ``(1, kv_heads, lengths[i], head_dim)`` per layer (views)."""
         n = self.lengths[i]
@@ -66,11 +72,13 @@ class PromptPack:
 
 
 # A packed call's form: the pack (None: one document's prefix), per document its Q rows' mask,
-# and the row gathers into the call's order and back (None: the rows are in that order).
+# the row gathers into the call's order and back (None: the rows are in that order), and the
+# pack's documents the call covers (None: all of them).
 _Form = tuple[
     PromptPack | None,
     list[list[torch.Tensor] | None],
     tuple[torch.Tensor, torch.Tensor, int] | None,
+    slice | None,
 ]
 
 
@@ -148,7 +156,10 @@ class SharedPrefix:
         form = self._in_order() or self._gathered()
         if form is None:
             return None
-        pack, hiddens, gather = form
+        pack, hiddens, gather, part = form
+        whole = pack
+        if pack is not None and part is not None:
+            pack = pack.part(part)
         kv = self.groups[0].kv if pack is None else pack.kv
         if any(int(k.shape[-2]) == 0 for k, _ in kv):
             return None
@@ -156,15 +167,33 @@ class SharedPrefix:
         key = (id(pack), *(0 if h is None else id(h) for h in hiddens))
         masks = None
         if padded or any(key[1:]):
-            if key not in self.stacks:
-                held = [pack, *hiddens]
-                self.stacks[key] = (
-                    held,
-                    [self._masks(i, pack, hiddens) for i in range(self.layers)],
-                )
-            masks = self.stacks[key][1]
+            if part is not None:  # views of the whole pack's masks where a batch made them
+                masks = self._part_masks(whole, part, hiddens) or [
+                    self._masks(i, pack, hiddens) for i in range(self.layers)
+                ]
+            else:
+                if key not in self.stacks:
+                    held = [pack, *hiddens]
+                    self.stacks[key] = (
+                        held,
+                        [self._masks(i, pack, hiddens) for i in range(self.layers)],
+                    )
+                masks = self.stacks[key][1]
         self.gather = gather
         return [(k, v, None if masks is None else masks[i]) for i, (k, v) in enumerate(kv)]
+
+    def _part_masks(
+        self, pack: PromptPack | None, part: slice, hiddens: list[list[torch.Tensor] | None]
+    ) -> list[torch.Tensor] | None:
+        """Per layer the documents ``part`` of the masks a batch stacked for the whole
+        ``pack`` (views), where its Q rows' masks are ``hiddens`` (None: no Q rows here, any
+        mask will do); None where no batch stacked them (a fork then makes its own, not kept:
+        the shared stacks would grow with every fork)."""
+        for held, masks in self.stacks.values():
+            if held[0] is pack and len(held) == 1 + len(pack.lengths if pack else ()):
+                if all(h is None or held[1 + part.start + j] is h for j, h in enumerate(hiddens)):
+                    return [m[part] for m in masks]
+        return None
 
     def _in_order(self) -> _Form | None:
         """The rows already in the packed call's order: ``D`` P groups then ``D`` Q groups,
@@ -186,15 +215,17 @@ class SharedPrefix:
                 return None
             if any(not _in_slot(g, pack, i) for i, g in enumerate(sides)):
                 return None
-        return pack, [self.groups[D + i].hidden for i in range(D)], None
+        return pack, [self.groups[D + i].hidden for i in range(D)], None, None
 
     def _gathered(self) -> _Form | None:
         """Rows of one document's prefix or of one pack's documents in any order and number
         (a fork of a batch of documents: branches per document differ): gathered into the
         call's order, ``(side, document, slot)`` with ``n`` slots each (the most rows any
         document has on a side; unused slots repeat row 0, their outputs dropped), and back.
-        P rows see no hidden entries, Q rows their document's one mask. Every document of
-        the pack must have rows (else the call would read prompts no row attends to)."""
+        P rows see no hidden entries, Q rows their document's one mask. The call covers the
+        pack's documents that have rows, a range of them (a fork of some documents' branches:
+        a view of the pack); documents with no rows between two with rows are not packed
+        (the call would read prompts no row attends to)."""
         first = self.groups[0]
         pack = first.slot[0] if first.slot is not None else None
         D = 1 if pack is None else len(pack.lengths)
@@ -215,8 +246,15 @@ class SharedPrefix:
             if side:
                 hiddens[doc] = g.hidden
             rows[side][doc].extend(range(g.start, g.stop))
-        if any(not (rows[0][i] or rows[1][i]) for i in range(D)):
-            return None
+        present = [i for i in range(D) if rows[0][i] or rows[1][i]]
+        part = None
+        if len(present) < D:  # the call covers the documents with rows: a range of the pack
+            if present[-1] + 1 - present[0] != len(present):
+                return None  # a gap: one call would read a prompt no row attends to
+            part = slice(present[0], present[-1] + 1)
+            rows = [side[part] for side in rows]
+            hiddens = hiddens[part]
+            D = len(present)
         n = max(len(r) for side in rows for r in side)
         slot_rows = [0] * (2 * D * n)
         row_slot = [0] * self.rows
@@ -231,7 +269,7 @@ class SharedPrefix:
             torch.tensor(row_slot, dtype=torch.long, device=device),
             n,
         )
-        return pack, hiddens, gather
+        return pack, hiddens, gather, part
 
     def _masks(
         self, layer: int, pack: PromptPack | None, hiddens: list[list[torch.Tensor] | None]
