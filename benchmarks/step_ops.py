@@ -80,8 +80,8 @@ def main() -> None:
             else functools.partial(efficient_lse, kernel=efficient_attention)
         )
         if args.attention == "efficient":
-            # as on CUDA where the kernel passed its check in this form: one document's sides
-            # are the packed call's batch (lse_attention.sides_batched)
+            # as on CUDA where the kernel passed its check in this form: a packed call's sides
+            # are its batch, its documents' KV heads its heads (lse_attention.sides_batched)
             prefix.sides_batched = lambda *a: True  # type: ignore[assignment]
 
     torch.set_num_threads(1)

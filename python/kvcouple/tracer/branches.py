@@ -164,22 +164,27 @@ def run_branch_group(
     spare = L + 1  # the column rows write at a step they do not record
     eos = EosState(settings.eos_token_ids, 2 * B, device)
     own = torch.zeros(2 * B, dtype=torch.long, device=device)
-    for i in range(iterations):
-        lag = i - offset
-        teacher = torch.cat([lag <= 0, lag <= 0])
-        path_token = fed[arange, (ts + lag - 1).clamp(0, T - 1)]
-        tokens = torch.where(teacher, torch.cat([path_token, path_token]), own)
-        u = branch_u[lag.clamp(0, L), rr_t, kk_t].clone()
-        u[:, 0] = torch.where(lag == 0, 0.0, u[:, 0])  # lag 0: the residuals
-        step = coupled_step(rows, tokens, settings.decoding, eos, u)
-        active = (lag >= 0) & (lag <= lags)
-        both = torch.cat([active, active])
+    # Every iteration's inputs laid out once, (iterations, rows): each row's lag, whether it
+    # is fed the path's token (lag <= 0) and which, its uniforms (lag 0: the residuals),
+    # whether it records and where. A step then runs only what depends on the draws.
+    lag = torch.arange(iterations, device=device)[:, None] - offset[None, :]
+    teacher = (lag <= 0).repeat(1, 2)
+    path_token = fed[arange[None, :], (ts + lag - 1).clamp(0, T - 1)].repeat(1, 2)
+    u = branch_u[lag.clamp(0, L), rr_t[None, :], kk_t[None, :]]  # (iterations, B, 3)
+    u[..., 0] = torch.where(lag == 0, 0.0, u[..., 0])
+    active = (lag >= 0) & (lag <= lags)
+    both = active.repeat(1, 2)
+    slot = torch.where(active, lag, spare)
+    per_step = zip(teacher, path_token, u, both, slot, strict=True)  # (views, no ops a step)
+    for i, (teach, fed_token, step_u, recorded, column) in enumerate(per_step):
+        tokens = torch.where(teach, fed_token, own)
+        step = coupled_step(rows, tokens, settings.decoding, eos, step_u)
         drawn = torch.cat([step.x, step.y])
-        own = torch.where(both, drawn, own)
+        own = torch.where(recorded, drawn, own)
         values = branch_values(settings.record, step.probs, step.x, step.y, step.tv)
         staged.take(values, recording[bounds[i] : bounds[i + 1]])
-        records.write(values, torch.where(active, lag, spare))
-        eos.advance(drawn, both)
+        records.write(values, column)
+        eos.advance(drawn, recorded)
     for name, value in records.arrays().items():
         out[name][rr, kk] = value
     staged.scatter(out, (rr[row], kk[row], lag_grid[it, row]))

@@ -34,7 +34,7 @@ __all__ = ["attend_lse", "attend_lse_matrix", "efficient_lse", "fused_path", "si
 
 # Fused-path decisions by (device, dtype, head size): "cpu-flash", "cuda-efficient" or "matrix".
 _DECIDED: dict[tuple[torch.device, torch.dtype, int], str] = {}
-# Whether the kernel takes one document's sides as its batch (sides_batched), by the same key.
+# Whether the kernel takes a packed call's sides as its batch (sides_batched), by the same key.
 _SIDES: dict[tuple[torch.device, torch.dtype, int], bool] = {}
 # The memory-efficient kernel's bias rows must start 16-element aligned (SDPA pads to this);
 # masks made once per batch are stored so (:mod:`kvcouple.tracer.prefix`).
@@ -104,9 +104,10 @@ def fused_path(device: torch.device, dtype: torch.dtype, head_dim: int) -> str:
 
 
 def sides_batched(device: torch.device, dtype: torch.dtype, head_dim: int) -> bool:
-    """Whether one document's packed prefix call takes its two sides (P and Q rows) as the
-    kernel's batch, the prompt's keys and values broadcast over it with stride 0 (one call,
-    no stacks: :func:`kvcouple.tracer.prefix.prefix_attention`): on CUDA's memory-efficient
+    """Whether a packed prefix call takes its two sides (P and Q rows) as the kernel's batch,
+    the prompts' keys and values broadcast over it with stride 0 and the documents' KV heads
+    as its heads (one call for every document, no stacks:
+    :func:`kvcouple.tracer.prefix.prefix_attention`): on CUDA's memory-efficient
     path, once the kernel has matched the matrix path in that form here
     (:func:`_sides_check`; else the per-head calls, the same kernel). Decided eagerly, as
     :func:`fused_path`."""
