@@ -406,44 +406,10 @@ def prefix_attention(
     # padding, where a kernel pads them, never sliced off)
     own, own_lse = attend_lse(qg, key, value, m, scaling, padded_lse=True)
     if prefix.packed is not None:
-        # One call for every group: rows are (side, document, row); per document its P and
-        # Q rows are two query heads of each KV head (GQA over one prefix tensor, the rows
-        # folded into the query axis): queries (D, 2 kv, n * gq, d).
-        kp, vp, hidden = prefix.packed[layer]
-        D = int(kp.shape[0])
         ordered = qg if prefix.gather is None else qg.index_select(0, prefix.gather[0])
-        n = int(ordered.shape[0]) // (2 * D)
-        # (strides from the tensors' own: the kernels' outputs need not be contiguous)
-        S = ordered.stride()
-        six = (2, D, n, kv_heads, gq)
-        if prefix.sides is not None:
-            # CUDA's kernel: the sides are the call's batch, the prompts broadcast over it, and
-            # the documents' KV heads its heads (sides_batched): queries (2, D kv, n * gq, d),
-            # one call for every document.
-            ks, vs, bias = prefix.sides_at(layer, n * gq)
-            qs = ordered.as_strided(
-                (2, D, kv_heads, n, gq, d), (D * n * S[0], n * S[0], S[1], S[0], S[2], S[3])
-            ).reshape(2, D * kv_heads, n * gq, d)
-            pre, pre_lse = attend_lse(qs, ks, vs, bias, scaling, padded_lse=True)
-            o, s_ = pre.stride(), pre_lse.stride()
-            pre = pre.as_strided(
-                (*six, pre.shape[-1]), (o[0], kv_heads * o[1], gq * o[2], o[1], o[2], o[3])
-            )
-            pre_lse = pre_lse.as_strided(
-                (*six, 1), (s_[0], kv_heads * s_[1], gq * s_[2], s_[1], s_[2], 1)
-            )
-        else:
-            qp = ordered.as_strided(
-                (D, kv_heads, 2, n, gq, d), (n * S[0], S[1], D * n * S[0], S[0], S[2], S[3])
-            ).reshape(D, 2 * kv_heads, n * gq, d)
-            pre, pre_lse = attend_lse(qp, kp, vp, hidden, scaling, padded_lse=True)
-            # Merged as (side, document, row, kv, gq, ...): the outputs strided views of the
-            # kernel's (D, 2 kv, n * gq, ...), the own part's a view.
-            o, s_ = pre.stride(), pre_lse.stride()
-            pre = pre.as_strided(
-                (*six, pre.shape[-1]), (o[1], o[0], gq * o[2], 2 * o[1], o[2], o[3])
-            )
-            pre_lse = pre_lse.as_strided((*six, 1), (s_[1], s_[0], gq * s_[2], 2 * s_[1], s_[2], 1))
+        pre, pre_lse = _packed_prefix(ordered, prefix, layer, scaling)
+        six = tuple(pre.shape[:5])  # (side, document, row, kv, gq)
+        D, n = six[1], six[2]
         if prefix.gather is not None:  # back to the rows' order: (B, kv, gq, ...)
             back = prefix.gather[1]
             pre = pre.reshape(2 * D * n, kv_heads, gq, -1).index_select(0, back)
@@ -478,6 +444,51 @@ def prefix_attention(
     pre, pre_lse = _rows_first(pre, B), _rows_first(pre_lse, B, trailing=True)
     own_lse = _lse_rows(own_lse, gq)
     return _heads_out(_merged(own, own_lse, pre, pre_lse), B, heads, q, query.dtype)
+
+
+def _packed_prefix(
+    ordered: torch.Tensor, prefix: SharedPrefix, layer: int, scaling: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The prefix part of every row of a packed batch, in one call: ``ordered`` ``(2 D n, kv,
+    gq, d)``, the rows in the call's (side, document, row) order; returns the outputs ``(2,
+    D, n, kv, gq, d_v)`` and log-sum-exps ``(2, D, n, kv, gq, 1)``, strided views of the
+    kernel's. Per document its P and Q rows are two query heads of each KV head (GQA over one
+    prefix tensor, the rows folded into the query axis): queries ``(D, 2 kv, n gq, d)``; or,
+    with :attr:`SharedPrefix.sides`, the sides are the call's batch."""
+    kp, vp, hidden = prefix.packed[layer]  # type: ignore[index]
+    _, kv_heads, gq, d = (int(x) for x in ordered.shape)
+    D = int(kp.shape[0])
+    n = int(ordered.shape[0]) // (2 * D)
+    # (strides from the tensors' own: the kernels' outputs need not be contiguous)
+    S = ordered.stride()
+    six = (2, D, n, kv_heads, gq)
+    if prefix.sides is not None:
+        # CUDA's kernel: the sides are the call's batch, the prompts broadcast over it, and
+        # the documents' KV heads its heads (sides_batched): queries (2, D kv, n * gq, d),
+        # one call for every document.
+        ks, vs, bias = prefix.sides_at(layer, n * gq)
+        qs = ordered.as_strided(
+            (2, D, kv_heads, n, gq, d), (D * n * S[0], n * S[0], S[1], S[0], S[2], S[3])
+        ).reshape(2, D * kv_heads, n * gq, d)
+        pre, pre_lse = attend_lse(qs, ks, vs, bias, scaling, padded_lse=True)
+        o, s_ = pre.stride(), pre_lse.stride()
+        pre = pre.as_strided(
+            (*six, pre.shape[-1]), (o[0], kv_heads * o[1], gq * o[2], o[1], o[2], o[3])
+        )
+        pre_lse = pre_lse.as_strided(
+            (*six, 1), (s_[0], kv_heads * s_[1], gq * s_[2], s_[1], s_[2], 1)
+        )
+        return pre, pre_lse
+    qp = ordered.as_strided(
+        (D, kv_heads, 2, n, gq, d), (n * S[0], S[1], D * n * S[0], S[0], S[2], S[3])
+    ).reshape(D, 2 * kv_heads, n * gq, d)
+    pre, pre_lse = attend_lse(qp, kp, vp, hidden, scaling, padded_lse=True)
+    # Merged as (side, document, row, kv, gq, ...): the outputs strided views of the kernel's
+    # (D, 2 kv, n * gq, ...), the own part's a view.
+    o, s_ = pre.stride(), pre_lse.stride()
+    pre = pre.as_strided((*six, pre.shape[-1]), (o[1], o[0], gq * o[2], 2 * o[1], o[2], o[3]))
+    pre_lse = pre_lse.as_strided((*six, 1), (s_[1], s_[0], gq * s_[2], 2 * s_[1], s_[2], 1))
+    return pre, pre_lse
 
 
 def _merged(
