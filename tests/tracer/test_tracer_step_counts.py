@@ -77,12 +77,45 @@ def test_rescore_rule_rows_folded_into_heads_select_as_row_by_row(model, monkeyp
             np.testing.assert_array_equal(a, b, err_msg=name)
 
 
-def test_a_batch_of_documents_costs_the_ops_of_one(model):
+def _cuda_kernel_path(monkeypatch) -> None:
+    """Cascade attention through CUDA's memory-efficient kernel's adapter over its CPU
+    stand-in (one op per kernel call, as on CUDA), the sides as the kernel's batch as where
+    the kernel passed its check in that form."""
+    import functools
+
+    import kvcouple.tracer.prefix as prefix
+    from kvcouple.testing.efficient_attention import efficient_attention
+    from kvcouple.tracer.lse_attention import efficient_lse
+
+    kernel = functools.partial(efficient_lse, kernel=efficient_attention)
+    monkeypatch.setattr(prefix, "attend_lse", kernel)
+    monkeypatch.setattr(prefix, "sides_batched", lambda *a: True)
+
+
+def test_cuda_kernels_step_costs_the_ops_of_the_cpu_kernels(model, monkeypatch):
+    """The shared step through CUDA's kernel (its stand-in) runs the ops of the CPU's flash
+    kernel: one call per part and layer, no sliced log-sum-exp, the step's mask expanded once
+    a step (each of those per layer would add 6 ops a step on 6 layers)."""
+    spec = "snapkv:retain=0.5,window=4"
+    cpu = per_step(lambda h: _trace(model, spec, "shared", h), HORIZONS)
+    _cuda_kernel_path(monkeypatch)
+    cuda = per_step(lambda h: _trace(model, spec, "shared", h), HORIZONS)
+    assert cuda.syncs_per_step == 0, cuda.sync_sites_per_step
+    assert cuda.ops_per_step <= cpu.ops_per_step + 2, (cuda.ops_per_step, cpu.ops_per_step)
+
+
+@pytest.mark.parametrize("kernel", ["cpu-flash", "cuda-efficient"])
+def test_a_batch_of_documents_costs_the_ops_of_one(model, monkeypatch, kernel):
     """Three documents of different lengths traced as one batch (their prompts in one pack,
     one prefix call per layer for every row): no host sync, and the ops per step of one
-    document (the packed call does not grow with the documents)."""
+    document (the packed call does not grow with the documents), on the CPU's kernel and on
+    CUDA's (its stand-in: the sides as the call's batch, every document's KV heads its
+    heads)."""
     from kvcouple.policies import parse_policy
     from kvcouple.tracer.run import trace_documents_records
+
+    if kernel == "cuda-efficient":
+        _cuda_kernel_path(monkeypatch)
 
     rng = np.random.default_rng(2)
     docs = [rng.integers(1, 120, n).tolist() for n in (24, 19, 30)]
