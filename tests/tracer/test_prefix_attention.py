@@ -220,68 +220,59 @@ def test_a_batch_of_documents_in_one_pack_is_one_call_exact_per_document(path, m
             seen = torch.ones(n, 1, keys.shape[2], dtype=torch.bool)
             want = _dense_attention(query[rows], keys, values, seen, 0.25)
             torch.testing.assert_close(got[rows].double(), want, atol=2e-6, rtol=1e-5)
+
     # A fork of these rows (branches per document differ): documents out of the pack's order,
     # unequal rows per document and side, a document split over two runs. Its rows are
     # gathered into one call and back; each still equals dense attention over its own prefix.
-    layout = [(0, 1, 1), (1, 0, 3), (0, 2, 2), (1, 2, 1), (0, 0, 1), (1, 1, 2), (1, 0, 1)]
-    fork_groups, fork_kinds, row = [], [], 0
-    for side, doc, count in layout:  # (P or Q, document, rows)
-        hidden = groups[D + doc].hidden if side else None
-        fork_groups.append(PrefixGroup(row, row + count, views[doc], hidden, (pack, doc)))
-        fork_kinds += [(side, doc)] * count
-        row += count
-    fork = shared.of_groups(fork_groups)
+    def forked(layout):
+        """The fork of groups ``(P or Q, document, rows)`` in order, and each row's (side,
+        document)."""
+        fork_groups, kinds, row = [], [], 0
+        for side, doc, count in layout:
+            hidden = groups[D + doc].hidden if side else None
+            fork_groups.append(PrefixGroup(row, row + count, views[doc], hidden, (pack, doc)))
+            kinds += [(side, doc)] * count
+            row += count
+        return shared.of_groups(fork_groups), kinds
+
+    def check_fork(fork, kinds, prefix_call):
+        """Two attention calls, and every row equal to dense attention over its own prefix."""
+        Bf = len(kinds)
+        qf = torch.randn(Bf, H, 1, d, generator=g)
+        kf, vf = torch.randn(Bf, KV, s, d, generator=g), torch.randn(Bf, KV, s, d, generator=g)
+        calls.clear()
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(prefix, "attend_lse", attend)
+            got = prefix_attention(qf, kf, vf, None, 0.25, fork, 0)
+        assert calls == [Bf, prefix_call]
+        for r, (side, doc) in enumerate(kinds):
+            kp, vp = docs[doc][0] if side == 0 else gather_kept(docs[doc], idx[doc])[0]
+            keys = torch.cat([kp, kf[r : r + 1]], 2)
+            values = torch.cat([vp, vf[r : r + 1]], 2)
+            seen = torch.ones(1, 1, keys.shape[2], dtype=torch.bool)
+            want = _dense_attention(qf[r : r + 1], keys, values, seen, 0.25)
+            torch.testing.assert_close(got[r : r + 1].double(), want, atol=2e-6, rtol=1e-5)
+
+    fork, kinds = forked(
+        [(0, 1, 1), (1, 0, 3), (0, 2, 2), (1, 2, 1), (0, 0, 1), (1, 1, 2), (1, 0, 1)]
+    )
     assert fork.packed is not None and fork.gather is not None
     assert fork.packed[0][2] is shared.packed[0][2]  # the source batch's masks, not copies
     assert (fork.sides is not None) == sides
-    Bf = len(fork_kinds)
-    qf = torch.randn(Bf, H, 1, d, generator=g)
-    kf, vf = torch.randn(Bf, KV, s, d, generator=g), torch.randn(Bf, KV, s, d, generator=g)
-    calls.clear()
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(prefix, "attend_lse", attend)
-        got = prefix_attention(qf, kf, vf, None, 0.25, fork, 0)
-    assert calls == [Bf, prefix_call]
-    for r, (side, doc) in enumerate(fork_kinds):
-        kp, vp = docs[doc][0] if side == 0 else gather_kept(docs[doc], idx[doc])[0]
-        keys = torch.cat([kp, kf[r : r + 1]], 2)
-        values = torch.cat([vp, vf[r : r + 1]], 2)
-        seen = torch.ones(1, 1, keys.shape[2], dtype=torch.bool)
-        want = _dense_attention(qf[r : r + 1], keys, values, seen, 0.25)
-        torch.testing.assert_close(got[r : r + 1].double(), want, atol=2e-6, rtol=1e-5)
+    check_fork(fork, kinds, prefix_call)
     # A fork of a range of the documents (one left out at an end) is one call over that
     # range of the pack (views of it and of the batch's masks); a fork with a gap (document
     # 1 left out) is not packed: the call would read a prompt no row attends to.
-    for docs_in, packed in (((1, 0), True), ((0, 2), False), ((2, 1), True)):
-        part_groups, part_kinds, row = [], [], 0
-        for side, doc in ((0, docs_in[0]), (1, docs_in[1]), (0, docs_in[1])):
-            hidden = groups[D + doc].hidden if side else None
-            part_groups.append(PrefixGroup(row, row + 2, views[doc], hidden, (pack, doc)))
-            part_kinds += [(side, doc)] * 2
-            row += 2
-        part = shared.of_groups(part_groups)
+    for (first, second), packed in (((1, 0), True), ((0, 2), False), ((2, 1), True)):
+        part, kinds = forked([(0, first, 2), (1, second, 2), (0, second, 2)])
         assert (part.packed is not None) == packed
         if not packed:
             continue
         assert part.packed[0][0].shape[0] == 2 and part.gather is not None
-        lo = min(docs_in)
+        lo = min(first, second)
         assert part.packed[0][0].data_ptr() == pack.kv[0][0][lo].data_ptr()  # a view
         assert part.packed[0][2].data_ptr() == shared.packed[0][2][lo].data_ptr()
-        Bp = len(part_kinds)
-        qp = torch.randn(Bp, H, 1, d, generator=g)
-        kp_, vp_ = torch.randn(Bp, KV, s, d, generator=g), torch.randn(Bp, KV, s, d, generator=g)
-        calls.clear()
-        with pytest.MonkeyPatch.context() as mp:
-            mp.setattr(prefix, "attend_lse", attend)
-            got = prefix_attention(qp, kp_, vp_, None, 0.25, part, 0)
-        assert calls == [Bp, -2 * KV if sides else 2]
-        for r, (side, doc) in enumerate(part_kinds):
-            kd, vd = docs[doc][0] if side == 0 else gather_kept(docs[doc], idx[doc])[0]
-            keys = torch.cat([kd, kp_[r : r + 1]], 2)
-            values = torch.cat([vd, vp_[r : r + 1]], 2)
-            seen = torch.ones(1, 1, keys.shape[2], dtype=torch.bool)
-            want = _dense_attention(qp[r : r + 1], keys, values, seen, 0.25)
-            torch.testing.assert_close(got[r : r + 1].double(), want, atol=2e-6, rtol=1e-5)
+        check_fork(part, kinds, -2 * KV if sides else 2)
     # A group whose slot label disagrees with its tensors (document 0's label on document 1's
     # prompt) is not packed: the packed call would attend to the label's prompt.
     mislabelled = [*groups]
