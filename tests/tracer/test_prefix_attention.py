@@ -260,19 +260,17 @@ def test_a_batch_of_documents_in_one_pack_is_one_call_exact_per_document(path, m
     assert fork.packed[0][2] is shared.packed[0][2]  # the source batch's masks, not copies
     assert (fork.sides is not None) == sides
     check_fork(fork, kinds, prefix_call)
-    # A fork of a range of the documents (one left out at an end) is one call over that
-    # range of the pack (views of it and of the batch's masks); a fork with a gap (document
-    # 1 left out) is not packed: the call would read a prompt no row attends to.
-    for (first, second), packed in (((1, 0), True), ((0, 2), False), ((2, 1), True)):
+    # A fork of some of the documents is one call over the range of the pack from the first
+    # with rows to the last (views of the pack and of the batch's masks): documents left out
+    # at an end are not read, one left out inside the range (document 1 of 0 and 2) is.
+    for (first, second), width in (((1, 0), 2), ((0, 2), 3), ((2, 1), 2)):
         part, kinds = forked([(0, first, 2), (1, second, 2), (0, second, 2)])
-        assert (part.packed is not None) == packed
-        if not packed:
-            continue
-        assert part.packed[0][0].shape[0] == 2 and part.gather is not None
+        assert part.packed is not None and part.gather is not None
+        assert part.packed[0][0].shape[0] == width
         lo = min(first, second)
         assert part.packed[0][0].data_ptr() == pack.kv[0][0][lo].data_ptr()  # a view
         assert part.packed[0][2].data_ptr() == shared.packed[0][2][lo].data_ptr()
-        check_fork(part, kinds, -2 * KV if sides else 2)
+        check_fork(part, kinds, -width * KV if sides else width)
     # A group whose slot label disagrees with its tensors (document 0's label on document 1's
     # prompt) is not packed: the packed call would attend to the label's prompt.
     mislabelled = [*groups]
