@@ -316,19 +316,23 @@ def test_one_documents_sides_as_the_kernels_batch_equal_dense_attention(hide, fo
     shared = SharedPrefix(groups)
     assert shared.packed is not None and shared.sides is not None
     assert (shared.gather is not None) == fork
-    query = torch.randn(B, H, 1, d, generator=g)
     own_k, own_v = torch.randn(B, KV, s, d, generator=g), torch.randn(B, KV, s, d, generator=g)
-    got = prefix_attention(query, own_k, own_v, None, 0.25, shared, 0)
-    prefix_calls = [c for c in calls if c[0][0] == 2]
-    assert len(prefix_calls) == 1 and prefix_calls[0][1] == 0  # one call, the prompt broadcast
     kept = gather_kept(kv, idx[None])
-    for rows, (kp, vp) in ((slice(0, p_rows), kv[0]), (slice(p_rows, B), kept[0])):
-        m = rows.stop - rows.start
-        keys = torch.cat([kp.expand(m, -1, -1, -1), own_k[rows]], 2).double()
-        values = torch.cat([vp.expand(m, -1, -1, -1), own_v[rows]], 2).double()
-        seen = torch.ones(m, 1, keys.shape[2], dtype=torch.bool)
-        want = _dense_attention(query[rows].double(), keys, values, seen, 0.25)
-        torch.testing.assert_close(got[rows].double(), want, atol=2e-6, rtol=1e-5)
+    # One query per row (a decoding step), then two on the same prefix (the sides' masks are
+    # expanded per query count, not once for good).
+    for q in (1, 2, 1):
+        calls.clear()
+        query = torch.randn(B, H, q, d, generator=g)
+        got = prefix_attention(query, own_k, own_v, None, 0.25, shared, 0)
+        prefix_calls = [c for c in calls if c[0][0] == 2]
+        assert len(prefix_calls) == 1 and prefix_calls[0][1] == 0  # one call, prompt broadcast
+        for rows, (kp, vp) in ((slice(0, p_rows), kv[0]), (slice(p_rows, B), kept[0])):
+            m = rows.stop - rows.start
+            keys = torch.cat([kp.expand(m, -1, -1, -1), own_k[rows]], 2).double()
+            values = torch.cat([vp.expand(m, -1, -1, -1), own_v[rows]], 2).double()
+            seen = torch.ones(m, q, keys.shape[2], dtype=torch.bool)
+            want = _dense_attention(query[rows].double(), keys, values, seen, 0.25)
+            torch.testing.assert_close(got[rows].double(), want, atol=2e-6, rtol=1e-5)
     # The per-head form of the same kernel gives the same rows.
     monkeypatch.setattr(prefix, "sides_batched", lambda *a: False)
     per_head = SharedPrefix(groups)

@@ -135,6 +135,7 @@ class SharedPrefix:
         self.packed = self._pack()
         self.sides: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]] | None = None
         self._step_bias: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._sides_bias: dict[int, tuple[int, torch.Tensor]] = {}  # layer: (rows, mask)
         if self.groups and self.groups[0].kv:
             # the device's attention path decided now, eagerly, not inside a compiled step
             k = self.groups[0].kv[0][0]
@@ -310,14 +311,18 @@ class SharedPrefix:
         self, layer: int, rows: int
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """Layer ``layer``'s sides form (:attr:`sides`) with its mask expanded to the call's
-        ``rows`` queries (a view, made at the first step: a batch's rows do not change)."""
+        ``rows`` queries (a view, made once per layer and row count: a batch's rows do not
+        change from step to step)."""
         assert self.sides is not None
         key, value, bias = self.sides[layer]
-        if bias is not None and int(bias.shape[2]) != rows:
-            bias = bias.expand(-1, -1, rows, -1)
-            if not torch.compiler.is_compiling():
-                self.sides[layer] = (key, value, bias)
-        return key, value, bias
+        if bias is None:
+            return key, value, bias
+        made = self._sides_bias.get(layer)
+        if made is None or made[0] != rows:
+            made = (rows, bias.expand(-1, -1, rows, -1))
+            if not torch.compiler.is_compiling():  # (no state kept while tracing)
+                self._sides_bias[layer] = made
+        return key, value, made[1]
 
     @property
     def layers(self) -> int:
