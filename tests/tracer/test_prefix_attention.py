@@ -427,3 +427,39 @@ def test_a_batch_of_documents_traced_with_the_sides_as_the_kernels_batch_records
                 np.testing.assert_allclose(a, b, rtol=1e-4, atol=2e-5, err_msg=name)
             else:
                 np.testing.assert_array_equal(a, b, err_msg=name)
+
+
+@pytest.mark.parametrize("path", LSE_PATHS)
+def test_a_fork_of_documents_shorter_than_the_pack_hides_its_padding(path, monkeypatch):
+    """A fork of the pack's two short documents, P rows only (no mask of their own): the call
+    covers that range of the pack, as wide as its longest document, so the padding past each
+    short prompt is masked; every row equals dense float64 attention over its own prompt."""
+    import kvcouple.tracer.prefix as prefix
+    from kvcouple.tracer.prefix import PrefixGroup, PromptPack, SharedPrefix, prefix_attention
+
+    monkeypatch.setattr(prefix, "attend_lse", _attend_by(path))
+    g = torch.Generator().manual_seed(3)
+    KV, d, H, s = 2, 16, 4, 3
+    lengths = [13, 6, 6]
+    docs = [
+        [(torch.randn(1, KV, m, d, generator=g), torch.randn(1, KV, m, d, generator=g))]
+        for m in lengths
+    ]
+    pack = PromptPack.allocate(docs[0], lengths)
+    for i, kv in enumerate(docs):
+        pack.put(i, kv)
+    groups = [
+        PrefixGroup(2 * j, 2 * j + 2, pack.slot(i), None, (pack, i)) for j, i in enumerate((1, 2))
+    ]
+    fork = SharedPrefix(groups)
+    assert fork.packed is not None and fork.packed[0][0].shape[:3] == (2, KV, 13)
+    query = torch.randn(4, H, 1, d, generator=g)
+    own_k, own_v = torch.randn(4, KV, s, d, generator=g), torch.randn(4, KV, s, d, generator=g)
+    got = prefix_attention(query, own_k, own_v, None, 0.25, fork, 0)
+    for r, doc in enumerate((1, 1, 2, 2)):
+        kp, vp = docs[doc][0]
+        keys = torch.cat([kp, own_k[r : r + 1]], 2)
+        values = torch.cat([vp, own_v[r : r + 1]], 2)
+        seen = torch.ones(1, 1, keys.shape[2], dtype=torch.bool)
+        want = _dense_attention(query[r : r + 1], keys, values, seen, 0.25)
+        torch.testing.assert_close(got[r : r + 1].double(), want, atol=2e-6, rtol=1e-5)

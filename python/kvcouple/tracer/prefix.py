@@ -164,7 +164,8 @@ class SharedPrefix:
         kv = self.groups[0].kv if pack is None else pack.kv
         if any(int(k.shape[-2]) == 0 for k, _ in kv):
             return None
-        padded = pack is not None and min(pack.lengths) < max(pack.lengths)
+        # (against the tensors' width: a part of a pack is as wide as the pack's longest)
+        padded = pack is not None and min(pack.lengths) < int(pack.kv[0][0].shape[-2])
         key = (id(pack), *(0 if h is None else id(h) for h in hiddens))
         masks = None
         if padded or any(key[1:]):
