@@ -45,11 +45,11 @@ def top_k(record: Record, probs: torch.Tensor) -> tuple[torch.Tensor, torch.Tens
     return ids, vals, tail
 
 
-def _sides(name: str, values: np.ndarray, pairs: int) -> dict[str, np.ndarray]:
-    """``{name}_p`` and ``{name}_q`` from ``(steps, 2B, ...)`` host values, as ``(B, steps,
-    ...)`` views."""
+def _halves(values: np.ndarray, pairs: int) -> tuple[np.ndarray, np.ndarray]:
+    """The P rows' and the Q rows' values of ``(steps, 2B, ...)`` host values, as ``(B,
+    steps, ...)`` views."""
     rows = values.swapaxes(0, 1)
-    return {f"{name}_p": rows[:pairs], f"{name}_q": rows[pairs:]}
+    return rows[:pairs], rows[pairs:]
 
 
 class PathRecords:
@@ -122,17 +122,16 @@ class PathRecords:
             "has_overlap": floats[:, 5 * B : 6 * B].T > 0,
             "draw": ints[:, :B].T,
             "top1_agree": (ints[:, B : 2 * B] == ints[:, 2 * B :]).T,
-            **_sides("entropy", floats[:, : 2 * B], B),
         }
-        kl = _sides("kl", floats[:, 2 * B : 4 * B], B)
-        out["kl_pq"], out["kl_qp"] = kl["kl_p"], kl["kl_q"]
+        out["entropy_p"], out["entropy_q"] = _halves(floats[:, : 2 * B], B)
+        out["kl_pq"], out["kl_qp"] = _halves(floats[:, 2 * B : 4 * B], B)
         if self.ids is not None and self.probs is not None:
-            out.update(_sides("topk_ids", self.ids.cpu().numpy(), B))
-            out.update(_sides("topk_probs", self.probs.cpu().numpy(), B))
-            out.update(_sides("tail_mass", floats[:, 6 * B :], B))
+            out["topk_ids_p"], out["topk_ids_q"] = _halves(self.ids.cpu().numpy(), B)
+            out["topk_probs_p"], out["topk_probs_q"] = _halves(self.probs.cpu().numpy(), B)
+            out["tail_mass_p"], out["tail_mass_q"] = _halves(floats[:, 6 * B :], B)
         if self.staged.names:
-            full = self.staged.arrays()["full"].reshape(self.steps, 2 * B, -1).swapaxes(0, 1)
-            out["p"], out["q"] = full[:B], full[B:]
+            full = self.staged.arrays()["full"].reshape(self.steps, 2 * B, -1)
+            out["p"], out["q"] = _halves(full, B)
         return out
 
 
