@@ -84,6 +84,7 @@ def store_summary(
     """What ``kvcouple info`` prints: schema, model, policies, documents done, size; with
     ``check``, every problem the reader finds in the finished documents."""
     from kvcouple.store.reader import TraceStoreReader
+    from kvcouple.store.text import text_status
 
     reader = TraceStoreReader(path, storage_options)
     a = reader.attrs
@@ -112,6 +113,7 @@ def store_summary(
         "unfinished": [ids[i] for i in reader.unfinished()][:20],
         "size_bytes": reader.size_bytes(),
         "checksums": reader.checksums,
+        "text": text_status(reader),
     }
     if check:
         out["problems"] = reader.check(data=True)
@@ -158,6 +160,7 @@ def _info(args: argparse.Namespace) -> int:
     )
     print(f"  policies  {', '.join(map(str, info['policies']))}")
     print(f"  checksums {info['checksums']}")
+    print(f"  text      {info['text']}")
     print(
         f"  documents {info['documents_done']} of {info['documents']} done"
         + (f"; unfinished: {', '.join(info['unfinished'])}" if info["unfinished"] else "")

@@ -1,5 +1,8 @@
 """The trace-store layout (SPEC section 8): one xarray Dataset in a Zarr store per run.
 
+Schema version 4: the store may keep its text (:data:`TEXT_VARIABLES`: the prompts' token ids
+and the bytes of every token id, so that text is shown without the model; attribute
+``text_decoder``); version 3 stores, which keep no text, read as before.
 Schema version 3: every chunk carries a checksum (Zarr format 3 with the ``crc32c`` codec after
 Zstd; with zarr-python 2, Zarr format 2 with Zstd's own frame checksum). Version 2 stores (no
 checksums) are still read; version 1 had no gate variables. Dimensions: ``doc, policy, rep, step (1..T), branch (1..K), lag (0..L)``,
@@ -47,7 +50,7 @@ over ``(doc, policy, rep, step)``, and the same with a ``branch_`` prefix over
 ``(doc, policy, rep, branch, lag, vocab)`` in float16 (one chunk along vocab).
 
 Attributes: ``schema_version``, ``kvcouple_version``, ``model_id``, ``model_revision``,
-``dtype``, ``decoding`` ({temperature, top_k, top_p}), ``policies`` (list of {spec, name,
+``model_file`` and ``model_sha256`` (a model read from a GGUF file), ``dtype``, ``decoding`` ({temperature, top_k, top_p}), ``policies`` (list of {spec, name,
 params}), ``horizon`` (T), ``window`` (L), ``branches`` (K), ``replicates`` (R), ``record``,
 ``vocab_size``, ``eos_token_id``, ``seed``, ``estimator`` ("rb": branches drawn from the
 residual-branch law of SPEC section 4), ``source`` ("model" or "synthetic").
@@ -63,11 +66,13 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-SCHEMA_VERSION = 3
-# Versions this kvcouple reads: 2 has the same layout without chunk checksums.
-READABLE_VERSIONS = (2, 3)
+SCHEMA_VERSION = 4
+# Versions this kvcouple reads: 2 has the same layout without chunk checksums; 3 has no text.
+READABLE_VERSIONS = (2, 3, 4)
 # The first version whose writer puts a checksum on every chunk.
 CHECKSUMS_SINCE = 3
+# The first version that may keep the text (TEXT_VARIABLES), where the tracer had a tokenizer.
+TEXT_SINCE = 4
 
 # Sentinels for unobserved entries (after a stop, past the horizon, no branch).
 NO_TOKEN = -1
@@ -112,6 +117,18 @@ SUMMARY_VARIABLES: dict[str, Variable] = {
     "branch_mismatch": Variable(LAG_DIMS, "int8", NO_MISMATCH),
     "branch_tokens_p": Variable(LAG_DIMS, "int32", NO_TOKEN),
     "branch_tokens_q": Variable(LAG_DIMS, "int32", NO_TOKEN),
+}
+
+
+# The store's text (schema version 4, written at creation where the run has a tokenizer; the
+# attribute ``text_decoder`` says how the token bytes were derived): the prompts' token ids
+# (-1 past each prompt's end), and every token id's bytes, concatenated (``token_bytes``) and
+# delimited by their ends (``token_ends[i]``: one past token i's last byte), so that a
+# sequence of ids decodes to the concatenation of its tokens' bytes, read as UTF-8.
+TEXT_VARIABLES: dict[str, Variable] = {
+    "prompt_tokens": Variable(("doc", "prompt_position"), "int32", NO_TOKEN),
+    "token_bytes": Variable(("token_byte",), "uint8", 0),
+    "token_ends": Variable(("vocab",), "int64", 0),
 }
 
 
@@ -350,6 +367,7 @@ def disallowed(
 RUN_KEYS = (
     "model_id",
     "model_revision",
+    "model_sha256",  # a model loaded from a GGUF file: the file's content
     "dtype",
     "decoding",
     "policies",

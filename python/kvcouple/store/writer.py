@@ -22,7 +22,8 @@ from kvcouple.errors import MissingExtraError, StoreError
 from kvcouple.store import registry
 from kvcouple.store.reader import is_url
 from kvcouple.store.schema import RUN_KEYS as RUN_KEYS
-from kvcouple.store.schema import SCHEMA_VERSION, Record, variables
+from kvcouple.store.schema import SCHEMA_VERSION, TEXT_VARIABLES, Record, variables
+from kvcouple.store.text import TEXT_ATTR, TextTables
 
 
 def _zarr() -> Any:
@@ -100,6 +101,7 @@ def check_resume(path: str | Path, existing: dict[str, Any], run: dict[str, Any]
 _OPTIONS = {
     "model_id": "--model",
     "model_revision": "--revision",
+    "model_sha256": "--model (the GGUF file's content)",
     "dtype": "--dtype",
     "decoding": "--temperature/--top-k/--top-p",
     "policies": "--policy",
@@ -326,10 +328,15 @@ def _jsonable(v: Any) -> Any:
 
 
 def _build(
-    tmp: Path, layout: StoreLayout, attrs: dict[str, Any], store: Path | None = None
+    tmp: Path,
+    layout: StoreLayout,
+    attrs: dict[str, Any],
+    store: Path | None = None,
+    text: TextTables | None = None,
 ) -> None:
     """Every array, coordinate and attribute of a new store, in the local folder ``tmp``; the
-    plan registry too (taking over a registration waiting beside a local ``store``)."""
+    plan registry too (taking over a registration waiting beside a local ``store``); the
+    run's ``text`` where it has one (schema version 4)."""
     group = _open_group(tmp, "w")
     sizes = layout.sizes()
     for name, (dims, dtype, _) in variables(layout.record).items():
@@ -354,6 +361,12 @@ def _build(
         _create_array(group, name, values, values.shape, values.dtype.str, (name,), False)
     ids = np.array(layout.doc_ids, dtype=f"<U{max(1, max(map(len, layout.doc_ids)))}")
     _create_array(group, "doc_id", ids, ids.shape, ids.dtype.str, ("doc",), False)
+    if text is not None:
+        attrs = {**attrs, TEXT_ATTR: text.decoder}
+        for name, values in text.arrays(layout.vocab_size).items():
+            dims = TEXT_VARIABLES[name].dims
+            chunks = (1, *values.shape[1:]) if dims[0] == "doc" else values.shape
+            _create_array(group, name, values, chunks, TEXT_VARIABLES[name].dtype, dims)
     # The plan registry is born with the store (kvcouple.store.registry); written after
     # consolidating, which warns about files that are not zarr nodes.
     group.attrs.update({**attrs, registry.MARKER_ATTR: registry.REGISTRY_NAME})
@@ -383,14 +396,16 @@ def _remote_exists(url: str) -> bool:
     return any(fs.exists(f"{root}/{m}") for m in (".zmetadata", "zarr.json"))
 
 
-def _create_remote(url: str, layout: StoreLayout, attrs: dict[str, Any]) -> None:
+def _create_remote(
+    url: str, layout: StoreLayout, attrs: dict[str, Any], text: TextTables | None = None
+) -> None:
     """Create a store on object storage: built locally, uploaded, the group metadata last.
     Object stores have no atomic rename; shards racing to create the same run upload the same
     bytes, and a run with other settings is refused on resume by :func:`check_resume`."""
     fs, root = _fs(url)
     tmp = Path(tempfile.mkdtemp(prefix=".kvcouple-store."))
     try:
-        _build(tmp, layout, attrs)
+        _build(tmp, layout, attrs, text=text)
         files = sorted(p for p in tmp.rglob("*") if p.is_file())
         late = [p for p in files if p.parent == tmp and p.name in _ROOT_METADATA]
         early = [p for p in files if p not in late]
@@ -425,12 +440,17 @@ class TraceStoreWriter:
 
     @classmethod
     def open(
-        cls, path: str | os.PathLike[str], layout: StoreLayout, attrs: dict[str, Any]
+        cls,
+        path: str | os.PathLike[str],
+        layout: StoreLayout,
+        attrs: dict[str, Any],
+        text: TextTables | None = None,
     ) -> TraceStoreWriter:
         """Create the store, or resume it if it exists and was made by the same run.
 
         ``attrs`` must hold the run-defining keys of :data:`RUN_KEYS` that apply; a store that
         exists with different values raises :class:`StoreError` naming the first difference.
+        ``text`` (the prompts' ids and the token table) is written when the store is created.
         """
         if _zarr() is None:
             raise MissingExtraError(
@@ -454,9 +474,9 @@ class TraceStoreWriter:
         )
         if isinstance(store, str):
             if not _remote_exists(store):
-                _create_remote(store, layout, full_attrs)
+                _create_remote(store, layout, full_attrs, text)
         elif not store.exists():
-            cls._create(store, layout, full_attrs)
+            cls._create(store, layout, full_attrs, text)
         elif not store.is_dir() or not any((store / m).exists() for m in (".zgroup", "zarr.json")):
             what = "a file" if not store.is_dir() else "a directory without a Zarr group"
             raise StoreError(
@@ -483,11 +503,13 @@ class TraceStoreWriter:
         return cls(store, layout, group)
 
     @classmethod
-    def _create(cls, path: Path, layout: StoreLayout, attrs: dict[str, Any]) -> None:
+    def _create(
+        cls, path: Path, layout: StoreLayout, attrs: dict[str, Any], text: TextTables | None
+    ) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent))
         try:
-            _build(tmp, layout, attrs, path)
+            _build(tmp, layout, attrs, path, text)
             try:
                 os.rename(tmp, path)  # atomic: another shard may have won the race
             except OSError:

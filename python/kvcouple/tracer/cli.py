@@ -466,6 +466,7 @@ def run(args: argparse.Namespace) -> int:
             progress=not args.quiet,
             memory=None if args.memory is None else int(args.memory * 2**30),
             client=client,
+            tokenizer=tokenizer,
         )
     finally:
         if owned:

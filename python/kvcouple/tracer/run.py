@@ -38,6 +38,7 @@ from kvcouple.store import StoreLayout, TraceStoreWriter
 from kvcouple.store.background import BackgroundWriter, DocumentWriter, WriterStats, queue_bound
 from kvcouple.store.identity import run_identity
 from kvcouple.store.reader import is_url
+from kvcouple.store.text import TextTables
 from kvcouple.store.writer import VocabularyMismatchError as VocabularyMismatchError
 from kvcouple.tracer.distributed import (
     WORKER_MODELS,
@@ -394,6 +395,7 @@ def trace(
     progress: bool = True,
     memory: int | None = None,
     client: Any = None,
+    tokenizer: Any = None,
 ) -> RunSummary:
     """Trace every prompt under every policy into the store at ``out`` (created or resumed).
 
@@ -433,6 +435,9 @@ def trace(
         source, dtype and attention) and writes its documents into ``out``, which every
         worker must reach (a shared filesystem or ``s3://``). The store equals one
         process's.
+    tokenizer : transformers tokenizer, optional
+        The model's: the store keeps the prompts' ids and every token's bytes, so that its
+        text can be shown without the model (``kvcouple show``, the report). None: no text.
 
     Returns
     -------
@@ -455,7 +460,7 @@ def trace(
         return _trace_on_cluster(
             client, spec, prompts, policies, settings, out, seed=seed, model_id=model_id,
             model_revision=model_revision, shard=shard, max_docs=max_docs,
-            progress=progress, memory=memory,
+            progress=progress, memory=memory, tokenizer=tokenizer,
         )  # fmt: skip
     refresh(model)
     settings = with_model_eos(model, settings)
@@ -472,7 +477,7 @@ def trace(
     host = plan_host(layout, [len(b) for b in document_batches(mine, plans, settings)])
     if not host.fits:
         raise MemoryPlanError(f"refusing to trace: {host_refusal(host)}")
-    writer = TraceStoreWriter.open(out, layout, attrs)
+    writer = TraceStoreWriter.open(out, layout, attrs, store_text(tokenizer, prompts, layout))
     done = writer.completed()
     todo = [d for d in mine if not done[d]]
     summary = RunSummary(out, len(prompts), skipped=len(mine) - len(todo))
@@ -516,6 +521,7 @@ def _setup_task(
     seed: int,
     model_id: str,
     model_revision: str,
+    text: TextTables | None = None,
 ) -> _Setup:
     """On one worker: the steps of :func:`trace` before its batches (EOS, the engine probe,
     the store identity, the store created or resumed)."""
@@ -526,7 +532,7 @@ def _setup_task(
     layout, attrs = store_identity(
         model, prompts, policies, settings, seed, model_id, model_revision
     )
-    writer = TraceStoreWriter.open(out, layout, attrs)
+    writer = TraceStoreWriter.open(out, layout, attrs, text)
     return _Setup(settings, layout, attrs, ModelShape.of_model(model), writer.completed())
 
 
@@ -575,6 +581,7 @@ def _trace_on_cluster(
     max_docs: int | None,
     progress: bool,
     memory: int | None,
+    tokenizer: Any = None,
 ) -> RunSummary:
     """:func:`trace`'s steps with the model on the workers: the setup on one worker, the
     plans against the smallest worker's free memory (or ``memory``), then one task a batch."""
@@ -584,9 +591,10 @@ def _trace_on_cluster(
     client.run(release_models)  # what an interrupted run left loaded: loads count per run
     # No retries: what fails here is the model, the policies or the store, not the worker
     # (a lost worker's task is rescheduled by the scheduler all the same).
+    text = None if tokenizer is None else TextTables.of(tokenizer, [p.input_ids for p in prompts])
     setup = client.submit(
         _setup_task, spec, list(prompts), pols, settings, where, seed, model_id, model_revision,
-        pure=False,
+        text, pure=False,
     ).result()  # fmt: skip
     settings = setup.settings
     index, count = shard
@@ -656,6 +664,14 @@ def _run_policies(policies: Sequence[Policy | str], prompts: Sequence[Prompt]) -
     if not prompts:
         raise InvalidInputError("no prompts to trace")
     return pols
+
+
+def store_text(tokenizer: Any, prompts: Sequence[Prompt], layout: StoreLayout) -> TextTables | None:
+    """The text a new store keeps (the prompts' ids, every token's bytes): None without a
+    tokenizer."""
+    if tokenizer is None:
+        return None
+    return TextTables.of(tokenizer, [p.input_ids for p in prompts], layout.vocab_size)
 
 
 def store_identity(
