@@ -29,6 +29,7 @@ _AREAS = {
     "kvcouple.analysis.cli": ("plan", "analyze", "info"),
     "kvcouple.demo": ("demo",),
     "kvcouple.prompts.cli": ("prompts",),
+    "kvcouple.show": ("show",),
 }
 
 
