@@ -41,6 +41,8 @@ EXTRAS = {
     "dask": "dask",
     "distributed": "dask",
     "numba": "reference",
+    "gguf": "gguf",
+    "accelerate": "gguf",
 }
 
 

@@ -13,9 +13,13 @@ works without them.
 
 from __future__ import annotations
 
+import functools
+import hashlib
 import json
 import os
 import re
+import weakref
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -30,7 +34,12 @@ __all__ = [
     "dtype_keyword",
     "load_model",
     "load_tokenizer",
+    "GGUFFacts",
+    "ModelSource",
+    "check_gguf",
     "check_hub_model",
+    "file_sha256",
+    "model_origin",
     "model_source",
     "offline_mode",
     "resolve_dtype",
@@ -116,10 +125,46 @@ def offline_mode() -> str | None:
     return None
 
 
-def model_source(name_or_path: str | os.PathLike[str] | None) -> tuple[str | Path, bool]:
-    """``(source, is_local)`` for :func:`load_model`, checked without loading anything: a
-    local directory must hold a ``config.json``; a name that is neither an existing path nor
-    a valid Hub id (``owner/name``) fails at once instead of after Hub retries."""
+@dataclass(frozen=True)
+class ModelSource:
+    """Where a model comes from, checked without loading anything.
+
+    ``location`` is a local directory or a Hub id; ``gguf_file`` names the GGUF file inside a
+    local directory when the model is one (transformers reads it with ``gguf_file=``, tokenizer
+    and chat template included, and dequantises the weights).
+    """
+
+    location: str | Path
+    local: bool
+    gguf_file: str | None = None
+
+    @property
+    def gguf_path(self) -> Path | None:
+        """The GGUF file, for a GGUF model."""
+        return Path(self.location) / self.gguf_file if self.gguf_file else None
+
+    def pretrained_kwargs(self) -> dict[str, Any]:
+        """What ``from_pretrained`` needs beyond the location: ``gguf_file`` (and nothing
+        from the network) for a GGUF file."""
+        return {"gguf_file": self.gguf_file} if self.gguf_file else {}
+
+
+def _gguf_in(directory: Path) -> str | None:
+    """The one ``.gguf`` file of a directory without ``config.json`` (None if there is none)."""
+    files = sorted(f.name for f in directory.iterdir() if f.suffix.lower() == ".gguf")
+    if len(files) > 1:
+        raise InvalidInputError(
+            f"model {directory}: the directory holds {len(files)} GGUF files "
+            f"({', '.join(files[:4])}{', ...' if len(files) > 4 else ''}): give the file's path"
+        )
+    return files[0] if files else None
+
+
+def model_source(name_or_path: str | os.PathLike[str] | None) -> ModelSource:
+    """Where :func:`load_model` loads from, checked without loading anything: a local
+    directory must hold a ``config.json`` or exactly one ``.gguf`` file; a path to a ``.gguf``
+    file is a GGUF model; a name that is neither an existing path nor a valid Hub id
+    (``owner/name``) fails at once instead of after Hub retries."""
     if name_or_path is None:
         source = default_model_path()
         if not (source / "config.json").is_file():
@@ -127,26 +172,120 @@ def model_source(name_or_path: str | os.PathLike[str] | None) -> tuple[str | Pat
                 f"the embedded default model is missing from {source}; "
                 "run scripts/train_default_model.py or reinstall kvcouple"
             )
-        return source, True
+        return ModelSource(source, True)
     if not isinstance(name_or_path, str | os.PathLike) or not os.fspath(name_or_path):
         raise InvalidInputError(
-            f"model must be a Hub id or a local directory, got {name_or_path!r}"
+            f"model must be a Hub id, a local directory or a .gguf file, got {name_or_path!r}"
         )
     text = os.fspath(name_or_path)
     path = Path(text).expanduser()
     if path.exists():
         if not path.is_dir():
-            raise InvalidInputError(f"model {text}: a file, not a model directory")
-        if not (path / "config.json").is_file():
+            if path.suffix.lower() != ".gguf":
+                raise InvalidInputError(
+                    f"model {text}: a file, not a model directory (nor a .gguf file)"
+                )
+            return ModelSource(path.resolve().parent, True, path.name)
+        if (path / "config.json").is_file():
+            return ModelSource(path, True)
+        gguf = _gguf_in(path)
+        if gguf is None:
             raise InvalidInputError(
-                f"model {text}: the directory has no config.json (not a Hugging Face model)"
+                f"model {text}: the directory has no config.json (not a Hugging Face model) "
+                "and no .gguf file"
             )
-        return path, True
+        return ModelSource(path.resolve(), True, gguf)
     if not _HUB_ID.match(text) or ".." in text or "--" in text:
         raise InvalidInputError(
-            f"model {text}: no such local directory (and not a Hub id such as owner/name)"
+            f"model {text}: no such local directory or file (and not a Hub id such as owner/name)"
         )
-    return text, False
+    return ModelSource(text, False)
+
+
+@dataclass(frozen=True)
+class GGUFFacts:
+    """What :func:`check_gguf` read from a GGUF file's header."""
+
+    architecture: str
+    tensor_types: tuple[str, ...]  # the distinct GGML types of its tensors, e.g. ("Q4_1", "F32")
+
+
+@functools.lru_cache(maxsize=8)
+def _check_gguf(path: Path, size: int, mtime_ns: int) -> GGUFFacts:
+    gguf = require("gguf", "loading a GGUF model")
+    require("accelerate", "loading a GGUF model")  # transformers' GGUF loader needs it
+    require("transformers", "loading a GGUF model")
+    from transformers.modeling_gguf_pytorch_utils import GGUF_SUPPORTED_ARCHITECTURES
+
+    try:
+        reader = gguf.GGUFReader(path)
+        field = reader.fields["general.architecture"]
+        architecture = bytes(field.parts[field.data[0]]).decode("utf-8")
+    except KeyError:
+        raise InvalidInputError(f"model {path}: the GGUF file names no architecture") from None
+    except Exception as e:  # noqa: BLE001 - gguf raises bare ValueErrors and worse
+        raise InvalidInputError(f"model {path}: not a readable GGUF file ({e})") from None
+    if architecture not in GGUF_SUPPORTED_ARCHITECTURES:
+        raise InvalidInputError(
+            f"model {path}: transformers cannot read GGUF models of architecture "
+            f"{architecture!r} (it reads {', '.join(sorted(GGUF_SUPPORTED_ARCHITECTURES))})"
+        )
+    # A type is readable if gguf dequantises it: try the first row of one tensor of each type.
+    first: dict[Any, Any] = {}
+    for tensor in reader.tensors:
+        first.setdefault(tensor.tensor_type, tensor)
+    unreadable = []
+    for qtype, tensor in first.items():
+        try:
+            gguf.quants.dequantize(tensor.data[:1], qtype)
+        except NotImplementedError:
+            unreadable.append(f"{qtype.name} (tensor {tensor.name})")
+    if unreadable:
+        raise InvalidInputError(
+            f"model {path}: its quantisation types cannot be dequantised by the installed gguf "
+            f"package: {', '.join(unreadable)}"
+        )
+    return GGUFFacts(architecture, tuple(sorted(t.name for t in first)))
+
+
+def check_gguf(path: str | os.PathLike[str]) -> GGUFFacts:
+    """Refuse, naming what is unsupported, a GGUF file transformers cannot load: an
+    architecture it has no converter for, or a quantisation type gguf cannot dequantise. Reads
+    only the header and one row per tensor type (memory-mapped); kept per file version.
+
+    Raises
+    ------
+    kvcouple.errors.InvalidInputError
+        The file is not GGUF, or names an unsupported architecture or quantisation type.
+    kvcouple.errors.MissingExtraError
+        gguf (the ``gguf`` extra) is not installed.
+    """
+    p = Path(path).resolve()
+    st = p.stat()
+    return _check_gguf(p, st.st_size, st.st_mtime_ns)
+
+
+def file_sha256(path: str | os.PathLike[str]) -> str:
+    """The hex sha256 of a file (read in 4 MiB blocks: memory stays flat for large models)."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(4 << 20):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+# model -> {"model_file": name, "model_sha256": hex} for models loaded from GGUF files; read by
+# the tracer's provenance. Kept here (weakly), not as attributes on transformers' objects.
+_ORIGINS: weakref.WeakKeyDictionary[Any, dict[str, str]] = weakref.WeakKeyDictionary()
+
+
+def model_origin(model: Any) -> dict[str, str]:
+    """The file a model was loaded from, when :func:`load_model` read it from a GGUF file:
+    ``{"model_file": name, "model_sha256": hex}`` (empty otherwise)."""
+    try:
+        return dict(_ORIGINS.get(model, {}))
+    except TypeError:  # not weakly referenceable: not loaded here
+        return {}
 
 
 _PROXY_VARIABLES = ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy")
@@ -229,7 +368,8 @@ def load_model(
         Passed to ``AutoModelForCausalLM.from_pretrained`` (e.g. ``attn_implementation``,
         ``revision``).
     """
-    source, local = model_source(name_or_path)
+    src = model_source(name_or_path)
+    source, local = src.location, src.local
     if not local:
         check_hub_model(str(source), from_pretrained_kwargs.get("revision"))
     require("torch", "loading a model")
@@ -237,18 +377,24 @@ def load_model(
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    if src.gguf_path is not None:
+        check_gguf(src.gguf_path)  # before any weights are read
     dev = torch.device(
         device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu")
     )
     torch_dtype = resolve_dtype(dtype, dev)
-    kwargs = dict(from_pretrained_kwargs)
+    kwargs = dict(from_pretrained_kwargs) | src.pretrained_kwargs()
     offline = offline_mode()
     if local or offline:
         kwargs["local_files_only"] = True
     try:
         tokenizer = AutoTokenizer.from_pretrained(
             source,
-            **{k: v for k, v in kwargs.items() if k in ("local_files_only", "revision", "token")},
+            **{
+                k: v
+                for k, v in kwargs.items()
+                if k in ("local_files_only", "revision", "token", "gguf_file")
+            },
         )
         kwargs[dtype_keyword()] = torch_dtype
         model = AutoModelForCausalLM.from_pretrained(source, **kwargs)
@@ -268,6 +414,11 @@ def load_model(
     # transformers types ``to`` as functools.wraps(torch.nn.Module.to), which mypy binds wrongly.
     model.to(dev)  # type: ignore[arg-type]
     model.eval()
+    if src.gguf_path is not None:
+        _ORIGINS[model] = {
+            "model_file": src.gguf_path.name,
+            "model_sha256": file_sha256(src.gguf_path),
+        }
     return model, tokenizer
 
 
@@ -282,13 +433,16 @@ def load_tokenizer(name_or_path: str | Path | None = None, *, revision: str | No
     revision:
         The Hub revision (ignored for local directories).
     """
-    source, local = model_source(name_or_path)
+    src = model_source(name_or_path)
+    source, local = src.location, src.local
     if not local:
         check_hub_model(str(source), revision)
     require("transformers", "loading a tokenizer")
     from transformers import AutoTokenizer
 
-    kwargs: dict[str, Any] = {}
+    if src.gguf_path is not None:
+        check_gguf(src.gguf_path)
+    kwargs: dict[str, Any] = src.pretrained_kwargs()
     if local or offline_mode():
         kwargs["local_files_only"] = True
     if revision and not local:

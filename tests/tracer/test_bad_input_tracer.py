@@ -16,7 +16,7 @@ import kvcouple.models
 import kvcouple.tracer.cli as tracer_cli
 from kvcouple import InvalidInputError, StoreError, synth
 from kvcouple.cli import main
-from kvcouple.models import model_source
+from kvcouple.models import ModelSource, model_source
 from kvcouple.policies import PolicyError, parse_policy
 from kvcouple.synth.trace_store import write_synthetic_trace_store
 from store_helpers import set_root_attr
@@ -156,9 +156,16 @@ def test_model_source(tmp_path):
         model_source(tmp_path)
     with pytest.raises(InvalidInputError, match="model must be"):
         model_source(3)  # type: ignore[arg-type]
-    assert model_source("meta-llama/Llama-3.1-8B") == ("meta-llama/Llama-3.1-8B", False)
-    assert model_source("gpt2") == ("gpt2", False)
-    assert model_source(None)[1] is True
+    assert model_source("meta-llama/Llama-3.1-8B") == ModelSource("meta-llama/Llama-3.1-8B", False)
+    assert model_source("gpt2") == ModelSource("gpt2", False)
+    assert model_source(None).local is True
+    # GGUF: a .gguf file, or a directory holding exactly one (and no config.json).
+    (tmp_path / "m.gguf").write_bytes(b"GGUF")
+    assert model_source(tmp_path) == ModelSource(tmp_path.resolve(), True, "m.gguf")
+    assert model_source(tmp_path / "m.gguf").gguf_path == tmp_path.resolve() / "m.gguf"
+    (tmp_path / "n.gguf").write_bytes(b"GGUF")
+    with pytest.raises(InvalidInputError, match="2 GGUF files"):
+        model_source(tmp_path)
 
 
 @pytest.mark.torch

@@ -22,8 +22,8 @@ from typing import Any, Literal
 from kvcouple.cliargs import MAX_COUNT
 from kvcouple.errors import InvalidInputError, require
 from kvcouple.models import (
+    check_gguf,
     check_hub_model,
-    default_model_path,
     default_prompts_path,
     dtype_keyword,
     load_model,
@@ -49,7 +49,11 @@ def register(subparsers: Any) -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument(
-        "--model", default=None, help="model name or local path (default: the small embedded model)"
+        "--model",
+        default=None,
+        help="Hub id, local model directory, or a .gguf file (or a folder holding one; read "
+        "through transformers' GGUF support, which dequantises it) (default: the small "
+        "embedded model)",
     )
     p.add_argument("--revision", default=None, help="model revision (Hub models)")
     p.add_argument(
@@ -215,6 +219,7 @@ def _has_tokenizer(args: argparse.Namespace) -> bool:
     return (
         local is None
         or not local.is_dir()
+        or model_source(args.model).gguf_file is not None  # GGUF files carry their tokenizer
         or any(
             (local / f).exists()
             for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
@@ -256,10 +261,12 @@ def dry_run(args: argparse.Namespace, policies: list[Any], branch_batch: int | s
     )
     from kvcouple.tracer.run import parse_shard
 
-    source = Path(args.model).expanduser() if args.model else default_model_path()
-    kw: dict[str, Any] = {"local_files_only": True} if Path(source).exists() else {}
+    src = model_source(args.model)
+    source = src.location
+    kw: dict[str, Any] = {"local_files_only": True} if src.local else {}
     if args.revision:
         kw["revision"] = args.revision
+    kw |= src.pretrained_kwargs()  # a GGUF file: config and tokenizer from its metadata
     config = AutoConfig.from_pretrained(source, **kw)
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     shape = ModelShape.of_unloaded(config, resolve_dtype(args.dtype, device))
@@ -383,8 +390,11 @@ def _worker_model(args: argparse.Namespace) -> Any:
     ``--device`` themselves)."""
     from kvcouple.tracer.distributed import WorkerModel
 
-    source, local = model_source(args.model)
-    where = str(Path(source).resolve()) if local else str(source)
+    src = model_source(args.model)
+    if src.gguf_path is not None:
+        where = str(src.gguf_path)
+    else:
+        where = str(Path(src.location).resolve()) if src.local else str(src.location)
     return WorkerModel(where, args.revision, args.dtype, args.attn, args.device)
 
 
@@ -489,8 +499,10 @@ def _model_and_vocabulary(args: argparse.Namespace, extra: dict[str, Any]) -> tu
     worker = _worker_model(args)
     kw = {"revision": args.revision} if args.revision else {}
     tokenizer = load_tokenizer(args.model, **kw) if _has_tokenizer(args) else None
-    local = model_source(args.model)[1] or offline_mode() is not None
-    config = AutoConfig.from_pretrained(worker.source, local_files_only=local, **kw)
+    src = model_source(args.model)
+    local = src.local or offline_mode() is not None
+    kw |= src.pretrained_kwargs()
+    config = AutoConfig.from_pretrained(src.location, local_files_only=local, **kw)
     return worker, tokenizer, int(config.get_text_config().vocab_size)
 
 
@@ -537,11 +549,13 @@ def check_arguments(args: argparse.Namespace) -> None:
                     "module name; put the file's folder on the workers' PYTHONPATH (and this "
                     f"machine's) and give --plugin {Path(name).stem}"
                 )
-    source, local = model_source(args.model)
-    if not local:  # a Hub id: cached, or the Hub reachable; else fail now, not after retries
-        check_hub_model(str(source), args.revision)
+    src = model_source(args.model)
+    if not src.local:  # a Hub id: cached, or the Hub reachable; else fail now, not after retries
+        check_hub_model(str(src.location), args.revision)
+    if src.gguf_path is not None:  # an architecture or type transformers cannot read: now
+        check_gguf(src.gguf_path)
     # The vocabulary bounds --eos before the model loads where the config says it.
-    vocab = _config_vocab(Path(source)) if local else None
+    vocab = _config_vocab(Path(src.location)) if src.local else None
     check_eos(args.eos, vocab, "the model config's")
     if args.device is not None or args.dtype is not None:
         _check_device(args.device, args.dtype)

@@ -1,4 +1,5 @@
-"""What produced a trace store: library versions, device, dtype, attention, model revision.
+"""What produced a trace store: library versions, device, dtype, attention, model revision
+(and, for a model read from a GGUF file, the file's name and sha256).
 
 The tracer writes these as store attributes when it creates a store. The model revision is
 resolved to a commit hash whenever the weights came from the Hugging Face Hub cache (a Hub id,
@@ -15,6 +16,7 @@ import torch
 import transformers
 
 from kvcouple import __version__
+from kvcouple.models import model_origin
 from kvcouple.tracer.model import attn_implementation
 
 _COMMIT = re.compile(r"^[0-9a-f]{40}$")
@@ -58,4 +60,6 @@ def provenance(model: Any, requested_revision: str | None = None) -> dict[str, s
         "dtype": str(param.dtype).removeprefix("torch."),
         "attn_implementation": attn_implementation(model),
         "model_revision": resolved_revision(model, requested_revision),
+        # A model read from a GGUF file: the file's name and sha256 (the weights' identity).
+        **model_origin(model),
     }

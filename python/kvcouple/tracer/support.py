@@ -19,7 +19,10 @@ architecture and the reason, any model (and policy kind) the tracer cannot trace
 
 Then a three-token probe runs the tracer's own forward passes (prefill, a re-fed token on an
 evicted cache, and the attention capture when a policy needs it) and compares them with a
-plain masked forward; any exception or (in float32) any difference refuses the model too.
+plain masked forward; any exception, a difference beyond rounding, or a model whose output
+does not change when an entry is masked refuses the model too. Rounding is measured, not
+assumed: the same re-fed token without eviction, cached against plain, gives this model's
+noise in its dtype (:class:`ProbeMeasure`; docs/tracer.md has the figures).
 The run layer (:func:`kvcouple.tracer.run.check_model`) then traces a short probe document
 under every policy, so an unknown architecture fails before a store exists, never in the
 middle of one.
@@ -43,6 +46,7 @@ from kvcouple.tracer.model import text_config as text_config
 
 __all__ = [
     "ModelSupport",
+    "ProbeMeasure",
     "UnsupportedModelError",
     "check_support",
     "describe",
@@ -61,6 +65,7 @@ class ModelSupport:
     sliding_windows: tuple[int, ...]  # the distinct windows of its sliding layers
     attention_scores: bool  # whether attention-scored policies can run
     scores_refusal: str  # why not, when they cannot
+    probe: ProbeMeasure | None = None  # the probe's figures (None: not comparable, windows < 4)
 
 
 def _model_refusal(f: ModelFacts) -> str | None:
@@ -165,50 +170,97 @@ def check_support(model: Any, policies: Sequence[Any] = ()) -> ModelSupport:
         return known[key]
     f = refresh(model)  # a first check: the model as it is now
     scores_why = _refuse_statically(f, policies)
-    _probe(model, f, needs_scores)
+    measure = _probe(model, f, needs_scores)
     windows = tuple(sorted({w for w in f.windows if w is not None}))
-    known[key] = ModelSupport(f.model_type, windows, not scores_why, scores_why)
+    known[key] = ModelSupport(f.model_type, windows, not scores_why, scores_why, measure)
     return known[key]
 
 
-def _probe(model: Any, f: ModelFacts, needs_scores: bool) -> None:
-    """Three tokens through the tracer's forward passes, checked against a plain forward."""
+# The probe's tolerance (docs/tracer.md, "How exact is exact"), on the total variation between
+# next-token distributions, the quantity the tracer records: a difference is rounding when it
+# is within NOISE_FACTOR times the noise measured on the same model, dtype and thread count
+# (the same re-fed token without an eviction, cached against plain), or within sqrt(eps) of
+# the dtype (3.5e-4 in float32, 0.031 in float16, 0.088 in bfloat16), whichever is larger.
+# The noise itself must be within sqrt(eps): a tracer bug that touches both rows must not
+# widen its own tolerance.
+NOISE_FACTOR = 8.0
+
+
+def _tv(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float(0.5 * (a.double().softmax(-1) - b.double().softmax(-1)).abs().sum())
+
+
+@dataclass(frozen=True)
+class ProbeMeasure:
+    """The probe's figures: total variations between next-token distributions, and the
+    largest logit difference beside them."""
+
+    difference: float  # the tracer's evicted row against a plain forward through the same mask
+    noise: float  # the same without eviction: cached against plain, pure rounding
+    effect: float  # what the eviction changes: plain masked against plain unmasked
+    tolerance: float
+    logit_difference: float  # max |logit| difference of the evicted rows
+    scale: float  # the largest |logit|
+
+    @classmethod
+    def of(cls, got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype) -> ProbeMeasure:
+        """From ``(2, vocab)`` logits computed in ``dtype``: row 0 with entry 0 evicted, row 1
+        with nothing evicted (``got`` through the tracer's cached forward, ``want`` through a
+        plain forward)."""
+        noise = _tv(got[1], want[1])
+        tolerance = max(NOISE_FACTOR * noise, torch.finfo(dtype).eps ** 0.5)
+        return cls(
+            difference=_tv(got[0], want[0]),
+            noise=noise,
+            effect=_tv(want[0], want[1]),
+            tolerance=tolerance,
+            logit_difference=float((got[0].double() - want[0].double()).abs().max()),
+            scale=float(want.double().abs().max()),
+        )
+
+
+def _probe(model: Any, f: ModelFacts, needs_scores: bool) -> ProbeMeasure | None:
+    """Three tokens through the tracer's forward passes, checked against a plain forward: two
+    rows, one re-feeding token 3 with entry 0 evicted (the tracer's Q row; the first entry,
+    an attention sink in trained models, so the mask visibly acts), one with nothing evicted
+    (the rounding noise of this model, dtype and thread count)."""
     name, layers = f.name, f.layers
     device = next(model.parameters()).device
     vocab = int(getattr(f.config, "vocab_size", 2))
-    ids = (torch.arange(4, device=device) + 1) % max(vocab, 1)
+    # Ordinary tokens spread over the vocabulary (low ids are often special tokens).
+    ids = ((torch.arange(4, device=device) * 7919 + 101) % max(vocab, 1))[None].expand(2, 4)
     try:
         with torch.inference_mode():
             cache = compat.new_cache()
             capture = attention.QueryCapture(model) if needs_scores else None
-            positions = torch.arange(3, device=device)[None]
+            positions = torch.arange(3, device=device)[None].expand(2, 3)
             if capture is not None:
                 with capture:
-                    compat.forward(model, ids[None, :3], cache, positions)
+                    compat.forward(model, ids[:, :3], cache, positions)
                 for layer in range(layers):
                     capture.attention(layer, 0, 3)
             else:
-                compat.forward(model, ids[None, :3], cache, positions)
+                compat.forward(model, ids[:, :3], cache, positions)
             kv = compat.cache_tensors(cache)
             _check_layout(kv, layers, name)
             dtype = kv[0][0].dtype
-            # Re-feed token 3 with entry 1 evicted (the tracer's Q row), as the engine does.
-            valid = torch.tensor([[True, False, True, True]], device=device)
+            valid = torch.ones(2, 4, dtype=torch.bool, device=device)
+            valid[0, 0] = False
             got = compat.forward(
                 model,
-                ids[None, 3:],
+                ids[:, 3:],
                 cache,
-                torch.tensor([[3]], device=device),
+                torch.full((2, 1), 3, device=device),
                 compat.additive_mask(valid, dtype),
             )
-            allowed = torch.ones(4, 4, dtype=torch.bool, device=device).tril()
-            allowed[3, 1] = False
-            mask = torch.zeros(4, 4, dtype=dtype, device=device)
-            mask = mask.masked_fill(~allowed, torch.finfo(dtype).min)[None, None]
+            allowed = torch.ones(2, 4, 4, dtype=torch.bool, device=device).tril()
+            allowed[0, 3, 0] = False
+            mask = torch.zeros(2, 4, 4, dtype=dtype, device=device)
+            mask = mask.masked_fill(~allowed, torch.finfo(dtype).min)[:, None]
             want = model(
-                input_ids=ids[None],
+                input_ids=ids,
                 attention_mask=mask,
-                position_ids=torch.arange(4, device=device)[None],
+                position_ids=torch.arange(4, device=device)[None].expand(2, 4),
             ).logits[:, -1]
     except UnsupportedModelError as e:
         raise UnsupportedModelError(f"{name}: {e}") from None
@@ -219,13 +271,34 @@ def _probe(model: Any, f: ModelFacts, needs_scores: bool) -> None:
         ) from None
     windows = [w for w in f.windows if w is not None]
     if windows and min(windows) < 4:
-        return  # the plain reference would need the window per layer
-    if dtype == torch.float32 and not torch.allclose(got.float(), want.float(), atol=1e-4):
-        diff = float((got.float() - want.float()).abs().max())
+        return None  # the plain reference would need the window per layer
+    m = ProbeMeasure.of(got, want, dtype)
+    dt = str(dtype).removeprefix("torch.")
+    floor = torch.finfo(dtype).eps ** 0.5
+    if not m.noise <= floor:  # beyond rounding already without eviction: not noise to trust
+        raise UnsupportedModelError(
+            f"{name}: the tracer's cached forward differs from a plain forward in {dt} even "
+            f"with nothing evicted: total variation {m.noise:.3g} between their next-token "
+            f"distributions, beyond rounding (sqrt(eps) of {dt}: {floor:.3g}); this "
+            "architecture is not supported"
+        )
+    if not m.difference <= m.tolerance:  # NaN is a mismatch too
         raise UnsupportedModelError(
             f"{name}: the tracer's cached, masked forward differs from a plain masked forward "
-            f"(max logit difference {diff:.2e}); this architecture is not supported"
+            f"in {dt}: total variation {m.difference:.3g} between their next-token "
+            f"distributions (max logit difference {m.logit_difference:.3g} at logits up to "
+            f"{m.scale:.3g}), tolerance {m.tolerance:.3g} (the larger of {NOISE_FACTOR:g} x the "
+            f"rounding noise {m.noise:.3g} measured without eviction and sqrt(eps) of {dt}); "
+            "this architecture is not supported"
         )
+    if not m.effect > m.tolerance:
+        raise UnsupportedModelError(
+            f"{name}: masking a cache entry does not change the model's next-token distribution "
+            f"in {dt} (total variation {m.effect:.3g}, tolerance {m.tolerance:.3g}): the model "
+            "ignores its attention mask, so evictions would not take effect; this architecture "
+            "is not supported"
+        )
+    return m
 
 
 def _check_layout(kv: list[tuple[Any, Any]], layers: int, name: str) -> None:
