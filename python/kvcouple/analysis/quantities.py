@@ -189,6 +189,62 @@ FIELDS: dict[str, str] = {
     "tolerance": "the recompute tolerance",
 }
 
+# The scoreboard in llama.cpp's layout (scoreboard.csv: `quantity` and `statistic`; the
+# report's scoreboard), from the overlap path's records: kvcouple.analysis.scoreboard.
+UNITS["nats"] = "a Kullback-Leibler divergence in nats (natural logarithm)"
+SCOREBOARD = (
+    _q("kl_pq", "nats", "KLD", 0.0, "inf",
+       "sum_v p_t(v) log(p_t(v)/q_t(v)) at a step of the overlap path (both read one prefix)"),
+    _q("delta_p", "probability", "delta p", -1.0, 1.0,
+       "q_t(a) - p_t(a), a = argmax p_t: the change in P's top token's probability"),
+    _q("same_top", "probability", "same top p", 0.0, 1.0,
+       "the share of path steps where argmax p_t == argmax q_t"),
+)  # fmt: skip
+QUANTITIES.update({q.name: q for q in SCOREBOARD})
+FIELDS.update(
+    {
+        "statistic": "mean (over documents), a percentile, max, min or rms (of the pooled steps)",
+        "se": "the standard error of a mean over documents",
+        "steps": "the path steps pooled",
+    }
+)
+
+# How the scoreboard relates to llama-perplexity --kl-divergence (docs/quantities.md).
+LLAMA_CPP = (
+    "The scoreboard (`scoreboard.csv`, the report's scoreboard) lists per policy the numbers "
+    "`llama-perplexity --kl-divergence` prints when it compares a model with a reference "
+    "(here Q, the evicted cache, with P, the full cache), in its layout: Mean KLD with its "
+    "uncertainty, Maximum / 99.9% / 99% / Median / 10% / 5% / 1% / 0.1% / Minimum KLD, Mean "
+    "delta p, its percentiles and RMS, and Same top p. The steps are those of the overlap "
+    "path, where P and Q read the same prefix: every one is before the first divergence, as in "
+    "llama.cpp's teacher-forced comparison over one text.",
+    "How they differ from llama.cpp's: (1) the text both sides read is the overlap path, "
+    "generated from the two models' common part, not a fixed corpus; (2) the mean's "
+    "uncertainty (`se`) is across documents (each document's mean over its steps, then the "
+    "mean of the documents and its standard error), as every kvcouple interval, where llama.cpp "
+    "treats tokens as independent, so kvcouple's is wider where documents differ; the "
+    "percentiles pool every step of every document, as llama.cpp's; (3) delta p is the change "
+    "in the probability of P's top token, `q_t(a) - p_t(a)` with `a = argmax p_t`, where "
+    "llama.cpp takes the text's next token: the two agree where the text follows the "
+    "reference's greedy choice; it needs the distributions (`--record full`, exact; "
+    "`--record topk:K`, the steps where P's top token is among Q's top K) and is absent from "
+    "summary records; (4) llama.cpp prints delta p and same top p in percent, the CSV keeps "
+    "fractions (the report prints percent); (5) llama.cpp's perplexity rows have no "
+    "counterpart: the overlap path is not the text either model was scored on.",
+)
+
+
+def scoreboard_markdown() -> list[str]:
+    """docs/quantities.md's scoreboard section: the quantities, their statistics, llama.cpp."""
+    lines = ["## Scoreboard (llama.cpp's layout)", "", *LLAMA_CPP[:1], ""]
+    lines += ["| name | unit | label | range | definition |", "|---|---|---|---|---|"]
+    for q in SCOREBOARD:
+        lines.append(
+            f"| `{q.name}` | {q.unit} | {q.label} | [{q.low}, {q.high}] | {q.definition} |"
+        )
+    return [*lines, "", *LLAMA_CPP[1:], ""]
+
+
 # Public names renamed for one name per quantity: old name -> registered name.
 DEPRECATED: dict[str, str] = RENAMED
 # Names whose unit changed place: summary.csv's fractions of T.
@@ -263,4 +319,5 @@ def markdown() -> str:
     lines += ["## Other columns", "", *(f"- `{k}`: {v}" for k, v in FIELDS.items()), ""]
     lines += ["## Deprecated names (removed in the next release)", ""]
     lines += [f"- `{k}`: now `{v}`" for k, v in {**DEPRECATED, **RENAMED_METRICS}.items()]
-    return "\n".join(lines) + "\n"
+    lines += ["", *scoreboard_markdown()]
+    return "\n".join(lines).rstrip("\n") + "\n"

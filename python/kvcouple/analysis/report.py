@@ -33,6 +33,7 @@ from kvcouple.analysis.engine import AnalysisResult
 from kvcouple.analysis.labels import number, percent, policy_labels
 from kvcouple.analysis.quantities import labelled
 from kvcouple.analysis.report_html import html_page
+from kvcouple.analysis.scoreboard import report_section as scoreboard_section
 from kvcouple.analysis.stats import DISCRETE, NOT_INTERPRETABLE, QUANTITIES
 from kvcouple.analysis.tables import EMPTY_COLUMNS, json_safe, table_meta, tidy_tables, write_csv
 from kvcouple.errors import InvalidInputError, MissingExtraError, require
@@ -546,6 +547,7 @@ def markdown_report(
     labels = report_labels(result)
     for m in result.models:
         lines += _model_sections(result, tables, m, labels, level)
+    lines += scoreboard_section(result.models, tables.get("scoreboard", []), labels)
     lines += _figure_section(result, figures)
     # Gap attribution (exposure-share flags), survival comparisons, the plan's tests.
     lines += statistics_sections(result, tables)

@@ -12,6 +12,7 @@ from typing import Any
 from kvcouple.analysis.engine import AnalysisResult
 from kvcouple.analysis.estimates import SCALARS
 from kvcouple.analysis.reading import TOLERANCE
+from kvcouple.analysis.scoreboard import scoreboard_rows
 
 
 def table_meta(result: AnalysisResult) -> dict[str, Any]:
@@ -38,6 +39,7 @@ def tidy_tables(result: AnalysisResult) -> dict[str, list[dict[str, Any]]]:
             "survival_differences",
             "recompute_check",
             "recompute_summary",
+            "scoreboard",
         )
     }
     for m in result.models:
@@ -58,6 +60,9 @@ def tidy_tables(result: AnalysisResult) -> dict[str, list[dict[str, Any]]]:
                 row["median_tau"] = u.median_tau
                 row["tail_observed"] = u.tail_observed
                 out["per_document"].append({**row, **meta})
+        out["scoreboard"] += [
+            {**row, **meta} for row in scoreboard_rows(m.model, m.policies, m.docs)
+        ]
         checked = [d.check for d in m.docs if d.check is not None]
         if checked:
             out["recompute_summary"].append(
@@ -95,6 +100,7 @@ EMPTY_COLUMNS: dict[str, list[str]] = {
     "recompute_summary": [
         "model", "rows_checked", "max_abs_diff", "disagreements", "tolerance",
     ],
+    "scoreboard": ["model", "policy", "quantity", "statistic", "estimate", "se", "n_docs", "steps"],
 }  # fmt: skip
 
 

@@ -31,6 +31,7 @@ from kvcouple.analysis.reading import (
     recompute_full_engine,
     recompute_topk,
 )
+from kvcouple.analysis.scoreboard import DocScores, doc_scores
 from kvcouple.errors import StoreError
 from kvcouple.scheduler import check_scheduler as check_scheduler
 from kvcouple.scheduler import connect_client as connect_client
@@ -73,6 +74,8 @@ class DocResult:
     units: dict[str, UnitEstimate] | None
     check: RecomputeCheck | None
     error: str | None = None
+    # The path's scoreboard values per policy (kvcouple.analysis.scoreboard).
+    scores: dict[str, DocScores] | None = None
 
 
 def analyze_doc(info: TraceStoreReader, doc: int, options: Options) -> DocResult:
@@ -87,7 +90,7 @@ def analyze_doc(info: TraceStoreReader, doc: int, options: Options) -> DocResult
             check = recompute_full(info, doc, summary, options.tolerance, options.io_threads)
         elif options.recompute and info.record.startswith("topk"):
             check = recompute_topk(info, doc, summary, options.tolerance)
-        return DocResult(doc, doc_id, units, check)
+        return DocResult(doc, doc_id, units, check, scores=doc_scores(info, doc, summary))
     except StoreError as e:
         return DocResult(doc, doc_id, None, None, str(e))
 
@@ -124,10 +127,12 @@ def _analyze_together(
                 recompute_topk(info, d, s, options.tolerance)
                 for d, s in zip(docs, summaries, strict=True)
             ]
+        scores = [doc_scores(info, d, s) for d, s in zip(docs, summaries, strict=True)]
     except StoreError:
         return None
     return [
-        DocResult(d, info.doc_ids[d], u, c) for d, u, c in zip(docs, units, checks, strict=True)
+        DocResult(d, info.doc_ids[d], u, c, scores=sc)
+        for d, u, c, sc in zip(docs, units, checks, scores, strict=True)
     ]
 
 
