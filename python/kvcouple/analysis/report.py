@@ -36,6 +36,8 @@ from kvcouple.analysis.report_html import html_page
 from kvcouple.analysis.scoreboard import report_section as scoreboard_section
 from kvcouple.analysis.stats import DISCRETE, NOT_INTERPRETABLE, QUANTITIES
 from kvcouple.analysis.tables import EMPTY_COLUMNS, json_safe, table_meta, tidy_tables, write_csv
+from kvcouple.analysis.text_html import markdown_lines as text_markdown_lines
+from kvcouple.analysis.text_html import with_text
 from kvcouple.errors import InvalidInputError, MissingExtraError, require
 from kvcouple.textsafe import markdown_cell, terminal
 
@@ -548,6 +550,7 @@ def markdown_report(
     for m in result.models:
         lines += _model_sections(result, tables, m, labels, level)
     lines += scoreboard_section(result.models, tables.get("scoreboard", []), labels)
+    lines += text_markdown_lines()
     lines += _figure_section(result, figures)
     # Gap attribution (exposure-share flags), survival comparisons, the plan's tests.
     lines += statistics_sections(result, tables)
@@ -822,5 +825,6 @@ def write_report(
     md = markdown_report(result, tables, list(images))
     _output(out, "report.md").write_text(md)
     if html_report:
-        _output(out, "report.html").write_text(html_page(md, images, report_title(result)))
+        page = with_text(html_page(md, images, report_title(result)), result, tables)
+        _output(out, "report.html").write_text(page)
     return out

@@ -1,0 +1,67 @@
+"""The report's text views and per-document table (report.html): P's and Q's text around the
+first divergence, every document linked to its view, hostile ids and generated text escaped."""
+
+from __future__ import annotations
+
+import math
+import re
+
+import pytest
+
+from kvcouple.analysis.text_html import view_html, visible
+from kvcouple.analysis.text_view import BranchView, DocumentView, Token
+
+HOSTILE = ["<script>alert(1)</script>", "\x1b[31m", "\u202eevil", "&amp;", "a\x00b", "\n"]
+
+
+def _view() -> DocumentView:
+    shared = [Token(1, 5, "Hello", 0.01), Token(2, 6, " <b>", 0.3)]
+    p = [Token(3, 7 + i, t, 0.9) for i, t in enumerate(HOSTILE)]
+    q = [Token(3, 20, "</div></div><img src=x onerror=alert(2)>", math.nan)]
+    view = DocumentView(
+        "<i>doc</i>\x07", "recent:retain=0.5", 0, 8, True, "text", "<p>prompt\x1b", 9
+    )
+    view.branches.append(BranchView(1, 3, shared, p, q))
+    return view
+
+
+def test_a_view_escapes_markup_and_control_characters():
+    page = view_html(_view(), visible("<i>doc</i>\x07"))
+    assert "<script>" not in page and "<img" not in page and "<b>" not in page
+    assert "&lt;script&gt;alert(1)&lt;/script&gt;" in page
+    assert "&lt;img src=x onerror=alert(2)&gt;" in page
+    for raw in ("\x1b", "\u202e", "\x00", "\x07"):
+        assert raw not in page
+    assert "\\x1b[31m" in page and "\\u202eevil" in page and "a\\x00b" in page
+    assert "&amp;amp;" in page  # the token's text "&amp;", shown as written
+    assert "&lt;i&gt;doc&lt;/i&gt;\\x07" in page
+    assert "first divergence at step 3" in page and page.count("&#9654;") == 3
+    assert 'class="s5"' in page  # TV 0.9 shaded darkest; NaN unshaded
+
+
+@pytest.mark.torch
+def test_the_report_shows_the_text_and_a_table_of_every_document(tmp_path):
+    pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    from kvcouple.analysis import analyze, write_report
+    from text_helpers import DOCS, POLICIES, trace_text_store
+
+    store = trace_text_store(tmp_path, record="summary")
+    out = write_report(analyze(store, n_boot=20, seed=0), tmp_path / "r", figures=False)
+    page = (out / "report.html").read_text()
+    md = (out / "report.md").read_text()
+    assert "## What diverged" in md and "kvcouple show" in md
+    assert "<h2>What diverged</h2>" in page and "diverged earliest" in page
+    assert "diverged latest" in page and 'class="tv-sides"' in page
+    assert "<script>alert" not in page and "\x1b" not in page and "\x07" not in page
+    # Every (document, policy) has a row; every document links to a view that exists.
+    table = page.split('<table class="sortable">', 1)[1].split("</table>", 1)[0]
+    assert table.count("<tr>") == 1 + len(DOCS) * len(POLICIES)
+    anchors = set(re.findall(r'href="#(kv-view-[0-9-]+)"', table))
+    assert len(anchors) == len(DOCS)
+    for a in anchors:
+        assert f'<details class="tv-doc" id="{a}">' in page
+    assert visible(DOCS[0][0]) in table and visible("esc\\x1b[31mred") in table
+    # The prompt's hostile markup is escaped in its folded view.
+    assert "&lt;b&gt;thank you&lt;/b&gt; &amp; for the draft" in page
+    assert len(page.encode()) < 200_000
