@@ -78,5 +78,8 @@ def test_the_scoreboard_equals_a_plain_recomputation_from_the_stored_rows(store,
         )
         assert board[("kl_pq", "mean")]["steps"] == pooled.size == ds.sizes["rep"] * 3 * 8
     md = (write_report(result, tmp_path / "r", figures=False) / "report.md").read_text()
-    assert "## Scoreboard (llama.cpp's layout)" in md and "| Same top p | " in md
+    assert (
+        "## Scoreboard (as llama-perplexity --kl-divergence prints it)" in md
+        and "| Same top p | " in md
+    )
     assert "scoreboard.csv" in {p.name for p in (tmp_path / "r").iterdir()}

@@ -227,7 +227,7 @@ def report_section(
         n_docs = max(r["n_docs"] for r in mine)
         steps = max(r["steps"] for r in mine if r["quantity"] == "kl_pq")
         lines += [
-            f"\n## Scoreboard (llama.cpp's layout){where}\n",
+            f"\n## Scoreboard (as llama-perplexity --kl-divergence prints it){where}\n",
             f"What `llama-perplexity --kl-divergence` prints, per policy, over the {steps} "
             f"steps of the overlap paths of {n_docs} documents (P and Q read the same prefix "
             "there: every step is before the first divergence). Mean: over documents, ± its "

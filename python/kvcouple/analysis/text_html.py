@@ -246,7 +246,7 @@ def _model_html(result: Any, m: Any, tables: dict[str, list[dict[str, Any]]], in
     shown = docs[:MAX_VIEWS]
     anchors = {d.doc_id: f"kv-view-{index}-{i}" for i, d in enumerate(shown)}
     out.append(
-        f"<h2>Documents{where}</h2><p>Every document's estimates, per policy (means over its "
+        f"<h3>Every document{where}</h3><p>Every document's estimates, per policy (means over its "
         "replicates; KLD and same top p on its overlap paths). Click a column head to sort; "
         "follow a document to its view"
         + (
