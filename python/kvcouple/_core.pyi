@@ -58,6 +58,13 @@ def bootstrap_means(
     values: npt.NDArray[np.float64], n_boot: int, seed: int
 ) -> npt.NDArray[np.float64]: ...
 def bootstrap_counts(docs: int, n_boot: int, seed: int) -> npt.NDArray[np.uint32]: ...
+def bootstrap_moments(
+    values: npt.NDArray[np.float64],
+    centers: npt.NDArray[np.float64],
+    pairs: npt.NDArray[np.int64],
+    n_boot: int,
+    seed: int,
+) -> npt.NDArray[np.float64]: ...
 def bootstrap_intervals(
     reps: npt.NDArray[np.float64],
     point: npt.NDArray[np.float64],

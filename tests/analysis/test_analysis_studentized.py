@@ -178,31 +178,33 @@ def test_the_default_is_studentized_and_few_documents_get_expanded_bca():
         assert np.isfinite(e.ci_low) and e.ci_low < e.estimate < e.ci_high
 
 
-def test_the_jackknife_inside_each_resample_is_the_plain_jackknife_of_its_draws():
-    """se* of resample b equals the jackknife of the statistic over b's drawn documents
-    (duplicates included), with NaN entries left out as the bootstrap leaves them out."""
+def test_the_standard_error_inside_each_resample_is_the_delta_method_of_its_draws():
+    """se* of resample b is the delta method over b's drawn documents (duplicates included):
+    for a ratio of means ``sqrt(g' S g / (n - 1))``, ``S`` the draws' covariance (divisor n),
+    ``g = (1/y, -x/y^2)``; for a mean exactly the jackknife of its draws; a column's NaN
+    entries are left out as the bootstrap leaves them out."""
     rng = np.random.default_rng(10)
     x = rng.normal(size=12)
     y = rng.uniform(1, 2, size=12)
-    x[[2, 7]] = np.nan
     bs = _bootstrap({"p|x": x, "p|y": y}, 4, n_boot=50)
 
     def ratio(g):
         return g("p|x") / g("p|y")
 
-    point, boot, se, se_boot = bs.studentized_parts([ratio])
-    assert bs.counts is not None
+    point, boot, se, se_boot = bs.studentized_parts([ratio, lambda g: g("p|x")])
+    counts = _core.bootstrap_counts(12, 50, 4)
     for b in range(5):
-        draws = np.repeat(np.arange(12), bs.counts[b])
-        loo = []
-        for k in range(12):
-            rest = np.delete(draws, k)
-            loo.append(np.nanmean(x[rest]) / np.mean(y[rest]))
-        loo = np.array(loo)
+        draws = np.repeat(np.arange(12), counts[b])
+        xb, yb = x[draws], y[draws]
+        grad = np.array([1 / yb.mean(), -xb.mean() / yb.mean() ** 2])
+        cov = np.cov(np.stack([xb, yb]), ddof=0)
+        assert se_boot[b, 0] == pytest.approx(math.sqrt(grad @ cov @ grad / 11), rel=1e-6)
+        assert boot[b, 0] == pytest.approx(xb.mean() / yb.mean(), rel=1e-12)
+        loo = np.array([np.delete(xb, k).mean() for k in range(12)])
         want = math.sqrt(11 / 12 * np.sum((loo - loo.mean()) ** 2))
-        assert se_boot[b, 0] == pytest.approx(want, rel=1e-9)
-        assert boot[b, 0] == pytest.approx(np.nanmean(x[draws]) / np.mean(y[draws]), rel=1e-12)
-    # Outside the resamples too: every document is a unit (one without x leaves its mean).
-    loo = np.array([np.nanmean(np.delete(x, i)) for i in range(12)])
-    want = math.sqrt(11 / 12 * np.sum((loo - loo.mean()) ** 2))
-    assert bs.evaluate(lambda g: g("p|x")).se == pytest.approx(want, rel=1e-12)
+        assert se_boot[b, 1] == pytest.approx(want, rel=1e-9)
+    # A column with NaN entries: its mean's standard error is over its finite documents.
+    x[[2, 7]] = np.nan
+    e = _bootstrap({"p|x": x}, 4).evaluate(lambda g: g("p|x"))
+    f = x[np.isfinite(x)]
+    assert e.se == pytest.approx(np.std(f) / math.sqrt(11), rel=1e-9)

@@ -11,14 +11,21 @@ Intervals (``ci_method``; docs/statistics.md has the coverage study that chose t
   (Hesterberg's small-sample expansion), which makes the interval exact for the mean of normal
   documents; plain percentile and BCa intervals are too narrow with few documents (coverage
   about 0.92 at 16 documents for a nominal 0.95);
-- ``studentized`` (bootstrap-t): ``theta - t*_q se`` with ``se`` the jackknife standard error
-  and ``t*`` the replicates of ``(theta* - theta) / se*``, ``se*`` the jackknife inside each
-  resample (from its draw counts, :func:`kvcouple._core.bootstrap_counts`); a ratio of two
-  statistics gets the confidence set of the studentized test of ``num - s den = 0`` over ``s``
-  (Fieller's construction with bootstrap-t critical values, :meth:`Bootstrap.ratio`).
+- ``studentized`` (bootstrap-t) on the quantity's scale (:class:`Scale`): for a quantity with
+  a finite range ``[low, high]`` the logit of ``(theta - low) / (high - low)``, so that the
+  interval lies inside the range by construction; ``psi - t*_q se_psi`` mapped back, ``t*``
+  the replicates of ``(psi* - psi) / se_psi*``. Standard errors are the delta method's
+  (``sqrt(grad' S grad / (n - 1))``, ``S`` the covariance of the columns the statistic reads:
+  for a mean exactly the jackknife's ``s / sqrt(n)``), inside each resample from its moments
+  (:func:`kvcouple._core.bootstrap_moments`: memory independent of resamples x documents).
+  A ratio of two statistics gets the confidence set of the studentized test of
+  ``num - s den = 0`` over ``s`` (Fieller's construction with bootstrap-t critical values,
+  :meth:`Bootstrap.ratio`).
 
 Percentile and BCa ends of all statistics are computed in one Rust call
-(``bootstrap_intervals``). ``median_tau`` (discrete) always gets a percentile interval.
+(``bootstrap_intervals``); an end extrapolated beyond the replicates is extrapolated on the
+quantity's scale. ``median_tau`` (discrete) always gets a percentile interval. A statistic that
+is constant over the documents gets its point as interval and ``Estimate.constant``.
 """
 
 from __future__ import annotations
@@ -43,6 +50,53 @@ DEFAULT_CI_METHOD = "studentized"
 # Resamples of fewer documents take too few distinct values to studentize (with 2, every
 # resample that can be studentized has t* = 0): below this, studentized means expanded-bca.
 STUDENTIZED_MIN_DOCS = 8
+
+
+@dataclass(frozen=True)
+class Scale:
+    """The scale an interval is computed on: for a quantity with a finite range
+    ``[low, high]`` (the registry's, :mod:`kvcouple.analysis.quantities`) the logit of
+    ``(theta - low) / (high - low)``, whose inverse maps every real number into the range (the
+    ends are +-inf); otherwise the identity."""
+
+    low: float = -math.inf
+    high: float = math.inf
+
+    @property
+    def bounded(self) -> bool:
+        return math.isfinite(self.low) and math.isfinite(self.high) and self.high > self.low
+
+    def holds(self, theta: float) -> bool:
+        """Whether ``theta`` lies strictly inside the range (where the logit is finite)."""
+        return not self.bounded or self.low < theta < self.high
+
+    def forward(self, theta: np.ndarray | float) -> np.ndarray:
+        x = np.asarray(theta, np.float64)
+        if not self.bounded:
+            return x
+        u = (x - self.low) / (self.high - self.low)
+        with np.errstate(divide="ignore", invalid="ignore"):
+            return np.asarray(np.log(u) - np.log1p(-u))
+
+    def slope(self, theta: np.ndarray | float) -> np.ndarray:
+        """``d psi / d theta`` (infinite at the range's ends)."""
+        x = np.asarray(theta, np.float64)
+        if not self.bounded:
+            return np.ones_like(x)
+        width = self.high - self.low
+        u = (x - self.low) / width
+        with np.errstate(divide="ignore"):
+            return np.asarray(1.0 / (width * u * (1.0 - u)))
+
+    def back(self, psi: np.ndarray | float) -> np.ndarray:
+        y = np.asarray(psi, np.float64)
+        if not self.bounded:
+            return y
+        with np.errstate(over="ignore"):
+            return np.asarray(self.low + (self.high - self.low) / (1.0 + np.exp(-y)))
+
+
+UNBOUNDED = Scale()
 
 
 def normal_scores(level: float, method: str, n_docs: int) -> tuple[float, float]:
@@ -75,6 +129,9 @@ class Estimate:
     # A ratio's confidence set may be [ci_low, ci_high] less the open interval ``exclude``
     # (Fieller's two rays); ci_low/ci_high alone then still bound it.
     exclude: tuple[float, float] | None = None
+    # Constant over the documents: the interval is the point.
+    constant: bool = False
+    scale: Scale = UNBOUNDED
 
     def covers(self, value: float) -> bool:
         """Whether ``value`` lies in the confidence set."""
@@ -85,41 +142,40 @@ class Estimate:
 
 @dataclass
 class Bootstrap:
-    """Column means of the table, of its bootstrap resamples and of its jackknife."""
+    """Column means of the table and of its bootstrap resamples (the table and the seed give
+    the resamples' moments and the jackknife when an interval needs them)."""
 
     names: list[str]
     point: np.ndarray  # (cols,)
     reps: np.ndarray  # (n_boot, cols)
     level: float
     n_docs: int
-    jack: np.ndarray | None = None  # (n_docs, cols) leave-one-document-out means
+    jack: np.ndarray | None = None  # (n_docs, cols) leave-one-document-out means (BCa; lazy)
     method: str = DEFAULT_CI_METHOD
-    data: np.ndarray | None = None  # (n_docs, cols) the table (studentized)
-    counts: np.ndarray | None = None  # (n_boot, n_docs) draws per resample (studentized)
+    data: np.ndarray | None = None  # (n_docs, cols) the table
+    seed: int = 0  # the resamples' seed (their moments come from the same draws)
 
     def __post_init__(self) -> None:
         self._index = {n: i for i, n in enumerate(self.names)}
-        self._inner: _ResampleJackknife | None = None
-
-    def _resample_jackknife(self) -> _ResampleJackknife:
-        """The jackknife inside every resample (made once, on first use)."""
-        if self._inner is None:
-            self._inner = _ResampleJackknife(self)
-        return self._inner
 
     def at_level(self, level: float) -> Bootstrap:
         return replace(self, level=level)
 
-    def evaluate(self, fn: StatFn, discrete: bool = False) -> Estimate:
-        return self.evaluate_many([fn], [discrete])[0]
+    def evaluate(self, fn: StatFn, discrete: bool = False, scale: Scale = UNBOUNDED) -> Estimate:
+        return self.evaluate_many([fn], [discrete], [scale])[0]
 
     def evaluate_many(
-        self, fns: Sequence[StatFn], discrete: Sequence[bool] | None = None
+        self,
+        fns: Sequence[StatFn],
+        discrete: Sequence[bool] | None = None,
+        scales: Sequence[Scale] | None = None,
     ) -> list[Estimate]:
-        """Point estimates and CIs of many statistics (one Rust call per interval method)."""
+        """Point estimates and CIs of many statistics, each on its scale (default: the
+        identity; one Rust call per interval method)."""
         if not fns:
             return []
         discrete = list(discrete) if discrete is not None else [False] * len(fns)
+        scales = list(scales) if scales is not None else [UNBOUNDED] * len(fns)
         point = np.array([float(np.asarray(f(self._at(self.point)))) for f in fns])
         boot = np.column_stack([self._values(f, self.reps) for f in fns])
         out: list[Estimate | None] = [None] * len(fns)
@@ -129,21 +185,47 @@ class Bootstrap:
             ("percentile", [i for i in range(len(fns)) if discrete[i]]),
         ]
         if self.method == "studentized":
-            parts = self._studentized_parts([fns[i] for i in continuous], point[continuous])
+            moments = _Moments(self, [fns[i] for i in continuous])
+            se, se_boot = moments.standard_errors()
             for j, i in enumerate(continuous):
                 out[i] = _studentized_estimate(
-                    point[i], boot[:, i], parts[0][j], parts[1][:, j], self.level
+                    point[i], boot[:, i], se[j], se_boot[:, j], self.level, scales[i]
                 )
             groups = groups[1:]
         for method, idx in groups:
             if idx:
                 for i, e in zip(
                     idx,
-                    self._rust_intervals(method, [fns[i] for i in idx], point[idx], boot[:, idx]),
+                    self._rust_intervals(
+                        method,
+                        [fns[i] for i in idx],
+                        point[idx],
+                        boot[:, idx],
+                        [scales[i] for i in idx],
+                    ),
                     strict=True,
                 ):
                     out[i] = e
         return [e for e in out if e is not None]
+
+    def _jackknife(self) -> np.ndarray:
+        """Leave-one-document-out column means (made on first use: BCa's acceleration)."""
+        if self.jack is None:
+            if self.data is None:
+                raise ValueError("BCa intervals need the table (bootstrap_table keeps it)")
+            self.jack = jackknife_means(self.data)
+        return self.jack
+
+    def columns(self, f: StatFn) -> list[int]:
+        """The columns ``f`` reads (traced at the point estimate), in table order."""
+        seen: set[int] = set()
+
+        def g(c: str) -> np.ndarray:
+            seen.add(self._index[c])
+            return self.point[self._index[c]]
+
+        f(g)
+        return sorted(seen)
 
     def _at(self, means: np.ndarray) -> Getter:
         """The getter of one set of column means (a row, or the rows of a matrix)."""
@@ -156,16 +238,20 @@ class Bootstrap:
         return np.broadcast_to(np.asarray(f(self._at(means)), np.float64), means.shape[:1])
 
     def _rust_intervals(
-        self, method: str, fns: Sequence[StatFn], point: np.ndarray, boot: np.ndarray
+        self,
+        method: str,
+        fns: Sequence[StatFn],
+        point: np.ndarray,
+        boot: np.ndarray,
+        scales: Sequence[Scale],
     ) -> list[Estimate]:
-        """Percentile or (expanded) BCa intervals, in one Rust call."""
+        """Percentile or (expanded) BCa intervals, in one Rust call; an end extrapolated
+        beyond the replicates is moved to the same normal score on the statistic's scale."""
         from kvcouple import _core
 
         use_bca = method in ("bca", "expanded-bca")
         if use_bca:
-            if self.jack is None:
-                raise ValueError("BCa intervals need the jackknife (bootstrap_table makes it)")
-            jack = np.column_stack([self._values(f, self.jack) for f in fns])
+            jack = np.column_stack([self._values(f, self._jackknife()) for f in fns])
         zl, zu = normal_scores(self.level, method, self.n_docs)
         rows = _core.bootstrap_intervals(
             np.ascontiguousarray(boot),
@@ -175,45 +261,33 @@ class Bootstrap:
             zu,
             use_bca,
         )
-        return [
-            Estimate(
-                float(point[j]),
-                float(lo),
-                float(hi),
-                boot[:, j],
-                float(z0) if use_bca else 0.0,
-                float(a) if use_bca else 0.0,
-                method,
+        out = []
+        for j, (lo, hi, z0, a) in enumerate(rows):
+            lo, hi = _on_scale(float(lo), float(hi), boot[:, j], scales[j])
+            b = boot[:, j][np.isfinite(boot[:, j])]
+            out.append(
+                Estimate(
+                    float(point[j]),
+                    lo,
+                    hi,
+                    boot[:, j],
+                    float(z0) if use_bca else 0.0,
+                    float(a) if use_bca else 0.0,
+                    method,
+                    constant=bool(b.size and b.min() == b.max() == point[j]),
+                    scale=scales[j],
+                )
             )
-            for j, (lo, hi, z0, a) in enumerate(rows)
-        ]
-
-    def _studentized_parts(
-        self, fns: Sequence[StatFn], point: np.ndarray
-    ) -> tuple[np.ndarray, np.ndarray]:
-        """Jackknife standard errors of ``fns``: of the table (k,) and inside every resample
-        (n_boot, k)."""
-        if self.jack is None or self.data is None or self.counts is None:
-            raise ValueError("studentized intervals need bootstrap_table's jackknife and counts")
-        k, n = len(fns), self.n_docs
-        se = np.empty(k)
-        se_boot = np.empty((self.counts.shape[0], k))
-        inner = self._resample_jackknife()
-        for j, f in enumerate(fns):
-            se[j] = _jackknife_se(self._values(f, self.jack)[None, :], np.ones((1, n)))[0]
-            loo = np.broadcast_to(np.asarray(f(inner.get), np.float64), inner.shape)
-            se_boot[:, j] = _jackknife_se(loo, inner.weights)
-            inner.forget()
-        return se, se_boot
+        return out
 
     def studentized_parts(
         self, fns: Sequence[StatFn]
     ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-        """Point estimates (k,), replicates (n_boot, k), jackknife standard errors (k,) and
-        those inside every resample (n_boot, k) of ``fns`` (the studentized band uses them)."""
+        """Point estimates (k,), replicates (n_boot, k), standard errors (k,) and those inside
+        every resample (n_boot, k) of ``fns`` (delta method, :class:`_Moments`)."""
         point = np.array([float(np.asarray(f(self._at(self.point)))) for f in fns])
         boot = np.column_stack([self._values(f, self.reps) for f in fns])
-        se, se_boot = self._studentized_parts(fns, point)
+        se, se_boot = _Moments(self, fns).standard_errors()
         return point, boot, se, se_boot
 
     def ratio(self, num: StatFn, den: StatFn) -> Estimate:
@@ -245,57 +319,92 @@ class Bootstrap:
         )
 
 
-class _ResampleJackknife:
-    """Leave-one-draw-out column means inside every resample: ``get(col)`` is
-    ``(n_boot, n_docs)``, entry ``(b, i)`` the mean of resample ``b`` without one draw of
-    document ``i`` (``weights[b, i]`` draws stand for it; NaN entries left out as in the
-    bootstrap). Columns are computed when a statistic asks for them, and forgotten after it."""
+class _Moments:
+    """Delta-method standard errors of statistics of column means, of the table and inside
+    every resample: ``se^2 = grad' S grad / (n - 1)`` with ``S`` the covariance (divisor n) of
+    the columns a statistic reads and ``grad`` its gradient at the means (central
+    differences). For a mean this is the jackknife's ``s^2 / n`` exactly; for a ratio of means
+    the jackknife's to first order. The resamples' covariances come from their cross moments
+    (:func:`kvcouple._core.bootstrap_moments`), never from a (resamples x documents) array."""
 
-    def __init__(self, bs: Bootstrap) -> None:
-        assert bs.data is not None and bs.counts is not None
-        self.finite = np.asfortranarray(np.isfinite(bs.data), dtype=np.float64)
-        self.vals = np.asfortranarray(np.where(self.finite > 0, bs.data, 0.0))
-        self.weights = bs.counts.astype(np.float64)
-        self.shape = self.weights.shape
-        self.index = bs._index
-        self.reps = bs.reps
-        self.cache: dict[str, np.ndarray] = {}
+    def __init__(self, bs: Bootstrap, fns: Sequence[StatFn], joint: bool = False) -> None:
+        """``joint``: the statistics' covariances with each other are needed too (every pair
+        of the columns any of them reads)."""
+        from kvcouple import _core
 
-    def get(self, col: str) -> np.ndarray:
-        if col not in self.cache:
-            j = self.index[col]
-            finite = self.finite[:, j]
-            # (resamples x documents) values: built in place, two passes, one allocation.
-            if finite.all():  # every resample holds n entries: its sum is n * mean
-                n = float(self.shape[1])
-                loo = np.subtract.outer(self.reps[:, j] * n, self.vals[:, j])
-                loo /= n - 1.0
-            else:
-                count = self.weights @ finite
-                total = np.where(count > 0, self.reps[:, j], 0.0) * count
-                loo = np.subtract.outer(total, self.vals[:, j])
-                with np.errstate(divide="ignore", invalid="ignore"):
-                    np.divide(loo, np.subtract.outer(count, finite), out=loo)
-            self.cache[col] = loo
-        return self.cache[col]
+        if bs.data is None:
+            raise ValueError("studentized intervals need the table (bootstrap_table keeps it)")
+        self.bs, self.fns = bs, list(fns)
+        self.cols = [bs.columns(f) for f in self.fns]
+        if joint:
+            self.cols = [sorted({j for c in self.cols for j in c})] * len(self.cols)
+        pairs = sorted({(j, k) for c in self.cols for j in c for k in c if j <= k})
+        self.pair = {p: q for q, p in enumerate(pairs)}
+        self.center = np.where(np.isfinite(bs.point), bs.point, 0.0)
+        data = bs.data
+        with np.errstate(invalid="ignore"):
+            self.cross = np.array(
+                [np.nanmean((data[:, j] - self.center[j]) * (data[:, k] - self.center[k]))
+                 if np.isfinite(data[:, j] * data[:, k]).any() else np.nan
+                 for j, k in pairs]
+            )  # fmt: skip
+        arr = np.asarray(pairs, np.int64).reshape(-1, 2)
+        n_boot = bs.reps.shape[0]
+        self.cross_boot = (
+            _core.bootstrap_moments(
+                np.ascontiguousarray(data, np.float64), self.center, arr, n_boot, int(bs.seed)
+            )
+            if pairs
+            else np.zeros((n_boot, 0))
+        )
+        self.step = 1e-6 * (np.abs(self.center) + np.nan_to_num(np.nanstd(data, 0)) + 1e-6)
 
-    def forget(self) -> None:
-        self.cache.clear()
+    def gradient(self, f: StatFn, cols: list[int], means: np.ndarray) -> np.ndarray:
+        """``d f / d mean_j`` for ``j`` in ``cols`` at ``means`` ((cols,) or (n_boot, cols)):
+        central differences, (len(cols),) or (n_boot, len(cols))."""
+        bs = self.bs
+        out = []
+        for j in cols:
+            h = float(self.step[j])
+            up, down = means.copy(), means.copy()
+            up[..., j] += h
+            down[..., j] -= h
+            out.append((bs._values(f, up) - bs._values(f, down)) / (2 * h) if means.ndim == 2
+                       else (float(np.asarray(f(bs._at(up)))) - float(np.asarray(f(bs._at(down))))) / (2 * h))  # fmt: skip
+        return np.stack(out, axis=-1) if out else np.zeros(means.shape[:-1] + (0,))
 
+    def covariance(self, j: int, k: int, boot: bool) -> np.ndarray | float:
+        """Covariance (divisor n) of columns j and k: of the table, or of every resample."""
+        q = self.pair[(min(j, k), max(j, k))]
+        if not boot:
+            return float(self.cross[q])
+        reps = self.bs.reps
+        return self.cross_boot[:, q] - (reps[:, j] - self.center[j]) * (reps[:, k] - self.center[k])
 
-def _jackknife_se(values: np.ndarray, weights: np.ndarray) -> np.ndarray:
-    """Jackknife standard errors along the last axis: ``values[..., i]`` the statistic without
-    one draw of document ``i``, which ``weights[..., i]`` draws share (n draws in all):
-    ``sqrt((n-1)/n sum_draws (v - mean)^2)`` (for a mean, ``s / sqrt(n)`` with ``ddof=1``);
-    one pass per row in Rust (:func:`kvcouple._core.jackknife_se`: the studentized bootstrap
-    takes one per statistic and resample)."""
-    from kvcouple import _core
+    def variance(
+        self, ga: np.ndarray, gb: np.ndarray, cols: list[int], boot: bool
+    ) -> np.ndarray | float:
+        """``ga' S gb / (n - 1)``: the delta method's (co)variance of two statistics reading
+        ``cols`` (gradients ``ga``, ``gb`` over them)."""
+        total: np.ndarray | float = 0.0
+        for a, j in enumerate(cols):
+            for b, k in enumerate(cols):
+                total = total + ga[..., a] * gb[..., b] * self.covariance(j, k, boot)
+        return total / max(self.bs.n_docs - 1, 1)
 
-    values = np.asarray(values, np.float64)
-    n = values.shape[-1]
-    flat = np.ascontiguousarray(values.reshape(-1, n))
-    draws = np.ascontiguousarray(np.broadcast_to(weights, values.shape).reshape(-1, n), np.float64)
-    return np.asarray(_core.jackknife_se(flat, draws)).reshape(values.shape[:-1])
+    def standard_errors(self) -> tuple[np.ndarray, np.ndarray]:
+        """Standard errors of every statistic: of the table (k,) and of every resample
+        (n_boot, k)."""
+        bs = self.bs
+        k, n_boot = len(self.fns), bs.reps.shape[0]
+        se, se_boot = np.empty(k), np.empty((n_boot, k))
+        for i, (f, cols) in enumerate(zip(self.fns, self.cols, strict=True)):
+            g = self.gradient(f, cols, bs.point)
+            gb = self.gradient(f, cols, bs.reps)
+            with np.errstate(invalid="ignore"):
+                se[i] = math.sqrt(max(float(self.variance(g, g, cols, False)), 0.0))
+                se_boot[:, i] = np.sqrt(np.maximum(self.variance(gb, gb, cols, True), 0.0))
+        return se, se_boot
 
 
 def _t_ends(tstar: np.ndarray, level: float) -> tuple[float, float]:
@@ -312,38 +421,98 @@ def _t_ends(tstar: np.ndarray, level: float) -> tuple[float, float]:
 
 
 def _studentized_estimate(
-    point: float, boot: np.ndarray, se: float, se_boot: np.ndarray, level: float
+    point: float,
+    boot: np.ndarray,
+    se: float,
+    se_boot: np.ndarray,
+    level: float,
+    scale: Scale = UNBOUNDED,
 ) -> Estimate:
-    """The bootstrap-t interval ``[theta - t*_high se, theta - t*_low se]``. Resamples whose
-    statistic cannot be studentized (``se* = 0``: every draw alike) are left out; a statistic
-    whose standard error is 0 is constant over documents (its interval is the point)."""
+    """The bootstrap-t interval on ``scale``: ``back([psi - t*_high se_psi, psi - t*_low
+    se_psi])`` with ``psi = scale(theta)``, ``se_psi = scale'(theta) se`` and ``t*`` the
+    replicates of ``(psi* - psi) / se_psi*``. Rules for resamples that cannot be studentized:
+    one at an end of the range (every draw there: ``psi* = +-inf``) is as far as a resample
+    goes, ``t* = +-inf``; one whose draws are all alike inside the range (``se* = 0``) is
+    studentized by the table's ``se_psi``; one whose statistic is undefined is left out. A
+    statistic constant over the documents (``se = 0``, or at an end of its range) gets the
+    point as interval, ``constant``. The interval always contains the point (``t*_low <= 0
+    <= t*_high``)."""
     nan = math.nan
     if not (math.isfinite(point) and math.isfinite(se)):
-        return Estimate(point, nan, nan, boot, method="studentized", se=se)
-    if se == 0.0:
-        return Estimate(point, point, point, boot, method="studentized", se=se)
-    with np.errstate(divide="ignore", invalid="ignore"):
-        t = (boot - point) / se_boot
-    tstar = np.sort(t[np.isfinite(t) & (se_boot > 0)])
+        return Estimate(point, nan, nan, boot, method="studentized", se=se, scale=scale)
+    if not (scale.low <= point <= scale.high):
+        scale = UNBOUNDED  # a Monte Carlo estimate just outside the range (rho above 1)
+    if se <= 1e-12 * max(1.0, abs(point)) or not scale.holds(point):
+        return Estimate(
+            point, point, point, boot, method="studentized", se=0.0, constant=True, scale=scale
+        )
+    psi = float(scale.forward(point))
+    se_psi = float(scale.slope(point)) * se
+    with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
+        psi_b = scale.forward(boot)
+        t = (psi_b - psi) / (scale.slope(boot) * se_boot)
+        edge = np.isinf(psi_b)
+        t = np.where(edge, np.sign(psi_b) * math.inf, t)
+        flat = (se_boot == 0) & np.isfinite(psi_b)
+        t = np.where(flat, (psi_b - psi) / se_psi, t)
+    tstar = np.sort(t[~np.isnan(t)])
     if tstar.size < boot.size / 2:
-        return Estimate(point, nan, nan, boot, method="studentized", se=se)
+        return Estimate(point, nan, nan, boot, method="studentized", se=se, scale=scale)
     low, high = _t_ends(tstar, level)
+    low, high = min(low, 0.0), max(high, 0.0)
+    with np.errstate(invalid="ignore"):
+        ends = scale.back(np.array([psi - high * se_psi, psi - low * se_psi]))
     return Estimate(
-        point, point - high * se, point - low * se, boot, method="studentized", se=se, tstar=tstar
+        point,
+        float(ends[0]),
+        float(ends[1]),
+        boot,
+        method="studentized",
+        se=se,
+        tstar=tstar,
+        scale=scale,
     )
+
+
+def _on_scale(lo: float, hi: float, boot: np.ndarray, scale: Scale) -> tuple[float, float]:
+    """Percentile and BCa ends lie among the replicates, inside the range; an end the Rust
+    kernel extrapolated beyond them by the normal tail (mean + z sd) is extrapolated with the
+    same ``z`` on ``scale`` instead, so that it stays inside the range too."""
+    b = boot[np.isfinite(boot)]
+    if not scale.bounded or b.size < 2:
+        return lo, hi
+    mean, sd = float(b.mean()), float(b.std(ddof=1))
+    psi = scale.forward(b)
+    psi = psi[np.isfinite(psi)]
+    if sd <= 0 or psi.size < 2:
+        return lo, hi
+    pm, ps = float(psi.mean()), float(psi.std(ddof=1))
+
+    def moved(end: float) -> float:
+        if b.min() <= end <= b.max() or not math.isfinite(end):
+            return end
+        return float(scale.back(pm + (end - mean) / sd * ps))
+
+    return moved(lo), moved(hi)
 
 
 def studentized_p_value(est: Estimate, direction: str, value: float = 0.0) -> float:
     """The bootstrap-t p-value of ``H0: theta <= value`` (greater), ``>= value`` (less) or
-    ``= value``: with ``t = (theta - value) / se``, ``(1 + #{t* >= t}) / (m + 1)`` (greater)
+    ``= value``: with ``t = (psi - scale(value)) / se_psi`` on the estimate's scale, ``(1 + #{t* >= t}) / (m + 1)`` (greater)
     and ``(1 + #{t* <= t}) / (m + 1)`` (less), the smallest alpha at which the studentized
     interval excludes ``value``."""
     if est.tstar is None or not math.isfinite(est.se):
-        if est.se == 0.0:  # a constant statistic: no doubt either way
+        if est.constant or est.se == 0.0:  # a constant statistic: no doubt either way
             return _degenerate_p_value(est.estimate, direction, value)
         return math.nan
+    scale = est.scale
+    if scale.bounded and not scale.low < value < scale.high:
+        psi_value = -math.inf if value <= scale.low else math.inf
+    else:
+        psi_value = float(scale.forward(value))
+    se_psi = float(scale.slope(est.estimate)) * est.se
     with np.errstate(divide="ignore", invalid="ignore"):
-        t = (est.estimate - value) / est.se
+        t = (float(scale.forward(est.estimate)) - psi_value) / se_psi
     m = est.tstar.size
     p_greater = float((1 + np.sum(est.tstar >= t)) / (m + 1))
     p_less = float((1 + np.sum(est.tstar <= t)) / (m + 1))
@@ -370,15 +539,20 @@ def _fieller_set(
     ``(-pi/2, pi/2)`` covers every ``s`` and infinity (the test's statistic does not change
     when the combination is rescaled). A grid of angles finds where the test accepts, and
     bisection the boundaries."""
-    assert bs.jack is not None and bs.data is not None and bs.counts is not None
-    inner = bs._resample_jackknife()
-    jn, jd = (bs._values(f, bs.jack) for f in (num, den))
-    ln, ld = (
-        np.broadcast_to(np.asarray(f(inner.get), np.float64), inner.shape) for f in (num, den)
+    # (var num, cov, var den) by the delta method, of the table and of every resample.
+    moments = _Moments(bs, [num, den], joint=True)
+    cols = moments.cols[0]
+    gn, gd = (moments.gradient(f, cols, bs.point) for f in (num, den))
+    bn, bd = (moments.gradient(f, cols, bs.reps) for f in (num, den))
+    cov = np.array(
+        [float(moments.variance(a, b, cols, False)) for a, b in ((gn, gn), (gn, gd), (gd, gd))]
     )
-    ones = np.ones((1, bs.n_docs))
-    cov = np.array([_jackknife_cov(jn, jd, ones)]).reshape(3)
-    cov_boot = _jackknife_cov(ln, ld, inner.weights)  # (3, n_boot)
+    cov_boot = np.stack(
+        [
+            np.broadcast_to(moments.variance(a, b, cols, True), bs.reps.shape[:1])
+            for a, b in ((bn, bn), (bn, bd), (bd, bd))
+        ]
+    )
 
     def accepts(phi: np.ndarray) -> np.ndarray:
         c, s = np.cos(phi), np.sin(phi)
@@ -421,7 +595,6 @@ def _fieller_set(
     # Boundaries: where acceptance changes between neighbouring angles.
     flips = np.flatnonzero(ok[1:] != ok[:-1])
     edges = [math.tan(edge(float(phi[i]), float(phi[i + 1]))) for i in flips]
-    inner.forget()
     if ok[0] and ok[-1]:  # the set passes through infinity
         if len(edges) == 2:  # two rays: everything outside one rejected interval
             return -math.inf, math.inf, (edges[0], edges[1])
@@ -429,25 +602,6 @@ def _fieller_set(
     low = -math.inf if ok[0] else edges[0]
     high = math.inf if ok[-1] else edges[-1]
     return low, high, None
-
-
-def _jackknife_cov(x: np.ndarray, y: np.ndarray, weights: np.ndarray) -> np.ndarray:
-    """Jackknife (co)variances ``(var x, cov xy, var y)`` along the last axis (see
-    :func:`_jackknife_se`), stacked on a new first axis."""
-    n = weights.sum(-1)
-    use = weights > 0
-    mx = (weights * np.where(use, x, 0.0)).sum(-1) / n
-    my = (weights * np.where(use, y, 0.0)).sum(-1) / n
-    dx = np.where(use, x - mx[..., None], 0.0)
-    dy = np.where(use, y - my[..., None], 0.0)
-    k = (n - 1) / n
-    return np.stack(
-        [
-            k * (weights * dx * dx).sum(-1),
-            k * (weights * dx * dy).sum(-1),
-            k * (weights * dy * dy).sum(-1),
-        ]
-    )
 
 
 def jackknife_means(mat: np.ndarray) -> np.ndarray:
@@ -483,10 +637,9 @@ def bootstrap_table(
         return Bootstrap(names, point, reps, level, 1, None, "percentile")
     if method == "studentized" and mat.shape[0] < STUDENTIZED_MIN_DOCS:
         method = "expanded-bca"
-    # The jackknife and the draw counts let any interval method be asked for later.
-    counts = _core.bootstrap_counts(mat.shape[0], int(n_boot), int(seed))
-    jack = jackknife_means(mat)
-    return Bootstrap(names, point, reps, level, len(table.doc_ids), jack, method, mat, counts)
+    # The table and the seed let any interval method be asked for later (the resamples'
+    # moments and the jackknife are made when an interval needs them).
+    return Bootstrap(names, point, reps, level, len(table.doc_ids), None, method, mat, int(seed))
 
 
 def bootstrap_p_value(

@@ -5,7 +5,8 @@ Per model: the policies with their full specs (once), then one row per quantity 
 the mean over documents with its bootstrap CI, numbers to three significant figures
 (:func:`kvcouple.analysis.labels.number`). When branches were traced only to L < T - 1 lags
 the tail is unobserved: rho is then "unobserved" and ``E[M]/T`` is given as its sharp
-interval, with a note saying so.
+interval, with a note saying so. A policy that never diverges has no rho (nothing to measure
+after a divergence): "undefined", with a note naming the policy.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from typing import Any
 from kvcouple.analysis.engine import AnalysisResult, ModelResult
 from kvcouple.analysis.labels import number, policy_labels
 from kvcouple.analysis.quantities import labelled
+from kvcouple.analysis.stats import NEVER_DIVERGES
 from kvcouple.textsafe import terminal
 
 # (quantity in summary.csv, row label); the order reads as the decomposition.
@@ -25,11 +27,12 @@ DECOMPOSITION_ROWS = labelled(
 
 
 UNOBSERVED = "unobserved"
+UNDEFINED = "undefined"
 
 
 def _cell(row: dict[str, Any] | None) -> str:
     if row is None or not math.isfinite(row["estimate"]):
-        return UNOBSERVED
+        return UNDEFINED if row and row.get("note", "").startswith(UNDEFINED) else UNOBSERVED
     return f"{number(row['estimate'])} [{number(row['ci_low'])}, {number(row['ci_high'])}]"
 
 
@@ -104,6 +107,12 @@ def format_model(m: ModelResult, level: float) -> str:
         fmt(head),
         *map(fmt, cells),
     ]
+    never = [labels[p] for p in m.policies if rows[(p, "rho")].get("note") == NEVER_DIVERGES]
+    if never:
+        out.append(
+            f"  {UNDEFINED}: {', '.join(never)} never diverged in any document (occurrence 0), "
+            "so there are no mismatches after a divergence to rate: rho is undefined."
+        )
     if interval or any(UNOBSERVED in c for line in cells for c in line):
         out.append(
             f"  {UNOBSERVED}: branches were traced for L = {m.window} of T = {m.horizon} steps, "

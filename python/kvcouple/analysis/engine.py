@@ -525,7 +525,8 @@ def pool_gaps(models: list[ModelResult], cfg: dict[str, Any]) -> dict[str, list[
         fns = st.pooled_gap_fns(a, b, [(f"{m.model}::", m.horizon) for m in models])
         rows += st.gap_rows(
             bs, fns, {"model": "pooled: " + " + ".join(m.model for m in models),
-                      "policy_a": a, "policy_b": b}
+                      "policy_a": a, "policy_b": b},
+            st.gap_scales(min(m.horizon for m in models)),
         )  # fmt: skip
     return {"gap_attribution": rows}
 
@@ -545,12 +546,12 @@ def _model_result(
     table = st.build_table([d.doc_id for d in docs], units, info.policies, T, obs, split)
     names, _ = table.matrix()
     n_boot = cfg["n_boot"]
-    # The resamples (n_boot x quantities) and the jackknife (documents x quantities) are
-    # doubles, the draw counts (n_boot x documents) 4-byte integers, a studentized column
-    # inside every resample (n_boot x documents) doubles: refuse before allocating, not abort.
+    # The table (documents x columns, twice while it is assembled), the resamples' means and
+    # their cross moments (n_boot x columns, and about three column pairs per column) are
+    # doubles; nothing is (n_boot x documents): refuse before allocating, not abort.
     check_memory(
         f"--n-boot {n_boot} ({len(names)} quantities)",
-        8 * (n_boot + len(docs)) * len(names) + 20 * n_boot * len(docs),
+        8 * (4 * n_boot + 2 * len(docs)) * len(names),
     )
     bs = st.bootstrap_table(table, n_boot, cfg["seed"], cfg["ci_level"], cfg["ci_method"])
     tables = st.summarise(bs, info.policies, T, L + 1, cfg["reference"])
@@ -583,7 +584,8 @@ def run_tests(result: AnalysisResult, plan: Plan) -> list[dict[str, Any]]:
                 fa = st.quantity_fn(str(c.a), c.metric, m.horizon)
                 fb = st.quantity_fn(str(c.b), c.metric, m.horizon)
                 fn = st.difference(fa, fb)
-            est = bs.evaluate(fn, c.metric in st.DISCRETE)
+            scale = st.quantity_scale(c.metric, m.horizon, paired=c.policy is None)
+            est = bs.evaluate(fn, c.metric in st.DISCRETE, scale)
             rows.append(
                 {
                     "comparison": c.name,

@@ -24,7 +24,14 @@ UNITS = {
     "ratio": "a ratio of two fractions of T (any real number)",
 }
 
-Bound = float | str  # a number, or "T" / "1/T" / "-inf" / "inf" resolved at the horizon
+Bound = float | str  # a number, or "T" / "1/T" / "-1/T" / "-inf" / "inf" resolved at the horizon
+
+# How a quantity's interval is made (docs/statistics.md): "bootstrap" (the analysis's
+# ci_method on the quantity's scale: the logit of its position in a finite range, so that the
+# interval stays inside it; the identity for an unbounded one); "percentile" (integer-valued:
+# a set of whole steps); "test-inversion" (a ratio whose denominator may be near 0: Fieller's
+# set of the studentized test, unbounded when the denominator is not clear of 0).
+INTERVALS = ("bootstrap", "percentile", "test-inversion")
 
 
 @dataclass(frozen=True)
@@ -38,23 +45,36 @@ class Quantity:
     low: Bound
     high: Bound
     definition: str
+    interval: str = "bootstrap"
 
     def value_range(self, horizon: int) -> tuple[float, float]:
         """The values the quantity can take at horizon ``T``."""
         return _resolve(self.low, horizon), _resolve(self.high, horizon)
 
+    def difference_range(self, horizon: int) -> tuple[float, float]:
+        """The values a paired difference ``b - a`` of the quantity can take."""
+        low, high = self.value_range(horizon)
+        return low - high, high - low
+
 
 def _resolve(bound: Bound, horizon: int) -> float:
     if isinstance(bound, float | int):
         return float(bound)
-    return {"T": float(horizon), "1/T": 1.0 / horizon, "-inf": -float("inf")}.get(
-        bound, float("inf")
-    )
+    named = {"T": float(horizon), "1/T": 1.0 / horizon, "-1/T": -1.0 / horizon}
+    return named.get(bound, -float("inf") if bound == "-inf" else float("inf"))
 
 
-def _q(name: str, unit: str, label: str, low: Bound, high: Bound, definition: str) -> Quantity:
-    assert unit in UNITS, unit
-    return Quantity(name, unit, label, low, high, definition)
+def _q(
+    name: str,
+    unit: str,
+    label: str,
+    low: Bound,
+    high: Bound,
+    definition: str,
+    interval: str = "bootstrap",
+) -> Quantity:
+    assert unit in UNITS and interval in INTERVALS, (unit, interval)
+    return Quantity(name, unit, label, low, high, definition, interval)
 
 
 # Per policy (summary.csv, differences.csv, plan metrics).
@@ -86,7 +106,7 @@ SUMMARY = (
     _q("mean_tau", "steps", "mean divergence step", 1.0, "T",
        "E[tau | tau <= T]"),
     _q("median_tau", "steps", "median divergence step", 1.0, "T",
-       "median of the pooled law of tau given tau <= T (percentile CI)"),
+       "median of the pooled law of tau given tau <= T (percentile CI)", "percentile"),
     _q("rmst", "tokens", "restricted mean time to divergence", 0.0, "T",
        "E[min(tau, T)] = sum_{t<T} S_t"),
     _q("early_tv", "probability", "branch TV, early window", 0.0, 1.0,
@@ -114,14 +134,15 @@ PER_DOCUMENT = (
 GAP = (
     _q("gap", "fraction of T", "gap m_B - m_A", -1.0, 1.0,
        "mismatch_fraction of B minus that of A"),
-    _q("delta_first_mismatch", "fraction of T", "df (first mismatch)", "-inf", "inf",
+    _q("delta_first_mismatch", "fraction of T", "df (first mismatch)", "-1/T", "1/T",
        "first_mismatch of B minus that of A"),
     _q("exposure_term", "fraction of T", "rho_bar de (exposure)", -1.0, 1.0,
        "mean rho of A and B times the exposure difference"),
     _q("rate_term", "fraction of T", "e_bar drho (rate)", -1.0, 1.0,
        "mean exposure of A and B times the rho difference"),
     _q("exposure_share", "ratio", "exposure share", "-inf", "inf",
-       "exposure_term / gap: the part of the gap from diverging earlier or more often"),
+       "exposure_term / gap: the part of the gap from diverging earlier or more often",
+       "test-inversion"),
 )  # fmt: skip
 
 # Curves (curves.csv, `curve`; x is the step or the lag).
@@ -138,6 +159,7 @@ CURVES = (
 
 QUANTITIES: dict[str, Quantity] = {q.name: q for q in (*SUMMARY, *PER_DOCUMENT, *GAP, *CURVES)}
 
+
 # Table columns that are not quantities: identifiers, interval ends, test and check fields.
 FIELDS: dict[str, str] = {
     "model": "the model (one store); 'pooled: A + B' for rows pooled across stores",
@@ -153,7 +175,7 @@ FIELDS: dict[str, str] = {
     "n_docs": "documents in the bootstrap",
     "term": "a gap-attribution term's name",
     "interpretable": "false when the exposure share's gap CI includes 0",
-    "note": "why a row is not interpretable",
+    "note": "why a row is not interpretable, undefined, or its interval a point or absent",
     "curve": "a registered curve's name",
     "x": "the curve's step or lag",
     "step": "the step t",
@@ -308,13 +330,25 @@ def markdown() -> str:
         ("Curves", CURVES),
     )
     for title, group in groups:
-        lines += [f"## {title}", "", "| name | unit | label | range | definition |"]
-        lines.append("|---|---|---|---|---|")
+        lines += [f"## {title}", "", "| name | unit | label | range | interval | definition |"]
+        lines.append("|---|---|---|---|---|---|")
         for q in group:
             lines.append(
-                f"| `{q.name}` | {q.unit} | {q.label} | [{q.low}, {q.high}] | {q.definition} |"
+                f"| `{q.name}` | {q.unit} | {q.label} | [{q.low}, {q.high}] | {q.interval} "
+                f"| {q.definition} |"
             )
         lines.append("")
+    lines += [
+        "## Intervals",
+        "",
+        "- bootstrap: the analysis's `ci_method` on the quantity's scale, the logit of its "
+        "position in its range (a paired difference: in the difference's range, `[low - high, "
+        "high - low]`), so every interval lies inside the range; the identity where the range "
+        "is unbounded",
+        "- percentile: quantiles of the bootstrap replicates (integer-valued)",
+        "- test-inversion: the set of values the studentized bootstrap test accepts (Fieller)",
+        "",
+    ]
     lines += ["## Units", "", *(f"- {u}: {d}" for u, d in UNITS.items()), ""]
     lines += ["## Other columns", "", *(f"- `{k}`: {v}" for k, v in FIELDS.items()), ""]
     lines += ["## Deprecated names (removed in the next release)", ""]

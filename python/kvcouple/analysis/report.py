@@ -34,7 +34,7 @@ from kvcouple.analysis.labels import number, percent, policy_labels
 from kvcouple.analysis.quantities import labelled
 from kvcouple.analysis.report_html import html_page
 from kvcouple.analysis.scoreboard import report_section as scoreboard_section
-from kvcouple.analysis.stats import DISCRETE, NOT_INTERPRETABLE, QUANTITIES
+from kvcouple.analysis.stats import DISCRETE, NEVER_DIVERGES, NOT_INTERPRETABLE, QUANTITIES
 from kvcouple.analysis.tables import EMPTY_COLUMNS, json_safe, table_meta, tidy_tables, write_csv
 from kvcouple.analysis.text_html import markdown_lines as text_markdown_lines
 from kvcouple.analysis.text_html import with_text
@@ -321,6 +321,15 @@ def flags(result: AnalysisResult, tables: dict[str, list[dict[str, Any]]]) -> li
                 "steps after each first divergence; what happens later is unobserved, so rho "
                 "is not estimated and E[M]/T is given as the sharp interval of values "
                 "compatible with the observed window."
+            )
+        never = [
+            r["policy"] for r in m.tables.get("summary", [])
+            if r["quantity"] == "rho" and r.get("note") == NEVER_DIVERGES
+        ]  # fmt: skip
+        if never:
+            out.append(
+                f"{name}: {', '.join(terminal(p) for p in never)} never diverged in any document "
+                "(occurrence 0): rho and the other quantities after a divergence are undefined."
             )
         if n < 20:
             out.append(

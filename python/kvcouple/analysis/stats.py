@@ -27,9 +27,11 @@ from kvcouple.analysis.bootstrap import (
     CI_METHODS,
     DEFAULT_CI_METHOD,
     STUDENTIZED_MIN_DOCS,
+    UNBOUNDED,
     Bootstrap,
     Estimate,
     Getter,
+    Scale,
     StatFn,
     bootstrap_p_value,
     bootstrap_table,
@@ -50,8 +52,10 @@ __all__ = [
     "PERCENTILE_TERMS",
     "QUANTITIES",
     "STUDENTIZED_MIN_DOCS",
+    "UNBOUNDED",
     "Bootstrap",
     "Estimate",
+    "Scale",
     "Getter",
     "StatFn",
     "Table",
@@ -70,6 +74,7 @@ __all__ = [
     "pooled_gap_fns",
     "quantity_fn",
     "quantity_range",
+    "quantity_scale",
     "studentized_p_value",
     "summarise",
     "survival_band",
@@ -77,10 +82,21 @@ __all__ = [
 
 # Quantities reported per policy: name -> definition (with the unit), from the registry.
 QUANTITIES: dict[str, str] = {q.name: f"{q.definition} ({q.unit})" for q in quantities.SUMMARY}
-DISCRETE = ("median_tau",)  # integer-valued: percentile intervals only
-PERCENTILE_TERMS = ("exposure_share",)  # gap terms with percentile intervals only
+# The registry says each quantity's interval: integer-valued ones get percentile intervals;
+# gap terms that are ratios get the test-inversion set (percentile under other methods).
+DISCRETE = tuple(q.name for q in quantities.SUMMARY if q.interval == "percentile")
+PERCENTILE_TERMS = tuple(q.name for q in quantities.GAP if q.interval == "test-inversion")
 GAP_TERMS = ("gap", "delta_first_mismatch", "exposure_term", "rate_term", "exposure_share")
 NOT_INTERPRETABLE = "not interpretable: the gap's CI includes 0"
+CONSTANT = "constant over the documents: the interval is the point"
+NEVER_DIVERGES = "undefined: nothing diverged (occurrence 0 in every document)"
+TAIL_UNOBSERVED = "unobserved: branches were traced for L < T - 1 lags"
+UNDEFINED = "undefined: its denominator is 0 in every document"
+NO_INTERVAL = "no interval: too few resamples define the statistic"
+# Quantities that condition on a divergence (undefined when nothing diverges).
+AFTER_DIVERGENCE = ("rho", "mean_tau", "median_tau", "early_tv", "late_tv", "late_minus_early_tv")
+# Quantities that need the branches traced to the horizon.
+NEED_TAIL = ("expected_mismatches", "mismatch_fraction", "rho", "tail_contribution")
 
 
 def build_table(
@@ -149,10 +165,17 @@ def _pooled_median(g: Getter, policy: str, horizon: int) -> np.ndarray:
 
 
 def quantity_range(name: str, horizon: int) -> tuple[float, float]:
-    """The values a quantity can take (the registry's range): its CI is clipped to them (an
-    interval end extrapolated beyond the replicates, or a BCa end, can otherwise leave the
-    parameter space)."""
+    """The values a quantity can take (the registry's range)."""
     return quantities.quantity(name).value_range(horizon)
+
+
+def quantity_scale(name: str, horizon: int, paired: bool = False) -> Scale:
+    """The scale of the quantity's interval (of its paired difference with ``paired``): the
+    logit of its position in the registry's range where that range is finite, so that every
+    interval lies inside it by construction; the identity otherwise."""
+    q = quantities.quantity(name)
+    low, high = q.difference_range(horizon) if paired else q.value_range(horizon)
+    return Scale(low, high) if math.isfinite(low) and math.isfinite(high) else UNBOUNDED
 
 
 def quantity_fn(policy: str, name: str, horizon: int) -> StatFn:
@@ -282,20 +305,25 @@ def policy_pairs(policies: list[str], reference: str | None) -> list[tuple[str, 
 
 def survival_band(bs: Bootstrap, a: str, b: str, horizon: int) -> list[dict[str, Any]]:
     """Paired survival difference ``S^b_t - S^a_t`` (t = 1..T) with pointwise CIs and a
-    simultaneous band: ``D_t +- c sd_t`` with ``c`` the ``level`` quantile over replicates of
-    ``max_t |D*_t - D_t| / sd_t`` (a sup-t band: it covers the whole curve at once), widened
-    like the pointwise intervals by ``sqrt(n/(n-1)) t_{n-1} / z`` under ``expanded-bca`` and
-    ``studentized``."""
+    simultaneous band, both inside [-1, 1]: on the difference's scale ``psi`` (the logit of
+    ``(D + 1) / 2``), ``psi_t +- c sd_t`` mapped back, with ``c`` the ``level`` quantile over
+    replicates of ``max_t |psi*_t - psi_t| / sd_t`` (a sup-t band: it covers the whole curve
+    at once), widened like the pointwise intervals by ``sqrt(n/(n-1)) t_{n-1} / z`` under
+    ``expanded-bca`` and ``studentized``."""
     fns = [(lambda g, t=t: g(f"{b}|S|{t}") - g(f"{a}|S|{t}")) for t in range(1, horizon + 1)]
-    ests = bs.evaluate_many(fns)
-    boot = np.column_stack([e.boot for e in ests])
-    point = np.array([e.estimate for e in ests])
+    scale = Scale(-1.0, 1.0)  # a difference of probabilities: the band is made on its scale
+    ests = bs.evaluate_many(fns, scales=[scale] * len(fns))
+    point = scale.forward(np.array([e.estimate for e in ests]))
     with np.errstate(invalid="ignore"):
-        sd = np.nanstd(boot, axis=0, ddof=1)
-    varying = np.isfinite(sd) & (sd > 0)
+        boot = scale.forward(np.column_stack([e.boot for e in ests]))
+        finite = np.where(np.isfinite(boot), boot, np.nan)
+        sd = np.nanstd(finite, axis=0, ddof=1)
+    varying = np.isfinite(sd) & (sd > 0) & np.isfinite(point)
     if varying.any():
-        dev = np.abs(boot[:, varying] - point[varying]) / sd[varying]
-        c = float(np.quantile(np.nanmax(dev, axis=1), bs.level))
+        # A replicate at +-1 (every drawn document at an end) lies beyond any band: inf.
+        with np.errstate(invalid="ignore"):
+            dev = np.abs(boot[:, varying] - point[varying]) / sd[varying]
+        c = float(np.quantile(np.nanmax(np.where(np.isnan(dev), -np.inf, dev), axis=1), bs.level))
     else:
         c = 0.0
     # The band is not studentized: a sup over T steps of each replicate's own jackknife
@@ -308,6 +336,8 @@ def survival_band(bs: Bootstrap, a: str, b: str, horizon: int) -> list[dict[str,
         )
     with np.errstate(invalid="ignore"):  # c may be infinite where sd is 0
         half = np.where(varying, c * np.nan_to_num(sd), 0.0)
+        lows = np.where(varying, scale.back(point - half), [e.estimate for e in ests])
+        highs = np.where(varying, scale.back(point + half), [e.estimate for e in ests])
     return [
         {
             "policy_a": a,
@@ -316,32 +346,47 @@ def survival_band(bs: Bootstrap, a: str, b: str, horizon: int) -> list[dict[str,
             "difference": e.estimate,
             "ci_low": e.ci_low,
             "ci_high": e.ci_high,
-            "band_low": e.estimate - h,
-            "band_high": e.estimate + h,
+            "band_low": float(lo),
+            "band_high": float(hi),
             "band_critical_value": c,
         }
-        for t, e, h in zip(range(1, horizon + 1), ests, half, strict=True)
+        for t, e, lo, hi in zip(range(1, horizon + 1), ests, lows, highs, strict=True)
     ]
 
 
-def gap_estimates(bs: Bootstrap, fns: dict[str, StatFn]) -> dict[str, Estimate]:
+def gap_scales(horizon: int) -> dict[str, Scale]:
+    """Each gap term's scale (the registry's range; pooled rows: their shortest horizon)."""
+    return {t: quantity_scale(t, horizon) for t in GAP_TERMS}
+
+
+def gap_estimates(
+    bs: Bootstrap, fns: dict[str, StatFn], scales: dict[str, Scale] | None = None
+) -> dict[str, Estimate]:
     """Estimates of the gap terms ``fns`` (from :func:`gap_fns`). The exposure share is a ratio
     whose denominator can be near 0: studentized, it gets the test-inversion set of
     :meth:`Bootstrap.ratio`; otherwise a percentile interval (its jackknife acceleration is
     unstable: BCa covered 0.68 in the coverage study)."""
+    scales = scales or {}
     flags = [t in PERCENTILE_TERMS for t in fns]
     if bs.method != "studentized":
-        return dict(zip(fns, bs.evaluate_many(list(fns.values()), flags), strict=True))
+        sc = [scales.get(t, UNBOUNDED) for t in fns]
+        return dict(zip(fns, bs.evaluate_many(list(fns.values()), flags, sc), strict=True))
     linear = [t for t in fns if t not in PERCENTILE_TERMS]
-    ests = dict(zip(linear, bs.evaluate_many([fns[t] for t in linear]), strict=True))
+    sc = [scales.get(t, UNBOUNDED) for t in linear]
+    ests = dict(zip(linear, bs.evaluate_many([fns[t] for t in linear], None, sc), strict=True))
     if "exposure_share" in fns:
         ests["exposure_share"] = bs.ratio(fns["exposure_term"], fns["gap"])
     return {t: ests[t] for t in fns}
 
 
-def gap_rows(bs: Bootstrap, fns: dict[str, StatFn], base: dict[str, Any]) -> list[dict[str, Any]]:
+def gap_rows(
+    bs: Bootstrap,
+    fns: dict[str, StatFn],
+    base: dict[str, Any],
+    scales: dict[str, Scale] | None = None,
+) -> list[dict[str, Any]]:
     """Gap attribution rows; the exposure share is flagged when the gap's CI includes 0."""
-    ests = gap_estimates(bs, fns)
+    ests = gap_estimates(bs, fns, scales)
     gap = ests["gap"]
     gap_clear = (
         math.isfinite(gap.ci_low)
@@ -351,6 +396,7 @@ def gap_rows(bs: Bootstrap, fns: dict[str, StatFn], base: dict[str, Any]) -> lis
     rows = []
     for term, e in ests.items():
         ok = gap_clear or term != "exposure_share"
+        note = "" if ok else NOT_INTERPRETABLE
         rows.append(
             {
                 **base,
@@ -359,10 +405,42 @@ def gap_rows(bs: Bootstrap, fns: dict[str, StatFn], base: dict[str, Any]) -> lis
                 "ci_low": e.ci_low,
                 "ci_high": e.ci_high,
                 "interpretable": ok,
-                "note": "" if ok else NOT_INTERPRETABLE,
+                "note": note or _note(e),
             }
         )
     return rows
+
+
+def _note(e: Estimate, reason: str = UNDEFINED) -> str:
+    """Why a row's interval is a point or absent ("" when it is an interval)."""
+    if e.constant:
+        return CONSTANT
+    if not math.isfinite(e.estimate):
+        return reason
+    if not (math.isfinite(e.ci_low) or math.isfinite(e.ci_high)) and e.exclude is None:
+        return "" if e.ci_low == -math.inf else NO_INTERVAL
+    return ""
+
+
+def _undefined_reason(bs: Bootstrap, policy: str, name: str) -> str:
+    """Why ``name`` of ``policy`` has no estimate: nothing diverged, or the tail is unseen."""
+    col = {c: i for i, c in enumerate(bs.names)}
+    occurrence = bs.point[col[f"{policy}|occurrence"]]
+    if name in AFTER_DIVERGENCE and occurrence == 0:
+        return NEVER_DIVERGES
+    if name in NEED_TAIL and not np.isfinite(bs.point[col[f"{policy}|expected_mismatches"]]):
+        return TAIL_UNOBSERVED
+    return UNDEFINED
+
+
+def _curve_docs(bs: Bootstrap, policy: str, curve: str, x: int) -> int:
+    """Documents that inform a curve's point: all for survival and pmf; for the hazard at t
+    those not certainly diverged before t (S_{t-1} > 0); for branch TV at a lag those whose
+    branches reached it."""
+    if bs.data is None or curve in ("survival", "pmf"):
+        return bs.n_docs
+    den = f"{policy}|S|{x - 1}" if curve == "hazard" else f"{policy}|tvd|{x}"
+    return int(np.sum(bs.data[:, bs.names.index(den)] > 0))
 
 
 def summarise(
@@ -373,49 +451,36 @@ def summarise(
     reference: str | None = None,
 ) -> dict[str, list[dict[str, Any]]]:
     """The tidy rows of every table: summary, curves, differences, gap attribution, survival
-    differences."""
+    differences. Every interval lies inside its quantity's range (each is made on its scale,
+    :func:`quantity_scale`); ``note`` says why one is a point (constant over the documents) or
+    absent (undefined, unobserved, too few documents)."""
     summary, curves, diffs, gaps, surv = [], [], [], [], []
+    names = list(QUANTITIES)
+    discrete = [n in DISCRETE for n in names]
     for pol in policies:
-        names = list(QUANTITIES)
         ests = bs.evaluate_many(
-            [quantity_fn(pol, n, horizon) for n in names], [n in DISCRETE for n in names]
+            [quantity_fn(pol, n, horizon) for n in names],
+            discrete,
+            [quantity_scale(n, horizon) for n in names],
         )
         for name, e in zip(names, ests, strict=True):
-            lo, hi = quantity_range(name, horizon)
-            # A Monte Carlo estimate may itself lie outside (e.g. rho a little above 1).
-            if e.estimate == e.estimate:
-                lo, hi = min(lo, e.estimate), max(hi, e.estimate)
             summary.append(
                 {
                     "policy": pol,
                     "quantity": name,
                     "estimate": e.estimate,
-                    "ci_low": min(max(e.ci_low, lo), hi),
-                    "ci_high": max(min(e.ci_high, hi), lo),
-                    "n_docs": bs.n_docs,
-                }
-            )
-        cfns = curve_fns(pol, horizon, lags)
-        for (curve, x), e in zip(cfns, bs.evaluate_many(list(cfns.values())), strict=True):
-            curves.append(
-                {
-                    "policy": pol,
-                    "curve": curve,
-                    "x": x,
-                    "estimate": e.estimate,
                     "ci_low": e.ci_low,
                     "ci_high": e.ci_high,
+                    "n_docs": bs.n_docs,
+                    "note": _note(e, _undefined_reason(bs, pol, name)),
                 }
             )
+        curves += _curve_rows(bs, pol, horizon, lags)
     for a, b in policy_pairs(policies, reference):
-        names = list(QUANTITIES)
-        fns: list[StatFn] = []
-        for name in names:
-            fa, fb = quantity_fn(a, name, horizon), quantity_fn(b, name, horizon)
-            fns.append(difference(fa, fb))
-        for name, e in zip(
-            names, bs.evaluate_many(fns, [n in DISCRETE for n in names]), strict=True
-        ):
+        fns = [difference(quantity_fn(a, n, horizon), quantity_fn(b, n, horizon)) for n in names]
+        scales = [quantity_scale(n, horizon, paired=True) for n in names]
+        for name, e in zip(names, bs.evaluate_many(fns, discrete, scales), strict=True):
+            reasons = {_undefined_reason(bs, p, name) for p in (a, b)} - {UNDEFINED}
             diffs.append(
                 {
                     "policy_a": a,
@@ -424,9 +489,12 @@ def summarise(
                     "difference": e.estimate,
                     "ci_low": e.ci_low,
                     "ci_high": e.ci_high,
+                    "note": _note(e, " / ".join(sorted(reasons)) or UNDEFINED),
                 }
             )
-        gaps += gap_rows(bs, gap_fns(a, b, horizon), {"policy_a": a, "policy_b": b})
+        gaps += gap_rows(
+            bs, gap_fns(a, b, horizon), {"policy_a": a, "policy_b": b}, gap_scales(horizon)
+        )
         surv += survival_band(bs, a, b, horizon)
     return {
         "summary": summary,
@@ -435,3 +503,32 @@ def summarise(
         "gap_attribution": gaps,
         "survival_differences": surv,
     }
+
+
+def _curve_rows(bs: Bootstrap, pol: str, horizon: int, lags: int) -> list[dict[str, Any]]:
+    """One policy's curves with pointwise bands inside [0, 1]; a point informed by fewer than
+    :data:`STUDENTIZED_MIN_DOCS` documents gets no band (NaN, and a note saying so)."""
+    cfns = curve_fns(pol, horizon, lags)
+    scales = [quantity_scale(curve, horizon) for curve, _ in cfns]
+    rows = []
+    for (curve, x), e in zip(
+        cfns, bs.evaluate_many(list(cfns.values()), None, scales), strict=True
+    ):
+        docs = _curve_docs(bs, pol, curve, x)
+        lo, hi, note = e.ci_low, e.ci_high, _note(e)
+        if docs < min(STUDENTIZED_MIN_DOCS, bs.n_docs) and not e.constant:
+            lo = hi = math.nan
+            note = f"too few documents ({docs}) at this point: no band"
+        rows.append(
+            {
+                "policy": pol,
+                "curve": curve,
+                "x": x,
+                "estimate": e.estimate,
+                "ci_low": lo,
+                "ci_high": hi,
+                "n_docs": docs,
+                "note": note,
+            }
+        )
+    return rows

@@ -1,7 +1,7 @@
 //! Wrappers of the analysis kernels (`kvcouple-core::stats`): bootstrap of column means and
 //! TV recomputed from stored distributions.
 
-use kvcouple_core::stats::{bootstrap, intervals, jackknife, recompute};
+use kvcouple_core::stats::{bootstrap, intervals, jackknife, moments, recompute};
 use numpy::{
     IntoPyArray, PyArray1, PyArray2, PyArrayMethods, PyReadonlyArray1, PyReadonlyArray2,
     PyUntypedArrayMethods,
@@ -42,6 +42,46 @@ pub fn bootstrap_counts<'py>(
 ) -> PyResult<Bound<'py, PyArray2<u32>>> {
     let out = py.detach(|| guard(|| bootstrap::bootstrap_counts(docs, n_boot, seed)))?;
     out.into_pyarray(py).reshape([n_boot, docs])
+}
+
+/// Resample means of the centred products of the column `pairs` (P x 2) of `values`
+/// (docs x cols): the draws of `bootstrap_means` with the same seed, in memory independent of
+/// resamples x documents. Returns n_boot x P.
+#[pyfunction]
+#[pyo3(signature = (values, centers, pairs, n_boot, seed))]
+pub fn bootstrap_moments<'py>(
+    py: Python<'py>,
+    values: PyReadonlyArray2<'py, f64>,
+    centers: PyReadonlyArray1<'py, f64>,
+    pairs: PyReadonlyArray2<'py, i64>,
+    n_boot: usize,
+    seed: u64,
+) -> PyResult<Bound<'py, PyArray2<f64>>> {
+    let (docs, cols) = (values.shape()[0], values.shape()[1]);
+    if pairs.shape()[1] != 2 {
+        return Err(ShapeError::new_err(format!(
+            "pairs must be (P, 2), got {:?}",
+            pairs.shape()
+        )));
+    }
+    let not_contiguous = |name: &str| ShapeError::new_err(format!("{name} must be C-contiguous"));
+    let data = values.as_slice().map_err(|_| not_contiguous("values"))?;
+    let c = centers.as_slice().map_err(|_| not_contiguous("centers"))?;
+    let flat = pairs.as_slice().map_err(|_| not_contiguous("pairs"))?;
+    let mut list = Vec::with_capacity(flat.len() / 2);
+    for pair in flat.chunks(2) {
+        let (Ok(j), Ok(l)) = (usize::try_from(pair[0]), usize::try_from(pair[1])) else {
+            return Err(ShapeError::new_err(format!(
+                "pair {pair:?} has a negative column"
+            )));
+        };
+        list.push((j, l));
+    }
+    let np = list.len();
+    let x = py.detach(|| {
+        guard(|| moments::bootstrap_moments(data, docs, cols, c, &list, n_boot, seed))
+    })?;
+    x.into_pyarray(py).reshape([n_boot, np])
 }
 
 /// Percentile or BCa intervals of k statistics: `reps` (n_boot x k), `point` (k), `jack`
@@ -129,6 +169,7 @@ pub fn row_tv<'py>(
 pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(bootstrap_means, m)?)?;
     m.add_function(wrap_pyfunction!(bootstrap_counts, m)?)?;
+    m.add_function(wrap_pyfunction!(bootstrap_moments, m)?)?;
     m.add_function(wrap_pyfunction!(bootstrap_intervals, m)?)?;
     m.add_function(wrap_pyfunction!(jackknife_se, m)?)?;
     m.add_function(wrap_pyfunction!(row_tv, m)?)?;

@@ -63,13 +63,18 @@ pub fn bootstrap_counts(docs: usize, n_boot: usize, seed: u64) -> KvResult<Vec<u
     }
     let mut out = vec![0u32; n_boot * docs];
     parallel::install(|| {
-        out.par_chunks_mut(docs).enumerate().for_each(|(b, row)| {
-            for d in draws(seed, b, docs) {
-                row[d] += 1;
-            }
-        })
+        out.par_chunks_mut(docs)
+            .enumerate()
+            .for_each(|(b, row)| bootstrap_counts_into(seed, b, row))
     });
     Ok(out)
+}
+
+/// Adds replicate `b`'s draw counts to `row` (one entry per document).
+pub(crate) fn bootstrap_counts_into(seed: u64, b: usize, row: &mut [u32]) {
+    for d in draws(seed, b, row.len()) {
+        row[d] += 1;
+    }
 }
 
 /// Column means of `n_boot` bootstrap resamples of the rows of `values` (`docs x cols`,

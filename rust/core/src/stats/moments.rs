@@ -1,0 +1,171 @@
+//! Resample moments for the studentized bootstrap at any number of documents.
+//!
+//! The studentized interval needs, for every resample, the standard error of each statistic
+//! within that resample. Every statistic is a smooth function of column means, so its standard
+//! error is the delta method's `sqrt(grad' S grad / (n - 1))` with `S` the resample's covariance
+//! of the columns the statistic reads (for a mean it is exactly the jackknife's `s / sqrt(n)`).
+//! That needs only the resample means of the columns and of the products of the column pairs
+//! the statistics read: [`bootstrap_moments`] computes both from the same draws as
+//! [`super::bootstrap::bootstrap_means`], in memory independent of resamples x documents
+//! (a block of replicates' draw counts and accumulators per task).
+
+use rayon::prelude::*;
+
+use crate::error::{KvError, KvResult};
+use crate::parallel;
+
+use super::bootstrap::bootstrap_counts_into;
+
+/// Replicates per task: their draw counts (`BLOCK x docs`) and accumulators are the task's
+/// memory, and every pass over the table serves all of them.
+const BLOCK: usize = 16;
+
+/// Means over the `n_boot` resamples (the draws of [`super::bootstrap::bootstrap_means`] with
+/// the same `seed`) of the products `(x_j - c_j)(x_l - c_l)` of the columns of `values`
+/// (`docs x cols`, row-major) for each `(j, l)` of `pairs` (`c` = `centers`, so that
+/// covariances do not cancel). Entries where either value is not finite are left out; a mean
+/// without any finite entry is NaN. Returns `n_boot x pairs`, row-major.
+pub fn bootstrap_moments(
+    values: &[f64],
+    docs: usize,
+    cols: usize,
+    centers: &[f64],
+    pairs: &[(usize, usize)],
+    n_boot: usize,
+    seed: u64,
+) -> KvResult<Vec<f64>> {
+    if docs == 0 || cols == 0 {
+        return Err(KvError::Shape(format!(
+            "bootstrap needs at least one document and one column, got {docs} x {cols}"
+        )));
+    }
+    if values.len() != docs * cols || centers.len() != cols {
+        return Err(KvError::Shape(format!(
+            "values has {} elements and centers {}, expected {docs} x {cols} and {cols}",
+            values.len(),
+            centers.len()
+        )));
+    }
+    if let Some(&(j, l)) = pairs.iter().find(|&&(j, l)| j >= cols || l >= cols) {
+        return Err(KvError::Shape(format!(
+            "pair ({j}, {l}) names a column beyond the {cols} columns"
+        )));
+    }
+    if n_boot == 0 {
+        return Err(KvError::InvalidArgument("n_boot must be at least 1".into()));
+    }
+    let np = pairs.len();
+    let mut cross = vec![0.0; n_boot * np];
+    if np == 0 {
+        return Ok(cross);
+    }
+    // Products of the pairs, document by document: NaN where either value is not finite.
+    let product = |d: usize, out: &mut [f64]| {
+        let row = &values[d * cols..(d + 1) * cols];
+        for (p, &(j, l)) in out.iter_mut().zip(pairs) {
+            let v = (row[j] - centers[j]) * (row[l] - centers[l]);
+            *p = if v.is_finite() { v } else { f64::NAN };
+        }
+    };
+    parallel::install(|| {
+        cross
+            .par_chunks_mut(BLOCK * np)
+            .enumerate()
+            .for_each(|(block, out)| {
+                let reps = out.len() / np;
+                let mut counts = vec![0u32; reps * docs];
+                for (r, row) in counts.chunks_mut(docs).enumerate() {
+                    bootstrap_counts_into(seed, block * BLOCK + r, row);
+                }
+                let mut finite = vec![0.0f64; reps * np];
+                let mut prods = vec![0.0f64; np];
+                for d in 0..docs {
+                    product(d, &mut prods);
+                    for r in 0..reps {
+                        let w = counts[r * docs + d];
+                        if w == 0 {
+                            continue;
+                        }
+                        let w = w as f64;
+                        let acc = &mut out[r * np..(r + 1) * np];
+                        let n = &mut finite[r * np..(r + 1) * np];
+                        for ((a, n), &v) in acc.iter_mut().zip(n.iter_mut()).zip(&prods) {
+                            if !v.is_nan() {
+                                *a += w * v;
+                                *n += w;
+                            }
+                        }
+                    }
+                }
+                for (a, &n) in out.iter_mut().zip(&finite) {
+                    *a = if n > 0.0 { *a / n } else { f64::NAN };
+                }
+            })
+    });
+    Ok(cross)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::bootstrap::bootstrap_counts;
+    use super::*;
+
+    fn table(docs: usize, cols: usize) -> Vec<f64> {
+        (0..docs * cols)
+            .map(|i| 3.0 + (i as f64 * 0.37).sin())
+            .collect()
+    }
+
+    #[test]
+    fn cross_moments_are_their_definition_over_the_bootstrap_draws() {
+        let (docs, cols, n_boot) = (13usize, 3usize, 41usize);
+        let values = table(docs, cols);
+        let centers = [3.0, 2.5, 0.0];
+        let pairs = [(0, 0), (0, 1), (2, 1)];
+        let c = bootstrap_moments(&values, docs, cols, &centers, &pairs, n_boot, 5).unwrap();
+        let counts = bootstrap_counts(docs, n_boot, 5).unwrap();
+        for b in 0..n_boot {
+            for (q, &(j, l)) in pairs.iter().enumerate() {
+                let s: f64 = (0..docs)
+                    .map(|d| {
+                        let x = values[d * cols + j] - centers[j];
+                        let y = values[d * cols + l] - centers[l];
+                        counts[b * docs + d] as f64 * x * y
+                    })
+                    .sum::<f64>()
+                    / docs as f64;
+                assert!((c[b * 3 + q] - s).abs() < 1e-12, "{b} {q}");
+            }
+        }
+    }
+
+    #[test]
+    fn non_finite_entries_are_left_out_and_threads_do_not_matter() {
+        let (docs, cols) = (9usize, 2usize);
+        let mut values = table(docs, cols);
+        values[2] = f64::NAN; // document 1, column 0
+        let pairs = [(0, 1), (1, 1), (0, 0)];
+        let c = bootstrap_moments(&values, docs, cols, &[0.0, 0.0], &pairs, 37, 2).unwrap();
+        crate::parallel::set_num_threads(1).unwrap();
+        let again = bootstrap_moments(&values, docs, cols, &[0.0, 0.0], &pairs, 37, 2).unwrap();
+        crate::parallel::set_num_threads(0).unwrap();
+        assert_eq!(c, again);
+        assert!(c.iter().all(|v| v.is_finite()));
+        // Column 0 without document 1: its draws are left out of the count too.
+        let counts = bootstrap_counts(docs, 37, 2).unwrap();
+        let (num, den) = (0..docs).filter(|&d| d != 1).fold((0.0, 0.0), |(s, n), d| {
+            let w = counts[d] as f64;
+            (s + w * values[d * cols] * values[d * cols], n + w)
+        });
+        assert!((c[2] - num / den).abs() < 1e-12);
+    }
+
+    #[test]
+    fn bad_shapes_are_errors() {
+        let v = table(3, 2);
+        assert!(bootstrap_moments(&v, 3, 2, &[0.0], &[], 5, 0).is_err());
+        assert!(bootstrap_moments(&v, 3, 2, &[0.0, 0.0], &[(0, 2)], 5, 0).is_err());
+        assert!(bootstrap_moments(&v, 3, 2, &[0.0, 0.0], &[], 0, 0).is_err());
+        assert!(bootstrap_moments(&[], 0, 2, &[0.0, 0.0], &[], 5, 0).is_err());
+    }
+}
