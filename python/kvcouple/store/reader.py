@@ -118,6 +118,27 @@ def _is_checksum_failure(err: Exception) -> bool:
     return "checksum" in str(err).lower()
 
 
+def not_a_store(path: str) -> str:
+    """Why a local path is not a trace store, in words with what to do ("" where it may be
+    one: a folder with a Zarr group's metadata)."""
+    if os.path.isfile(path):
+        return (
+            f"{path} is a file, not a trace store: a store is the folder kvcouple trace --out "
+            "wrote (run.zarr)"
+        )
+    if any(os.path.exists(os.path.join(path, m)) for m in ("zarr.json", ".zgroup")):
+        return ""
+    inside = sorted(
+        n for n in os.listdir(path) if n.endswith(".zarr") and os.path.isdir(os.path.join(path, n))
+    )
+    hint = (
+        f"; it holds {', '.join(os.path.join(path, n) for n in inside[:3])}: give that"
+        if inside
+        else "; give the folder kvcouple trace --out wrote (run.zarr), or trace one first"
+    )
+    return f"{path} is a folder but not a trace store (no Zarr metadata in it){hint}"
+
+
 class TraceStoreReader(EngineReads):
     """A validated, open trace store. Picklable: a Dask worker reopens it from the URL.
 
@@ -159,6 +180,8 @@ class TraceStoreReader(EngineReads):
         kw: dict[str, Any] = {"mode": "r"}
         if self.storage_options:
             kw["storage_options"] = self.storage_options
+        if not is_url(self.path) and not_a_store(self.path):
+            raise StoreError(not_a_store(self.path))
         try:
             return zarr.open_group(self.path, **kw)
         except Exception as e:  # zarr and fsspec raise many types for unreadable metadata

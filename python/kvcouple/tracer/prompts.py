@@ -50,6 +50,21 @@ def tokenize_text(tokenizer: Any, text: str, chat_template: bool) -> list[int]:
     return [int(i) for i in tokenizer(text, add_special_tokens=True)["input_ids"]]
 
 
+# Files that are tables, not JSON lines: kvcouple prompts reads them.
+_TABLES = (".csv", ".tsv", ".parquet", ".pq", ".json", ".txt")
+
+
+def _not_jsonl(path: Path) -> str:
+    """What to do with a prompt file that is not JSON lines (a CSV, Parquet, a JSON array)."""
+    kind = path.suffix.lower() if path.suffix.lower() in _TABLES else "this"
+    return (
+        f'. A prompt file has one JSON object per line ({{"id": ..., "text": ...}}); '
+        f"to trace a {kind.lstrip('.').upper() if kind != 'this' else 'table'} file, build "
+        f"the prompt file from it first: kvcouple prompts {path} --field TEXT_COLUMN "
+        "--out prompts.jsonl (kvcouple prompts --help)"
+    )
+
+
 def load_prompts(
     path: str | os.PathLike[str],
     tokenizer: Any = None,
@@ -125,7 +140,7 @@ def _records(
         try:
             obj = json.loads(line)
         except json.JSONDecodeError as e:
-            raise PromptFileError(f"{where}: not valid JSON ({e.msg})") from None
+            raise PromptFileError(f"{where}: not valid JSON ({e.msg}){_not_jsonl(path)}") from None
         if not isinstance(obj, dict):
             raise PromptFileError(f"{where}: expected a JSON object, got {type(obj).__name__}")
         if (
