@@ -248,8 +248,11 @@ def test_a_row_not_summing_to_one_is_refused(copy, tmp_path, capsys, engine):
 @pytest.mark.parametrize(
     "name, index, value, allowed",
     [
-        ("kl_pq", (1, 0, 2, 1), -0.5, r">= 0 or NaN"),
-        ("entropy_q", (1, 1, 0, 5), -1.0, r">= 0 or NaN"),
+        ("kl_pq", (1, 0, 2, 1), -0.5, r">= 0 \(\+inf where the supports differ\)"),
+        ("entropy_q", (1, 1, 0, 5), -1.0, r"finite and >= 0"),
+        ("entropy_p", (1, 0, 2, 1), np.inf, r"finite and >= 0"),
+        ("kl_qp", (1, 0, 2, 1), -np.inf, r">= 0 \(\+inf where the supports differ\)"),
+        ("branch_tv", (1, 0, 2, 1, 0), -np.inf, r"finite and in \[0, 1\]"),
         ("prompt_length", (1,), -3, r">= 1"),
         ("prompt_length", (1,), 0, r">= 1"),
         ("kept_length", (1, 1), 0, r"in \[1, 1\] \(the document.s prompt_length\)"),
@@ -277,24 +280,66 @@ def test_a_tiny_negative_divergence_from_float_noise_is_allowed(copy):
     analyze(copy, n_boot=20)  # no error
 
 
-def test_a_recorded_hazard_without_its_distributions_is_a_disagreement(copy, engine):
-    """A whole row set to NaN reads as unrecorded (allowed), but its hazard was recorded: the
-    recomputation reports it rather than skipping the row (recompute_check.csv is not empty)."""
-    hazard = zarr.open_group(str(copy), mode="r")["hazard"][1, 0, 2, 3]
-    assert 0 < hazard < 1
-    edit(copy, "p", (1, 0, 2, 3), np.full(5, np.nan, np.float16))
-    result = analyze(copy, n_boot=20)
-    rows = result.checks()
-    assert len(rows) == 1
-    r = rows[0]
-    assert (r["doc_id"], r["policy"], r["where"], r["rep"], r["index"]) == (
-        "doc0001",
-        "a",
-        "path",
-        2,
-        4,
+@pytest.mark.parametrize(
+    "name, index, shown, mark",
+    [
+        ("p", (1, 0, 2, 3), "a row of NaN", "tokens"),
+        ("q", (1, 1, 0, 0), "a row of NaN", "tokens"),
+        ("branch_p", (1, 0, 1, 0, 0), "a row of NaN", "branch_mismatch"),
+        ("entropy_p", (1, 0, 2, 3), "nan", "tokens"),
+    ],
+)
+def test_nan_where_something_was_recorded_is_refused(
+    copy, tmp_path, capsys, engine, name, index, shown, mark
+):
+    """A NaN (a whole row of a distribution: the engine's row check allows it as "not
+    recorded") where the path or branch was recorded is damage, named by variable, document
+    and index, on both engines; it was analysed without a word before (issue 36)."""
+    group = zarr.open_group(str(copy), mode="r")
+    marks = group[mark][index[:2]][index[2 : 2 + group[mark].ndim - 2]]
+    assert np.all(marks != -1)  # recorded there
+    arr = group[name]
+    value = np.full(arr.shape[len(index) :], np.nan, arr.dtype) if shown != "nan" else np.nan
+    edit(copy, name, index, value)
+    key = ".".join(map(str, (*index[:2], *[0] * (arr.ndim - 2))))
+    refused(
+        copy,
+        tmp_path,
+        capsys,
+        rf"chunk {name}/{key} of variable '{name}' \(document 'doc0001'\) holds {shown} at "
+        rf"\({', '.join(map(str, index))}\); values must be not NaN where {mark} was recorded",
     )
-    assert r["recorded"] == pytest.approx(hazard) and np.isnan(r["recomputed"])
+
+
+def test_nan_in_the_hazard_is_refused(copy, tmp_path, capsys):
+    edit(copy, "hazard", (1, 0, 2, 3), np.nan)
+    refused(
+        copy, tmp_path, capsys,
+        r"variable 'hazard' \(document 'doc0001'\) holds nan at \(1, 0, 2, 3\); values must "
+        r"be finite \(NaN is never written to it\)",
+    )  # fmt: skip
+
+
+def test_nan_where_nothing_was_recorded_is_allowed(tmp_path):
+    """After a path ends (a step with hazard 1: tokens -1, metrics NaN) and past the horizon
+    in the branches (branch_mismatch -1, rows of NaN) NaN means "not recorded"."""
+    pairs = {"a": {"P": np.eye(3), "Q": np.roll(np.eye(3), 1, axis=1), "start": 0}}
+    path = write_synthetic_trace_store(
+        tmp_path / "s.zarr",
+        pairs,
+        horizon=4,
+        window=4,
+        branches=1,
+        replicates=2,
+        docs=1,
+        record="full",
+    )
+    group = zarr.open_group(str(path), mode="r")
+    assert np.isnan(group["entropy_p"][0, 0, 0, 1:]).all()  # the path ended at step 1
+    past = group["branch_mismatch"][0, 0] == -1  # past the horizon, or no branch
+    assert past.any() and np.isnan(group["branch_p"][0, 0][past]).all()
+    analyze(path, n_boot=20)  # no error
+    assert main(["info", str(path), "--check"]) == 0
 
 
 def test_row_sum_tolerance_is_the_float16_rounding_of_the_entries():

@@ -155,6 +155,7 @@ def recompute_full_engine(
             pol = sel[1]
             check.bytes_read += 2 * n * (sel[-1].stop - sel[-1].start) * itemsize
             recorded = summary[recorded_name][(pol,) + sel[2:-1]].astype(np.float64).reshape(-1)
+            _refuse_recorded_nan_rows(reader, summary, tv[at : at + n], where, sel)
             _compare(
                 check,
                 tv[at : at + n],
@@ -168,6 +169,26 @@ def recompute_full_engine(
             )
             at += n
     return checks
+
+
+def _refuse_recorded_nan_rows(
+    reader: TraceStoreReader,
+    summary: dict[str, np.ndarray],
+    tv: np.ndarray,
+    where: str,
+    sel: tuple[Any, ...],
+) -> None:
+    """The engine allows rows of NaN (not recorded); where one stands at an entry that was
+    recorded, read the block here so that the value check names the variable and row."""
+    nan = np.isnan(tv)
+    if not nan.any():
+        return
+    mark = summary["tokens" if where == "path" else "branch_mismatch"][(sel[1],) + sel[2:-1]]
+    if not (nan & (mark.reshape(-1) != -1)).any():
+        return
+    origin = (sel[0], sel[1], *(s.start for s in sel[2:]))
+    for name in PAIRS[where][:2]:
+        reader.check_values(name, reader.read(name, sel), origin)
 
 
 def _compare(

@@ -15,7 +15,8 @@ parts: this module opens, validates, computes chunk keys and checks values;
 Every block read is checked: its chunk files must exist (Zarr would silently return the fill
 value for a missing one), must decode and match their checksums (schema version 3; version 2
 stores have none and are reported as such: :attr:`TraceStoreReader.checksums`), and must hold
-values the schema allows (hazard and TVs in [0, 1] or NaN, mismatch in {-1, 0, 1}, tokens in
+values the schema allows (hazard and TVs in [0, 1], NaN only where nothing was recorded,
+mismatch in {-1, 0, 1}, tokens in
 [-1, vocab), branch steps within the horizon, stored distributions summing to 1, prompt and
 cache lengths in range: :data:`kvcouple.store.schema.RULES`). A failure raises
 :class:`~kvcouple.errors.StoreError` naming the variable, the chunk, the document and the store.
@@ -52,6 +53,7 @@ from kvcouple.store.schema import (
     variables,
 )
 from kvcouple.store.schema import UNIT_SLACK as UNIT_SLACK
+from kvcouple.store.unrecorded import recorded_nan
 
 # Coordinates written by the writer (dimension name -> first value); doc_id labels documents.
 DIM_COORDS = {"doc": 0, "policy": None, "rep": 0, "step": 1, "branch": 1, "lag": 0}
@@ -563,6 +565,9 @@ class TraceStoreReader(EngineReads):
             return
         lead = tuple(int(o) for o in origin[: len(origin) - block.ndim])
         offset = origin[len(origin) - block.ndim :]
+        nan = recorded_nan(self, name, block, origin)
+        if nan is not None:  # a NaN where something was recorded: damage (no range sees it)
+            raise self._value_error(name, *nan)
         if rule == "distribution":
             found = distribution_problems(block, self.row_tolerance(name))
             if found is None:

@@ -233,16 +233,18 @@ def empty_arrays(
     return out
 
 
-# Allowed values by variable (checked on every block read). "unit": [0, 1] or NaN;
-# "nonneg": >= 0 or NaN (KL, entropies); "token": [-1, vocab); "ternary": {-1, 0, 1};
+# Allowed values by variable (checked on every block read). "unit": finite in [0, 1];
+# "nonneg": finite and >= 0 (entropies); "divergence": >= 0, +inf included (KL is +inf where
+# one distribution has mass outside the other's support, as the kernels compute it); "token": [-1, vocab); "ternary": {-1, 0, 1};
 # "step": [0, horizon]; "prompt": >= 1; "kept": in [1, the document's prompt_length] (checked
-# by the reader, which knows the prompt); "distribution": every row (last axis) all NaN
-# (unrecorded) or finite, >= 0 and summing to 1 within :func:`row_sum_tolerance`.
+# by the reader, which knows the prompt); "distribution": every row (last axis) finite, >= 0
+# and summing to 1 within :func:`row_sum_tolerance`. NaN (a whole row of a distribution) only
+# where nothing was recorded (:data:`UNRECORDED_MARK`); inf never.
 RULES: dict[str, str] = {
     "hazard": "unit",
     "branch_tv": "unit",
-    "kl_pq": "nonneg",
-    "kl_qp": "nonneg",
+    "kl_pq": "divergence",
+    "kl_qp": "divergence",
     "entropy_p": "nonneg",
     "entropy_q": "nonneg",
     "tokens": "token",
@@ -260,6 +262,17 @@ for _side in ("p", "q"):
         RULES[f"{_pre}topk_probs_{_side}"] = "unit"
         RULES[f"{_pre}tail_mass_{_side}"] = "unit"
         RULES[f"{_pre}{_side}"] = "distribution"
+
+# Where a float variable may hold NaN: only at the entries its mark variable says were not
+# recorded (-1): the path's metrics after the path ended (``tokens`` -1), the branches' past
+# the horizon or without a branch (``branch_mismatch`` -1). Every other NaN is damage (the
+# value checks compare with NaN, which no range check catches by itself); ``hazard`` is 0
+# after a stop, never NaN.
+UNRECORDED_MARK: dict[str, str] = {
+    name: ("branch_mismatch" if name.startswith("branch_") else "tokens")
+    for name, rule in RULES.items()
+    if rule in ("unit", "nonneg", "divergence", "distribution") and name != "hazard"
+}
 
 # Variables the analysis does not compute with but reads to check (a damaged value anywhere in
 # a document refuses it): the path's divergences and the prompt and cache lengths.
@@ -331,17 +344,22 @@ def disallowed(
 ) -> tuple[np.ndarray, str]:
     """The values of block ``v`` that ``rule`` (a value of :data:`RULES` other than
     "distribution", which is row-wise: :func:`distribution_problems`) does not allow, as a
-    mask, and the allowed values in words. ``dims`` are the store's dimension sizes (``step``:
+    mask, and the allowed values in words. NaN is not in the mask: where it is allowed depends
+    on what was recorded (:data:`UNRECORDED_MARK`; the reader checks it). ``dims`` are the store's dimension sizes (``step``:
     the horizon; ``vocab`` bounds tokens unless the store's ``vocab_size`` attribute is given).
     "kept" is checked here against >= 1 only (the reader bounds it by the prompt)."""
     if rule == "unit":
         with np.errstate(invalid="ignore"):
             bad = ~(np.isnan(v) | ((v >= -UNIT_SLACK) & (v <= 1 + UNIT_SLACK)))
-        allowed = "in [0, 1] or NaN"
+        allowed = "finite and in [0, 1]"
     elif rule == "nonneg":
         with np.errstate(invalid="ignore"):
+            bad = ~(np.isnan(v) | ((v >= -DIVERGENCE_SLACK) & (v < np.inf)))
+        allowed = "finite and >= 0"
+    elif rule == "divergence":
+        with np.errstate(invalid="ignore"):
             bad = ~(np.isnan(v) | (v >= -DIVERGENCE_SLACK))
-        allowed = ">= 0 or NaN"
+        allowed = ">= 0 (+inf where the supports differ)"
     elif rule == "token":
         bad = (v < -1) | (v >= dims["vocab"] if "vocab" in dims else False)
         if vocab_size is not None:
