@@ -6,7 +6,9 @@
 # virtual environment: the built wheel with its `kvpress` extra (kvpress 0.5.5 and the
 # transformers it accepts), plus pytest. The same environment has pyarrow and datasets (the
 # `prompts` extra), so `kvcouple prompts` from Parquet and saved datasets is tested here too
-# (tests/tracer/test_prompts.py; elsewhere those cases skip).
+# (tests/tracer/test_prompts.py; elsewhere those cases skip). The real-model cases use the
+# SmolLM2 folder the main suite converted (~/.cache/kvcouple/test-models; gguf is installed
+# too, so the job converts it itself where the suite has not run).
 # Usage: .ci/kvpress_job.sh WHEEL
 set -euo pipefail
 wheel=$(realpath "$1")
@@ -15,7 +17,7 @@ export HF_HUB_OFFLINE=1 PIP_DISABLE_PIP_VERSION_CHECK=1
 venv=build/venv-kvpress
 rm -rf "$venv"
 $PYTHON -m venv "$venv"
-"$venv/bin/pip" install -q "$wheel[kvpress,prompts]" "kvpress==0.5.5" pytest hypothesis
+"$venv/bin/pip" install -q "$wheel[kvpress,prompts,gguf]" "kvpress==0.5.5" pytest hypothesis
 # The test skips where kvpress cannot be imported: make sure it can, so the job tests something.
 "$venv/bin/python" - <<'PY'
 import importlib.metadata as md

@@ -13,7 +13,9 @@ import pytest
 
 TESTS = Path(__file__).parents[1]
 ROOT = TESTS.parent
-AREAS = {"kernels", "synth", "store", "tracer", "analysis", "cli", "docs", "interop"}
+AREAS = {
+    "kernels", "synth", "store", "tracer", "analysis", "cli", "docs", "interop", "real_model"
+}  # fmt: skip
 # Tests that need no torch although they exercise tracer modules: prompt parsing and the
 # memory plan from numbers. They must pass, not skip, without torch.
 TORCH_FREE = ["tests/tracer/test_prompt_files.py", "tests/tracer/test_memory_plan.py"]

@@ -69,10 +69,12 @@ def model(attn: str):
     return tiny_model("llama", seed=7, attn_implementation=attn, num_hidden_layers=3)
 
 
-def kvpress_kept(press, attn: str) -> torch.Tensor:
-    """Positions kvpress keeps, ``(layers, kv_heads, kept)`` sorted."""
-    prefix = PROMPT[None, :-1]
-    m = model(attn)
+def kvpress_kept(press, attn: str, make=None, prompt=None) -> torch.Tensor:
+    """Positions kvpress keeps, ``(layers, kv_heads, kept)`` sorted (on the tiny Llama unless
+    ``make(attn)`` builds another model; on ``prompt``, default PROMPT)."""
+    prompt = PROMPT if prompt is None else prompt
+    prefix = prompt[None, :-1]
+    m = (make or model)(attn)
     full = DynamicCache()
     with torch.no_grad():
         m.model(input_ids=prefix, past_key_values=full)
@@ -89,9 +91,10 @@ def kvpress_kept(press, attn: str) -> torch.Tensor:
     return torch.stack(out)
 
 
-def kvcouple_kept(spec: str, attn: str) -> torch.Tensor:
+def kvcouple_kept(spec: str, attn: str, make=None, prompt=None) -> torch.Tensor:
     policy = parse_policy(spec)
-    pre = prefill(model(attn), PROMPT, policy.NEEDS_QUERIES, policies=[policy])
+    prompt = PROMPT if prompt is None else prompt
+    pre = prefill((make or model)(attn), prompt, policy.NEEDS_QUERIES, policies=[policy])
     torch.manual_seed(0)
     return select(policy, pre).cpu()
 
@@ -270,3 +273,65 @@ def test_kvpress_policy_while_decoding(tmp_path, press, builtin):
     for name in ds.data_vars:
         if ds[name].dtype.kind in "fiub":
             np.testing.assert_array_equal(ds[name].values, own[name].values, err_msg=name)
+
+
+# On a real model (SmolLM2-135M-Instruct, the real_model fixture) and a real prompt of 500+
+# tokens: kvcouple's own policies keep what kvpress's presses keep on its real attention.
+REAL = {
+    "snapkv": ("snapkv:budget={b},window=16,kernel=5,pool=avg", "SnapKVPress", {"window_size": 16, "kernel_size": 5}, "sdpa"),
+    "streaming": ("streaming:sinks=4,budget={b}", "StreamingLLMPress", {"n_sink": 4}, "sdpa"),
+    "knorm": ("knorm:budget={b}", "KnormPress", {}, "sdpa"),
+    "observed": ("observed:budget={b}", "ObservedAttentionPress", {}, "eager"),
+}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def real(smollm2_dir):
+    from kvcouple.models import load_tokenizer
+    from kvcouple.testing.real_model import stdlib_documents
+
+    doc = stdlib_documents(load_tokenizer(smollm2_dir), 1)[0]  # 530-930 tokens, chat template
+
+    def make(attn):  # a fresh model per side: kvpress sets attributes on attention modules
+        from kvcouple.models import load_model
+
+        return load_model(smollm2_dir, device="cpu", attn_implementation=attn)[0]
+
+    return make, torch.tensor(doc["input_ids"])
+
+
+@pytest.mark.real_model
+@pytest.mark.parametrize("name", sorted(REAL))
+def test_policies_keep_what_kvpress_keeps_on_a_real_model(real, name):
+    make, prompt = real
+    assert prompt.shape[0] >= 500
+    spec, press, fields, attn = REAL[name]
+    want = kvpress_kept(
+        getattr(kvpress, press)(compression_ratio=RATIO, **fields), attn, make, prompt
+    )
+    got = kvcouple_kept(spec.format(b=want.shape[-1] + 1), attn, make, prompt)
+    assert got.shape == want.shape
+    same = (got == want).all(-1)
+    assert bool(same.all()), (
+        f"{name}: (layer, head) pairs that differ: {(~same).nonzero().tolist()}"
+    )
+
+
+@pytest.mark.real_model
+def test_tova_heads_all_keeps_what_tova_press_keeps_on_a_real_model(real):
+    """As on the tiny model: equal wherever kvcouple keeps the context's last entry, else the
+    sets differ by exactly that entry and kvcouple's lowest-scored kept one."""
+    make, prompt = real
+    want = kvpress_kept(kvpress.TOVAPress(compression_ratio=RATIO), "sdpa", make, prompt)
+    got = kvcouple_kept(f"tova:budget={want.shape[-1] + 1},heads=all", "sdpa", make, prompt)
+    last = prompt.shape[0] - 2
+    pol = parse_policy(f"tova:budget={want.shape[-1] + 1}")
+    ctx = prefill(make("sdpa"), prompt, True, policies=[pol]).context()
+    for layer in range(got.shape[0]):
+        mine, theirs = set(got[layer, 0].tolist()), set(want[layer, 0].tolist())
+        if last in mine:
+            assert mine == theirs, layer
+            continue
+        score = pol.score(ctx, layer)[0]
+        lowest = min(mine, key=lambda p: (float(score[p]), -p))
+        assert theirs == (mine - {lowest}) | {last}, layer
