@@ -155,3 +155,26 @@ def test_p_values_invert_the_interval_on_the_scale():
     for v in np.linspace(e.ci_low - 0.05, min(e.ci_high + 0.05, 1.0), 25):
         assert (bs.p_value(e, "greater", v) < 0.05) == (e.ci_low > v) or abs(v - e.ci_low) < 1e-3
     assert bs.p_value(e, "less", 1.0) < 0.05 and bs.p_value(e, "greater", 0.0) < 0.05
+
+
+def test_the_curve_figures_draw_their_bands_inside_the_unit_range(result):
+    """Survival, hazard and TV-by-lag figures: every band polygon inside [0, 1], the axis over
+    the registry's range; a point without a band (no document reached that lag) is not a band."""
+    from matplotlib.collections import PolyCollection
+
+    from kvcouple.analysis.figures import draw_figures
+    from kvcouple.analysis.tables import tidy_tables
+
+    curves = [r for r in result.models[0].tables["curves"] if r["curve"] == "branch_tv"]
+    assert any(r["note"].startswith("too few documents") for r in curves)
+    figs = draw_figures(tidy_tables(result))
+    for name in ("survival", "hazard", "branch_tv_by_lag"):
+        ax = figs[name].axes[0]
+        low, high = ax.get_ylim()
+        assert -0.03 < low <= 0.0 and 1.0 <= high < 1.03, (name, low, high)
+        polys = [c for c in ax.collections if isinstance(c, PolyCollection)]
+        assert polys, name
+        for c in polys:
+            for path in c.get_paths():
+                y = path.vertices[:, 1]
+                assert (y >= -1e-12).all() and (y <= 1 + 1e-12).all(), name

@@ -50,6 +50,14 @@ def _label(tables: dict[str, Rows], model: str, pol: str) -> str:
 
 
 def _curve_plot(ax: Any, tables: dict[str, Rows], curve: str) -> None:
+    """Each series' curve with its pointwise band (inside the curve's range: every interval
+    is made on its scale); a point without a band (too few documents inform it) is drawn as
+    an open marker, never as a band outside the range. The axis spans the registry's range."""
+    import math
+
+    from kvcouple.analysis.quantities import quantity
+
+    bare = False
     for model, pol in _series(tables):
         rows = sorted(
             _get(tables["curves"], model=model, policy=pol, curve=curve), key=lambda r: r["x"]
@@ -58,13 +66,30 @@ def _curve_plot(ax: Any, tables: dict[str, Rows], curve: str) -> None:
         line = ax.plot(
             x, [r["estimate"] for r in rows], marker=".", label=_label(tables, model, pol)
         )
+        banded = [math.isfinite(r["ci_low"]) and math.isfinite(r["ci_high"]) for r in rows]
         ax.fill_between(
             x,
-            [r["ci_low"] for r in rows],
-            [r["ci_high"] for r in rows],
+            [r["ci_low"] if b else r["estimate"] for r, b in zip(rows, banded, strict=True)],
+            [r["ci_high"] if b else r["estimate"] for r, b in zip(rows, banded, strict=True)],
+            where=banded,
             alpha=0.2,
             color=line[0].get_color(),
         )
+        lone = [
+            r for r, b in zip(rows, banded, strict=True) if not b and r["estimate"] == r["estimate"]
+        ]
+        if lone:
+            bare = True
+            ax.plot(
+                [r["x"] for r in lone], [r["estimate"] for r in lone], linestyle="none",
+                marker="o", mfc="none", color=line[0].get_color(),
+            )  # fmt: skip
+    if bare:
+        ax.plot([], [], linestyle="none", marker="o", mfc="none", color="0.3",
+                label="no band: too few documents")  # fmt: skip
+    low, high = quantity(curve).value_range(max(_horizons(tables).values(), default=1))
+    pad = 0.02 * (high - low)
+    ax.set_ylim(low - pad, high + pad)
     ax.legend(fontsize=7)
 
 
@@ -133,7 +158,6 @@ def survival_figure(tables: dict[str, Rows]) -> Any:
         xlabel="step t",
         ylabel=label("survival"),
         title="Survival (no divergence yet)",
-        ylim=(0, 1.02),
     )
     return fig
 
