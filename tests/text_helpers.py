@@ -36,5 +36,59 @@ def trace_text_store(folder: Path, record: str = "full", horizon: int = 8) -> Pa
         horizon=horizon, replicates=2, branches=2, window=horizon, record=Record.parse(record)
     )
     out = folder / "run.zarr"
-    trace(model, prompts, POLICIES, settings, out, seed=0, progress=False, tokenizer=tokenizer)
+    trace(
+        model, prompts, POLICIES, settings, out, seed=0, progress=False, tokenizer=tokenizer,
+        model_id="kvcouple-default",
+    )  # fmt: skip
     return out
+
+
+def add_text(store: Path, pieces: list[bytes], prompts: list[list[int]]) -> Path:
+    """Give a store (a synthetic one: its tokens are a kernel pair's states) the text of a
+    traced one: ``pieces`` as the bytes of its token ids, ``prompts`` as its prompts' ids."""
+    import warnings
+
+    import numpy as np
+    import zarr
+
+    from kvcouple.store.schema import TEXT_VARIABLES
+    from kvcouple.store.text import TEXT_ATTR, TextTables, TokenTable
+    from kvcouple.store.writer import _create_array
+    from store_helpers import set_root_attr
+
+    text = TextTables([np.asarray(p, np.int32) for p in prompts], TokenTable.of(pieces), "test")
+    group = zarr.open_group(str(store), mode="r+")
+    for name, values in text.arrays(len(pieces)).items():
+        dims = TEXT_VARIABLES[name].dims
+        chunks = (1, *values.shape[1:]) if dims[0] == "doc" else values.shape
+        _create_array(group, name, values, chunks, TEXT_VARIABLES[name].dtype, dims)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        zarr.consolidate_metadata(str(store))
+    set_root_attr(store, TEXT_ATTR, "byte-level")
+    return store
+
+
+def synthetic_text_store(path: Path, docs: int, horizon: int = 32) -> Path:
+    """A synthetic store of ``docs`` documents under three policies, its 64 states given the
+    text of the embedded model's first 64 ordinary tokens (a few fast seconds)."""
+    from kvcouple import synth
+    from kvcouple.models import load_tokenizer
+    from kvcouple.store.text import token_bytes
+    from kvcouple.synth.trace_store import write_synthetic_trace_store
+
+    pairs = {
+        spec: synth.random_pair(64, 4, seed=1, closeness=c)
+        for spec, c in (
+            ("snapkv:retain=0.5", 0.7),
+            ("snapkv:budget=64", 0.6),
+            ("recent:retain=0.5", 0.8),
+        )
+    }
+    store = write_synthetic_trace_store(
+        path, pairs, horizon=horizon, replicates=1, branches=1, docs=docs, seed=0
+    )
+    pieces, _ = token_bytes(load_tokenizer(), 512)
+    ordinary = pieces[256 : 256 + 64]  # merged tokens: words and parts of words
+    prompt = [i % 64 for i in range(200)]
+    return add_text(store, ordinary, [prompt] * docs)

@@ -1,4 +1,5 @@
-"""``kvcouple demo``: the main job end to end on the embedded default model.
+"""``kvcouple demo``: the main job end to end on the embedded default model (or ``--model``:
+a model directory, a .gguf file or a Hub id, on the same prompts).
 
 Traces the shipped prompts with the small model kvcouple trains and ships, under the three
 policies the paper compares (SnapKV at 50% retention, SnapKV with a fixed budget, recent-token
@@ -31,6 +32,8 @@ from pathlib import Path
 from typing import Any
 
 from kvcouple.errors import InvalidInputError
+from kvcouple.models import check_gguf, model_source
+from kvcouple.store.schema import SCHEMA_VERSION
 from kvcouple.tracer.cli import add_plugin_argument
 
 DEMO_POLICIES = ("snapkv:retain=0.5", "snapkv:budget=64", "recent:retain=0.5")
@@ -86,6 +89,18 @@ def register(subparsers: Any) -> None:
         "--docs", type=int, default=None, help="trace only the first N prompts (default: all 16)"
     )
     p.add_argument(
+        "--model",
+        default=None,
+        metavar="PATH",
+        help="another model: a local model directory, a .gguf file (or a folder holding one) "
+        "or a Hub id, traced on the same prompts (default: the embedded model)",
+    )
+    p.add_argument(
+        "--chat-template",
+        action="store_true",
+        help="give each prompt to --model as a user message through its chat template",
+    )
+    p.add_argument(
         "--policy",
         action="append",
         default=None,
@@ -119,7 +134,16 @@ def run(args: argparse.Namespace) -> int:
     ]  # fmt: skip
     for spec in args.policy or DEMO_POLICIES:
         trace_argv += ["--policy", spec]
-    key = hashlib.sha256(json.dumps([trace_argv, args.docs]).encode()).hexdigest()[:8]
+    if args.model is not None:  # by its absolute path: the trace processes resolve it alike
+        src = model_source(args.model)
+        where = src.gguf_path or (Path(src.location).resolve() if src.local else src.location)
+        trace_argv += ["--model", str(where)]
+    if args.chat_template:
+        trace_argv.append("--chat-template")
+    # The store's schema version too: a store an older kvcouple wrote is not resumed.
+    key = hashlib.sha256(json.dumps([trace_argv, args.docs, SCHEMA_VERSION]).encode()).hexdigest()[
+        :8
+    ]
     for module in args.plugin or ():  # not in the key: plug-ins add policies, not settings
         trace_argv += [
             "--plugin",
@@ -135,13 +159,15 @@ def run(args: argparse.Namespace) -> int:
         n_docs = sum(1 for line in prompts.read_text().splitlines() if line.strip())
         before = _documents_done(store) or 0
         todo = n_docs - before
-        jobs = max(1, min(args.jobs or cores(), todo))
+        # The embedded model is too small to spread over cores: one process per core. Another
+        # model spreads its own forward passes: one process.
+        jobs = max(1, min(args.jobs or (cores() if args.model is None else 1), todo))
         if todo == 0:
             print(f"== kvcouple demo: {n_docs} of {n_docs} documents already traced in {store}")
         else:
             resumed = f", resuming: {before} of {n_docs} already traced" if before else ""
             print(
-                f"== kvcouple demo: tracing the embedded model into {store} "
+                f"== kvcouple demo: tracing {args.model or 'the embedded model'} into {store} "
                 f"({jobs} processes{resumed})"
             )
         start = time.perf_counter()
@@ -162,8 +188,71 @@ def run(args: argparse.Namespace) -> int:
     argv = ["analyze", str(store), "--out", str(report)]
     code = main(argv + (["--quiet"] if args.quiet else []))
     if code == 0:
+        print("\n".join(closing(store, report)))
         print(f"== done: open {report / 'report.html'}")
     return code
+
+
+def _percent(value: str) -> str:
+    from kvcouple.analysis.labels import percent
+
+    return "n/a" if value in ("", "nan") else percent(float(value))
+
+
+def found_lines(est: dict[tuple[str, str], str], labels: dict[str, str], horizon: int) -> list[str]:
+    """One plain sentence per policy (``labels``: policy -> short label) from the estimates
+    of summary.csv (``est``: (policy, quantity) -> estimate as written there)."""
+    import textwrap
+
+    T = horizon
+    lines = ["== what it found"]
+    for pol, label in labels.items():
+        sentence = (
+            f"{label}: the evicted model wrote a different token from the full-cache one "
+            f"within {T} tokens in {_percent(est.get((pol, 'occurrence'), ''))} of "
+            f"trajectories; after that first difference {_percent(est.get((pol, 'rho'), ''))} "
+            f"of its tokens differed, so {_percent(est.get((pol, 'mismatch_fraction'), ''))} "
+            f"of all {T} tokens differ."
+        )
+        lines += textwrap.wrap(sentence, 96, initial_indent="  ", subsequent_indent="    ")
+    return lines
+
+
+def closing(store: Path, report: Path, color: bool | None = None) -> list[str]:
+    """What the demo found, in words: one sentence per policy (from the report's
+    summary.csv), then one pair of diverging continuations: the policy with the largest
+    E[M]/T, on its document that diverged earliest (kvcouple show's view, short)."""
+    import csv
+
+    from kvcouple.analysis.labels import policy_labels
+    from kvcouple.analysis.text_view import document_view, pair_lines
+    from kvcouple.show import use_color
+    from kvcouple.store.reader import TraceStoreReader
+    from kvcouple.textsafe import terminal
+
+    with (report / "summary.csv").open() as f:
+        rows = list(csv.DictReader(f))
+    est = {(r["policy"], r["quantity"]): r["estimate"] for r in rows}
+    reader = TraceStoreReader(store)
+    labels = policy_labels(reader.policies)
+    lines = found_lines(est, {p: terminal(labels[p]) for p in reader.policies}, reader.dims["step"])
+    worst = max(
+        reader.policies, key=lambda p: float(est.get((p, "mismatch_fraction"), "nan") or "nan")
+    )
+    with (report / "per_document.csv").open() as f:
+        docs = [r for r in csv.DictReader(f) if r["policy"] == worst]
+    if not docs:
+        return lines
+    doc_id = max(docs, key=lambda r: float(r["occupation"]))["doc_id"]
+    doc = reader.doc_ids.index(doc_id)
+    view = document_view(reader, doc, reader.policies.index(worst), 0)
+    lines.append(
+        f"== one pair of continuations: {terminal(labels[worst])} on document "
+        f"'{terminal(doc_id)}' (its earliest divergence), replicate 0; all of it:"
+    )
+    lines.append(f"   kvcouple show {store} --doc '{terminal(doc_id)}'")
+    lines += pair_lines(view, use_color("auto") if color is None else color)
+    return lines
 
 
 def _check(args: argparse.Namespace) -> None:
@@ -180,6 +269,12 @@ def _check(args: argparse.Namespace) -> None:
         value = getattr(args, name)
         if value is not None and value < 1:
             raise InvalidInputError(f"--{name} must be >= 1, got {value}")
+    if args.model is not None:  # a missing path or unreadable GGUF file: before any process
+        src = model_source(args.model)
+        if src.gguf_path is not None:
+            check_gguf(src.gguf_path)
+    if args.chat_template and args.model is None:
+        raise InvalidInputError("--chat-template needs --model (the embedded model has none)")
     load_plugins(args.plugin)
     for spec in args.policy or DEMO_POLICIES:
         parse_policy(spec)

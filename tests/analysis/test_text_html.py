@@ -65,3 +65,17 @@ def test_the_report_shows_the_text_and_a_table_of_every_document(tmp_path):
     # The prompt's hostile markup is escaped in its folded view.
     assert "&lt;b&gt;thank you&lt;/b&gt; &amp; for the draft" in page
     assert len(page.encode()) < 200_000
+
+
+def test_a_report_of_100_documents_stays_light(tmp_path):
+    """100 documents x 3 policies, T = 32, every document's view written: the page (without
+    figures) stays under 700 kB (measured 560 kB; the figures add about 375 kB)."""
+    from kvcouple.analysis import analyze, write_report
+    from text_helpers import synthetic_text_store
+
+    store = synthetic_text_store(tmp_path / "s.zarr", docs=100)
+    out = write_report(analyze(store, n_boot=20, seed=0), tmp_path / "r", figures=False)
+    page = (out / "report.html").read_text()
+    assert page.count('<details class="tv-doc"') == 100
+    assert page.count("<tr><td><a href=") == 300
+    assert len(page.encode()) < 700_000, len(page.encode())

@@ -100,7 +100,7 @@ def _tokens_html(tokens: list[Token]) -> str:
     return "".join(out)
 
 
-def _prompt_html(view: DocumentView) -> str:
+def _prompt_html(view: DocumentView, chars: int = PROMPT_CHARS) -> str:
     if not view.has_text:
         return (
             f'<p class="tv-who">prompt: {view.prompt_tokens} tokens; '
@@ -108,9 +108,9 @@ def _prompt_html(view: DocumentView) -> str:
         )
     prompt = view.prompt
     cut = ""
-    if len(prompt) > PROMPT_CHARS:
-        cut = f"(the first {len(prompt) - PROMPT_CHARS} characters are not shown)\n"
-        prompt = prompt[-PROMPT_CHARS:]
+    if len(prompt) > chars:
+        cut = f"(the first {len(prompt) - chars} characters are not shown)\n"
+        prompt = prompt[-chars:]
     last = prompt.rstrip("\n").rsplit("\n", 1)[-1][-160:]
     return (
         f'<details class="tv-prompt"><summary>prompt ({view.prompt_tokens} tokens), ending '
@@ -119,14 +119,14 @@ def _prompt_html(view: DocumentView) -> str:
     )
 
 
-def view_html(view: DocumentView, title: str, anchor: str = "") -> str:
-    """One view: the prompt (folded), the shared continuation, the first divergence marked,
-    then P's and Q's continuations side by side (the first branch that diverged; the whole
-    path where none did)."""
+def view_html(view: DocumentView, title: str, anchor: str = "", prompt: bool = True) -> str:
+    """One view: the prompt (folded; left out with ``prompt=False``), the shared
+    continuation, the first divergence marked, then P's and Q's continuations side by side
+    (the first branch that diverged; the whole path where none did)."""
     branch = next(
         (b for b in view.branches if b.step > 0), view.branches[0] if view.branches else None
     )
-    parts = [f"<h3>{title}</h3>", _prompt_html(view)]
+    parts = [f"<h3>{title}</h3>", _prompt_html(view) if prompt else ""]
     if branch is None:
         return f'<div class="tv-view"{anchor}>' + "".join(parts) + "</div>"
     shared = branch.shared[-SHARED_TOKENS:]
@@ -271,8 +271,10 @@ def _model_html(result: Any, m: Any, tables: dict[str, list[dict[str, Any]]], in
             )
     out.append("</tbody></table></div>")
     for d in shown:
-        body = "".join(
-            view_html(view(d.doc_id, pol), visible(terminal(labels[pol]))) for pol in m.policies
+        first = view(d.doc_id, m.policies[0])
+        body = _prompt_html(first, PROMPT_CHARS // 2) + "".join(
+            view_html(view(d.doc_id, pol), visible(terminal(labels[pol])), prompt=False)
+            for pol in m.policies
         )
         out.append(
             f'<details class="tv-doc" id="{anchors[d.doc_id]}"><summary>document '

@@ -30,6 +30,7 @@ __all__ = [
     "document_view",
     "find_document",
     "find_policy",
+    "pair_lines",
     "terminal_lines",
     "view_json",
 ]
@@ -287,4 +288,22 @@ def terminal_lines(view: DocumentView, color: bool = False) -> list[str]:
         lines.append(f"  shared  {_shaded(b.shared, color)}")
         lines.append(f"  P    {MARK} {_shaded(b.p, color)}")
         lines.append(f"  Q    {MARK} {_shaded(b.q, color)}")
+    return lines
+
+
+def pair_lines(view: DocumentView, color: bool = False, tokens: int = 24) -> list[str]:
+    """The view's first diverged branch, short: the last ``tokens`` shared tokens, then the
+    first ``tokens`` of each side (the demo's closing pair); the whole path where none
+    diverged."""
+    branch = next((b for b in view.branches if b.step > 0), None)
+    if branch is None:
+        return ["  (no divergence within the horizon on this replicate)"]
+    shared = branch.shared[-tokens:]
+    lead = "..." if len(branch.shared) > len(shared) else ""
+    lines = []
+    if view.has_text:
+        lines.append(f"  prompt ends    {prompt_tail(view.prompt, 1, 80)[-1]}")
+    lines.append(f"  shared         {lead}{_shaded(shared, color)}")
+    lines.append(f"  P, full     {MARK} {_shaded(branch.p[:tokens], color)}")
+    lines.append(f"  Q, evicted  {MARK} {_shaded(branch.q[:tokens], color)}")
     return lines
