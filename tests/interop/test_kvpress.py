@@ -309,12 +309,22 @@ def test_policies_keep_what_kvpress_keeps_on_a_real_model(real, name):
     want = kvpress_kept(
         getattr(kvpress, press)(compression_ratio=RATIO, **fields), attn, make, prompt
     )
-    got = kvcouple_kept(spec.format(b=want.shape[-1] + 1), attn, make, prompt)
+    spec = spec.format(b=want.shape[-1] + 1)
+    got = kvcouple_kept(spec, attn, make, prompt)
     assert got.shape == want.shape
-    same = (got == want).all(-1)
-    assert bool(same.all()), (
-        f"{name}: (layer, head) pairs that differ: {(~same).nonzero().tolist()}"
-    )
+    differ = (~(got == want).all(-1)).nonzero().tolist()
+    if differ and name == "knorm":
+        # Layer 0's key of a repeated token has one norm at every position (RoPE keeps norms):
+        # such ties may be broken either way. Where the sets differ, only tied entries may.
+        pol = parse_policy(spec)
+        ctx = prefill(make(attn), prompt, False, policies=[pol]).context()
+        for layer, h in differ:
+            score = pol.score(ctx, layer)[h].double()
+            swapped = sorted(set(got[layer, h].tolist()) ^ set(want[layer, h].tolist()))
+            spread = float(score[swapped].max() - score[swapped].min())
+            assert spread <= 1e-5 * float(score.abs().max()), (layer, h, swapped, spread)
+        return
+    assert not differ, f"{name}: (layer, head) pairs that differ: {differ}"
 
 
 @pytest.mark.real_model
