@@ -28,6 +28,15 @@ codecs (ratio, decode GB/s on one thread) on 128k-vocabulary rows and, where a t
 given (``--model-store``), on the model's own rows.
 
     python benchmarks/bench_analysis.py --sizes 1.5 8 --dir /tmp/kvbench
+
+``--docs N`` instead measures the across-document statistics at scale: a summary store of N
+documents x 2 policies (T=64, R=8, K=2, branches to the horizon; 64 documents simulated, the
+others hard links to their chunk files, so writing it takes a minute), analysed with the
+default settings (2000 resamples, studentized intervals), against the engine's read of the same
+store (every document's summary variables decoded and checked, nothing computed). Printed: the
+analysis time and peak RSS, and the read's.
+
+    python benchmarks/bench_analysis.py --docs 100000 --dir /tmp/kvbench
 """
 
 from __future__ import annotations
@@ -177,7 +186,108 @@ def run_analysis(store: str, threads: int) -> dict[str, float]:
     }
 
 
+SUMMARY_TEMPLATES = 64  # documents simulated for --docs; the others link to their chunks
+
+
+def make_summary_store(path: Path, docs: int) -> Path:
+    """A summary store of ``docs`` documents x 2 policies (T=64, R=8, K=2, L=T): the first
+    :data:`SUMMARY_TEMPLATES` simulated (synthetic Markov pairs, each document its own start
+    state and stream), every later document hard links to the chunk files of one of them (its
+    values repeat with that period; the analysis reads and computes every document)."""
+    from kvcouple.synth.trace_store import write_synthetic_trace_store
+
+    rng = np.random.default_rng(0)
+    vocab = 6
+    P = rng.dirichlet(np.ones(vocab), size=vocab)
+
+    def towards(w: float) -> np.ndarray:
+        return (1 - w) * P + w * rng.dirichlet(np.ones(vocab) * 0.3, size=vocab)
+
+    pairs = {
+        "snapkv:retain=0.5": {"P": P, "Q": towards(0.15), "start": 0},
+        "recent:retain=0.5": {"P": P, "Q": towards(0.3), "start": 0},
+    }
+    starts = [d % vocab for d in range(docs)]
+    path = write_synthetic_trace_store(
+        path, pairs, horizon=64, window=64, branches=2, replicates=8, docs=starts,
+        stop_after=min(docs, SUMMARY_TEMPLATES), seed=1,
+    )  # fmt: skip
+    for var in sorted(p for p in path.iterdir() if p.is_dir()):
+        files = [f.name for f in var.iterdir() if f.name[0].isdigit()]
+        by_doc: dict[int, list[str]] = {}
+        for name in files:
+            head, _, rest = name.partition(".")
+            by_doc.setdefault(int(head), []).append(rest)
+        if len(by_doc) < SUMMARY_TEMPLATES:
+            continue  # not chunked one document per chunk (coordinates)
+        for d in range(SUMMARY_TEMPLATES, docs):
+            t = d % SUMMARY_TEMPLATES
+            for rest in by_doc[t]:
+                src = var / (f"{t}.{rest}" if rest else f"{t}")
+                dst = var / (f"{d}.{rest}" if rest else f"{d}")
+                dst.unlink(missing_ok=True)  # `completed` holds every document's flag
+                os.link(src, dst)
+    return path
+
+
+def run_summary_analysis(store: str, threads: int) -> dict[str, float]:
+    """:func:`kvcouple.analysis.analyze` with its defaults (2000 resamples, studentized)."""
+    import xarray  # noqa: F401  (imports are start-up cost, not throughput)
+    import zarr  # noqa: F401
+
+    from kvcouple.analysis import analyze
+
+    t, cpu = time.perf_counter(), _cpu_seconds()
+    result = analyze(store, recompute=False)
+    seconds = time.perf_counter() - t
+    return {
+        "seconds": seconds,
+        "cpu_seconds": _cpu_seconds() - cpu,
+        "documents": len(result.models[0].docs),
+        "peak_rss_mb": _peak_rss_mb(),
+    }
+
+
+def engine_summary_read(store: str, threads: int) -> dict[str, float]:
+    """The engine's read of every document's summary variables (decoded and checked, in
+    batches of 64 documents), nothing computed."""
+    from kvcouple.analysis.reading import SUMMARY_READ
+    from kvcouple.store.reader import TraceStoreReader
+
+    r = TraceStoreReader(store)
+    t, cpu = time.perf_counter(), _cpu_seconds()
+    done = r.done
+    for i in range(0, len(done), 64):
+        got = r.read_summaries(done[i : i + 64], SUMMARY_READ)
+        assert got is not None, "the engine cannot read this store"
+    return {
+        "seconds": time.perf_counter() - t,
+        "cpu_seconds": _cpu_seconds() - cpu,
+        "documents": len(done),
+        "peak_rss_mb": _peak_rss_mb(),
+    }
+
+
+def summary_scale(a: argparse.Namespace) -> None:
+    """``--docs``: the analysis of a large summary store against the engine's read of it."""
+    store = Path(a.dir) / f"summary_{a.docs}.zarr"
+    if not store.exists():
+        t = time.perf_counter()
+        make_summary_store(store, a.docs)
+        print(f"# wrote {store} ({a.docs} documents) in {time.perf_counter() - t:.0f} s")
+    read = _subprocess("summary-read", str(store), a.threads)
+    analysis = _subprocess("summary-analyze", str(store), a.threads)
+    print(f"| {a.docs} documents x 2 policies (T=64, R=8, K=2) | seconds | CPU seconds | "
+          "peak RSS (MB) |")  # fmt: skip
+    print("|---|---|---|---|")
+    for name, r in (("engine read (summaries)", read), ("analysis (defaults)", analysis)):
+        print(f"| {name} | {r['seconds']:.1f} | {r['cpu_seconds']:.1f} | "
+              f"{r['peak_rss_mb']:.0f} |")  # fmt: skip
+
+
 MODES = {
+    "summary-analyze": run_summary_analysis,
+    "summary-read": engine_summary_read,
     "cli": run_cli,
     "analyze": run_analysis,
     "engine": lambda s, _t: engine_pass(s, decode_only=False),
@@ -476,11 +586,20 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--codecs", action="store_true", help="also measure candidate codecs")
     ap.add_argument("--model-store", default=None, help="a traced full store for --codecs")
     ap.add_argument("--keep", action="store_true", help="keep the generated stores")
+    ap.add_argument(
+        "--docs", type=int, default=0, help="only the summary-store scale test, this many docs"
+    )
     ap.add_argument("--_run", nargs=2, default=None, help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
     if a._run:
         mode, store = a._run
         print(json.dumps(MODES[mode](store, a.threads)))
+        return 0
+    if a.docs:
+        Path(a.dir).mkdir(parents=True, exist_ok=True)
+        summary_scale(a)
+        if not a.keep:
+            shutil.rmtree(a.dir, ignore_errors=True)
         return 0
     if a.large and 8.0 not in a.sizes:
         a.sizes.append(8.0)

@@ -362,15 +362,22 @@ class _Moments:
     def gradient(self, f: StatFn, cols: list[int], means: np.ndarray) -> np.ndarray:
         """``d f / d mean_j`` for ``j`` in ``cols`` at ``means`` ((cols,) or (n_boot, cols)):
         central differences, (len(cols),) or (n_boot, len(cols))."""
-        bs = self.bs
+        index = self.bs._index
+
+        def shifted(j: int, h: float) -> Getter:
+            # The getter of ``means`` with column j moved by h (no copy of the means).
+            def g(c: str) -> np.ndarray:
+                i = index[c]
+                return means[..., i] + h if i == j else means[..., i]
+
+            return g
+
         out = []
         for j in cols:
             h = float(self.step[j])
-            up, down = means.copy(), means.copy()
-            up[..., j] += h
-            down[..., j] -= h
-            out.append((bs._values(f, up) - bs._values(f, down)) / (2 * h) if means.ndim == 2
-                       else (float(np.asarray(f(bs._at(up)))) - float(np.asarray(f(bs._at(down))))) / (2 * h))  # fmt: skip
+            up = np.asarray(f(shifted(j, h)), np.float64)
+            down = np.asarray(f(shifted(j, -h)), np.float64)
+            out.append(np.broadcast_to((up - down) / (2 * h), means.shape[:-1]))
         return np.stack(out, axis=-1) if out else np.zeros(means.shape[:-1] + (0,))
 
     def covariance(self, j: int, k: int, boot: bool) -> np.ndarray | float:

@@ -100,25 +100,18 @@ pub fn bootstrap_means(
     if n_boot == 0 {
         return Err(KvError::InvalidArgument("n_boot must be at least 1".into()));
     }
-    let mut out = vec![0.0; n_boot * cols];
-    parallel::install(|| {
-        out.par_chunks_mut(cols).enumerate().for_each(|(b, row)| {
-            let mut counts = vec![0.0f64; cols];
-            for d in draws(seed, b, docs) {
-                let src = &values[d * cols..(d + 1) * cols];
-                for ((acc, n), &v) in row.iter_mut().zip(counts.iter_mut()).zip(src) {
-                    if v.is_finite() {
-                        *acc += v;
-                        *n += 1.0;
-                    }
-                }
+    // Non-finite entries are left out of their column's mean.
+    Ok(super::moments::blocked_means(
+        docs,
+        cols,
+        n_boot,
+        seed,
+        |d, out| {
+            for (o, &v) in out.iter_mut().zip(&values[d * cols..(d + 1) * cols]) {
+                *o = if v.is_finite() { v } else { f64::NAN };
             }
-            for (acc, n) in row.iter_mut().zip(&counts) {
-                *acc = if *n > 0.0 { *acc / n } else { f64::NAN };
-            }
-        })
-    });
-    Ok(out)
+        },
+    ))
 }
 
 #[cfg(test)]

@@ -55,54 +55,90 @@ pub fn bootstrap_moments(
         return Err(KvError::InvalidArgument("n_boot must be at least 1".into()));
     }
     let np = pairs.len();
-    let mut cross = vec![0.0; n_boot * np];
     if np == 0 {
-        return Ok(cross);
+        return Ok(Vec::new());
     }
-    // Products of the pairs, document by document: NaN where either value is not finite.
-    let product = |d: usize, out: &mut [f64]| {
+    // Products of the pairs, document by document (NaN where either value is not finite).
+    Ok(blocked_means(docs, np, n_boot, seed, |d, out| {
         let row = &values[d * cols..(d + 1) * cols];
         for (p, &(j, l)) in out.iter_mut().zip(pairs) {
             let v = (row[j] - centers[j]) * (row[l] - centers[l]);
             *p = if v.is_finite() { v } else { f64::NAN };
         }
-    };
+    }))
+}
+
+/// Means over the `n_boot` resamples (the draws of replicate `b` under `seed`) of rows that
+/// `fill(d, row)` writes for document `d` (`width` values; NaN: left out of that column's
+/// mean). Returns `n_boot x width`, row-major; a mean without any entry is NaN.
+///
+/// Replicates go in blocks of [`BLOCK`]: a block's draw counts (documents x replicates) are
+/// made once, then one pass over the documents adds each row, weighted by its counts, to every
+/// replicate of the block. Memory per task is the block's counts and accumulators, whatever
+/// `n_boot`; rows without NaN take a loop the compiler vectorizes.
+pub(crate) fn blocked_means<F>(
+    docs: usize,
+    width: usize,
+    n_boot: usize,
+    seed: u64,
+    fill: F,
+) -> Vec<f64>
+where
+    F: Fn(usize, &mut [f64]) + Sync,
+{
+    let mut out = vec![0.0; n_boot * width];
     parallel::install(|| {
-        cross
-            .par_chunks_mut(BLOCK * np)
+        out.par_chunks_mut(BLOCK * width)
             .enumerate()
             .for_each(|(block, out)| {
-                let reps = out.len() / np;
-                let mut counts = vec![0u32; reps * docs];
-                for (r, row) in counts.chunks_mut(docs).enumerate() {
-                    bootstrap_counts_into(seed, block * BLOCK + r, row);
+                let reps = out.len() / width;
+                let mut counts = vec![0u32; docs * reps]; // document-major
+                let mut row = vec![0u32; docs];
+                for r in 0..reps {
+                    row.iter_mut().for_each(|c| *c = 0);
+                    bootstrap_counts_into(seed, block * BLOCK + r, &mut row);
+                    for (d, &c) in row.iter().enumerate() {
+                        counts[d * reps + r] = c;
+                    }
                 }
-                let mut finite = vec![0.0f64; reps * np];
-                let mut prods = vec![0.0f64; np];
+                let mut left_out = vec![0.0f64; reps * width]; // draws of NaN entries
+                let mut values = vec![0.0f64; width];
                 for d in 0..docs {
-                    product(d, &mut prods);
-                    for r in 0..reps {
-                        let w = counts[r * docs + d];
+                    let w_doc = &counts[d * reps..(d + 1) * reps];
+                    if w_doc.iter().all(|&w| w == 0) {
+                        continue;
+                    }
+                    fill(d, &mut values);
+                    let clean = values.iter().all(|v| !v.is_nan());
+                    for (r, &w) in w_doc.iter().enumerate() {
                         if w == 0 {
                             continue;
                         }
                         let w = w as f64;
-                        let acc = &mut out[r * np..(r + 1) * np];
-                        let n = &mut finite[r * np..(r + 1) * np];
-                        for ((a, n), &v) in acc.iter_mut().zip(n.iter_mut()).zip(&prods) {
-                            if !v.is_nan() {
+                        let acc = &mut out[r * width..(r + 1) * width];
+                        if clean {
+                            for (a, &v) in acc.iter_mut().zip(&values) {
                                 *a += w * v;
+                            }
+                            continue;
+                        }
+                        let gone = &mut left_out[r * width..(r + 1) * width];
+                        for ((a, n), &v) in acc.iter_mut().zip(gone.iter_mut()).zip(&values) {
+                            if v.is_nan() {
                                 *n += w;
+                            } else {
+                                *a += w * v;
                             }
                         }
                     }
                 }
-                for (a, &n) in out.iter_mut().zip(&finite) {
-                    *a = if n > 0.0 { *a / n } else { f64::NAN };
+                for (a, &n) in out.iter_mut().zip(&left_out) {
+                    let drawn = docs as f64 - n;
+                    *a = if drawn > 0.0 { *a / drawn } else { f64::NAN };
                 }
             })
     });
-    Ok(cross)
+    out
 }
 
 #[cfg(test)]
