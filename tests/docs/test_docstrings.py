@@ -33,6 +33,7 @@ NUMPY_STYLE = [
     synth.simulate,
     store.check_resume,
     store.open_trace_store,
+    store.text.open_text,
     store.variables,
     policies.kept_count,
     policies.parse_policy,

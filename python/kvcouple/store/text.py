@@ -271,7 +271,27 @@ class StoreText:
 
 
 def open_text(reader: Any) -> StoreText | None:
-    """The store's text, or None where it keeps none (:func:`text_status` says why)."""
+    """The text an open store keeps.
+
+    Parameters
+    ----------
+    reader : kvcouple.store.reader.TraceStoreReader
+        The open store.
+
+    Returns
+    -------
+    StoreText or None
+        Its prompts' ids and token table (:meth:`StoreText.decode`, :meth:`StoreText.pieces`,
+        :meth:`StoreText.prompt_ids`); None where the store keeps no text (schema version 3
+        or older, a synthetic store, a run without a tokenizer): :func:`text_status` says
+        which.
+
+    Raises
+    ------
+    kvcouple.errors.StoreError
+        The text's arrays are damaged (offsets out of order or past the bytes, a wrong
+        number of documents).
+    """
     if int(reader.attrs.get("schema_version", 0)) < TEXT_SINCE or not reader.attrs.get(TEXT_ATTR):
         return None
     return StoreText(reader)
