@@ -10,6 +10,14 @@ synthetic trace store writes, ``simulate_doc_policy``), runs the analysis's stat
 the population truth. Printed: coverage per quantity, number of documents and interval method
 (a Markdown table), with the Monte Carlo standard error of a coverage.
 
+Scenarios (``--scenarios``) shape the population like real traces: ``mixed`` (the original:
+divergence probabilities spread over 0.1-0.9), ``saturated`` (every document diverges with
+probability 0.9-1.0 under every policy, as on real models), ``rare`` (most at 0-0.05),
+``never`` (half the documents never diverge under any policy, the others as ``mixed``) and
+``saturated-tail`` (most documents at 0.98-1.0 but a tenth of them far lower, down to 0.76: a
+sample of 16 misses that tail about one time in five, and no interval from the sample can
+know it is there).
+
 Every studied document is simulated afresh (``--pool 0``, the default), so study replicates are
 independent. ``--pool K`` instead reuses K simulations per population document across the
 studies: faster, but then every study shares the pool's Monte Carlo error, which can move a
@@ -17,7 +25,7 @@ paired difference's coverage by a few points (the truth is the population's, the
 centre on the pool's).
 
     nice python scripts/coverage_study.py --reps 40           # a quick look (~1 minute)
-    nice python scripts/coverage_study.py --reps 400 --n-boot 1000   # the docs table (~7 min)
+    nice python scripts/coverage_study.py --reps 400 --n-boot 1000   # the docs table
 """
 
 from __future__ import annotations
@@ -52,17 +60,37 @@ DIFFERENCES = ("mismatch_fraction", "rmst", "occurrence")
 GAPS = ("gap", "exposure_term", "exposure_share")
 
 
-def population(n: int, vocab: int, seed: int) -> list[dict[str, np.ndarray]]:
+SCENARIOS = ("mixed", "saturated", "rare", "never", "saturated-tail")
+# Each scenario's mixing weights towards the noise kernel, (mild, harsh) ranges, and the noise
+# kernel's Dirichlet concentration (smaller: sparser rows, farther from P, higher hazards).
+WEIGHTS = {
+    "mixed": ((0.03, 0.2), (0.15, 0.5)),
+    "saturated": ((0.7, 1.0), (0.9, 1.0)),
+    "rare": ((0.0, 0.01), (0.005, 0.03)),
+    "saturated-tail": ((0.55, 0.8), (0.75, 0.95)),
+}
+NOISE = {"saturated": 0.5, "saturated-tail": 0.2}
+
+
+def population(
+    n: int, vocab: int, seed: int, scenario: str = "mixed"
+) -> list[dict[str, np.ndarray]]:
+    """``n`` documents: a reference kernel P and three evicted kernels mixed towards a noise
+    kernel (``saturated``: a sparser one, far from P, so that hazards are high)."""
     rng = np.random.default_rng(seed)
     docs = []
-    for _ in range(n):
+    for i in range(n):
         P = rng.dirichlet(np.ones(vocab) * 0.8, size=vocab)
-        noise = rng.dirichlet(np.ones(vocab), size=vocab)
-        mild, harsh = rng.uniform(0.03, 0.2), rng.uniform(0.15, 0.5)
+        noise = rng.dirichlet(np.ones(vocab) * NOISE.get(scenario, 1.0), size=vocab)
+        (m0, m1), (h0, h1) = WEIGHTS.get(scenario, WEIGHTS["mixed"])
+        mild, harsh = rng.uniform(m0, m1), rng.uniform(h0, h1)
+        if scenario == "never" and i % 2 == 0:
+            mild = harsh = 0.0  # this document never diverges under any policy
+        harsh2 = min(harsh * 1.05, 1.0)
         Q = {
             "mild": (1 - mild) * P + mild * noise,
             "harsh": (1 - harsh) * P + harsh * noise,
-            "harsh2": (1 - harsh * 1.05) * P + harsh * 1.05 * noise,
+            "harsh2": (1 - harsh2) * P + harsh2 * noise,
         }
         docs.append({"P": P, **Q})
     return docs
@@ -164,16 +192,22 @@ def simulate_pool(
     ]
 
 
-def statistics(horizon: int) -> list[tuple[tuple, st.StatFn, bool]]:
-    """Every checked per-policy quantity and paired difference (gap terms: :func:`gap_terms`)."""
-    stats: list[tuple[tuple, st.StatFn, bool]] = []
+Stat = tuple[tuple, st.StatFn, bool, st.Scale]
+
+
+def statistics(horizon: int) -> list[Stat]:
+    """Every checked per-policy quantity and paired difference with its scale, as the
+    analysis makes them (gap terms: :func:`gap_terms`)."""
+    stats: list[Stat] = []
     for pol in POLICIES:
         for q in SUMMARY:
-            stats.append(((pol, q), st.quantity_fn(pol, q, horizon), q in st.DISCRETE))
+            f = st.quantity_fn(pol, q, horizon)
+            stats.append(((pol, q), f, q in st.DISCRETE, st.quantity_scale(q, horizon)))
     for a, b in PAIRS:
         for q in DIFFERENCES:
             fa, fb = st.quantity_fn(a, q, horizon), st.quantity_fn(b, q, horizon)
-            stats.append((("diff", a, b, q), st.difference(fa, fb), False))
+            scale = st.quantity_scale(q, horizon, paired=True)
+            stats.append((("diff", a, b, q), st.difference(fa, fb), False, scale))
     return stats
 
 
@@ -182,7 +216,7 @@ def gap_terms(bs: st.Bootstrap, horizon: int) -> dict[tuple, st.Estimate]:
     out = {}
     for a, b in PAIRS:
         fns = {t: f for t, f in st.gap_fns(a, b, horizon).items() if t in GAPS}
-        for term, e in st.gap_estimates(bs, fns).items():
+        for term, e in st.gap_estimates(bs, fns, st.gap_scales(horizon)).items():
             out[("gap", a, b, term)] = e
     return out
 
@@ -192,6 +226,58 @@ def band_covers(bs: st.Bootstrap, a: str, b: str, horizon: int, target: np.ndarr
     lo = np.array([r["band_low"] for r in rows])
     hi = np.array([r["band_high"] for r in rows])
     return bool(np.all((lo - 1e-12 <= target) & (target <= hi + 1e-12)))
+
+
+def run_scenario(
+    args: argparse.Namespace, scenario: str, sizes: list[int], methods: tuple[str, ...]
+) -> tuple[list[tuple], dict[tuple, int], dict[tuple, int]]:
+    """Coverage counts of one scenario: (keys, hits, counted) by (key, size, method)."""
+    T = args.horizon
+    t0 = time.time()
+    docs = population(args.population, args.vocab, args.seed, scenario)
+    exact = [exact_doc(d, T) for d in docs]
+    target = truth(exact, T)
+    layout = study_layout(T, args.replicates, args.vocab)
+    pool = simulate_pool(docs, args.pool, layout, args.seed) if args.pool else []
+    occ = [e["harsh"].occurrence for e in exact]
+    print(f"# {scenario}: population {len(docs)} documents (harsh occurrence "
+          f"{min(occ):.3f}-{max(occ):.3f}, median {np.median(occ):.3f}; "
+          f"{args.pool or 'fresh'} simulations each)", file=sys.stderr)  # fmt: skip
+    stats = statistics(T)
+    keys = [k for k, _, _, _ in stats]
+    keys += [("gap", a, b, t) for a, b in PAIRS for t in GAPS] + [("band", a, b) for a, b in PAIRS]
+    hits = {(k, n, m): 0 for k in keys for n in sizes for m in methods}
+    counted = {(k, n, m): 0 for k in keys for n in sizes for m in methods}
+    rng = np.random.default_rng(args.seed + 1)
+    items = [(i, j) for i in range(len(docs)) for j in range(args.pool)]
+    for n in sizes:
+        for rep in range(args.reps):
+            if pool:  # (document, simulation) pairs without replacement from the pool
+                pick = rng.choice(len(items), size=n, replace=False)
+                chosen = [pool[items[p][0]][items[p][1]] for p in pick]
+            else:  # documents drawn from the population, each simulated afresh
+                pick = rng.integers(len(docs), size=n)
+                chosen = [simulate(docs[i], layout, rng) for i in pick]
+            table = st.build_table([f"d{i}" for i in range(n)], chosen, list(POLICIES), T, T - 1)
+            base = st.bootstrap_table(table, args.n_boot, args.seed * 7919 + rep, args.level)
+            for m in methods:
+                bs = replace(base, method=m)
+                fns, flags = [f for _, f, _, _ in stats], [d for _, _, d, _ in stats]
+                scales = [sc for _, _, _, sc in stats]
+                ests = dict(zip(keys, bs.evaluate_many(fns, flags, scales), strict=False))
+                ests.update(gap_terms(bs, T))
+                for key, e in ests.items():
+                    if not np.isfinite(e.estimate):
+                        continue
+                    counted[(key, n, m)] += 1
+                    hits[(key, n, m)] += int(e.covers(target[key]))
+                for a, b in PAIRS:
+                    counted[(("band", a, b), n, m)] += 1
+                    hits[(("band", a, b), n, m)] += int(
+                        band_covers(bs, a, b, T, target[("band", a, b)])
+                    )
+    print(f"# {scenario}: {time.time() - t0:.0f} s", file=sys.stderr)
+    return keys, hits, counted
 
 
 def label(key: tuple) -> str:
@@ -222,65 +308,32 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--n-boot", type=int, default=1000)
     ap.add_argument("--level", type=float, default=0.95)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--scenarios", default=",".join(SCENARIOS), help="populations to study")
+    ap.add_argument(
+        "--methods", default="studentized", help=f"interval methods, of {','.join(st.CI_METHODS)}"
+    )
     args = ap.parse_args(argv)
     sizes = [int(s) for s in args.sizes.split(",")]
-    T = args.horizon
+    methods = tuple(args.methods.split(","))
+    scenarios = args.scenarios.split(",")
     t0 = time.time()
-    docs = population(args.population, args.vocab, args.seed)
-    exact = [exact_doc(d, T) for d in docs]
-    target = truth(exact, T)
-    layout = study_layout(T, args.replicates, args.vocab)
-    pool = simulate_pool(docs, args.pool, layout, args.seed) if args.pool else []
-    print(f"# population {len(docs)} documents ({args.pool or 'fresh'} simulations each) "
-          f"ready in {time.time() - t0:.0f} s", file=sys.stderr)  # fmt: skip
-    stats = statistics(T)
-    methods = st.CI_METHODS
-    keys = [k for k, _, _ in stats]
-    keys += [("gap", a, b, t) for a, b in PAIRS for t in GAPS] + [("band", a, b) for a, b in PAIRS]
-    hits = {(k, n, m): 0 for k in keys for n in sizes for m in methods}
-    counted = {(k, n, m): 0 for k in keys for n in sizes for m in methods}
-    rng = np.random.default_rng(args.seed + 1)
-    items = [(i, j) for i in range(len(docs)) for j in range(args.pool)]
-    for n in sizes:
-        for rep in range(args.reps):
-            if pool:  # (document, simulation) pairs without replacement from the pool
-                pick = rng.choice(len(items), size=n, replace=False)
-                chosen = [pool[items[p][0]][items[p][1]] for p in pick]
-            else:  # documents drawn from the population, each simulated afresh
-                pick = rng.integers(len(docs), size=n)
-                chosen = [simulate(docs[i], layout, rng) for i in pick]
-            table = st.build_table([f"d{i}" for i in range(n)], chosen, list(POLICIES), T, T - 1)
-            base = st.bootstrap_table(table, args.n_boot, args.seed * 7919 + rep, args.level)
-            for m in methods:
-                bs = replace(base, method=m)
-                fns, flags = [f for _, f, _ in stats], [d for _, _, d in stats]
-                ests = dict(
-                    zip([k for k, _, _ in stats], bs.evaluate_many(fns, flags), strict=True)
-                )
-                ests.update(gap_terms(bs, T))
-                for key, e in ests.items():
-                    if not np.isfinite(e.estimate):
-                        continue
-                    counted[(key, n, m)] += 1
-                    hits[(key, n, m)] += int(e.covers(target[key]))
-                for a, b in PAIRS:
-                    counted[(("band", a, b), n, m)] += 1
-                    hits[(("band", a, b), n, m)] += int(
-                        band_covers(bs, a, b, T, target[("band", a, b)])
-                    )
+    results = {sc: run_scenario(args, sc, sizes, methods) for sc in scenarios}
     print(f"# {args.reps} replicates per size, n_boot {args.n_boot}, level {args.level}, "
-          f"T={T}, {args.replicates} RB-CMC replicates per document; "
+          f"T={args.horizon}, {args.replicates} RB-CMC replicates per document; "
           f"coverage MC standard error ~{np.sqrt(0.95 * 0.05 / args.reps):.3f}; "
           f"{time.time() - t0:.0f} s", file=sys.stderr)  # fmt: skip
-    head = ["quantity"] + [f"{m} n={n}" for n in sizes for m in methods]
+    cols = [(sc, n, m) for n in sizes for sc in scenarios for m in methods]
+    many = len(methods) > 1
+    head = ["quantity"] + [f"{sc}{' ' + m if many else ''} n={n}" for sc, n, m in cols]
     print("| " + " | ".join(head) + " |")
     print("|" + "---|" * len(head))
+    keys = results[scenarios[0]][0]
     for k in keys:
         cells = []
-        for n in sizes:
-            for m in methods:
-                c = counted[(k, n, m)]
-                cells.append(f"{hits[(k, n, m)] / c:.3f}" if c else "n/a")
+        for sc, n, m in cols:
+            _, hits, counted = results[sc]
+            c = counted[(k, n, m)]
+            cells.append(f"{hits[(k, n, m)] / c:.3f}" if c else "n/a")
         print("| " + " | ".join([label(k)] + cells) + " |")
     return 0
 
