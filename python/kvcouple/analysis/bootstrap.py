@@ -357,7 +357,12 @@ class _Moments:
             if pairs
             else np.zeros((n_boot, 0))
         )
-        self.step = 1e-6 * (np.abs(self.center) + np.nan_to_num(np.nanstd(data, 0)) + 1e-6)
+        # Central differences' steps: a millionth of each column's scale (column by column:
+        # no temporary the size of the table).
+        with np.errstate(invalid="ignore"):
+            sd = np.array([np.nanstd(data[:, j]) if np.isfinite(data[:, j]).any() else 0.0
+                           for j in range(data.shape[1])])  # fmt: skip
+        self.step = 1e-6 * (np.abs(self.center) + sd + 1e-6)
 
     def gradient(self, f: StatFn, cols: list[int], means: np.ndarray) -> np.ndarray:
         """``d f / d mean_j`` for ``j`` in ``cols`` at ``means`` ((cols,) or (n_boot, cols)):

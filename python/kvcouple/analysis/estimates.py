@@ -207,7 +207,11 @@ class Table:
 
     doc_ids: list[str]
     cols: dict[str, np.ndarray] = field(default_factory=dict)
+    # The matrix whose columns ``cols`` are views of, in order (build_table), if any.
+    packed: np.ndarray | None = field(default=None, repr=False)
 
     def matrix(self) -> tuple[list[str], np.ndarray]:
         names = list(self.cols)
+        if self.packed is not None and self.packed.shape[1] == len(names):
+            return names, self.packed
         return names, np.ascontiguousarray(np.column_stack([self.cols[n] for n in names]))
