@@ -29,6 +29,7 @@ from typing import Any
 
 import numpy as np
 
+from kvcouple.errors import StoreError
 from kvcouple.store.reader import TraceStoreReader
 
 __all__ = ["DocScores", "doc_scores", "scoreboard_rows", "scoreboard_table", "STATISTICS"]
@@ -52,7 +53,7 @@ class DocScores:
     tokens agree, and the change in P's top token's probability (None: not recorded)."""
 
     kl: np.ndarray
-    agree: np.ndarray
+    agree: np.ndarray | None
     dp: np.ndarray | None
 
 
@@ -88,7 +89,12 @@ def doc_scores(
 ) -> dict[str, DocScores]:
     """Every policy's :class:`DocScores` of one document, from its summary (``tokens`` and
     ``kl_pq``, read by the analysis task) and the path's ``top1_agree`` (and distributions)."""
-    agree_all = info.read("top1_agree", (int(doc),))
+    try:
+        agree_all = info.read("top1_agree", (int(doc),))
+    except StoreError:
+        # Not read by the estimates, so never required: a store re-written by a tool that
+        # drops chunks equal to the fill value (all False) has no same_top, and no more.
+        agree_all = None
     out = {}
     for i, pol in enumerate(info.policies):
         kl = summary["kl_pq"][i]
@@ -100,7 +106,7 @@ def doc_scores(
             dp = _delta_p_topk(info, int(doc), i, seen)
         out[pol] = DocScores(
             kl[seen].astype(np.float64),
-            agree_all[i][seen].astype(bool),
+            None if agree_all is None else agree_all[i][seen].astype(bool),
             None if dp is None else dp.astype(np.float64),
         )
     return out
@@ -155,7 +161,10 @@ def scoreboard_rows(model: str, policies: list[str], docs: list[Any]) -> list[di
         parts = _rows("kl_pq", [s.kl for s in scores])
         if all(s.dp is not None for s in scores):
             parts += _rows("delta_p", [s.dp for s in scores])
-        parts += _rows("same_top", [s.agree.astype(np.float64) for s in scores])
+        if all(s.agree is not None for s in scores):
+            parts += _rows(
+                "same_top", [s.agree.astype(np.float64) for s in scores if s.agree is not None]
+            )
         out += [{"model": model, "policy": pol, **r} for r in parts]
     return out
 

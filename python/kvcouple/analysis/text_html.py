@@ -178,7 +178,8 @@ def _estimates(
         for pol, s in (getattr(d, "scores", None) or {}).items():
             row = out.setdefault((d.doc_id, pol), {})
             row["kl_pq"] = float(s.kl.mean()) if s.kl.size else math.nan
-            row["same_top"] = float(s.agree.mean()) if s.agree.size else math.nan
+            agree = s.agree
+            row["same_top"] = float(agree.mean()) if agree is not None and agree.size else math.nan
     return out
 
 
@@ -198,89 +199,103 @@ def _cell(value: float | None) -> str:
     return f'<td class="num" data-v="{value!r}">{number(value)}</td>'
 
 
-def _model_html(result: Any, m: Any, tables: dict[str, list[dict[str, Any]]], index: int) -> str:
-    reader = TraceStoreReader(m.store)
-    text, status = open_text(reader), text_status(reader)
-    labels = policy_labels(m.policies)
-    estimates = _estimates(result, m, tables)
-    docs = [d for d in m.docs if d.units is not None]
-    position = {doc_id: i for i, doc_id in enumerate(reader.doc_ids)}
-    views: dict[tuple[int, str], DocumentView] = {}
+class _Store:
+    """One store's text views: its reader and text, the policies' labels, the documents'
+    estimates, and the views read so far (each (document, policy) read once)."""
 
-    def view(doc_id: str, pol: str) -> DocumentView:
-        key = (position[doc_id], pol)
-        if key not in views:
-            views[key] = document_view(
-                reader, position[doc_id], m.policies.index(pol), 0, text=text, status=status
+    def __init__(self, result: Any, m: Any, tables: dict[str, list[dict[str, Any]]]):
+        self.m = m
+        self.reader = TraceStoreReader(m.store)
+        self.text, self.status = open_text(self.reader), text_status(self.reader)
+        self.labels = {p: visible(terminal(lab)) for p, lab in policy_labels(m.policies).items()}
+        self.estimates = _estimates(result, m, tables)
+        self.docs = [d for d in m.docs if d.units is not None]
+        self.position = {doc_id: i for i, doc_id in enumerate(self.reader.doc_ids)}
+        self.views: dict[tuple[int, str], DocumentView] = {}
+
+    def view(self, doc_id: str, pol: str) -> DocumentView:
+        key = (self.position[doc_id], pol)
+        if key not in self.views:
+            self.views[key] = document_view(
+                self.reader, key[0], self.m.policies.index(pol), 0, text=self.text,
+                status=self.status,
+            )  # fmt: skip
+        return self.views[key]
+
+    def extremes(self) -> list[str]:
+        """Per policy, the documents that diverged earliest and latest (by E[min(tau, T)])."""
+        out = []
+        for pol in self.m.policies:
+            ranked = sorted(
+                (d for d in self.docs if (d.doc_id, pol) in self.estimates),
+                key=lambda d: self.estimates[(d.doc_id, pol)]["rmst"],
             )
-        return views[key]
+            picks = [("diverged earliest", ranked[0])] if ranked else []
+            if len(ranked) > 1:
+                picks.append(("diverged latest", ranked[-1]))
+            for what, d in picks:
+                rmst = self.estimates[(d.doc_id, pol)]["rmst"]
+                title = (
+                    f"{self.labels[pol]}: {what}: document {visible(terminal(d.doc_id))} "
+                    f"(E[min(tau,T)] = {number(rmst)} of T = {self.m.horizon})"
+                )
+                out.append(view_html(self.view(d.doc_id, pol), title))
+        return out
 
+    def table(self, anchors: dict[str, str], where: str) -> list[str]:
+        """Every document's estimates, per policy, each document linked to its view."""
+        more = len(self.docs) > MAX_VIEWS
+        out = [
+            f"<h3>Every document{where}</h3><p>Every document's estimates, per policy (means "
+            "over its replicates; KLD and same top p on its overlap paths). Click a column head "
+            "to sort; follow a document to its view"
+            + (f" (views are written for the first {MAX_VIEWS} documents; kvcouple show "
+               "prints any)" if more else "")
+            + '.</p><div class="table-box"><table class="sortable"><thead><tr>'
+            "<th>document</th><th>policy</th>"
+            + "".join(f"<th>{html.escape(h)}</th>" for _, h in COLUMNS)
+            + "</tr></thead><tbody>"
+        ]  # fmt: skip
+        for d in self.docs:
+            name = visible(terminal(d.doc_id))
+            link = f'<a href="#{anchors[d.doc_id]}">{name}</a>' if d.doc_id in anchors else name
+            for pol in self.m.policies:
+                row = self.estimates.get((d.doc_id, pol), {})
+                cells = "".join(_cell(row.get(k)) for k, _ in COLUMNS)
+                out.append(f"<tr><td>{link}</td><td>{self.labels[pol]}</td>{cells}</tr>")
+        return [*out, "</tbody></table></div>"]
+
+    def folded(self, anchors: dict[str, str]) -> list[str]:
+        """Each document's views, folded: its prompt once, then one view per policy."""
+        out = []
+        for doc_id, anchor in anchors.items():
+            first = self.view(doc_id, self.m.policies[0])
+            body = _prompt_html(first, PROMPT_CHARS // 2) + "".join(
+                view_html(self.view(doc_id, pol), self.labels[pol], prompt=False)
+                for pol in self.m.policies
+            )
+            out.append(
+                f'<details class="tv-doc" id="{anchor}"><summary>document '
+                f"{visible(terminal(doc_id))}</summary>{body}</details>"
+            )
+        return out
+
+
+def _model_html(result: Any, m: Any, tables: dict[str, list[dict[str, Any]]], index: int) -> str:
+    store = _Store(result, m, tables)
     where = f" ({visible(terminal(m.model))})" if len(result.models) > 1 else ""
-    out = [f"<h2>What diverged{where}</h2>"]
-    out.append(
-        f"<p>The text: {html.escape(status)}. Each view is replicate 0 of a document: the "
+    anchors = {d.doc_id: f"kv-view-{index}-{i}" for i, d in enumerate(store.docs[:MAX_VIEWS])}
+    intro = (
+        f"<p>The text: {html.escape(store.status)}. Each view is replicate 0 of a document: the "
         "continuation P and Q shared, the first divergence (&#9654;), then each side's "
         "continuation; a token's shade is the TV between P's and Q's next-token distributions "
         'at its step (<span class="s1">&ge;0.05</span> <span class="s2">&ge;0.2</span> '
         '<span class="s3">&ge;0.4</span> <span class="s4">&ge;0.6</span> '
         '<span class="s5">&ge;0.8</span>).</p>'
     )
-    for pol in m.policies:
-        ranked = sorted(
-            (d for d in docs if (d.doc_id, pol) in estimates),
-            key=lambda d: estimates[(d.doc_id, pol)]["rmst"],
-        )
-        if not ranked:
-            continue
-        label = visible(terminal(labels[pol]))
-        picks = [("diverged earliest", ranked[0])]
-        if len(ranked) > 1:
-            picks.append(("diverged latest", ranked[-1]))
-        for what, d in picks:
-            rmst = estimates[(d.doc_id, pol)]["rmst"]
-            title = (
-                f"{label}: {what}: document {visible(terminal(d.doc_id))} "
-                f"(E[min(tau,T)] = {number(rmst)} of T = {m.horizon})"
-            )
-            out.append(view_html(view(d.doc_id, pol), title))
-    shown = docs[:MAX_VIEWS]
-    anchors = {d.doc_id: f"kv-view-{index}-{i}" for i, d in enumerate(shown)}
-    out.append(
-        f"<h3>Every document{where}</h3><p>Every document's estimates, per policy (means over its "
-        "replicates; KLD and same top p on its overlap paths). Click a column head to sort; "
-        "follow a document to its view"
-        + (
-            f" (views are written for the first {MAX_VIEWS} documents; kvcouple show prints any)"
-            if len(docs) > MAX_VIEWS
-            else ""
-        )
-        + '.</p><div class="table-box"><table class="sortable"><thead><tr><th>document</th>'
-        "<th>policy</th>"
-        + "".join(f"<th>{html.escape(h)}</th>" for _, h in COLUMNS)
-        + "</tr></thead><tbody>"
-    )
-    for d in docs:
-        name = visible(terminal(d.doc_id))
-        link = f'<a href="#{anchors[d.doc_id]}">{name}</a>' if d.doc_id in anchors else name
-        for pol in m.policies:
-            row = estimates.get((d.doc_id, pol), {})
-            out.append(
-                f"<tr><td>{link}</td><td>{visible(terminal(labels[pol]))}</td>"
-                + "".join(_cell(row.get(k)) for k, _ in COLUMNS)
-                + "</tr>"
-            )
-    out.append("</tbody></table></div>")
-    for d in shown:
-        first = view(d.doc_id, m.policies[0])
-        body = _prompt_html(first, PROMPT_CHARS // 2) + "".join(
-            view_html(view(d.doc_id, pol), visible(terminal(labels[pol])), prompt=False)
-            for pol in m.policies
-        )
-        out.append(
-            f'<details class="tv-doc" id="{anchors[d.doc_id]}"><summary>document '
-            f"{visible(terminal(d.doc_id))}</summary>{body}</details>"
-        )
-    return "\n".join(out)
+    parts = [f"<h2>What diverged{where}</h2>", intro, *store.extremes()]
+    parts += store.table(anchors, where) + store.folded(anchors)
+    return "\n".join(parts)
 
 
 def text_section(result: Any, tables: dict[str, list[dict[str, Any]]]) -> str:
