@@ -4,7 +4,11 @@ full record (so the path's rows can be recomputed), two policies."""
 
 from __future__ import annotations
 
+import atexit
+import functools
 import json
+import shutil
+import tempfile
 from pathlib import Path
 
 # Ids and texts as a hostile user might write them: markup, an escape sequence, a bell,
@@ -41,6 +45,15 @@ def trace_text_store(folder: Path, record: str = "full", horizon: int = 8) -> Pa
         model_id="kvcouple-default",
     )  # fmt: skip
     return out
+
+
+@functools.cache
+def cached_text_store(record: str = "summary", horizon: int = 8) -> Path:
+    """:func:`trace_text_store` once per test process and settings (the tests that change a
+    store copy it first); removed when the process ends."""
+    folder = Path(tempfile.mkdtemp(prefix="kvcouple-text-"))
+    atexit.register(shutil.rmtree, folder, ignore_errors=True)
+    return trace_text_store(folder, record=record, horizon=horizon)
 
 
 def add_text(store: Path, pieces: list[bytes], prompts: list[list[int]]) -> Path:

@@ -16,14 +16,14 @@ import xarray as xr  # noqa: E402
 
 from kvcouple.analysis import analyze, write_report  # noqa: E402
 from kvcouple.analysis.tables import tidy_tables  # noqa: E402
-from text_helpers import POLICIES, trace_text_store  # noqa: E402
+from text_helpers import POLICIES, cached_text_store  # noqa: E402
 
 pytestmark = pytest.mark.torch
 
 
 @pytest.fixture(scope="module")
-def store(tmp_path_factory):
-    return trace_text_store(tmp_path_factory.mktemp("scoreboard"), record="full")
+def store():
+    return cached_text_store("full")
 
 
 def _board(rows, policy):

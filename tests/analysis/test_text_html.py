@@ -44,9 +44,9 @@ def test_the_report_shows_the_text_and_a_table_of_every_document(tmp_path):
     pytest.importorskip("torch")
     pytest.importorskip("transformers")
     from kvcouple.analysis import analyze, write_report
-    from text_helpers import DOCS, POLICIES, trace_text_store
+    from text_helpers import DOCS, POLICIES, cached_text_store
 
-    store = trace_text_store(tmp_path, record="summary")
+    store = cached_text_store("summary")
     out = write_report(analyze(store, n_boot=20, seed=0), tmp_path / "r", figures=False)
     page = (out / "report.html").read_text()
     md = (out / "report.md").read_text()

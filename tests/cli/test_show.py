@@ -14,14 +14,14 @@ pytest.importorskip("transformers")
 from kvcouple.cli import main  # noqa: E402
 from kvcouple.store.reader import TraceStoreReader  # noqa: E402
 from kvcouple.store.text import open_text  # noqa: E402
-from text_helpers import DOCS, POLICIES, trace_text_store  # noqa: E402
+from text_helpers import DOCS, POLICIES, cached_text_store  # noqa: E402
 
 pytestmark = pytest.mark.torch
 
 
 @pytest.fixture(scope="module")
-def store(tmp_path_factory):
-    return trace_text_store(tmp_path_factory.mktemp("show"), record="summary")
+def store():
+    return cached_text_store("summary")
 
 
 def test_show_prints_both_sides_around_the_first_divergence(store, capsys):

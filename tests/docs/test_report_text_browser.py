@@ -46,10 +46,10 @@ def report(tmp_path_factory) -> Path:
     pytest.importorskip("torch")
     pytest.importorskip("transformers")
     from kvcouple.analysis import analyze, write_report
-    from text_helpers import trace_text_store
+    from text_helpers import cached_text_store
 
     tmp = tmp_path_factory.mktemp("report-text")
-    store = trace_text_store(tmp, record="summary", horizon=12)
+    store = cached_text_store("summary")
     return write_report(analyze(store, n_boot=20, seed=0), tmp / "r", figures=False)
 
 

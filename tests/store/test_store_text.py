@@ -22,14 +22,14 @@ from kvcouple.store.reader import TraceStoreReader  # noqa: E402
 from kvcouple.store.schema import SCHEMA_VERSION, TEXT_SINCE  # noqa: E402
 from kvcouple.store.text import TokenTable, open_text, text_status  # noqa: E402
 from store_helpers import set_root_attr  # noqa: E402
-from text_helpers import DOCS, trace_text_store  # noqa: E402
+from text_helpers import DOCS, cached_text_store  # noqa: E402
 
 pytestmark = pytest.mark.torch
 
 
 @pytest.fixture(scope="module")
-def store(tmp_path_factory):
-    return trace_text_store(tmp_path_factory.mktemp("text"), record="summary")
+def store():
+    return cached_text_store("summary")
 
 
 def _decode(tokenizer, ids):
