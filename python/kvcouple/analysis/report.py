@@ -774,7 +774,9 @@ def write_report(
     pathlib.Path
         ``out``. It holds ``summary.csv``, ``per_document.csv``, ``curves.csv``,
         ``differences.csv``, ``gap_attribution.csv``, ``tests.csv``, ``recompute_check.csv``,
-        ``skipped.csv``, ``results.json``, ``report.md``, ``report.html`` and ``figures/``.
+        ``skipped.csv``, ``scoreboard.csv`` (llama.cpp's numbers per policy), ``results.json``,
+        ``report.md``, ``report.html`` (with the text views of what diverged, where the
+        stores keep text) and ``figures/``.
 
     Raises
     ------
