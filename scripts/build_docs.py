@@ -89,6 +89,34 @@ def rewrite_repo_links(text: str) -> str:
     return re.sub(r"\[([^\]]+)\]\(\.\./([^)]+)\)", r"\1 (`\2` in the repository)", text)
 
 
+# The parts of MathJax 2 (from the jupyter-server-mathjax package) that the notebook pages
+# need for their maths: the combined TeX config, HTML-CSS output and its STIX web fonts (about
+# 6 MB of the package's 12). The pages load it from the site itself (mkdocs.yml:
+# custom_mathjax_url), never from a CDN.
+MATHJAX_PARTS = (
+    "MathJax.js", "LICENSE", "config", "extensions", "jax/input", "jax/element",
+    "jax/output/HTML-CSS", "fonts/HTML-CSS",
+)  # fmt: skip
+
+
+def bundle_mathjax(dst: Path) -> None:
+    """Copy MathJax's parts (:data:`MATHJAX_PARTS`) into the site's sources at ``dst``."""
+    try:
+        import jupyter_server_mathjax
+    except ModuleNotFoundError:
+        raise SystemExit(
+            "the docs' maths renderer is missing: pip install -e '.[docs]' (jupyter-server-mathjax)"
+        ) from None
+    static = Path(jupyter_server_mathjax.__file__).parent / "static"
+    for part in MATHJAX_PARTS:
+        src = static / part
+        if src.is_dir():
+            shutil.copytree(src, dst / part)
+        else:
+            (dst / part).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(src, dst / part)
+
+
 def assemble(reuse: bool, timeout: int) -> list[tuple[str, str]]:
     executed = ROOT / "build" / "notebooks-executed"
     keep = executed if reuse else None
@@ -121,6 +149,7 @@ def assemble(reuse: bool, timeout: int) -> list[tuple[str, str]]:
     )
     (SRC / "reference").mkdir(exist_ok=True)
     (SRC / "reference" / "cli.md").write_text(cli_reference())
+    bundle_mathjax(SRC / "assets" / "mathjax")
     return tutorials
 
 

@@ -140,6 +140,28 @@ def test_the_api_reference_documents_the_public_functions(browser):
 
 
 # Four policies with long specs (six pairs), as stored: every parameter spelled out; two
+MATHS = """
+return [document.querySelectorAll('.MathJax, .MathJax_Display').length,
+        Array.from(document.scripts).map(s => s.src).filter(s => s.includes('MathJax'))];
+"""
+
+
+@needs_site
+def test_notebook_maths_is_rendered_by_the_bundled_mathjax(browser):
+    """A tutorial's $...$ maths is typeset, by the MathJax the site bundles (no CDN)."""
+    import time
+
+    _open(browser, SITE / "notebooks" / "01_coupling_on_toy_kernels" / "index.html")
+    for _ in range(60):
+        typeset, sources = browser.execute_script(MATHS)
+        if typeset:
+            break
+        time.sleep(0.5)
+    assert typeset >= 10, "the notebook's maths is not typeset"
+    assert sources and all(s.startswith("file:") for s in sources), sources
+    assert (SITE / "assets" / "mathjax" / "MathJax.js").is_file()
+
+
 # models, a plan's tests and gaps pooled across the models: every kind of table the report has.
 REPORT_POLICIES = {
     "snapkv:retain=0.5,window=32,kernel=7,pool=avg": 0.7,
