@@ -111,6 +111,8 @@ def store_summary(
         "documents": len(ids),
         "documents_done": len(reader.done),
         "unfinished": [ids[i] for i in reader.unfinished()][:20],
+        # "being written by ..." while a live run holds the store's lock (kvcouple.store.lock)
+        "writing": reader.writing() if reader.unfinished() else None,
         "size_bytes": reader.size_bytes(),
         "checksums": reader.checksums,
         "text": text_status(reader),
@@ -165,6 +167,12 @@ def _info(args: argparse.Namespace) -> int:
         f"  documents {info['documents_done']} of {info['documents']} done"
         + (f"; unfinished: {', '.join(info['unfinished'])}" if info["unfinished"] else "")
     )
+    if info["writing"]:
+        print(f"  writing   {info['writing']}")
+    elif info["unfinished"]:
+        print(
+            "  writing   no run holds it (interrupted or stopped early: rerun the same trace command)"
+        )
     if args.check:
         problems = info["problems"]
         print(f"  check     {'no problems' if not problems else f'{len(problems)} problems'}")

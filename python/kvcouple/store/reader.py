@@ -40,6 +40,7 @@ from kvcouple.resources import available_memory as available_memory
 from kvcouple.resources import check_memory as check_memory
 from kvcouple.store.engine_reads import EngineReads
 from kvcouple.store.engine_reads import zarr_major as _zarr_major
+from kvcouple.store.lock import StoreBeingWrittenError, writing_note
 from kvcouple.store.remote import is_url as is_url
 from kvcouple.store.schema import (
     CHECKSUMS_SINCE,
@@ -396,11 +397,26 @@ class TraceStoreReader(EngineReads):
         if bad:
             ids = [self.doc_ids[i] for i in bad]
             shown = ", ".join(ids[:10]) + (" ..." if len(ids) > 10 else "")
-            raise StoreError(
-                f"{self.path}: {len(ids)} of {self.dims['doc']} documents are unfinished "
-                f"({shown}); the run was interrupted. Rerun the same trace command to finish it, "
-                f"or pass allow_incomplete=True (--allow-incomplete) to analyse the finished ones."
+            head = (
+                f"{self.path}: {len(ids)} of {self.dims['doc']} documents are unfinished ({shown})"
             )
+            tail = (
+                "or pass allow_incomplete=True (--allow-incomplete) to analyse the finished ones."
+            )
+            writing = self.writing()
+            if writing:  # a live writer holds the store's lock (kvcouple.store.lock)
+                raise StoreBeingWrittenError(
+                    f"{head}; the store is {writing}. Wait for that run to finish, {tail}"
+                )
+            raise StoreError(
+                f"{head}; the run was interrupted. Rerun the same trace command to finish it, "
+                + tail
+            )
+
+    def writing(self) -> str | None:
+        """``being written by process ... on host ...`` where a writer holds the store's
+        lock (:mod:`kvcouple.store.lock`), else None (finished, or interrupted)."""
+        return writing_note(self.path, self.storage_options)
 
     # -- chunk geometry: the only place chunk keys are computed --------------------------------
 

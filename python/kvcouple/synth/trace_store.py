@@ -35,6 +35,7 @@ from kvcouple.errors import InvalidInputError
 from kvcouple.kernels import couple, divergences
 from kvcouple.resources import check_memory
 from kvcouple.store.identity import run_identity
+from kvcouple.store.lock import writer_lock
 from kvcouple.store.reader import is_url
 from kvcouple.store.schema import Record, empty_arrays, variables
 from kvcouple.store.writer import StoreLayout, TraceStoreWriter
@@ -293,20 +294,21 @@ def write_synthetic_trace_store(
     )
     check_memory(f"one synthetic document ({layout.record} record)", 2 * doc_bytes)
     writer = TraceStoreWriter.open(path, layout, attrs)
-    done = writer.completed()
-    todo = [d for d in range(len(starts)) if not done[d]]
-    if stop_after is not None:
-        todo = todo[:stop_after]
-    for d in tqdm(todo, unit="doc", desc="kvcouple synth trace-store", disable=not progress):
-        out = empty_arrays(layout.record, layout.sizes(), float_dtype="float64")
-        for pol, (_name, base) in enumerate(emitters.items()):
-            pair = base if starts[d] is None else with_starts(base, *starts[d])
-            rng = np.random.default_rng([int(seed), d, pol])
-            simulate_doc_policy(pair, layout, rng, out, pol)
-        out["prompt_length"][...] = 1
-        out["kept_length"] = np.ones(len(emitters), np.int32)
-        out["eviction_applied"][:] = True  # every synthetic Q is its own kernel
-        writer.write_doc(d, out)
+    with writer_lock(path, (0, 1), len(starts)):  # one writer at a time (kvcouple.store.lock)
+        done = writer.completed()
+        todo = [d for d in range(len(starts)) if not done[d]]
+        if stop_after is not None:
+            todo = todo[:stop_after]
+        for d in tqdm(todo, unit="doc", desc="kvcouple synth trace-store", disable=not progress):
+            out = empty_arrays(layout.record, layout.sizes(), float_dtype="float64")
+            for pol, (_name, base) in enumerate(emitters.items()):
+                pair = base if starts[d] is None else with_starts(base, *starts[d])
+                rng = np.random.default_rng([int(seed), d, pol])
+                simulate_doc_policy(pair, layout, rng, out, pol)
+            out["prompt_length"][...] = 1
+            out["kept_length"] = np.ones(len(emitters), np.int32)
+            out["eviction_applied"][:] = True  # every synthetic Q is its own kernel
+            writer.write_doc(d, out)
     return str(path) if is_url(str(path)) else Path(path)  # type: ignore[return-value]
 
 

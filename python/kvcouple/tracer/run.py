@@ -17,6 +17,7 @@ free memory; else to float noise, as any change of batch).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import json
@@ -37,6 +38,7 @@ from kvcouple.policies import Policy, parse_policy
 from kvcouple.store import StoreLayout, TraceStoreWriter
 from kvcouple.store.background import BackgroundWriter, DocumentWriter, WriterStats, queue_bound
 from kvcouple.store.identity import run_identity
+from kvcouple.store.lock import visible, writer_lock
 from kvcouple.store.reader import is_url
 from kvcouple.store.text import TextTables
 from kvcouple.store.writer import VocabularyMismatchError as VocabularyMismatchError
@@ -452,12 +454,15 @@ def trace(
         store's.
     kvcouple.errors.StoreError
         ``out`` exists with other settings (the first difference is named).
+    kvcouple.store.lock.StoreLockError
+        Another live run writes the same part of ``out`` (or one sharing documents with it);
+        the message names its process, host and start time.
     kvcouple.tracer.memory.MemoryPlanError
         A document, or on a cluster a batch on the worker that took it, cannot fit.
     """
     if client is not None:
         spec = model if isinstance(model, WorkerModel) else WorkerModel.of(model, model_revision)
-        return _trace_on_cluster(
+        return _trace_on_cluster(  # the client holds the writer lock; its workers write
             client, spec, prompts, policies, settings, out, seed=seed, model_id=model_id,
             model_revision=model_revision, shard=shard, max_docs=max_docs,
             progress=progress, memory=memory, tokenizer=tokenizer,
@@ -478,21 +483,23 @@ def trace(
     if not host.fits:
         raise MemoryPlanError(f"refusing to trace: {host_refusal(host)}")
     writer = TraceStoreWriter.open(out, layout, attrs, store_text(tokenizer, prompts, layout))
-    done = writer.completed()
-    todo = [d for d in mine if not done[d]]
-    summary = RunSummary(out, len(prompts), skipped=len(mine) - len(todo))
-    if max_docs is not None:
-        todo = todo[:max_docs]
-    chosen = set(todo)
-    batches = [
-        (batch, [d for d in batch if d in chosen])
-        for batch in document_batches(mine, plans, settings)
-    ]
-    # Written behind the tracing (store.background): a batch writes while the next traces.
-    with BackgroundWriter(writer, queue_bound([len(b) for b, _ in batches])) as background:
-        _write_batches(
-            model, prompts, pols, settings, plans, batches, background, summary, seed, progress
-        )
+    # One writer of this part at a time (kvcouple.store.lock): held until the last write.
+    with writer_lock(out, shard, len(prompts)):
+        done = writer.completed()
+        todo = [d for d in mine if not done[d]]
+        summary = RunSummary(out, len(prompts), skipped=len(mine) - len(todo))
+        if max_docs is not None:
+            todo = todo[:max_docs]
+        chosen = set(todo)
+        batches = [
+            (batch, [d for d in batch if d in chosen])
+            for batch in document_batches(mine, plans, settings)
+        ]
+        # Written behind the tracing (store.background): a batch writes while the next traces.
+        with BackgroundWriter(writer, queue_bound([len(b) for b, _ in batches])) as background:
+            _write_batches(
+                model, prompts, pols, settings, plans, batches, background, summary, seed, progress
+            )
     summary.writer = background.stats
     summary.seconds += background.stats.drain_seconds  # the run ends once its records are written
     if torch.cuda.is_available():
@@ -596,6 +603,33 @@ def _trace_on_cluster(
         _setup_task, spec, list(prompts), pols, settings, where, seed, model_id, model_revision,
         text, pure=False,
     ).result()  # fmt: skip
+    # The client holds the lock of its part while the workers write it (kvcouple.store.lock),
+    # where it sees the store (not a folder only the workers share: docs/store.md).
+    lock = writer_lock(where, shard, len(prompts)) if visible(where) else contextlib.nullcontext()
+    with lock:
+        return _run_on_cluster(
+            client, spec, prompts, pols, setup, where, out, seed=seed, shard=shard,
+            max_docs=max_docs, progress=progress, memory=memory,
+        )  # fmt: skip
+
+
+def _run_on_cluster(
+    client: Any,
+    spec: WorkerModel,
+    prompts: Sequence[Prompt],
+    pols: list[Policy],
+    setup: _Setup,
+    where: str,
+    out: str | Path,
+    *,
+    seed: int,
+    shard: tuple[int, int],
+    max_docs: int | None,
+    progress: bool,
+    memory: int | None,
+) -> RunSummary:
+    """:func:`_trace_on_cluster` once the store exists and its part is locked: the plans,
+    then one task a batch."""
     settings = setup.settings
     index, count = shard
     mine = [d for d in range(len(prompts)) if d % count == index]
