@@ -222,9 +222,7 @@ def bench_real(args: argparse.Namespace) -> None:
         f"prompt {len(prompt)} tokens, T={T}, R={R} (batch {2 * R}), policy {policy.spec()}, "
         f"{args.threads} thread(s)"
     )
-    print(
-        f"loading {load_s:.2f} s; support probe {support_s:.2f} s; engine probe {engine_s:.2f} s"
-    )
+    print(f"loading {load_s:.2f} s; support probe {support_s:.2f} s; engine probe {engine_s:.2f} s")
     print(f"generate, prefill per row:  {per_row:9.1f} tokens/s ({secs[0]:.2f} s)")
     print(f"generate, prefill once:     {once:9.1f} tokens/s ({secs[1]:.2f} s)")
     for key, s in zip(("path", "branches"), secs[2:], strict=True):

@@ -7,7 +7,7 @@ docstrings through the chat template).
   masks this test builds from the policy's kept entries (a one-shot and a decode-time
   policy), to float16 rounding;
 - ``full`` has hazard exactly 0, and greedy decoding of the P path is ``generate``'s;
-- the traced prompt ids are ``apply_chat_template``'s;
+- the traced prompt ids are ``apply_chat_template``'s (in the same trace, decoding greedily);
 - the .gguf file and the converted folder trace identical stores.
 """
 
@@ -209,13 +209,25 @@ def test_full_policy_never_diverges(full_store):
     assert (s.branch_step.values == 0).all()
 
 
-def test_greedy_path_is_generates(smollm2, smollm2_dir, prompts_file, document, tmp_path):
-    model, _ = smollm2
+def test_chat_template_ids_and_greedy_path_are_transformers(smollm2, smollm2_dir, tmp_path):
+    """One trace of a text prompt through the chat template, decoding greedily: the traced
+    prompt ids are ``apply_chat_template``'s, and the P path is ``generate``'s greedy tokens
+    (the whole horizon under ``full``; under eviction until the two sides' argmaxes part)."""
+    model, tokenizer = smollm2
+    text = "Name three uses of a KV cache in a language model, and say why each one helps."
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"id": "q", "text": text}) + "\n")
+    extra = ["--chat-template", "--top-k", "1"]
     store = trace_cli(
-        smollm2_dir, prompts_file, tmp_path / "g.zarr", "full", "snapkv:budget=48,window=8",
-        extra=["--top-k", "1"],
-    )  # fmt: skip
-    ids = torch.tensor([document["input_ids"]])
+        smollm2_dir, prompts, tmp_path / "c.zarr", "full", "recent:budget=16", extra=extra
+    )
+    want = tokenizer.apply_chat_template(
+        [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True
+    )
+    want = list(want["input_ids"] if hasattr(want, "keys") else want)
+    assert int(store.prompt_length.values[0]) == len(want)
+    assert store.prompt_tokens.values[0, : len(want)].tolist() == want
+    ids = torch.tensor([want])
     with torch.no_grad():
         out = model.generate(
             ids, attention_mask=torch.ones_like(ids), max_new_tokens=T, do_sample=False,
@@ -226,23 +238,8 @@ def test_greedy_path_is_generates(smollm2, smollm2_dir, prompts_file, document, 
         assert store.tokens.values[0, 0, rep].tolist() == greedy  # full: the whole horizon
         evicted = store.tokens.values[0, 1, rep]
         steps = int((evicted >= 0).sum())
-        assert evicted[:steps].tolist() == greedy[:steps]  # until the argmaxes part
-
-
-def test_chat_template_prompt_ids_are_apply_chat_templates(smollm2, smollm2_dir, tmp_path):
-    _, tokenizer = smollm2
-    text = "Name three uses of a KV cache."
-    prompts = tmp_path / "p.jsonl"
-    prompts.write_text(json.dumps({"id": "q", "text": text}) + "\n")
-    store = trace_cli(
-        smollm2_dir, prompts, tmp_path / "c.zarr", "recent:budget=8", extra=["--chat-template"]
-    )
-    want = tokenizer.apply_chat_template(
-        [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True
-    )
-    want = list(want["input_ids"] if hasattr(want, "keys") else want)
-    assert int(store.prompt_length.values[0]) == len(want)
-    assert store.prompt_tokens.values[0, : len(want)].tolist() == want
+        assert evicted[:steps].tolist() == greedy[:steps]
+    assert bool(store.eviction_applied.values[0, 1])
 
 
 def test_gguf_file_and_converted_folder_trace_identical_stores(
