@@ -263,7 +263,12 @@ class Bootstrap:
         )
         out = []
         for j, (lo, hi, z0, a) in enumerate(rows):
-            lo, hi = _on_scale(float(lo), float(hi), boot[:, j], scales[j])
+            scale = scales[j]
+            if scale.low <= point[j] <= scale.high:
+                lo, hi = _on_scale(float(lo), float(hi), boot[:, j], scale)
+            else:  # a Monte Carlo estimate just outside the range (rho above 1)
+                lo, hi = _beside_range(float(lo), float(hi), float(point[j]), scale)
+                scale = UNBOUNDED
             b = boot[:, j][np.isfinite(boot[:, j])]
             out.append(
                 Estimate(
@@ -275,7 +280,7 @@ class Bootstrap:
                     float(a) if use_bca else 0.0,
                     method,
                     constant=bool(b.size and b.min() == b.max() == point[j]),
-                    scale=scales[j],
+                    scale=scale,
                 )
             )
         return out
@@ -452,8 +457,11 @@ def _studentized_estimate(
     nan = math.nan
     if not (math.isfinite(point) and math.isfinite(se)):
         return Estimate(point, nan, nan, boot, method="studentized", se=se, scale=scale)
-    if not (scale.low <= point <= scale.high):
-        scale = UNBOUNDED  # a Monte Carlo estimate just outside the range (rho above 1)
+    outside = not (scale.low <= point <= scale.high)
+    if outside:  # a Monte Carlo estimate just outside the range (rho above 1)
+        plain = _studentized_estimate(point, boot, se, se_boot, level, UNBOUNDED)
+        lo, hi = _beside_range(plain.ci_low, plain.ci_high, point, scale)
+        return replace(plain, ci_low=lo, ci_high=hi)
     if se <= 1e-12 * max(1.0, abs(point)) or not scale.holds(point):
         return Estimate(
             point, point, point, boot, method="studentized", se=0.0, constant=True, scale=scale
@@ -483,6 +491,16 @@ def _studentized_estimate(
         se=se,
         tstar=tstar,
         scale=scale,
+    )
+
+
+def _beside_range(lo: float, hi: float, point: float, scale: Scale) -> tuple[float, float]:
+    """The interval of an estimate outside its quantity's range (a ratio of Monte Carlo
+    estimates with few documents: rho above 1), made on the plain scale, then kept inside the
+    range except as far as the estimate itself lies outside: ``[0, 1.02]`` for rho = 1.02."""
+    return (
+        min(max(lo, scale.low), point),
+        max(min(hi, scale.high), point),
     )
 
 

@@ -89,6 +89,10 @@ PERCENTILE_TERMS = tuple(q.name for q in quantities.GAP if q.interval == "test-i
 GAP_TERMS = ("gap", "delta_first_mismatch", "exposure_term", "rate_term", "exposure_share")
 NOT_INTERPRETABLE = "not interpretable: the gap's CI includes 0"
 CONSTANT = "constant over the documents: the interval is the point"
+OUTSIDE = (
+    "the Monte Carlo estimate lies outside the quantity's range (a ratio of estimates, with too "
+    "few documents or replicates): its interval is made on the plain scale, not inside the range"
+)
 NEVER_DIVERGES = "undefined: nothing diverged (occurrence 0 in every document)"
 TAIL_UNOBSERVED = "unobserved: branches were traced for L < T - 1 lags"
 UNDEFINED = "undefined: its denominator is 0 in every document"
@@ -416,12 +420,15 @@ def gap_rows(
     return rows
 
 
-def _note(e: Estimate, reason: str = UNDEFINED) -> str:
-    """Why a row's interval is a point or absent ("" when it is an interval)."""
+def _note(e: Estimate, reason: str = UNDEFINED, scale: Scale | None = None) -> str:
+    """Why a row's interval is a point or absent, or not inside its range ``scale`` ("" when
+    it is an interval inside it)."""
     if e.constant:
         return CONSTANT
     if not math.isfinite(e.estimate):
         return reason
+    if scale is not None and scale.bounded and not scale.low <= e.estimate <= scale.high:
+        return OUTSIDE
     if not (math.isfinite(e.ci_low) or math.isfinite(e.ci_high)) and e.exclude is None:
         return "" if e.ci_low == -math.inf else NO_INTERVAL
     return ""
@@ -463,12 +470,9 @@ def summarise(
     names = list(QUANTITIES)
     discrete = [n in DISCRETE for n in names]
     for pol in policies:
-        ests = bs.evaluate_many(
-            [quantity_fn(pol, n, horizon) for n in names],
-            discrete,
-            [quantity_scale(n, horizon) for n in names],
-        )
-        for name, e in zip(names, ests, strict=True):
+        own = [quantity_scale(n, horizon) for n in names]
+        ests = bs.evaluate_many([quantity_fn(pol, n, horizon) for n in names], discrete, own)
+        for name, e, scale in zip(names, ests, own, strict=True):
             summary.append(
                 {
                     "policy": pol,
@@ -477,7 +481,7 @@ def summarise(
                     "ci_low": e.ci_low,
                     "ci_high": e.ci_high,
                     "n_docs": bs.n_docs,
-                    "note": _note(e, _undefined_reason(bs, pol, name)),
+                    "note": _note(e, _undefined_reason(bs, pol, name), scale),
                 }
             )
         curves += _curve_rows(bs, pol, horizon, lags)
