@@ -122,17 +122,25 @@ def check_model(model: Any, policies: Sequence[Policy]) -> ModelSupport:
 
 def _probe_engine(model: Any, policies: list[Policy]) -> None:
     """Every policy once through the real tracer (prefill, selection, overlap path and a
-    branch) on a short prompt, one at a time (a failure names its policy)."""
+    branch) on a short prompt, all in one batch; where that fails, one at a time, so that the
+    failure names its policy."""
     f = facts(model)
     vocab = int(getattr(f.config, "vocab_size", 2))
     ids = torch.tensor([(3 * i + 1) % max(vocab, 1) for i in range(8)])
     settings = TraceSettings(
         horizon=2, replicates=1, branches=1, window=1, eos_token_ids=(), branch_batch=None
     )
+    probe = [(ids, 0, "probe", settings)]
+    every = list({p.spec(): p for p in [parse_policy("recent:budget=3"), *policies]}.values())
     with torch.inference_mode():
-        for policy in [parse_policy("recent:budget=3"), *policies]:
+        try:  # every policy in one batch (one prefill); a failure is then named policy by policy
+            _trace_batch(model, probe, every, seed=0)
+            return
+        except Exception as e:  # noqa: BLE001 - retried one at a time below, and named there
+            together = e
+        for policy in every:
             try:
-                _trace_batch(model, [(ids, 0, "probe", settings)], [policy], seed=0)
+                _trace_batch(model, probe, [policy], seed=0)
             except UnsupportedModelError as e:
                 raise UnsupportedModelError(f"{f.name}: {policy.spec()}: {e}") from None
             except Exception as e:
@@ -140,6 +148,11 @@ def _probe_engine(model: Any, policies: list[Policy]) -> None:
                     f"{f.name}: the tracer's probe run of {policy.spec()} failed "
                     f"({type(e).__name__}: {e}); this architecture is not supported"
                 ) from None
+    # Each alone ran, together they did not (as the run would trace them): refuse that.
+    raise UnsupportedModelError(
+        f"{f.name}: the tracer's probe run of the policies together failed "
+        f"({type(together).__name__}: {together}); trace them in separate runs"
+    ) from None
 
 
 def trace_documents_records(
