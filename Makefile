@@ -125,8 +125,8 @@ mutants: ## Mutation testing (slow, not in CI): cargo-mutants on rust/core, then
 docs: ## The docs site in build/site: executed notebooks, API and CLI reference (mkdocs --strict)
 	$(PYTHON) scripts/build_docs.py
 
-docs-test: ## Open every page of build/site in headless chromium: figures load, no error cells
-	$(PYTHON) -m pytest -q -p no:cacheprovider tests/docs/test_docs_site.py
+docs-test: ## Headless chromium: every page of build/site (figures load, no error cells), the report's text views
+	$(PYTHON) -m pytest -q -p no:cacheprovider -rs tests/docs/test_docs_site.py tests/docs/test_report_text_browser.py
 
 demo: ## The main job on the embedded default model
 	kvcouple demo
