@@ -207,12 +207,18 @@ def found_lines(est: dict[tuple[str, str], str], labels: dict[str, str], horizon
     T = horizon
     lines = ["== what it found"]
     for pol, label in labels.items():
+        rho = est.get((pol, "rho"), "")
+        after = f"{_percent(rho)} of its tokens differed"
+        if rho not in ("", "nan") and float(rho) > 1:  # a Monte Carlo ratio of few documents
+            after = (
+                f"nearly all of its tokens differed (the estimate, {_percent(rho)}, is above "
+                "100%: too few documents or replicates to pin it down)"
+            )
         sentence = (
             f"{label}: the evicted model wrote a different token from the full-cache one "
             f"within {T} tokens in {_percent(est.get((pol, 'occurrence'), ''))} of "
-            f"trajectories; after that first difference {_percent(est.get((pol, 'rho'), ''))} "
-            f"of its tokens differed, so {_percent(est.get((pol, 'mismatch_fraction'), ''))} "
-            f"of all {T} tokens differ."
+            f"trajectories; after that first difference {after}, so "
+            f"{_percent(est.get((pol, 'mismatch_fraction'), ''))} of all {T} tokens differ."
         )
         lines += textwrap.wrap(sentence, 96, initial_indent="  ", subsequent_indent="    ")
     return lines

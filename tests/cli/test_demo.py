@@ -69,3 +69,13 @@ def test_demo_prints_the_decomposition_quietly_into_its_directory(tmp_path: Path
     assert (runs[0] / "run.zarr" / "completed").exists()
     assert (runs[0] / "report" / "report.html").is_file()
     assert str(runs[0] / "report" / "report.html") in out.stdout
+
+
+def test_the_closing_sentence_does_not_print_a_rate_above_100_percent_as_a_fact():
+    from kvcouple.demo import found_lines
+
+    est = {("p", "occurrence"): "0.859", ("p", "rho"): "1.11", ("p", "mismatch_fraction"): "0.61"}
+    text = " ".join(found_lines(est, {"p": "p"}, 8))
+    assert "nearly all of its tokens differed" in text and "above 100%" in text
+    est[("p", "rho")] = "0.613"
+    assert "61.3% of its tokens differed" in " ".join(found_lines(est, {"p": "p"}, 8))
