@@ -12,19 +12,14 @@ absent.
 from __future__ import annotations
 
 import os
-import shutil
 from pathlib import Path
 
 import pytest
 
-SITE = Path(os.environ.get("KVCOUPLE_DOCS_SITE", Path(__file__).parents[2] / "build" / "site"))
-CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
-DRIVER = shutil.which("chromedriver")
+from browser_helpers import headless_chrome, no_browser
 
-pytestmark = pytest.mark.skipif(
-    CHROMIUM is None or DRIVER is None,
-    reason="headless browser test skipped: apt-get install chromium chromium-driver",
-)
+SITE = Path(os.environ.get("KVCOUPLE_DOCS_SITE", Path(__file__).parents[2] / "build" / "site"))
+pytestmark = no_browser
 needs_site = pytest.mark.skipif(
     not (SITE / "index.html").exists(), reason=f"no built site at {SITE}: run `make docs`"
 )
@@ -35,17 +30,7 @@ PAGES = sorted(SITE.rglob("index.html")) if SITE.exists() else []
 
 @pytest.fixture(scope="module")
 def browser():
-    webdriver = pytest.importorskip("selenium.webdriver", reason="pip install selenium")
-    from selenium.webdriver.chrome.service import Service
-
-    options = webdriver.ChromeOptions()
-    options.binary_location = CHROMIUM
-    for flag in ("--headless=new", "--no-sandbox", "--disable-gpu", f"--window-size={WIDTH},1000"):
-        options.add_argument(flag)
-    driver = webdriver.Chrome(service=Service(DRIVER), options=options)
-    driver.set_page_load_timeout(60)
-    yield driver
-    driver.quit()
+    yield from headless_chrome(WIDTH)
 
 
 IMAGES = """

@@ -8,37 +8,20 @@ Skipped with a message where chromium, chromedriver or selenium is absent."""
 from __future__ import annotations
 
 import os
-import shutil
 from pathlib import Path
 
 import pytest
 
-CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
-DRIVER = shutil.which("chromedriver")
+from browser_helpers import headless_chrome, no_browser
+
 WIDTH = 1400
 
-pytestmark = [
-    pytest.mark.torch,
-    pytest.mark.skipif(
-        CHROMIUM is None or DRIVER is None,
-        reason="headless browser test skipped: apt-get install chromium chromium-driver",
-    ),
-]
+pytestmark = [pytest.mark.torch, no_browser]
 
 
 @pytest.fixture(scope="module")
 def browser():
-    webdriver = pytest.importorskip("selenium.webdriver", reason="pip install selenium")
-    from selenium.webdriver.chrome.service import Service
-
-    options = webdriver.ChromeOptions()
-    options.binary_location = CHROMIUM
-    for flag in ("--headless=new", "--no-sandbox", "--disable-gpu", f"--window-size={WIDTH},1000"):
-        options.add_argument(flag)
-    driver = webdriver.Chrome(service=Service(DRIVER), options=options)
-    driver.set_page_load_timeout(60)
-    yield driver
-    driver.quit()
+    yield from headless_chrome(WIDTH)
 
 
 @pytest.fixture(scope="module")
