@@ -20,6 +20,7 @@ import numpy as np
 from kvcouple.analysis import stats as st
 from kvcouple.analysis.estimates import ESTIMATORS
 from kvcouple.analysis.plan import DEFAULTS, Plan, PlanError, load_plan, registration_status
+from kvcouple.analysis.scoreboard import ScoreboardPool
 from kvcouple.analysis.tasks import (
     DocResult,
     Options,
@@ -28,6 +29,7 @@ from kvcouple.analysis.tasks import (
     connect_client,
     run_docs,
 )
+from kvcouple.analysis.units import TableLayout, UnitColumns, UnitView
 from kvcouple.errors import InvalidInputError, StoreError
 from kvcouple.resources import check_memory
 from kvcouple.store.reader import TraceStoreReader
@@ -67,6 +69,8 @@ class ModelResult:
     tables: dict[str, list[dict[str, Any]]]
     bootstrap: st.Bootstrap | None = None
     table: st.Table | None = None
+    # The scoreboard's rows (kvcouple.analysis.scoreboard), pooled as the documents came back.
+    scoreboard: list[dict[str, Any]] | None = None
 
 
 @dataclass
@@ -351,10 +355,13 @@ def analyze(
         tolerance,
         io_threads,
     )
-    results = _read_documents(infos, selected, options, client, scheduler, worker_threads, progress)
+    folds = [_StoreFold(info, sel, cfg) for info, sel in zip(infos, selected, strict=True)]
+    results = _read_documents(
+        infos, selected, options, client, scheduler, worker_threads, progress, folds
+    )
     skipped = _unread(infos)
     strict = not allow_incomplete or doc_set == "confirmatory"
-    models = _estimate_models(labels, infos, selected, results, cfg, strict, skipped)
+    models = _estimate_models(labels, folds, results, cfg, strict, skipped)
     result = AnalysisResult(
         models,
         cfg["estimator"],
@@ -424,13 +431,19 @@ def _read_documents(
     scheduler: str | None,
     worker_threads: int | None,
     progress: bool,
+    folds: list[_StoreFold],
 ) -> list[DocResult]:
     """Step 3: one task per selected document of every store (locally or on a Dask cluster),
-    in store then document order."""
+    in store then document order, each batch folded into its store's columns as it returns."""
     tasks = [(info, d) for info, sel in zip(infos, selected, strict=True) for d in sel]
+    by_store = {id(f.info): f for f in folds}
+
+    def fold(store: TraceStoreReader, results: list[DocResult]) -> list[DocResult]:
+        return by_store[id(store)].fold(results)
+
     the_client, owned = connect_client(client, scheduler)
     try:
-        return run_docs(tasks, options, the_client, worker_threads, progress)
+        return run_docs(tasks, options, the_client, worker_threads, progress, fold)
     finally:
         if owned:
             the_client.close()
@@ -447,10 +460,41 @@ def _unread(infos: list[TraceStoreReader]) -> list[dict[str, str]]:
     return skipped
 
 
+class _StoreFold:
+    """One store's accumulators while its documents are read: the table's rows
+    (:class:`~kvcouple.analysis.units.UnitColumns`) and the scoreboard, one slot per selected
+    document. Each returning result's units become a view of its row and its scoreboard
+    arrays are pooled and dropped, so memory is the table plus a few numbers per document."""
+
+    def __init__(self, info: TraceStoreReader, selected: list[int], cfg: dict[str, Any]) -> None:
+        T, L = info.horizon, info.window
+        obs = L if cfg["window"] == "stored" else int(cfg["window"])
+        split = None if cfg["early_late_split"] == "half" else int(cfg["early_late_split"])
+        layout = TableLayout.of(info.policies, T, L + 1, obs, split)
+        check_memory(
+            f"the table of {len(selected)} documents x {layout.width} quantities",
+            8 * len(selected) * layout.width,
+        )
+        self.info = info
+        self.selected = selected
+        self.slot = {d: i for i, d in enumerate(selected)}
+        self.columns = UnitColumns(layout, len(selected))
+        self.scoreboard = ScoreboardPool(info.policies, len(selected))
+
+    def fold(self, results: list[DocResult]) -> list[DocResult]:
+        for r in results:
+            slot = self.slot[r.doc]
+            if r.units is not None:
+                r.units = self.columns.put(slot, r.units)
+            if r.scores:
+                self.scoreboard.put(slot, r.scores)
+            r.scores = None
+        return results
+
+
 def _estimate_models(
     labels: list[str],
-    infos: list[TraceStoreReader],
-    selected: list[list[int]],
+    folds: list[_StoreFold],
     results: list[DocResult],
     cfg: dict[str, Any],
     strict: bool,
@@ -460,7 +504,8 @@ def _estimate_models(
     is added to ``skipped``) and the across-document statistics."""
     models = []
     pos = 0
-    for label, info, sel in zip(labels, infos, selected, strict=True):
+    for label, store in zip(labels, folds, strict=True):
+        info, sel = store.info, store.selected
         docs = results[pos : pos + len(sel)]
         pos += len(sel)
         bad = [d for d in docs if d.error is not None]
@@ -472,7 +517,7 @@ def _estimate_models(
         good = [d for d in docs if d.error is None]
         if not good:
             raise StoreError(f"{info.path}: no finished, undamaged documents to analyse")
-        models.append(_model_result(label, info, good, cfg))
+        models.append(_model_result(label, store, good, cfg))
     return models
 
 
@@ -537,25 +582,29 @@ def _model_labels(infos: list[TraceStoreReader]) -> list[str]:
 
 
 def _model_result(
-    label: str, info: TraceStoreReader, docs: list[DocResult], cfg: dict[str, Any]
+    label: str, store: _StoreFold, docs: list[DocResult], cfg: dict[str, Any]
 ) -> ModelResult:
-    T, L = info.horizon, info.window
-    obs = L if cfg["window"] == "stored" else int(cfg["window"])
-    split = None if cfg["early_late_split"] == "half" else int(cfg["early_late_split"])
-    units = [d.units for d in docs if d.units is not None]
-    table = st.build_table([d.doc_id for d in docs], units, info.policies, T, obs, split)
-    names, _ = table.matrix()
+    info, columns = store.info, store.columns
+    T, L, obs = info.horizon, info.window, columns.layout.obs_window
+    views = [d.units for d in docs]
+    if not all(isinstance(v, UnitView) and v.columns is columns for v in views):
+        raise RuntimeError("a document's units were not folded into its store's table")
+    columns.finish([v for v in views if isinstance(v, UnitView)])
+    table = columns.table([d.doc_id for d in docs])
     n_boot = cfg["n_boot"]
-    # The table (documents x columns, twice while it is assembled), the resamples' means and
-    # their cross moments (n_boot x columns, and about three column pairs per column) are
-    # doubles; nothing is (n_boot x documents): refuse before allocating, not abort.
+    # The resamples' means and their cross moments (n_boot x columns, and about three column
+    # pairs per column) are doubles; nothing is (n_boot x documents): refuse before
+    # allocating, not abort.
     check_memory(
-        f"--n-boot {n_boot} ({len(names)} quantities)",
-        8 * (4 * n_boot + 2 * len(docs)) * len(names),
+        f"--n-boot {n_boot} ({columns.layout.width} quantities)",
+        8 * 4 * n_boot * columns.layout.width,
     )
     bs = st.bootstrap_table(table, n_boot, cfg["seed"], cfg["ci_level"], cfg["ci_method"])
     tables = st.summarise(bs, info.policies, T, L + 1, cfg["reference"])
-    return ModelResult(label, info.path, info.policies, T, L, obs, docs, tables, bs, table)
+    return ModelResult(
+        label, info.path, info.policies, T, L, obs, docs, tables, bs, table,
+        store.scoreboard.rows(label),
+    )  # fmt: skip
 
 
 def run_tests(result: AnalysisResult, plan: Plan) -> list[dict[str, Any]]:

@@ -228,6 +228,8 @@ FIELDS.update(
         "statistic": "mean (over documents), a percentile, max, min or rms (of the pooled steps)",
         "se": "the standard error of a mean over documents",
         "steps": "the path steps pooled",
+        "relative_error": "a pooled percentile's relative resolution: 0 (exact) up to 2^22 "
+        "pooled steps, beyond 2^-12 (a histogram of the steps' float32 values)",
     }
 )
 

@@ -24,6 +24,7 @@ docs/quantities.md says how each number relates to llama.cpp's.
 from __future__ import annotations
 
 import math
+import threading
 from dataclasses import dataclass
 from typing import Any
 
@@ -32,7 +33,15 @@ import numpy as np
 from kvcouple.errors import StoreError
 from kvcouple.store.reader import TraceStoreReader
 
-__all__ = ["DocScores", "doc_scores", "scoreboard_rows", "scoreboard_table", "STATISTICS"]
+__all__ = [
+    "DocScores",
+    "PooledSteps",
+    "ScoreboardPool",
+    "STATISTICS",
+    "doc_scores",
+    "scoreboard_rows",
+    "scoreboard_table",
+]
 
 # llama-perplexity's rows, in its order: (statistic, percentile or None).
 KL_STATISTICS = (
@@ -112,61 +121,219 @@ def doc_scores(
     return out
 
 
-def _mean_se(values: list[float]) -> tuple[float, float]:
-    """Mean over documents and its standard error (sd / sqrt(n); NaN for one document)."""
-    if not values:
-        return math.nan, math.nan
-    x = np.asarray(values, np.float64)
-    se = float(x.std(ddof=1) / math.sqrt(len(x))) if len(x) > 1 else math.nan
-    return float(x.mean()), se
+# The pooled steps of one (policy, quantity) are kept exactly up to this many; beyond, as a
+# histogram of their float32 bit patterns in 2**HISTOGRAM_BITS bins (each bin's values agree
+# to a relative 2**-12), so a pool of any size costs at most 16 MB and its percentiles are
+# exact to that resolution (the rows' ``relative_error``). Maximum and minimum stay exact.
+EXACT_STEPS = 1 << 22
+HISTOGRAM_BITS = 21
+COUNT_BLOCK = 1 << 20  # values counted per pass over the bins
+HISTOGRAM_RESOLUTION = 2.0 ** -(HISTOGRAM_BITS - 9)  # bits left for the mantissa: 12
+_SMALLEST_NORMAL = float(np.finfo(np.float32).tiny)
 
 
-def _rows(quantity: str, per_doc: list[np.ndarray], transform: Any = None) -> list[dict[str, Any]]:
-    """One quantity's rows: the mean over documents (+- se), then the pooled steps'
-    percentiles (and the RMS for delta_p)."""
-    docs = [v for v in per_doc if v.size]
-    pooled = np.concatenate(docs) if docs else np.zeros(0)
-    mean, se = _mean_se([float(v.mean()) for v in docs])
-    rows = []
-    for statistic, pct in STATISTICS[quantity]:
-        estimate, error = math.nan, math.nan
-        if statistic == "mean":
-            estimate, error = mean, se
-        elif statistic == "rms" and pooled.size:
-            estimate = float(np.sqrt(np.mean(pooled**2)))
-        elif pct is not None and pooled.size:
-            estimate = float(np.percentile(pooled, pct))
-        rows.append(
-            {
-                "quantity": quantity,
-                "statistic": statistic,
-                "estimate": estimate,
-                "se": error,
-                "n_docs": len(docs),
-                "steps": int(pooled.size),
-            }
+def _sortable_keys(values: np.ndarray) -> np.ndarray:
+    """float32 bit patterns mapped to unsigned keys in the order of the values."""
+    bits = np.ascontiguousarray(values, np.float32).view(np.uint32)
+    return np.where(bits >> 31, ~bits, bits | np.uint32(1 << 31))
+
+
+def _key_value(key: int) -> float:
+    bits = key & 0x7FFFFFFF if key >> 31 else ~key & 0xFFFFFFFF
+    return float(np.array([bits], np.uint32).view(np.float32)[0])
+
+
+class PooledSteps:
+    """Every step's value of one quantity over the documents, for the pooled percentiles."""
+
+    def __init__(self) -> None:
+        self.parts: list[np.ndarray] = []
+        self.size = 0
+        self.low, self.high = math.inf, -math.inf
+        self.counts: np.ndarray | None = None
+        self.pending: list[np.ndarray] = []  # histogram mode: counted in blocks (_flush)
+        self.pending_size = 0
+        self._cumulative: np.ndarray | None = None
+
+    @property
+    def exact(self) -> bool:
+        return self.counts is None
+
+    def add(self, values: np.ndarray) -> None:
+        v = np.asarray(values, np.float32)
+        if not v.size:
+            return
+        self.size += v.size
+        self.low, self.high = min(self.low, float(v.min())), max(self.high, float(v.max()))
+        self._cumulative = None
+        if self.counts is not None:
+            self.pending.append(v)
+            self.pending_size += v.size
+            if self.pending_size >= COUNT_BLOCK:
+                self._flush()
+            return
+        self.parts.append(v)
+        if self.size > EXACT_STEPS:
+            self.counts = np.zeros(1 << HISTOGRAM_BITS, np.int64)
+            self.pending, self.pending_size, self.parts = self.parts, self.size, []
+            self._flush()
+
+    def _flush(self) -> None:
+        """Count the pending values (a block at a time: one pass over the bins per block)."""
+        if self.counts is None or not self.pending:
+            return
+        keys = _sortable_keys(np.concatenate(self.pending))
+        self.counts += np.bincount(
+            keys >> np.uint32(32 - HISTOGRAM_BITS), minlength=self.counts.size
         )
-    return rows
+        self.pending, self.pending_size = [], 0
+
+    def percentile(self, pct: float) -> float:
+        """``numpy.percentile`` (linear) of the pooled values; from the histogram, each order
+        statistic is its bin's middle, within the bin and the values' range."""
+        if not self.size:
+            return math.nan
+        if pct >= 100.0:
+            return self.high
+        if pct <= 0.0:
+            return self.low
+        pos = pct / 100.0 * (self.size - 1)
+        lo = math.floor(pos)
+        a, b = self._order(lo), self._order(min(lo + 1, self.size - 1))
+        if a == b:  # also two infinities, which numpy's interpolation turns into NaN
+            return a
+        if self.counts is None:
+            return float(np.percentile(self._sorted(), pct))
+        return a + (pos - lo) * (b - a)
+
+    def _sorted(self) -> np.ndarray:
+        if len(self.parts) != 1 or self.parts[0].dtype != np.float64:
+            self.parts = [np.sort(np.concatenate(self.parts).astype(np.float64))]
+        return self.parts[0]
+
+    def _order(self, i: int) -> float:
+        """The ``i``-th smallest value (0-based), to the histogram's resolution."""
+        if self.counts is None:
+            return float(self._sorted()[i])
+        if self._cumulative is None:
+            self._flush()
+            assert self.counts is not None
+            self._cumulative = np.cumsum(self.counts)
+        b = int(np.searchsorted(self._cumulative, i, side="right"))
+        shift = 32 - HISTOGRAM_BITS
+        value = _key_value((b << shift) | (1 << (shift - 1)))
+        if not math.isfinite(value):  # the bin of inf: its middle is a NaN pattern
+            value = _key_value(b << shift) if b < (1 << HISTOGRAM_BITS) - 1 else self.high
+        elif abs(value) < _SMALLEST_NORMAL:  # the bins of 0 (and subnormals): 0, not 1e-42
+            value = 0.0
+        return min(max(value, self.low), self.high)
+
+
+class _Pool:
+    """One (policy, quantity): each document's mean, step count and sum of squares (by slot,
+    so the result does not depend on the order documents arrive in) and the pooled steps."""
+
+    def __init__(self, quantity: str, slots: int) -> None:
+        self.quantity = quantity
+        self.doc_mean = np.full(slots, np.nan)
+        self.steps = np.zeros(slots, np.int64)
+        self.square_sum = np.zeros(slots)
+        # Only quantities with percentiles keep their steps (same_top has a mean only).
+        self.pooled = PooledSteps() if len(STATISTICS[quantity]) > 1 else None
+
+    def put(self, slot: int, values: np.ndarray) -> None:
+        if values.size:
+            self.doc_mean[slot] = float(values.mean())
+            self.steps[slot] = values.size
+            self.square_sum[slot] = float(np.sum(values**2))
+            if self.pooled is not None:
+                self.pooled.add(values)
+
+    def rows(self) -> list[dict[str, Any]]:
+        """The mean over documents (+- se), then the pooled steps' percentiles (and the RMS
+        for delta_p)."""
+        quantity, pooled = self.quantity, self.pooled
+        seen = self.steps > 0
+        means = self.doc_mean[seen]
+        n = int(seen.sum())
+        mean = float(means.mean()) if n else math.nan
+        se = float(means.std(ddof=1) / math.sqrt(n)) if n > 1 else math.nan
+        total = int(self.steps.sum())
+        error = 0.0 if pooled is None or pooled.exact else HISTOGRAM_RESOLUTION
+        rows = []
+        for statistic, pct in STATISTICS[quantity]:
+            estimate, stderr, relative_error = math.nan, math.nan, 0.0
+            if statistic == "mean":
+                estimate, stderr = mean, se
+            elif statistic == "rms" and total:
+                estimate = math.sqrt(float(self.square_sum.sum()) / total)
+            elif pct is not None and total and pooled is not None:
+                estimate = pooled.percentile(pct)
+                relative_error = error if 0.0 < pct < 100.0 else 0.0
+            rows.append(
+                {
+                    "quantity": quantity,
+                    "statistic": statistic,
+                    "estimate": estimate,
+                    "se": stderr,
+                    "n_docs": n,
+                    "steps": total,
+                    "relative_error": relative_error,
+                }
+            )
+        return rows
+
+
+class ScoreboardPool:
+    """The scoreboard of one store, folded one document at a time (:meth:`put`, any order,
+    thread-safe) in memory independent of the number of documents but for a few numbers
+    each: a 100k-document store does not keep its ~10^8 path steps."""
+
+    def __init__(self, policies: list[str], slots: int) -> None:
+        self.policies = list(policies)
+        self.pools = {p: {q: _Pool(q, slots) for q in STATISTICS} for p in self.policies}
+        # A quantity is reported only when every document recorded it.
+        self.missing = {p: {q: False for q in STATISTICS} for p in self.policies}
+        self.lock = threading.Lock()
+        self.documents = 0
+
+    def put(self, slot: int, scores: dict[str, DocScores]) -> None:
+        with self.lock:
+            self.documents += 1
+            for pol, s in scores.items():
+                pools, missing = self.pools[pol], self.missing[pol]
+                pools["kl_pq"].put(slot, s.kl)
+                for q, v in (("delta_p", s.dp), ("same_top", s.agree)):
+                    if v is None:
+                        missing[q] = True
+                    else:
+                        pools[q].put(slot, np.asarray(v, np.float64))
+
+    def rows(self, model: str) -> list[dict[str, Any]]:
+        out = []
+        for pol in self.policies:
+            pools, missing = self.pools[pol], self.missing[pol]
+            if not self.documents:
+                continue
+            parts = pools["kl_pq"].rows()
+            for q in ("delta_p", "same_top"):
+                if not missing[q]:
+                    parts += pools[q].rows()
+            out += [{"model": model, "policy": pol, **r} for r in parts]
+        return out
 
 
 def scoreboard_rows(model: str, policies: list[str], docs: list[Any]) -> list[dict[str, Any]]:
     """The scoreboard of one store: per policy, ``kl_pq``, ``delta_p`` (where recorded) and
-    ``same_top`` rows (``statistic``, ``estimate``, ``se``, ``n_docs``, ``steps``), from the
-    documents' :class:`DocScores` (``docs``: the analysis's per-document results)."""
-    out = []
-    for pol in policies:
-        scores = [d.scores[pol] for d in docs if getattr(d, "scores", None)]
-        if not scores:
-            continue
-        parts = _rows("kl_pq", [s.kl for s in scores])
-        if all(s.dp is not None for s in scores):
-            parts += _rows("delta_p", [s.dp for s in scores])
-        if all(s.agree is not None for s in scores):
-            parts += _rows(
-                "same_top", [s.agree.astype(np.float64) for s in scores if s.agree is not None]
-            )
-        out += [{"model": model, "policy": pol, **r} for r in parts]
-    return out
+    ``same_top`` rows (``statistic``, ``estimate``, ``se``, ``n_docs``, ``steps``,
+    ``relative_error`` of a percentile), from the documents' :class:`DocScores` (``docs``: the
+    analysis's per-document results, or ``scores`` dicts)."""
+    scored = [getattr(d, "scores", d) for d in docs]
+    scored = [s for s in scored if s]
+    pool = ScoreboardPool(policies, len(scored))
+    for slot, s in enumerate(scored):
+        pool.put(slot, s)
+    return pool.rows(model)
 
 
 # How llama-perplexity labels each row (the report's first column).

@@ -40,7 +40,8 @@ from kvcouple.analysis.bootstrap import (
     normal_scores,
     studentized_p_value,
 )
-from kvcouple.analysis.estimates import SCALARS, Table, UnitEstimate
+from kvcouple.analysis.estimates import Table
+from kvcouple.analysis.units import build_table
 
 # Defined here, or in kvcouple.analysis.bootstrap and importable from here as before.
 __all__ = [
@@ -101,49 +102,6 @@ NO_INTERVAL = "no interval: too few resamples define the statistic"
 AFTER_DIVERGENCE = ("rho", "mean_tau", "median_tau", "early_tv", "late_tv", "late_minus_early_tv")
 # Quantities that need the branches traced to the horizon.
 NEED_TAIL = ("expected_mismatches", "mismatch_fraction", "rho", "tail_contribution")
-
-
-def build_table(
-    doc_ids: list[str],
-    units: list[dict[str, UnitEstimate]],
-    policies: list[str],
-    horizon: int,
-    obs_window: int,
-    early_late_split: int | None = None,
-) -> Table:
-    """One column per (policy, per-document quantity); curves as one column per point.
-    Early lags are ``1..s``, late ``s+1..L_w`` with ``s = early_late_split`` (default
-    ``L_w // 2``)."""
-    half = obs_window // 2 if early_late_split is None else int(early_late_split)
-    if not 0 < half < obs_window:
-        raise ValueError(
-            f"the early/late split must be a lag in 1..{obs_window - 1} (the window has "
-            f"{obs_window} lags), got {half}"
-        )
-    columns: list[tuple[str, str, Any]] = []  # (policy, name, value of a unit)
-    for pol in policies:
-        us = [u[pol] for u in units]
-        for name in SCALARS:
-            columns.append((pol, f"{pol}|{name}", lambda u, n=name: u.values[n]))
-        for i in range(horizon + 1):
-            columns.append((pol, f"{pol}|S|{i}", lambda u, i=i: u.survival[i]))
-        for i in range(horizon):
-            columns.append((pol, f"{pol}|pmf|{i + 1}", lambda u, i=i: u.pmf[i]))
-        for lag in range(len(us[0].tv_lag_num)):
-            columns.append((pol, f"{pol}|tvn|{lag}", lambda u, k=lag: u.tv_lag_num[k]))
-            columns.append((pol, f"{pol}|tvd|{lag}", lambda u, k=lag: u.tv_lag_den[k]))
-        for part, lags in (
-            ("early", slice(1, half + 1)),
-            ("late", slice(half + 1, obs_window + 1)),
-        ):
-            columns.append((pol, f"{pol}|{part}n", lambda u, s=lags: u.tv_lag_num[s].sum()))
-            columns.append((pol, f"{pol}|{part}d", lambda u, s=lags: u.tv_lag_den[s].sum()))
-    # One (documents x columns) matrix filled in place, the columns views of it: the bootstrap
-    # reads it without a copy (at 100k documents a copy is hundreds of MB).
-    mat = np.empty((len(doc_ids), len(columns)))
-    for j, (pol, _, value) in enumerate(columns):
-        mat[:, j] = [value(u[pol]) for u in units]
-    return Table(doc_ids, {name: mat[:, j] for j, (_, name, _) in enumerate(columns)}, mat)
 
 
 def _ratio(a: np.ndarray, b: np.ndarray) -> np.ndarray:

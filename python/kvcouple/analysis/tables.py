@@ -60,9 +60,12 @@ def tidy_tables(result: AnalysisResult) -> dict[str, list[dict[str, Any]]]:
                 row["median_tau"] = u.median_tau
                 row["tail_observed"] = u.tail_observed
                 out["per_document"].append({**row, **meta})
-        out["scoreboard"] += [
-            {**row, **meta} for row in scoreboard_rows(m.model, m.policies, m.docs)
-        ]
+        board = (
+            m.scoreboard
+            if m.scoreboard is not None
+            else scoreboard_rows(m.model, m.policies, m.docs)
+        )
+        out["scoreboard"] += [{**row, **meta} for row in board]
         checked = [d.check for d in m.docs if d.check is not None]
         if checked:
             out["recompute_summary"].append(

@@ -18,6 +18,7 @@ Every worker's pool is set to that worker's ``nthreads`` (``kvcouple.set_num_thr
 from __future__ import annotations
 
 import os
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -71,11 +72,18 @@ class Options:
 class DocResult:
     doc: int
     doc_id: str
-    units: dict[str, UnitEstimate] | None
+    # policy -> estimates; after kvcouple.analysis.analyze, a view of the table's row
+    # (kvcouple.analysis.units.UnitView).
+    units: Mapping[str, UnitEstimate] | None
     check: RecomputeCheck | None
     error: str | None = None
-    # The path's scoreboard values per policy (kvcouple.analysis.scoreboard).
+    # The path's scoreboard values per policy (kvcouple.analysis.scoreboard); analyze folds
+    # them into the store's scoreboard (ModelResult.scoreboard) and drops them.
     scores: dict[str, DocScores] | None = None
+
+
+# Folds a batch of one store's results into the caller's accumulators (run_docs).
+Fold = Callable[[TraceStoreReader, list[DocResult]], list[DocResult]]
 
 
 def analyze_doc(info: TraceStoreReader, doc: int, options: Options) -> DocResult:
@@ -196,11 +204,15 @@ def run_docs(
     client: Any,
     worker_threads: int | None,
     progress: bool = False,
+    fold: Fold | None = None,
 ) -> list[DocResult]:
     """Every task ``(store, document)``'s :func:`analyze_doc`, in task order, by batches of a
     store's documents (:func:`analyze_docs`): a few in flight on local threads, or one Dask
     task each on ``client``'s workers (batches small enough that every worker thread gets
-    several)."""
+    several). ``fold(store, results)`` is called on each batch as it comes back (from any
+    thread) and its return value kept instead: the caller folds the heavy parts into its own
+    accumulators, so memory does not grow with every document's arrays."""
+    keep: Fold = fold if fold is not None else (lambda _store, results: results)
     from tqdm import tqdm  # type: ignore[import-untyped]
 
     bar = tqdm(total=len(tasks), unit="doc", desc="kvcouple analyze", disable=not progress)
@@ -212,7 +224,7 @@ def run_docs(
             from concurrent.futures import ThreadPoolExecutor
 
             def one(batch: tuple[TraceStoreReader, list[int]]) -> list[DocResult]:
-                r = analyze_docs(batch[0], batch[1], options)
+                r = keep(batch[0], analyze_docs(batch[0], batch[1], options))
                 bar.update(len(batch[1]))
                 return r
 
@@ -232,9 +244,13 @@ def run_docs(
             options=options,
             pure=False,
         )
-        sizes = {f.key: len(b[1]) for f, b in zip(futures, batches, strict=True)}
+        index = {f.key: i for i, f in enumerate(futures)}
+        done: list[list[DocResult]] = [[] for _ in batches]
         for f in as_completed(futures):
-            bar.update(sizes[f.key])
-        return [r for rs in client.gather(futures) for r in rs]
+            i = index[f.key]
+            done[i] = keep(batches[i][0], f.result())
+            f.release()  # folded: the worker's copy is not needed any more
+            bar.update(len(batches[i][1]))
+        return [r for rs in done for r in rs]
     finally:
         bar.close()
