@@ -10,7 +10,7 @@ from pathlib import Path
 from kvcouple import synth
 from kvcouple.analysis import analyze, quantities, write_report
 from kvcouple.analysis.console import DECOMPOSITION_ROWS
-from kvcouple.analysis.report import GAP_COLUMNS, SUMMARY_ROWS, WINDOW_ROWS
+from kvcouple.analysis.report_sections import GAP_COLUMNS, SUMMARY_ROWS, WINDOW_ROWS
 from kvcouple.synth.trace_store import write_synthetic_trace_store
 
 ROOT = Path(__file__).resolve().parents[2]
