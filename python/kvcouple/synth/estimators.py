@@ -19,6 +19,7 @@ import numpy as np
 import numpy.typing as npt
 
 from kvcouple import _core
+from kvcouple import decomposition as dc
 from kvcouple.deprecation import RenamedKeys, warn_renamed
 from kvcouple.errors import InvalidInputError
 from kvcouple.resources import check_memory
@@ -198,6 +199,11 @@ def exact(pair: KernelPair, horizon: int, window: int | None = None) -> ExactRes
         An out-of-range ``horizon`` or ``window``.
     """
     d = _core.synth_exact(pair.arrays(), horizon, _window(horizon, window))
+    # The decomposition's parts from the counts, as the analysis and the estimates derive them.
+    post = d["window_contribution"] + d["tail_contribution"]
+    d.update(
+        dc.parts(d["expected_mismatches"], d["occurrence"], d["occupation"], post, d["horizon"])
+    )
     return ExactResult(**d)
 
 
@@ -447,6 +453,11 @@ def estimate(
     for k, x in values.items():
         mean[k], se[k] = _mean_se(x)
     t = float(horizon)
+    post = raw["window_contribution"] + raw["tail_contribution"]
+    # The decomposition's parts from the means, as the analysis and the exact solver derive
+    # them; the fractions' standard errors scale with them, rho's by the delta method.
+    parts = dc.parts(mean["expected_mismatches"], mean["occurrence"], mean["occupation"],
+                     float(np.mean(post)), t)  # fmt: skip
     for k, src in (
         ("mismatch_fraction", "expected_mismatches"),
         ("first_mismatch", "occurrence"),
@@ -454,9 +465,8 @@ def estimate(
         ("interval_lower_fraction", "interval_lower"),
         ("interval_upper_fraction", "interval_upper"),
     ):
-        mean[k], se[k] = mean[src] / t, se[src] / t
-    post = raw["window_contribution"] + raw["tail_contribution"]
-    mean["rho"], se["rho"] = _ratio(post, raw["occupation"])
+        mean[k], se[k] = parts.get(k, mean[src] / t), se[src] / t
+    mean["rho"], se["rho"] = parts["rho"], _ratio(post, raw["occupation"])[1]
     lags = raw["branch_tv_sum"].shape[1]
     tv = [_ratio(raw["branch_tv_sum"][:, i], raw["branch_lag_weight"][:, i]) for i in range(lags)]
     return Estimate(
