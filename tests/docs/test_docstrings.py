@@ -99,7 +99,7 @@ NUMPY_CLASSES = [
     analysis.AnalysisResult,
     analysis.Options,
     analysis.Plan,
-    synth.Estimate,
+    synth.MonteCarloEstimate,
     synth.ExactResult,
     synth.Interval,
     synth.Kernel,

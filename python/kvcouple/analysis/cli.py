@@ -11,6 +11,7 @@ from typing import Any
 from kvcouple import cliargs
 from kvcouple.analysis.bootstrap import CI_METHODS, DEFAULT_CI_METHOD
 from kvcouple.analysis.engine import DEFAULT_N_BOOT
+from kvcouple.analysis.estimates import ESTIMATORS
 from kvcouple.errors import StoreError, debug_requested
 from kvcouple.textsafe import terminal
 
@@ -299,7 +300,7 @@ def _settings_arguments(p: Any) -> None:
     )
     p.add_argument(
         "--estimator",
-        choices=["indicator", "tv"],
+        choices=list(ESTIMATORS),
         default=None,
         help="branch mismatches from indicators (default, Rao-Blackwellised) or TVs",
     )

@@ -54,8 +54,9 @@ from pathlib import Path
 from typing import Any
 
 from kvcouple.analysis.bootstrap import CI_METHODS, DEFAULT_CI_METHOD
+from kvcouple.analysis.estimates import ESTIMATORS
 from kvcouple.analysis.quantities import current_name
-from kvcouple.analysis.stats import QUANTITIES
+from kvcouple.analysis.stats import SUMMARY_DEFINITIONS
 from kvcouple.errors import InvalidInputError
 from kvcouple.store.schema import RUN_KEYS
 
@@ -66,7 +67,6 @@ else:  # Python 3.10
 
 DIRECTIONS = ("greater", "less", "two-sided")
 CORRECTIONS = ("holm", "bonferroni", "none")
-ESTIMATORS = ("indicator", "tv")
 
 
 class PlanError(InvalidInputError):
@@ -324,7 +324,7 @@ def _parse_comparison(comp: dict[str, Any], cc: _Checker) -> tuple[dict[str, Any
     metric = comp.get("metric")
     if isinstance(metric, str):  # a renamed quantity is read as its new name, with a warning
         metric = current_name(metric, f"{cc.where}: metric")
-    metric = cc.string("metric", metric, tuple(QUANTITIES))
+    metric = cc.string("metric", metric, tuple(SUMMARY_DEFINITIONS))
     direction = cc.string("direction", comp.get("direction", "two-sided"), DIRECTIONS)
     value = cc.number("value", comp.get("value", 0.0), -math.inf, math.inf, "(finite)")
     model = cc.string("model", comp["model"]) if "model" in comp else None

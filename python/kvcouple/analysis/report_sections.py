@@ -27,7 +27,7 @@ from kvcouple.analysis.report_words import (
     with_ci,
 )
 from kvcouple.analysis.scoreboard import report_section as scoreboard_section
-from kvcouple.analysis.stats import DISCRETE, NOT_INTERPRETABLE, QUANTITIES
+from kvcouple.analysis.stats import DISCRETE, NOT_INTERPRETABLE, SUMMARY_DEFINITIONS
 from kvcouple.analysis.text_html import markdown_lines as text_markdown_lines
 from kvcouple.textsafe import markdown_cell, terminal
 
@@ -212,7 +212,7 @@ def markdown_report(
     lines += _check_sections(tables)
     lines += _settings_section(result, level)
     lines += ["\n## Symbols\n", *SYMBOLS]
-    lines += ["\n## Quantities\n"] + [f"- `{k}`: {v}" for k, v in QUANTITIES.items()]
+    lines += ["\n## Quantities\n"] + [f"- `{k}`: {v}" for k, v in SUMMARY_DEFINITIONS.items()]
     return "\n".join(lines) + "\n"
 
 

@@ -42,6 +42,7 @@ from kvcouple.analysis.bootstrap import (
     studentized_p_value,
 )
 from kvcouple.analysis.estimates import SCALARS, Table, UnitEstimate
+from kvcouple.deprecation import module_getattr
 
 # Defined here, or in kvcouple.analysis.bootstrap and importable from here as before.
 __all__ = [
@@ -51,7 +52,7 @@ __all__ = [
     "GAP_TERMS",
     "NOT_INTERPRETABLE",
     "PERCENTILE_TERMS",
-    "QUANTITIES",
+    "SUMMARY_DEFINITIONS",
     "STUDENTIZED_MIN_DOCS",
     "UNBOUNDED",
     "Bootstrap",
@@ -82,7 +83,11 @@ __all__ = [
 ]
 
 # Quantities reported per policy: name -> definition (with the unit), from the registry.
-QUANTITIES: dict[str, str] = {q.name: f"{q.definition} ({q.unit})" for q in quantities.SUMMARY}
+SUMMARY_DEFINITIONS: dict[str, str] = {
+    q.name: f"{q.definition} ({q.unit})" for q in quantities.SUMMARY
+}
+# QUANTITIES named both this map and the registry (kvcouple.analysis.quantities.QUANTITIES).
+__getattr__ = module_getattr(__name__, {"QUANTITIES": "SUMMARY_DEFINITIONS"}, globals())
 # The registry says each quantity's interval: integer-valued ones get percentile intervals;
 # gap terms that are ratios get the test-inversion set (percentile under other methods).
 DISCRETE = tuple(q.name for q in quantities.SUMMARY if q.interval == "percentile")
@@ -418,7 +423,7 @@ def summarise(
     :func:`quantity_scale`); ``note`` says why one is a point (constant over the documents) or
     absent (undefined, unobserved, too few documents)."""
     summary, curves, diffs, gaps, surv = [], [], [], [], []
-    names = list(QUANTITIES)
+    names = list(SUMMARY_DEFINITIONS)
     discrete = [n in DISCRETE for n in names]
     for pol in policies:
         own = [quantity_scale(n, horizon) for n in names]

@@ -2,7 +2,7 @@
 
     kvcouple synth random-pair --vocab V --states S --seed N --out pair.npz
     kvcouple synth exact --pair pair.npz --horizon T --window L --json
-    kvcouple synth estimate --pair pair.npz --horizon T --window L --method rb|rb-tv|naive \
+    kvcouple synth estimate --pair pair.npz --horizon T --window L --estimator indicator|tv|naive \
         --replicates N --branches K --seed N --json
 
 JSON values are counts per sequence (``*_fraction``, ``exposure``, ``mismatch_fraction`` and
@@ -18,8 +18,10 @@ import sys
 from typing import Any
 
 from kvcouple.cliargs import finite_float, nonnegative, positive, seed
+from kvcouple.synth.estimators import RENAMED_ESTIMATORS, SYNTH_ESTIMATORS
 
-SCALARS = (
+# What `kvcouple synth exact` prints without --json (the JSON has every key).
+EXACT_PRINTED = (
     "expected_mismatches",
     "mismatch_fraction",
     "occurrence",
@@ -88,7 +90,7 @@ def _exact(args: argparse.Namespace) -> int:
     result = exact(_pair(args.pair), args.horizon, args.window)
     d = result.to_dict()
     if not args.json:
-        d = {k: d[k] for k in ("horizon", "window", *SCALARS)}
+        d = {k: d[k] for k in ("horizon", "window", *EXACT_PRINTED)}
     _print(d, args.json)
     return 0
 
@@ -100,7 +102,8 @@ def _estimate(args: argparse.Namespace) -> int:
         _pair(args.pair),
         args.horizon,
         args.window,
-        method=args.method,
+        estimator=args.estimator,
+        method=args.method,  # deprecated: read for one release
         replicates=args.replicates,
         branches=args.branches,
         seed=args.seed,
@@ -154,11 +157,17 @@ def register(subparsers: Any) -> None:
     p = sub.add_parser("estimate", help="Monte Carlo means and standard errors")
     _common(p)
     p.add_argument(
+        "--estimator",
+        choices=SYNTH_ESTIMATORS,
+        default=None,
+        help="indicator (default): RB-CMC from branch mismatch indicators; tv: RB-CMC from "
+        "branch TVs; naive: plain coupled simulation",
+    )
+    p.add_argument(
         "--method",
-        choices=("rb", "rb-tv", "naive"),
-        default="rb",
-        help="rb: RB-CMC from branch mismatch indicators; rb-tv: RB-CMC from branch TVs; "
-        "naive: plain coupled simulation",
+        choices=(*RENAMED_ESTIMATORS, *SYNTH_ESTIMATORS),
+        default=None,
+        help="deprecated: --estimator (rb is indicator, rb-tv is tv)",
     )
     p.add_argument(
         "-N", "--replicates", type=positive, default=1000, help="overlap paths simulated"
