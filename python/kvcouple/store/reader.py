@@ -26,7 +26,7 @@ The reader is made of parts it owns, and its methods are theirs:
 from __future__ import annotations
 
 import os
-from typing import Any
+from typing import Any, Generic, TypeVar, overload
 
 import numpy as np
 
@@ -39,19 +39,61 @@ from kvcouple.resources import check_memory as check_memory
 from kvcouple.store.engine_reads import EngineReads, EngineSwitch
 from kvcouple.store.geometry import StoreGeometry
 from kvcouple.store.geometry import is_url as is_url
-from kvcouple.store.geometry import not_a_store as not_a_store
 from kvcouple.store.lock import StoreBeingWrittenError, writing_note
 from kvcouple.store.object_storage import ObjectStorageReads
 from kvcouple.store.schema import UNIT_SLACK as UNIT_SLACK
 from kvcouple.store.schema import Record, Variable
 from kvcouple.store.validation import StoreValidation
 
+T = TypeVar("T")
+
+
+class _PartAttribute(Generic[T]):
+    """A reader attribute that is its part's attribute of the same name (read only): what
+    the geometry was opened with, what the validation found."""
+
+    def __init__(self, part: str):
+        self.part = part
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.name = name
+
+    @overload
+    def __get__(self, reader: None, owner: type | None = None) -> _PartAttribute[T]: ...
+    @overload
+    def __get__(self, reader: object, owner: type | None = None) -> T: ...
+    def __get__(self, reader: object | None, owner: type | None = None) -> Any:
+        if reader is None:
+            return self
+        return getattr(getattr(reader, self.part), self.name)
+
 
 class TraceStoreReader:
     """A validated, open trace store. Picklable: a Dask worker reopens it from the URL.
 
     ``storage_options`` are passed to fsspec for URLs (``s3://...``): credentials, endpoint.
+    Its attributes are what opening found (:class:`~kvcouple.store.validation.
+    StoreValidation`): ``schema_version``, ``attrs`` (the store's attributes), ``record`` (and
+    ``record_level``, parsed), ``variables`` (the schema's, by name) and ``names`` (without
+    the completion flags), ``dims`` (dimension sizes), ``doc_ids``, ``policies``,
+    ``checksums`` (what protects the chunks, in words), ``completed_flags`` and
+    ``flag_errors`` (damaged flag chunks' messages by document).
     """
+
+    path: _PartAttribute[str] = _PartAttribute("geometry")
+    storage_options: _PartAttribute[dict[str, Any]] = _PartAttribute("geometry")
+    schema_version: _PartAttribute[int] = _PartAttribute("validation")
+    attrs: _PartAttribute[dict[str, Any]] = _PartAttribute("validation")
+    record_level: _PartAttribute[Record] = _PartAttribute("validation")
+    record: _PartAttribute[str] = _PartAttribute("validation")
+    variables: _PartAttribute[dict[str, Variable]] = _PartAttribute("validation")
+    names: _PartAttribute[list[str]] = _PartAttribute("validation")
+    dims: _PartAttribute[dict[str, int]] = _PartAttribute("validation")
+    doc_ids: _PartAttribute[list[str]] = _PartAttribute("validation")
+    policies: _PartAttribute[list[str]] = _PartAttribute("validation")
+    checksums: _PartAttribute[str] = _PartAttribute("validation")
+    completed_flags: _PartAttribute[np.ndarray] = _PartAttribute("validation")
+    flag_errors: _PartAttribute[dict[int, str]] = _PartAttribute("validation")
 
     def __init__(self, path: str | os.PathLike[str], storage_options: dict[str, Any] | None = None):
         self.geometry = StoreGeometry(path, storage_options)
@@ -59,66 +101,6 @@ class TraceStoreReader:
         switch = EngineSwitch(self.geometry.path)
         self.object_storage = ObjectStorageReads(self.geometry, self.validation.dims["doc"], switch)
         self.engine_reads = EngineReads(self.geometry, self.validation, self.object_storage, switch)
-
-    # -- what opening found (StoreValidation) -------------------------------------------------
-
-    @property
-    def path(self) -> str:
-        return self.geometry.path
-
-    @property
-    def storage_options(self) -> dict[str, Any]:
-        return self.geometry.storage_options
-
-    @property
-    def schema_version(self) -> int:
-        return self.validation.schema_version
-
-    @property
-    def attrs(self) -> dict[str, Any]:
-        return self.validation.attrs
-
-    @property
-    def record_level(self) -> Record:
-        return self.validation.record_level
-
-    @property
-    def record(self) -> str:
-        return self.validation.record
-
-    @property
-    def variables(self) -> dict[str, Variable]:
-        return self.validation.variables
-
-    @property
-    def names(self) -> list[str]:
-        return self.validation.names
-
-    @property
-    def dims(self) -> dict[str, int]:
-        return self.validation.dims
-
-    @property
-    def doc_ids(self) -> list[str]:
-        return self.validation.doc_ids
-
-    @property
-    def policies(self) -> list[str]:
-        return self.validation.policies
-
-    @property
-    def checksums(self) -> str:
-        """What protects the chunks, in words (``"crc32c on every chunk"``, ``"no checksums
-        (schema version 2)"``, ...)."""
-        return self.validation.checksums
-
-    @property
-    def completed_flags(self) -> np.ndarray:
-        return self.validation.completed_flags
-
-    @property
-    def flag_errors(self) -> dict[int, str]:
-        return self.validation.flag_errors
 
     # -- what the analysis asks ---------------------------------------------------------------
 
