@@ -294,7 +294,7 @@ def simulate(
     kvcouple.errors.ResourceLimitError
         The per-replicate outputs would not fit in the memory available.
     """
-    estimator = resolve_estimator(estimator, method, "simulate")
+    chosen = resolve_estimator(estimator, method, "simulate")
     if trace not in ("horizon", "window"):
         raise InvalidInputError(f"trace must be 'horizon' or 'window', got {trace!r}")
     # Per-replicate outputs: about a dozen values plus two per lag, refused beyond memory.
@@ -306,13 +306,13 @@ def simulate(
         pair.arrays(),
         horizon,
         _window(horizon, window),
-        method="naive" if estimator == "naive" else "rb",  # the core's words
+        method="naive" if chosen == "naive" else "rb",  # the core's words
         replicates=replicates,
         branches=branches,
         seed=check_seed(seed),
         trace_to_horizon=trace == "horizon",
     )
-    if estimator == "tv":
+    if chosen == "tv":
         for k in ("window_contribution", "tail_contribution", "expected_mismatches"):
             out[k] = out.pop(k + "_tv")
     for k in ("window_contribution_tv", "tail_contribution_tv", "expected_mismatches_tv"):
@@ -474,12 +474,12 @@ def estimate(
     kvcouple.errors.ResourceLimitError
         The per-replicate outputs would not fit in the memory available.
     """
-    estimator = resolve_estimator(estimator, method, "estimate")
+    chosen = resolve_estimator(estimator, method, "estimate")
     raw = simulate(
         pair,
         horizon,
         window,
-        estimator=estimator,
+        estimator=chosen,  # type: ignore[arg-type]  # checked: one of SYNTH_ESTIMATORS
         replicates=replicates,
         branches=branches,
         seed=seed,
@@ -516,7 +516,7 @@ def estimate(
     lags = raw["branch_tv_sum"].shape[1]
     tv = [_ratio(raw["branch_tv_sum"][:, i], raw["branch_lag_weight"][:, i]) for i in range(lags)]
     return MonteCarloEstimate(
-        estimator=estimator,
+        estimator=chosen,
         horizon=horizon,
         window=_window(horizon, window),
         replicates=replicates,
