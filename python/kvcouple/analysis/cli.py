@@ -292,11 +292,8 @@ def _documents_arguments(p: Any) -> None:
 
 def _settings_arguments(p: Any) -> None:
     """The settings that change a number (a plan fixes each one)."""
-    p.add_argument(
-        "--window",
-        type=cliargs.nonnegative,
-        default=None,
-        help="observation window L_w for the window/tail split (default: stored L)",
+    cliargs.add_window(
+        p, help="observation window L_w for the window/tail split (default: stored L)"
     )
     p.add_argument(
         "--estimator",
@@ -322,12 +319,7 @@ def _settings_arguments(p: Any) -> None:
         help=f"document bootstrap resamples (default: the plan's n_boot, else {DEFAULT_N_BOOT})"
         + sealed,
     )
-    p.add_argument(
-        "--seed",
-        type=cliargs.seed,
-        default=None,
-        help="bootstrap seed (default: the plan's seed, else 0)" + sealed,
-    )
+    cliargs.add_seed(p, None, help="bootstrap seed (default: the plan's seed, else 0)" + sealed)
     p.add_argument(
         "--ci",
         type=cliargs.unit_open,

@@ -17,7 +17,8 @@ import json
 import sys
 from typing import Any
 
-from kvcouple.cliargs import finite_float, nonnegative, positive, seed
+from kvcouple import cliargs
+from kvcouple.cliargs import finite_float, positive
 from kvcouple.synth.estimators import RENAMED_ESTIMATORS, SYNTH_ESTIMATORS
 
 # What `kvcouple synth exact` prints without --json (the JSON has every key).
@@ -115,13 +116,11 @@ def _estimate(args: argparse.Namespace) -> int:
 
 def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--pair", required=True, help="pair file (.npz): emitter keys or P, Q, start")
-    p.add_argument("-T", "--horizon", type=positive, required=True, help="steps T")
-    p.add_argument(
-        "-L",
-        "--window",
-        type=nonnegative,
-        default=None,
+    cliargs.add_horizon(p, required=True, help="steps T", short="-T")
+    cliargs.add_window(
+        p,
         help="lags after divergence in the window (default and L >= T: to the horizon)",
+        short="-L",
     )
     p.add_argument("--json", action="store_true", help="print JSON")
 
@@ -139,7 +138,7 @@ def register(subparsers: Any) -> None:
     p = sub.add_parser("random-pair", help="write a seeded random pair file")
     p.add_argument("--vocab", type=positive, required=True, help="tokens V")
     p.add_argument("--states", type=positive, default=None, help="states S (default V)")
-    p.add_argument("--seed", type=seed, default=0, help="random seed of the pair")
+    cliargs.add_seed(p, 0, help="random seed of the pair")
     p.add_argument("--closeness", type=finite_float, default=0.5, help="0: unrelated Q; 1: Q = P")
     p.add_argument("--sparsity", type=finite_float, default=0.0, help="chance an entry is zero")
     p.add_argument("--absorbing", action="store_true", help="token V-1 is an absorbing EOS")
@@ -169,11 +168,9 @@ def register(subparsers: Any) -> None:
         default=None,
         help="deprecated: --estimator (rb is indicator, rb-tv is tv)",
     )
-    p.add_argument(
-        "-N", "--replicates", type=positive, default=1000, help="overlap paths simulated"
-    )
-    p.add_argument("-K", "--branches", type=positive, default=1, help="residual branches per path")
-    p.add_argument("--seed", type=seed, default=0, help="random seed of the simulation")
+    cliargs.add_replicates(p, 1000, help="overlap paths simulated", short="-N")
+    cliargs.add_branches(p, 1, help="residual branches per path", short="-K")
+    cliargs.add_seed(p, 0, help="random seed of the simulation")
     p.add_argument(
         "--trace",
         choices=("horizon", "window"),
