@@ -169,8 +169,8 @@ def test_every_cascade_attention_path_traces_the_same_records(path, monkeypatch)
     import kvcouple.tracer.prefix as prefix
     from kvcouple.policies import parse_policy
     from kvcouple.testing.efficient_attention import efficient_attention
-    from kvcouple.tracer.lse_attention import attend_lse, efficient_lse
     from kvcouple.tracer.batches import trace_documents_records
+    from kvcouple.tracer.lse_attention import attend_lse, efficient_lse
 
     m = model("llama")
     prompts = _prompts([20, 33, 27])
