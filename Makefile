@@ -28,8 +28,8 @@ lint: ## rustfmt --check, clippy -D warnings, ruff, mypy
 stubtest: ## Check python/kvcouple/_core.pyi against the built module
 	$(PYTHON) -m mypy.stubtest kvcouple._core --allowlist .ci/stubtest-allowlist.txt
 
-test-rust: ## The pure-Rust crates on their own (core, store, remote)
-	cargo test -p kvcouple-core -p kvcouple-store -p kvcouple-remote
+test-rust: ## The pure-Rust crates on their own (core, store, fetch)
+	cargo test -p kvcouple-core -p kvcouple-store -p kvcouple-fetch
 
 test-python: ## The Python suite, notebooks included
 	$(PYTHON) -m pytest -q $(PYTEST_ARGS)

@@ -481,7 +481,7 @@ def _s3_fetch_floors(url: str, store: Path, repeats: int) -> dict[str, float]:
     if reader.fetched_by != "engine":
         raise RuntimeError(f"the engine's client cannot read {url} ({reader.fetched_by})")
     keys = [str(f.relative_to(store)) for f in store.rglob("*") if f.is_file()]
-    ways = {"engine": reader.fetch_objects, "fsspec": reader._fetch_with_zarr}
+    ways = {"engine": reader.fetch_objects, "fsspec": reader.object_storage.fetch_with_zarr}
     best = {}
     for way, fetch in ways.items():
         times = []

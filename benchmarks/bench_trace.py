@@ -164,7 +164,7 @@ def bench_real(args: argparse.Namespace) -> None:
     from kvcouple.policies import parse_policy
     from kvcouple.testing.real_model import smollm2_folder, stdlib_documents
     from kvcouple.tracer import TraceSettings, trace_document
-    from kvcouple.tracer.run import check_model
+    from kvcouple.tracer.batches import check_model
     from kvcouple.tracer.support import check_support
 
     torch.set_num_threads(args.threads)

@@ -99,7 +99,7 @@ def short_documents(
     """``count`` documents of ``length`` tokens traced as one batch of documents and one at a
     time (the same records to float noise): tokens/s of both."""
     from kvcouple.tracer.memory import plan_loaded
-    from kvcouple.tracer.run import trace_documents_records
+    from kvcouple.tracer.batches import trace_documents_records
 
     vocab = model.config.vocab_size
     prompts = [rng.integers(2, vocab, length).tolist() for _ in range(count)]

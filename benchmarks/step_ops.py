@@ -17,7 +17,7 @@ import torch
 from kvcouple.policies import parse_policy
 from kvcouple.testing.op_counter import generate_peer, per_step
 from kvcouple.tracer import TraceSettings, trace_document
-from kvcouple.tracer.run import trace_documents_records
+from kvcouple.tracer.batches import trace_documents_records
 
 CASES = [
     ("snapkv, shared", "snapkv:retain=0.5", "shared"),

@@ -31,6 +31,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from kvcouple import cliargs
 from kvcouple.errors import InvalidInputError
 from kvcouple.models import check_gguf, model_source
 from kvcouple.store.schema import SCHEMA_VERSION
@@ -75,18 +76,19 @@ def register(subparsers: Any) -> None:
         help="parent folder: each run writes DIR/run-<hash>/ (run.zarr and report/), <hash> "
         "naming its settings (default: $KVCOUPLE_DEMO_DIR, else ~/.cache/kvcouple/demo)",
     )
-    p.add_argument("--horizon", type=int, default=32, help="T: new tokens per trajectory")
-    p.add_argument("--replicates", type=int, default=6, help="R: overlap paths per document")
-    p.add_argument("--branches", type=int, default=2, help="K: residual branches per path")
-    p.add_argument(
-        "--window",
-        type=int,
-        default=None,
+    cliargs.add_horizon(p, 32)
+    cliargs.add_replicates(p, 6)
+    cliargs.add_branches(p, 2)
+    cliargs.add_window(
+        p,
         help="L: lags traced after a branch (default: to the horizon, so the decomposition "
         "is observed in full; a shorter window gives the sharp interval instead)",
     )
     p.add_argument(
-        "--docs", type=int, default=None, help="trace only the first N prompts (default: all 16)"
+        "--docs",
+        type=cliargs.positive,
+        default=None,
+        help="trace only the first N prompts (default: all 16)",
     )
     p.add_argument(
         "--model",
@@ -108,10 +110,10 @@ def register(subparsers: Any) -> None:
         help=f"a policy to trace, repeatable (default: {', '.join(DEMO_POLICIES)})",
     )
     add_plugin_argument(p)
-    p.add_argument("--seed", type=int, default=0, help="random seed of the coupling")
+    cliargs.add_seed(p, 0, help="random seed of the coupling")
     p.add_argument(
         "--jobs",
-        type=int,
+        type=cliargs.positive,
         default=None,
         help="tracing processes (default: one per available core)",
     )
@@ -262,19 +264,12 @@ def closing(store: Path, report: Path, color: bool | None = None) -> list[str]:
 
 
 def _check(args: argparse.Namespace) -> None:
-    """Every setting checked, naming it, before a folder is made or a process started; the
-    policy specs too, after the plug-ins that may define them are loaded."""
+    """Every setting argparse cannot check (:mod:`kvcouple.cliargs` checks the numbers),
+    naming it, before a folder is made or a process started; the policy specs too, after the
+    plug-ins that may define them are loaded."""
     from kvcouple.policies import parse_policy
     from kvcouple.policies.plugins import load_plugins
 
-    for name, low in (("horizon", 1), ("replicates", 1), ("branches", 1), ("window", 0)):
-        value = getattr(args, name)
-        if value is not None and value < low:
-            raise InvalidInputError(f"--{name} must be >= {low}, got {value}")
-    for name in ("docs", "jobs"):
-        value = getattr(args, name)
-        if value is not None and value < 1:
-            raise InvalidInputError(f"--{name} must be >= 1, got {value}")
     if args.model is not None:  # a missing path or unreadable GGUF file: before any process
         src = model_source(args.model)
         if src.gguf_path is not None:

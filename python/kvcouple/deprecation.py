@@ -39,3 +39,17 @@ class RenamedKeys(dict[str, Any]):
             return self[key]
         except KeyError:
             return default
+
+
+def module_getattr(module: str, renamed: dict[str, str], namespace: dict[str, Any]) -> Any:
+    """A module's ``__getattr__`` that reads each old name of ``renamed`` (old -> new) as the
+    new one in ``namespace`` (the module's globals), with a :class:`DeprecationWarning`."""
+
+    def __getattr__(name: str) -> Any:
+        new = renamed.get(name)
+        if new is None:
+            raise AttributeError(f"module {module!r} has no attribute {name!r}")
+        warn_renamed(name, new, module)
+        return namespace[new]
+
+    return __getattr__

@@ -7,10 +7,12 @@ import csv
 from collections import Counter
 from pathlib import Path
 
+import numpy as np
+
 from kvcouple import synth
-from kvcouple.analysis import analyze, quantities, write_report
+from kvcouple.analysis import analyze, quantities, stats, write_report
 from kvcouple.analysis.console import DECOMPOSITION_ROWS
-from kvcouple.analysis.report import GAP_COLUMNS, SUMMARY_ROWS, WINDOW_ROWS
+from kvcouple.analysis.report_sections import GAP_COLUMNS, SUMMARY_ROWS, WINDOW_ROWS
 from kvcouple.synth.trace_store import write_synthetic_trace_store
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -67,3 +69,33 @@ def test_docs_page_is_the_registry_and_in_the_nav():
     page = (ROOT / "docs" / "quantities.md").read_text()
     assert page == quantities.markdown(), "regenerate docs/quantities.md (see its first line)"
     assert "quantities.md" in (ROOT / "mkdocs.yml").read_text()
+
+
+def test_every_per_policy_quantity_carries_its_formula():
+    # A per-policy quantity is one registry entry: its formula lives there, so the analysis
+    # computes every one (no KeyError at run time for a quantity added without a formula).
+
+    for q in quantities.SUMMARY:
+        assert q.formula is not None, q.name
+        fn = stats.quantity_fn("p", q.name, 4)
+        assert np.shape(fn(lambda col: np.full(3, 0.5))) == (3,), q.name
+
+
+def test_one_decomposition_for_the_exact_solver_the_estimates_and_the_analysis():
+    # mismatch fraction, first mismatch, exposure and rho: derived by kvcouple.decomposition
+    # for all three, equal to the last bit.
+    from kvcouple import decomposition as dc
+
+    pair = synth.random_pair(4, 3, seed=1)
+    exact = synth.exact(pair, 12, 4)
+    post = exact.window_contribution + exact.tail_contribution
+    parts = dc.parts(exact.expected_mismatches, exact.occurrence, exact.occupation, post, 12)
+    assert parts == {k: getattr(exact, k) for k in parts}
+    est = synth.estimate(pair, 12, 4, replicates=50, seed=0)
+    columns = {k: est.mean[k] for k in ("expected_mismatches", "occurrence", "occupation")}
+    columns["post_mismatches"] = float(np.mean(est.values["window_contribution"]
+                                               + est.values["tail_contribution"]))  # fmt: skip
+    for name in parts:
+        formula = quantities.quantity(name).formula
+        assert formula is not None
+        assert float(formula(columns.__getitem__, 12.0)) == est.mean[name], name

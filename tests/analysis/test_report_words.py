@@ -11,7 +11,7 @@ from kvcouple import synth
 from kvcouple.analysis import analyze, write_report
 from kvcouple.analysis.console import format_decomposition, run_stamp
 from kvcouple.analysis.labels import number, percent
-from kvcouple.analysis.report import _share_note, compact_table
+from kvcouple.analysis.report_words import _share_note, compact_table
 from kvcouple.analysis.tables import tidy_tables
 from kvcouple.synth.trace_store import write_synthetic_trace_store
 

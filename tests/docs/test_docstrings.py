@@ -41,13 +41,13 @@ NUMPY_STYLE = [
     policies.top_indices,
 ]
 try:  # the tracer needs torch (an optional extra)
+    from kvcouple.tracer import batches as _batches
     from kvcouple.tracer import engine as _engine
     from kvcouple.tracer import prompts as _prompts
-    from kvcouple.tracer import run as _run
 except ImportError:
     pass
 else:
-    NUMPY_STYLE += [_prompts.load_prompts, _run.trace_document, _engine.trace_policy]
+    NUMPY_STYLE += [_prompts.load_prompts, _batches.trace_document, _engine.trace_policy]
 PUBLIC = ["kvcouple", "kvcouple.analysis", "kvcouple.synth", "kvcouple.store", "kvcouple.policies"]
 
 
@@ -99,7 +99,7 @@ NUMPY_CLASSES = [
     analysis.AnalysisResult,
     analysis.Options,
     analysis.Plan,
-    synth.Estimate,
+    synth.MonteCarloEstimate,
     synth.ExactResult,
     synth.Interval,
     synth.Kernel,

@@ -141,8 +141,7 @@ def test_n_boot_beyond_memory_is_refused(store, tmp_path, capsys):
 
 
 def test_every_rule_names_a_schema_variable():
-    from kvcouple.store.reader import RULES
-    from kvcouple.store.schema import Record, variables
+    from kvcouple.store.schema import RULES, Record, variables
 
     known = set(variables(Record("full"))) | set(variables(Record("topk", 2)))
     assert set(RULES) <= known, set(RULES) - known

@@ -1,12 +1,12 @@
-"""Which object-storage reads the engine's own client makes (kvcouple.store.remote), and the
-client's errors at the boundary; no server needed."""
+"""Which object-storage reads the engine's own client makes (kvcouple.store.object_storage),
+and the client's errors at the boundary; no server needed."""
 
 from __future__ import annotations
 
 import pytest
 
 from kvcouple import _core
-from kvcouple.store.remote import engine_settings
+from kvcouple.store.object_storage import engine_settings
 
 ENV = {
     "AWS_ACCESS_KEY_ID": "k",
@@ -77,3 +77,10 @@ def test_an_unreachable_server_is_an_os_error_naming_the_object():
     with pytest.raises(_core.ObjectStoreError, match="cannot fetch p/zarr.json") as err:
         fetcher.fetch(["p/zarr.json"])
     assert isinstance(err.value, OSError)
+
+
+def test_the_old_module_name_still_reads_with_a_warning():
+    """kvcouple.store.remote (renamed object_storage) reads for one release, and warns."""
+    with pytest.warns(DeprecationWarning, match="kvcouple.store.object_storage.engine_settings"):
+        from kvcouple.store.remote import engine_settings as old
+    assert old is engine_settings

@@ -116,7 +116,7 @@ def test_the_engine_client_fetches_what_fsspec_fetches(bucket, tmp_path):
     assert len(keys) > 50
     keys = keys[::-1] + ["p/9.9.9.9.9"]
     got = reader.fetch_objects(keys)
-    assert got == reader._fetch_with_zarr(keys)
+    assert got == reader.object_storage.fetch_with_zarr(keys)
     assert got[-1] is None and all(g is not None for g in got[:-1])
     # Pickled for a Dask worker, a reader makes its own client there.
     again = pickle.loads(pickle.dumps(reader))

@@ -47,7 +47,7 @@ def test_the_engine_reads_every_summary_variable_as_zarr_python_does(store, monk
     def no_fallback(*_):
         raise AssertionError("the engine did not read these variables")
 
-    monkeypatch.setattr(reader, "_read_concurrently", no_fallback)
+    monkeypatch.setattr(reader.engine_reads, "_read_concurrently", no_fallback)
     group = zarr.open_group(str(store), mode="r")
     for doc in range(reader.group["doc_id"].shape[0]):
         blocks = reader.read_summary(doc, names)
@@ -56,7 +56,7 @@ def test_the_engine_reads_every_summary_variable_as_zarr_python_does(store, monk
             assert blocks[n].dtype == expected.dtype, n
             np.testing.assert_array_equal(blocks[n], expected, err_msg=f"{n}[{doc}]")
             assert blocks[n].flags.writeable  # a copy the caller may keep
-    assert not reader.__dict__.get("_no_direct")
+    assert not reader.engine_reads.no_direct
 
 
 def rewrite(path, name, *, chunks_of_docs=1, codec="zstd"):
@@ -101,7 +101,7 @@ def test_a_layout_the_engine_does_not_read_falls_back_to_the_same_analysis(
     reader = TraceStoreReader(copy)
     group = zarr.open_group(str(store), mode="r")
     blocks = reader.read_summary(1, (name, "kl_pq"))
-    assert reader.__dict__.get("_no_direct")  # it fell back, and stays so for this reader
+    assert reader.engine_reads.no_direct  # it fell back, and stays so for this reader
     np.testing.assert_array_equal(blocks[name], group[name][1])
     np.testing.assert_array_equal(blocks["kl_pq"], group["kl_pq"][1])
 

@@ -333,12 +333,13 @@ def test_engine_that_loses_positions_is_refused_up_front(monkeypatch, tmp_path):
     """If the engine built a cache without the entries' original positions, a sliding-window
     model could not be traced: the probe run in the support check finds that before the store
     exists (never a document crashed mid-store)."""
-    from kvcouple.tracer import compat
+    from kvcouple.tracer import kvcache, layout, trajectories
 
-    build = compat.cache_from_tensors
-    monkeypatch.setattr(
-        compat, "cache_from_tensors", lambda kv, positions=None, room=0: build(kv, room=room)
-    )
+    build = kvcache.cache_from_tensors
+    for rows in (layout, trajectories):  # where the row layouts build their caches
+        monkeypatch.setattr(
+            rows, "cache_from_tensors", lambda kv, positions=None, room=0: build(kv, room=room)
+        )
     m = tiny_model("gemma3_text", seed=7)  # fresh: no cached support verdict
     out = tmp_path / "s.zarr"
     with pytest.raises(UnsupportedModelError, match="original positions"):

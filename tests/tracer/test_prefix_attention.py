@@ -394,7 +394,7 @@ def test_a_batch_of_documents_traced_with_the_sides_as_the_kernels_batch_records
     from kvcouple.testing.efficient_attention import efficient_attention
     from kvcouple.testing.tiny_models import tiny_model
     from kvcouple.tracer import TraceSettings, lse_attention
-    from kvcouple.tracer.run import trace_documents_records
+    from kvcouple.tracer.batches import trace_documents_records
 
     m = tiny_model("llama", num_hidden_layers=2, attn_implementation="sdpa")
     rng = np.random.default_rng(2)

@@ -40,7 +40,7 @@ from kvcouple.tracer.distributed import (  # noqa: E402
     run_budget,
 )
 from kvcouple.tracer.memory import MemoryPlanError, human, plan_loaded  # noqa: E402
-from kvcouple.tracer.run import document_batches  # noqa: E402
+from kvcouple.tracer.planner import document_batches  # noqa: E402
 
 pytestmark = [pytest.mark.dask, pytest.mark.torch]
 
@@ -115,7 +115,7 @@ def _batch_needs(model, prompts, settings):
 def test_two_workers_equal_one_process_local_and_s3(
     model_and_prompts, client, bucket, tmp_path, monkeypatch
 ):
-    import kvcouple.tracer.run as run_module
+    import kvcouple.tracer.cluster as cluster_module
 
     model, prompts = model_and_prompts
     prompts = prompts[:4]
@@ -124,12 +124,12 @@ def test_two_workers_equal_one_process_local_and_s3(
     one = time.perf_counter() - start
     bars = []
 
-    class Bar(run_module.tqdm):  # the client's progress bars, recorded
+    class Bar(cluster_module.tqdm):  # the client's progress bars, recorded
         def __init__(self, *args, **kwargs):
             super().__init__(*args, **kwargs)
             bars.append(self)
 
-    monkeypatch.setattr(run_module, "tqdm", Bar)
+    monkeypatch.setattr(cluster_module, "tqdm", Bar)
     start = time.perf_counter()
     run = trace(
         model, prompts, POLICIES, SMALL, tmp_path / "dask.zarr", client=client,

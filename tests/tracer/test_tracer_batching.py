@@ -106,7 +106,7 @@ def test_a_resumed_partial_batch_equals_an_uninterrupted_run(tmp_path):
 
 def test_document_batches_follow_the_memory_plan():
     from kvcouple.tracer.memory import DocumentPlan
-    from kvcouple.tracer.run import MAX_DOC_ROWS, document_batches
+    from kvcouple.tracer.planner import MAX_DOC_ROWS, document_batches
 
     def plan(peak, budget, tokens=10):
         return DocumentPlan("", tokens, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0, peak, "path", budget=budget)
@@ -144,7 +144,7 @@ def test_keeping_everything_is_exactly_no_hazard_in_the_shared_layout(doc_batch)
     prompts): P and Q rows attend to the same prefix tensor with equal inputs, so every
     hazard is exactly 0 and no branch is drawn (float noise would draw spurious branches)."""
     from kvcouple.policies import parse_policy
-    from kvcouple.tracer.run import trace_documents_records
+    from kvcouple.tracer.batches import trace_documents_records
 
     m = model("llama")
     prompts = _prompts([20, 33, 27])
@@ -169,8 +169,8 @@ def test_every_cascade_attention_path_traces_the_same_records(path, monkeypatch)
     import kvcouple.tracer.prefix as prefix
     from kvcouple.policies import parse_policy
     from kvcouple.testing.efficient_attention import efficient_attention
+    from kvcouple.tracer.batches import trace_documents_records
     from kvcouple.tracer.lse_attention import attend_lse, efficient_lse
-    from kvcouple.tracer.run import trace_documents_records
 
     m = model("llama")
     prompts = _prompts([20, 33, 27])

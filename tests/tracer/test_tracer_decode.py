@@ -20,7 +20,7 @@ from kvcouple.store import Record  # noqa: E402
 from kvcouple.torch_coupling import apply_decoding  # noqa: E402
 from kvcouple.tracer import (  # noqa: E402
     TraceSettings,
-    compat,  # noqa: E402
+    kvcache,  # noqa: E402
     trace_document,
 )
 from kvcouple.tracer.decode import DecodeEvictor  # noqa: E402
@@ -131,7 +131,7 @@ def masked_step(eager, seq, n1, visible_rows):
         for h in handles:
             h.remove()
     cache = out.cache if getattr(out, "cache", None) is not None else out.past_key_values
-    kv = compat.cache_tensors(cache)
+    kv = kvcache.cache_tensors(cache)
     attention = [a[0, :, -1].reshape(kv_heads, group, size).mean(1) for a in out.attentions]
     last_queries = [a[0, :, -1] for a in out.attentions]  # (query heads, size)
     return apply_decoding(out.logits[0, -1:])[0].numpy(), attention, last_queries, kv

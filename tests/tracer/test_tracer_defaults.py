@@ -10,7 +10,7 @@ import xarray as xr  # noqa: E402
 
 from kvcouple.testing.tiny_models import tiny_model  # noqa: E402
 from kvcouple.tracer import Prompt, TraceSettings, trace  # noqa: E402
-from kvcouple.tracer.run import model_eos_ids  # noqa: E402
+from kvcouple.tracer.model import model_eos_ids  # noqa: E402
 
 pytestmark = pytest.mark.torch
 

@@ -21,7 +21,7 @@ import xarray as xr  # noqa: E402
 from kvcouple.cli import main as cli_main  # noqa: E402
 from kvcouple.errors import StoreError  # noqa: E402
 from kvcouple.policies import PolicyError, parse_policy  # noqa: E402
-from kvcouple.store import Record  # noqa: E402
+from kvcouple.store import Record, VocabularyMismatchError  # noqa: E402
 from kvcouple.testing.tiny_models import tiny_model  # noqa: E402
 from kvcouple.torch_coupling import apply_decoding  # noqa: E402
 from kvcouple.tracer import (  # noqa: E402
@@ -34,7 +34,6 @@ from kvcouple.tracer import (  # noqa: E402
     trace_document,
 )
 from kvcouple.tracer.prefill import PromptTooShortError  # noqa: E402
-from kvcouple.tracer.run import VocabularyMismatchError  # noqa: E402
 
 pytestmark = pytest.mark.torch
 
@@ -198,12 +197,15 @@ def test_cli_end_to_end_and_errors(tmp_path, capsys):
     for extra, message in [
         (["--policy", "nope"], "unknown policy 'nope'"),
         (["--policy", "snapkv:retain=0.5,size=3"], "no parameter size"),
-        (["--policy", "full", "--horizon", "0"], "--horizon must be >= 1"),
         (["--policy", "full", "--shard", "2/2"], "0 <= i < N"),
         (["--policy", "full", "--record", "topk:0"], "record must be"),
     ]:
         assert cli_main([*base, *extra]) == 2
         assert message in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exit:  # argparse's usage error (kvcouple.cliargs)
+        cli_main([*base, "--policy", "full", "--horizon", "0"])
+    assert exit.value.code == 2
+    assert "argument --horizon: 0 is not an integer >= 1" in capsys.readouterr().err
     prompts.write_text('{"id": "a", "input_ids": [1, 2, 3]}\nnot json\n')
     assert cli_main([*base[:-1], "--out", str(tmp_path / "x.zarr"), "--policy", "full"]) == 2
     assert "line 2" in capsys.readouterr().err

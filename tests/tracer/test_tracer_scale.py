@@ -254,8 +254,12 @@ def test_dry_run_prints_the_plan_and_writes_nothing(tmp_path, capsys):
     assert cli_main([*base, "--memory", "0.0005", "--branch-batch", "auto"]) == 1
     text = capsys.readouterr().out
     assert "DOES NOT FIT" in text and "refused: document 'd1'" in text
-    assert cli_main([*base, "--branch-batch", "0"]) == 2
-    assert "--branch-batch must be >= 1, got 0 (or 'auto')" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exit:  # argparse's usage error (kvcouple.cliargs)
+        cli_main([*base, "--branch-batch", "0"])
+    assert exit.value.code == 2
+    assert "argument --branch-batch: 0 is not an integer >= 1 (or 'auto')" in (
+        capsys.readouterr().err
+    )
     assert not out.exists()
 
 
@@ -263,7 +267,7 @@ def test_dry_run_prints_the_plan_and_writes_nothing(tmp_path, capsys):
 def test_preallocated_cache_equals_the_dynamic_cache_and_writes_in_place():
     """Decoding on a preallocated cache gives the dynamic cache's logits bit for bit, with a
     per-row mask; within capacity the buffer never moves, beyond it the cache grows."""
-    from kvcouple.tracer import compat
+    from kvcouple.tracer import compat, kvcache
     from kvcouple.tracer.kvcache import PreallocatedLayer, cache_bytes, cache_with_capacity
 
     if PreallocatedLayer is None:
@@ -271,13 +275,13 @@ def test_preallocated_cache_equals_the_dynamic_cache_and_writes_in_place():
     m = model("llama")
     prompt = torch.as_tensor(np.random.default_rng(5).integers(1, 120, (1, 30)))
     with torch.inference_mode():
-        prefix = compat.new_cache()
+        prefix = kvcache.new_cache()
         compat.forward(m, prompt, prefix, torch.arange(30)[None])
         kv = [
             (k.expand(3, -1, -1, -1).contiguous(), v.expand(3, -1, -1, -1).contiguous())
-            for k, v in compat.cache_tensors(prefix)
+            for k, v in kvcache.cache_tensors(prefix)
         ]
-        plain = compat.cache_from_tensors(kv)
+        plain = kvcache.cache_from_tensors(kv)
         grown = cache_with_capacity(iter(kv), 5)  # room for 5 more columns
         buffer = grown.layers[0]._k.data_ptr()
         assert cache_bytes(grown) == 2 * 2 * 3 * 2 * 35 * 16 * 4  # layers, K+V, rows, heads
@@ -291,12 +295,12 @@ def test_preallocated_cache_equals_the_dynamic_cache_and_writes_in_place():
             want = compat.forward(m, tokens[:, None], plain, positions[:, None], mask)
             got = compat.forward(m, tokens[:, None], grown, positions[:, None], mask)
             assert torch.equal(want, got)
-            assert compat.cache_length(grown) == 31 + step
+            assert kvcache.cache_length(grown) == 31 + step
             moved = grown.layers[0]._k.data_ptr() != buffer
             assert moved == (31 + step > 35)
             positions, tokens = positions + 1, want.argmax(-1)
         for (k0, v0), (k1, v1) in zip(
-            compat.cache_tensors(plain), compat.cache_tensors(grown), strict=True
+            kvcache.cache_tensors(plain), kvcache.cache_tensors(grown), strict=True
         ):
             assert torch.equal(k0, k1) and torch.equal(v0, v1)
 
@@ -398,7 +402,7 @@ def test_shared_prefix_is_refused_where_it_cannot_be_exact():
     """Soft-capped, sink and windowed models never get the shared layout (auto and asked for
     falls back); a forward with a prefix on a model whose attention bypasses the wrapper is
     refused rather than run without the prefix."""
-    from kvcouple.tracer import compat
+    from kvcouple.tracer import compat, kvcache
     from kvcouple.tracer.attention import UnsupportedModelError
     from kvcouple.tracer.memory import ModelShape, choose_layout
     from kvcouple.tracer.prefix import PrefixGroup, SharedPrefix
@@ -418,7 +422,7 @@ def test_shared_prefix_is_refused_where_it_cannot_be_exact():
     bypass = tiny_model("bloom", seed=1)  # its attention does not dispatch through the interface
     kv = [(torch.zeros(1, 1, 3, 16), torch.zeros(1, 1, 3, 16))] * 2
     prefix = SharedPrefix([PrefixGroup(0, 1, kv)])
-    cache = compat.new_cache()
+    cache = kvcache.new_cache()
     with pytest.raises(UnsupportedModelError, match="shared prefix"):
         compat.forward(bypass, torch.tensor([[1]]), cache, torch.tensor([[3]]), prefix=prefix)
 

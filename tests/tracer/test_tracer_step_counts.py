@@ -112,7 +112,7 @@ def test_a_batch_of_documents_costs_the_ops_of_one(model, monkeypatch, kernel):
     CUDA's (its stand-in: the sides as the call's batch, every document's KV heads its
     heads)."""
     from kvcouple.policies import parse_policy
-    from kvcouple.tracer.run import trace_documents_records
+    from kvcouple.tracer.batches import trace_documents_records
 
     if kernel == "cuda-efficient":
         _cuda_kernel_path(monkeypatch)

@@ -11,6 +11,7 @@ from typing import Any
 from kvcouple import cliargs
 from kvcouple.analysis.bootstrap import CI_METHODS, DEFAULT_CI_METHOD
 from kvcouple.analysis.engine import DEFAULT_N_BOOT
+from kvcouple.analysis.estimates import ESTIMATORS
 from kvcouple.errors import StoreError, debug_requested
 from kvcouple.textsafe import terminal
 
@@ -291,15 +292,12 @@ def _documents_arguments(p: Any) -> None:
 
 def _settings_arguments(p: Any) -> None:
     """The settings that change a number (a plan fixes each one)."""
-    p.add_argument(
-        "--window",
-        type=cliargs.nonnegative,
-        default=None,
-        help="observation window L_w for the window/tail split (default: stored L)",
+    cliargs.add_window(
+        p, help="observation window L_w for the window/tail split (default: stored L)"
     )
     p.add_argument(
         "--estimator",
-        choices=["indicator", "tv"],
+        choices=list(ESTIMATORS),
         default=None,
         help="branch mismatches from indicators (default, Rao-Blackwellised) or TVs",
     )
@@ -321,12 +319,7 @@ def _settings_arguments(p: Any) -> None:
         help=f"document bootstrap resamples (default: the plan's n_boot, else {DEFAULT_N_BOOT})"
         + sealed,
     )
-    p.add_argument(
-        "--seed",
-        type=cliargs.seed,
-        default=None,
-        help="bootstrap seed (default: the plan's seed, else 0)" + sealed,
-    )
+    cliargs.add_seed(p, None, help="bootstrap seed (default: the plan's seed, else 0)" + sealed)
     p.add_argument(
         "--ci",
         type=cliargs.unit_open,

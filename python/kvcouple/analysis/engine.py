@@ -129,24 +129,24 @@ class AnalysisResult:
         return rows
 
 
-def _select_docs(info: TraceStoreReader, plan: Plan | None, doc_set: str) -> list[int]:
+def _select_docs(reader: TraceStoreReader, plan: Plan | None, doc_set: str) -> list[int]:
     if doc_set == "all" or plan is None:
         if doc_set != "all":
             raise ValueError(f"--docs {doc_set} needs a plan (--plan) that defines the sets")
-        return list(info.done)
-    wanted = set(plan.documents(info.doc_ids, doc_set))
+        return list(reader.done)
+    wanted = set(plan.documents(reader.doc_ids, doc_set))
     unfinished = [
-        info.doc_ids[i]
-        for i in range(len(info.doc_ids))
-        if info.doc_ids[i] in wanted and i not in set(info.done)
+        reader.doc_ids[i]
+        for i in range(len(reader.doc_ids))
+        if reader.doc_ids[i] in wanted and i not in set(reader.done)
     ]
     if unfinished and doc_set == "confirmatory":
         # A confirmatory set analysed partially is a different analysis: say so loudly.
         raise StoreError(
-            f"{info.path}: {len(unfinished)} confirmatory documents are unfinished "
+            f"{reader.path}: {len(unfinished)} confirmatory documents are unfinished "
             f"({', '.join(unfinished[:10])}); finish the run first"
         )
-    return [i for i in info.done if info.doc_ids[i] in wanted]
+    return [i for i in reader.done if reader.doc_ids[i] in wanted]
 
 
 def _is_int(v: Any) -> bool:
@@ -341,13 +341,15 @@ def analyze(
         "pool_models": pool_models,
     }
     paths, the_plan, cfg = _resolve(stores, plan, doc_set, given)
-    infos = [TraceStoreReader(p, storage_options) for p in paths]
-    for info in infos:
+    readers = [TraceStoreReader(p, storage_options) for p in paths]
+    for reader in readers:
         if not allow_incomplete:
-            info.require_complete()
-    labels = _model_labels(infos)
-    selected = [_select_docs(info, the_plan, doc_set) for info in infos]
-    preregistration = _preregistration(the_plan, infos, paths, labels, doc_set, allow_unregistered)
+            reader.require_complete()
+    labels = _model_labels(readers)
+    selected = [_select_docs(reader, the_plan, doc_set) for reader in readers]
+    preregistration = _preregistration(
+        the_plan, readers, paths, labels, doc_set, allow_unregistered
+    )
     options = Options(
         None if cfg["window"] == "stored" else int(cfg["window"]),
         cfg["estimator"],
@@ -355,11 +357,11 @@ def analyze(
         tolerance,
         io_threads,
     )
-    folds = [_StoreFold(info, sel, cfg) for info, sel in zip(infos, selected, strict=True)]
+    folds = [_StoreFold(reader, sel, cfg) for reader, sel in zip(readers, selected, strict=True)]
     results = _read_documents(
-        infos, selected, options, client, scheduler, worker_threads, progress, folds
+        readers, selected, options, client, scheduler, worker_threads, progress, folds
     )
-    skipped = _unread(infos)
+    skipped = _unread(readers)
     strict = not allow_incomplete or doc_set == "confirmatory"
     models = _estimate_models(labels, folds, results, cfg, strict, skipped)
     result = AnalysisResult(
@@ -370,7 +372,7 @@ def analyze(
         the_plan.name if the_plan else None,
         skipped=skipped,
         preregistration=preregistration,
-        settings=_settings_record(cfg, recompute, tolerance, paths, infos),
+        settings=_settings_record(cfg, recompute, tolerance, paths, readers),
     )
     _compare(result, cfg, the_plan)
     return result
@@ -398,7 +400,7 @@ def _resolve(
 
 def _preregistration(
     plan: Plan | None,
-    infos: list[TraceStoreReader],
+    readers: list[TraceStoreReader],
     paths: list[str | os.PathLike[str]],
     labels: list[str],
     doc_set: str,
@@ -407,11 +409,11 @@ def _preregistration(
     """Step 2: every store's registration status as one stamp; a confirmatory analysis of an
     unregistered plan is refused unless ``allow_unregistered``."""
     stamps = []
-    for info, p in zip(infos, paths, strict=True):
+    for reader, p in zip(readers, paths, strict=True):
         ok, stamp = registration_status(plan, p)
         if doc_set == "confirmatory" and not ok and not allow_unregistered:
             raise PlanError(
-                f"refusing a confirmatory analysis of {info.path}: {stamp}. Register the plan "
+                f"refusing a confirmatory analysis of {reader.path}: {stamp}. Register the plan "
                 "before tracing (kvcouple plan register PLAN --store STORE), or run with "
                 "--not-preregistered to have every output stamped as such"
             )
@@ -424,7 +426,7 @@ def _preregistration(
 
 
 def _read_documents(
-    infos: list[TraceStoreReader],
+    readers: list[TraceStoreReader],
     selected: list[list[int]],
     options: Options,
     client: Any,
@@ -435,8 +437,8 @@ def _read_documents(
 ) -> list[DocResult]:
     """Step 3: one task per selected document of every store (locally or on a Dask cluster),
     in store then document order, each batch folded into its store's columns as it returns."""
-    tasks = [(info, d) for info, sel in zip(infos, selected, strict=True) for d in sel]
-    by_store = {id(f.info): f for f in folds}
+    tasks = [(reader, d) for reader, sel in zip(readers, selected, strict=True) for d in sel]
+    by_store = {id(f.reader): f for f in folds}
 
     def fold(store: TraceStoreReader, results: list[DocResult]) -> list[DocResult]:
         return by_store[id(store)].fold(results)
@@ -449,14 +451,16 @@ def _read_documents(
             the_client.close()
 
 
-def _unread(infos: list[TraceStoreReader]) -> list[dict[str, str]]:
+def _unread(readers: list[TraceStoreReader]) -> list[dict[str, str]]:
     """The documents no task read: unfinished, or flagged damaged by the tracer."""
     skipped = []
-    for info in infos:
-        for i in info.unfinished():
-            skipped.append({"store": info.path, "doc_id": info.doc_ids[i], "reason": "unfinished"})
-        for i, why in info.flag_errors.items():
-            skipped.append({"store": info.path, "doc_id": info.doc_ids[i], "reason": why})
+    for reader in readers:
+        for i in reader.unfinished():
+            skipped.append(
+                {"store": reader.path, "doc_id": reader.doc_ids[i], "reason": "unfinished"}
+            )
+        for i, why in reader.flag_errors.items():
+            skipped.append({"store": reader.path, "doc_id": reader.doc_ids[i], "reason": why})
     return skipped
 
 
@@ -466,20 +470,20 @@ class _StoreFold:
     document. Each returning result's units become a view of its row and its scoreboard
     arrays are pooled and dropped, so memory is the table plus a few numbers per document."""
 
-    def __init__(self, info: TraceStoreReader, selected: list[int], cfg: dict[str, Any]) -> None:
-        T, L = info.horizon, info.window
+    def __init__(self, reader: TraceStoreReader, selected: list[int], cfg: dict[str, Any]) -> None:
+        T, L = reader.horizon, reader.window
         obs = L if cfg["window"] == "stored" else int(cfg["window"])
         split = None if cfg["early_late_split"] == "half" else int(cfg["early_late_split"])
-        layout = TableLayout.of(info.policies, T, L + 1, obs, split)
+        layout = TableLayout.of(reader.policies, T, L + 1, obs, split)
         check_memory(
             f"the table of {len(selected)} documents x {layout.width} quantities",
             8 * len(selected) * layout.width,
         )
-        self.info = info
+        self.reader = reader
         self.selected = selected
         self.slot = {d: i for i, d in enumerate(selected)}
         self.columns = UnitColumns(layout, len(selected))
-        self.scoreboard = ScoreboardPool(info.policies, len(selected))
+        self.scoreboard = ScoreboardPool(reader.policies, len(selected))
 
     def fold(self, results: list[DocResult]) -> list[DocResult]:
         for r in results:
@@ -505,7 +509,7 @@ def _estimate_models(
     models = []
     pos = 0
     for label, store in zip(labels, folds, strict=True):
-        info, sel = store.info, store.selected
+        reader, sel = store.reader, store.selected
         docs = results[pos : pos + len(sel)]
         pos += len(sel)
         bad = [d for d in docs if d.error is not None]
@@ -513,10 +517,10 @@ def _estimate_models(
             more = f" (and {len(bad) - 1} more damaged documents)" if len(bad) > 1 else ""
             raise StoreError(f"{bad[0].error}{more}")
         for d in bad:
-            skipped.append({"store": info.path, "doc_id": d.doc_id, "reason": str(d.error)})
+            skipped.append({"store": reader.path, "doc_id": d.doc_id, "reason": str(d.error)})
         good = [d for d in docs if d.error is None]
         if not good:
-            raise StoreError(f"{info.path}: no finished, undamaged documents to analyse")
+            raise StoreError(f"{reader.path}: no finished, undamaged documents to analyse")
         models.append(_model_result(label, store, good, cfg))
     return models
 
@@ -526,7 +530,7 @@ def _settings_record(
     recompute: bool,
     tolerance: float | None,
     paths: list[str | os.PathLike[str]],
-    infos: list[TraceStoreReader],
+    readers: list[TraceStoreReader],
 ) -> dict[str, Any]:
     """Every number-changing setting used, with the recomputation settings and the stores."""
     return {
@@ -536,7 +540,7 @@ def _settings_record(
         "tolerance": tolerance,
         "stores": [str(p) for p in paths],
         # What protected each store's chunks ("no checksums" for stores before schema 3).
-        "store_checksums": {info.path: info.checksums for info in infos},
+        "store_checksums": {reader.path: reader.checksums for reader in readers},
     }
 
 
@@ -576,16 +580,16 @@ def pool_gaps(models: list[ModelResult], cfg: dict[str, Any]) -> dict[str, list[
     return {"gap_attribution": rows}
 
 
-def _model_labels(infos: list[TraceStoreReader]) -> list[str]:
-    labels = [i.model for i in infos]
+def _model_labels(readers: list[TraceStoreReader]) -> list[str]:
+    labels = [i.model for i in readers]
     return [lab if labels.count(lab) == 1 else f"{lab}#{k}" for k, lab in enumerate(labels)]
 
 
 def _model_result(
     label: str, store: _StoreFold, docs: list[DocResult], cfg: dict[str, Any]
 ) -> ModelResult:
-    info, columns = store.info, store.columns
-    T, L, obs = info.horizon, info.window, columns.layout.obs_window
+    reader, columns = store.reader, store.columns
+    T, L, obs = reader.horizon, reader.window, columns.layout.obs_window
     views = [d.units for d in docs]
     if not all(isinstance(v, UnitView) and v.columns is columns for v in views):
         raise RuntimeError("a document's units were not folded into its store's table")
@@ -600,9 +604,9 @@ def _model_result(
         8 * 4 * n_boot * columns.layout.width,
     )
     bs = st.bootstrap_table(table, n_boot, cfg["seed"], cfg["ci_level"], cfg["ci_method"])
-    tables = st.summarise(bs, info.policies, T, L + 1, cfg["reference"])
+    tables = st.summarise(bs, reader.policies, T, L + 1, cfg["reference"])
     return ModelResult(
-        label, info.path, info.policies, T, L, obs, docs, tables, bs, table,
+        label, reader.path, reader.policies, T, L, obs, docs, tables, bs, table,
         store.scoreboard.rows(label),
     )  # fmt: skip
 

@@ -1,14 +1,23 @@
 """The report's figures (matplotlib, Agg): survival curves with bootstrap bands, hazard by
-step, decomposition bars, the sharp interval, branch-aligned TV by lag, early vs late."""
+step, decomposition bars, the sharp interval, branch-aligned TV by lag, early vs late.
+
+:data:`FIGURES` is the one registry of figures: each entry carries its drawing function, its
+title and its caption (the report's figure section reads them from here).
+"""
 
 from __future__ import annotations
 
 import io
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvcouple.analysis.quantities import label
 from kvcouple.textsafe import terminal
+
+if TYPE_CHECKING:
+    from kvcouple.analysis.engine import AnalysisResult
 
 Rows = list[dict[str, Any]]
 
@@ -126,8 +135,8 @@ def draw_figures(tables: dict[str, Rows]) -> dict[str, Any]:
     """Every figure of the report as a matplotlib ``Figure`` (laid out, not saved), by name:
     survival, hazard, branch_tv_by_lag, decomposition, sharp_interval, early_vs_late."""
     figures: dict[str, Any] = {}
-    for name, draw in FIGURES.items():
-        fig = draw(tables)
+    for name, figure in FIGURES.items():
+        fig = figure.draw(tables)
         fig.tight_layout()
         figures[name] = fig
     return figures
@@ -258,12 +267,103 @@ def early_late_figure(tables: dict[str, Rows]) -> Any:
     return fig
 
 
+def early_late_split(result: AnalysisResult, analysis_window: int) -> int:
+    """s, the last early lag of the early/late window split (default: half of L_w)."""
+    split = result.settings.get("early_late_split")
+    return analysis_window // 2 if split in (None, "half") else int(split)
+
+
+def _split_words(result: AnalysisResult) -> dict[str, str]:
+    """Each model's early/late split, for the early-vs-late caption."""
+    several = len(result.models) > 1
+    return {
+        "split": "; ".join(
+            f"{terminal(m.model) + ': ' if several else ''}"
+            f"s = {early_late_split(result, m.obs_window)}, L_w = {m.obs_window}"
+            for m in result.models
+        )
+    }
+
+
+COLLAPSED = (
+    " Here every branch was traced to the horizon (L >= T - 1), so nothing is unobserved: the "
+    "interval collapses to the point estimate and no bar is drawn. It widens when branches "
+    "are traced for fewer lags (`kvcouple trace --window L` with L < T)."
+)
+
+
+def _collapsed_words(result: AnalysisResult) -> dict[str, str]:
+    """The sharp interval's note when every branch reached the horizon."""
+    collapsed = all(m.window + 1 >= m.horizon for m in result.models)
+    return {"collapsed": COLLAPSED if collapsed else ""}
+
+
+@dataclass(frozen=True)
+class ReportFigure:
+    """One figure of the report: how it is drawn, its title and its caption. ``caption`` may
+    name fields that ``run_words`` fills from the analysis (each model's window split, ...)."""
+
+    draw: Callable[[dict[str, Rows]], Any]
+    title: str
+    caption: str
+    run_words: Callable[[AnalysisResult], dict[str, str]] | None = None
+
+    def caption_for(self, result: AnalysisResult) -> str:
+        """The caption with this run's words filled in."""
+        return self.caption.format(**self.run_words(result)) if self.run_words else self.caption
+
+
 # Every figure by name, in the report's order.
-FIGURES = {
-    "survival": survival_figure,
-    "hazard": hazard_figure,
-    "branch_tv_by_lag": branch_tv_figure,
-    "decomposition": decomposition_figure,
-    "sharp_interval": sharp_interval_figure,
-    "early_vs_late": early_late_figure,
+FIGURES: dict[str, ReportFigure] = {
+    "survival": ReportFigure(
+        survival_figure,
+        "Survival: no divergence yet",
+        "S_t = P(tau > t), the share of trajectories still identical to the full-cache model "
+        "after t tokens (bands: bootstrap CIs). Look at how fast each curve falls and where "
+        "curves cross: a lower curve diverges earlier or more often.",
+    ),
+    "hazard": ReportFigure(
+        hazard_figure,
+        "Hazard by step",
+        "The chance that the first divergence happens at step t, given none before. A high "
+        "value at step 1 means eviction already changes the first next-token distribution; a "
+        "rising hazard means the risk grows as generation proceeds.",
+    ),
+    "branch_tv_by_lag": ReportFigure(
+        branch_tv_figure,
+        "Branch-aligned TV by lag after the first divergence",
+        "The mean TV between the two models' next-token distributions at each lag after the "
+        "first divergence, over the branches traced (each replicate's branches weighted by its "
+        "probability O of diverging at all, 'O-weighted', so that the mean is that of diverged "
+        "trajectories). Lag 0 is the divergence step itself, whose TV is the (usually small) hazard that "
+        "happened to produce different tokens; from lag 1 on, the two models continue from "
+        "different prefixes and TV jumps, which is why rho is high. Only trajectories that "
+        "diverged early reach the last lags, so the right end rests on few branches and is "
+        "noisy (a spike there is not a finding): read it with its band.",
+    ),
+    "decomposition": ReportFigure(
+        decomposition_figure,
+        "Decomposition of E[M]/T",
+        "Each bar stacks the first-mismatch contribution P(tau<=T)/T, the post-divergence "
+        "mismatches inside the observation window (lags 1..L_w after the first divergence tau, "
+        "L_w being the lags the analysis counts as observed) and, where any, those after it "
+        "(the tail; hatched: unobserved, at most this much); the black line is the CI of "
+        "E[M]/T. The parts above the first one are exposure x rho: compare their heights "
+        "across policies to see whether a gap comes from diverging or from drifting.",
+    ),
+    "sharp_interval": ReportFigure(
+        sharp_interval_figure,
+        "Sharp interval of E[M]/T",
+        "The range of E[M]/T compatible with what was observed (bar), the CI of its ends "
+        "(thin line) and the point estimate when the tail was observed (dot).{collapsed}",
+        _collapsed_words,
+    ),
+    "early_vs_late": ReportFigure(
+        early_late_figure,
+        "Early vs late branch-aligned TV",
+        "Branch-aligned TV (O-weighted, as in the TV-by-lag figure) averaged over the early "
+        "lags 1..s and the late lags s+1..L_w after divergence ({split}). Late above early "
+        "means the two generations keep drifting apart instead of re-synchronising.",
+        _split_words,
+    ),
 }

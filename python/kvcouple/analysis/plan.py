@@ -54,8 +54,10 @@ from pathlib import Path
 from typing import Any
 
 from kvcouple.analysis.bootstrap import CI_METHODS, DEFAULT_CI_METHOD
+from kvcouple.analysis.estimates import ESTIMATORS
 from kvcouple.analysis.quantities import current_name
-from kvcouple.analysis.stats import QUANTITIES
+from kvcouple.analysis.stats import SUMMARY_DEFINITIONS
+from kvcouple.document_split import split_documents
 from kvcouple.errors import InvalidInputError
 from kvcouple.store.schema import RUN_KEYS
 
@@ -66,7 +68,6 @@ else:  # Python 3.10
 
 DIRECTIONS = ("greater", "less", "two-sided")
 CORRECTIONS = ("holm", "bonferroni", "none")
-ESTIMATORS = ("indicator", "tv")
 
 
 class PlanError(InvalidInputError):
@@ -165,22 +166,6 @@ class Plan:
                 f"the plan's {which} documents are not in the store(s): {', '.join(unknown[:10])}"
             )
         return [d for d in doc_ids if d in listed]
-
-
-def split_documents(
-    doc_ids: list[str], exploratory_fraction: float, seed: int, which: str
-) -> list[str]:
-    """The exploratory or confirmatory documents among ``doc_ids`` (in their order) under
-    ``split = { exploratory_fraction, seed }``: a document is exploratory when the SHA-256 of
-    the seed and its id, read as a number in [0, 1), is below the fraction. It depends on the
-    id alone, so adding documents never moves another between the sets."""
-    frac, key = float(exploratory_fraction), str(seed)
-    return [d for d in doc_ids if (_unit_hash(key, d) < frac) == (which == "exploratory")]
-
-
-def _unit_hash(seed: str, doc_id: str) -> float:
-    h = hashlib.sha256(f"{seed}\0{doc_id}".encode()).digest()
-    return int.from_bytes(h[:8], "big") / 2.0**64
 
 
 def plan_hash(content: dict[str, Any]) -> str:
@@ -324,7 +309,7 @@ def _parse_comparison(comp: dict[str, Any], cc: _Checker) -> tuple[dict[str, Any
     metric = comp.get("metric")
     if isinstance(metric, str):  # a renamed quantity is read as its new name, with a warning
         metric = current_name(metric, f"{cc.where}: metric")
-    metric = cc.string("metric", metric, tuple(QUANTITIES))
+    metric = cc.string("metric", metric, tuple(SUMMARY_DEFINITIONS))
     direction = cc.string("direction", comp.get("direction", "two-sided"), DIRECTIONS)
     value = cc.number("value", comp.get("value", 0.0), -math.inf, math.inf, "(finite)")
     model = cc.string("model", comp["model"]) if "model" in comp else None

@@ -11,8 +11,13 @@ names something not registered here, or when two names share a definition.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
+import numpy as np
+
+from kvcouple import decomposition as dc
 from kvcouple.deprecation import RENAMED, warn_renamed
 
 UNITS = {
@@ -33,6 +38,11 @@ Bound = float | str  # a number, or "T" / "1/T" / "-1/T" / "-inf" / "inf" resolv
 # set of the studentized test, unbounded when the denominator is not clear of 0).
 INTERVALS = ("bootstrap", "percentile", "test-inversion")
 
+# A per-policy quantity as a function of the means of one policy's per-document columns
+# (``columns(name)``: numbers, or arrays over bootstrap resamples) and the horizon T.
+Columns = Callable[[str], Any]
+Formula = Callable[[Columns, float], Any]
+
 
 @dataclass(frozen=True)
 class Quantity:
@@ -46,6 +56,8 @@ class Quantity:
     high: Bound
     definition: str
     interval: str = "bootstrap"
+    # How the analysis computes it from column means (per-policy quantities only).
+    formula: Formula | None = None
 
     def value_range(self, horizon: int) -> tuple[float, float]:
         """The values the quantity can take at horizon ``T``."""
@@ -72,49 +84,89 @@ def _q(
     high: Bound,
     definition: str,
     interval: str = "bootstrap",
+    formula: Formula | None = None,
 ) -> Quantity:
     assert unit in UNITS and interval in INTERVALS, (unit, interval)
-    return Quantity(name, unit, label, low, high, definition, interval)
+    return Quantity(name, unit, label, low, high, definition, interval, formula)
+
+
+def _mean(column: str) -> Formula:
+    """The quantity is the mean of its own per-document column."""
+    return lambda c, T: c(column)
+
+
+def _pooled_median(c: Columns, T: float) -> Any:
+    """Smallest t with P(tau <= t | tau <= T) >= 1/2 under the pooled (document-averaged)
+    divergence-time law; NaN if nothing diverges."""
+    pmf = np.stack([np.asarray(c(f"pmf|{t}"), float) for t in range(1, int(T) + 1)])
+    cum = np.cumsum(pmf, axis=0)
+    total = cum[-1]
+    first = np.argmax(2.0 * cum >= total * (1 - 1e-12), axis=0) + 1.0
+    return np.where(total > 0, first, np.nan)
+
+
+def _window_tv(part: str) -> Formula:
+    """The O-weighted branch TV over the early or late lags of the window."""
+    return lambda c, T: dc.ratio(c(f"{part}n"), c(f"{part}d"))
 
 
 # Per policy (summary.csv, differences.csv, plan metrics).
 SUMMARY = (
     _q("occurrence", "probability", "occurrence P(tau<=T)", 0.0, 1.0,
-       "P(tau <= T): the two coupled models emit different tokens within the horizon"),
+       "P(tau <= T): the two coupled models emit different tokens within the horizon",
+       formula=_mean("occurrence")),
     _q("occupation", "tokens", "occupation E[(T-tau)+]", 0.0, "T",
-       "E[(T - tau)+]: tokens generated after the first divergence"),
+       "E[(T - tau)+]: tokens generated after the first divergence",
+       formula=_mean("occupation")),
     _q("expected_mismatches", "tokens", "E[M]", 0.0, "T",
-       "E[M]: the expected number of the T tokens that differ"),
+       "E[M]: the expected number of the T tokens that differ",
+       formula=_mean("expected_mismatches")),
     _q("mismatch_fraction", "fraction of T", "E[M]/T", 0.0, 1.0,
-       "E[M]/T: the expected fraction of the T tokens that differ"),
+       "E[M]/T: the expected fraction of the T tokens that differ",
+       formula=lambda c, T: dc.mismatch_fraction(c("expected_mismatches"), T)),
     _q("first_mismatch", "fraction of T", "first mismatch P(tau<=T)/T", 0.0, "1/T",
-       "P(tau <= T)/T: the first mismatch's share of E[M]/T"),
+       "P(tau <= T)/T: the first mismatch's share of E[M]/T",
+       formula=lambda c, T: dc.first_mismatch(c("occurrence"), T)),
     _q("exposure", "fraction of T", "exposure E[(T-tau)+]/T", 0.0, 1.0,
-       "E[(T - tau)+]/T: the share of the horizon left after the first divergence"),
+       "E[(T - tau)+]/T: the share of the horizon left after the first divergence",
+       formula=lambda c, T: dc.exposure(c("occupation"), T)),
     _q("rho", "rate", "mismatch rate rho", 0.0, 1.0,
-       "post-divergence mismatches per token of exposure (ratio of document means)"),
+       "post-divergence mismatches per token of exposure (ratio of document means)",
+       formula=lambda c, T: dc.rho(c("post_mismatches"), c("occupation"))),
     _q("window_contribution", "tokens", "window mismatches", 0.0, "T",
-       "E[mismatches at lags 1..L_w after tau]"),
+       "E[mismatches at lags 1..L_w after tau]",
+       formula=_mean("window_contribution")),
     _q("tail_contribution", "tokens", "tail mismatches", 0.0, "T",
-       "E[mismatches at lags > L_w after tau]"),
+       "E[mismatches at lags > L_w after tau]",
+       formula=_mean("tail_contribution")),
     _q("tail_exposure", "tokens", "tail exposure", 0.0, "T",
-       "E[(T - tau - L_w)+]: tokens beyond the observation window"),
+       "E[(T - tau - L_w)+]: tokens beyond the observation window",
+       formula=_mean("tail_exposure")),
     _q("interval_lower_fraction", "fraction of T", "sharp interval, lower end", 0.0, 1.0,
-       "(occurrence + window_contribution)/T: the lower end of the sharp interval for E[M]/T"),
+       "(occurrence + window_contribution)/T: the lower end of the sharp interval for E[M]/T",
+       formula=lambda c, T: c("interval_lower") / T),
     _q("interval_upper_fraction", "fraction of T", "sharp interval, upper end", 0.0, 1.0,
-       "(occurrence + window_contribution + tail_exposure)/T: its upper end"),
+       "(occurrence + window_contribution + tail_exposure)/T: its upper end",
+       formula=lambda c, T: c("interval_upper") / T),
     _q("mean_tau", "steps", "mean divergence step", 1.0, "T",
-       "E[tau | tau <= T]"),
+       "E[tau | tau <= T]",
+       formula=lambda c, T: dc.ratio(c("tau_mass"), c("occurrence"))),
     _q("median_tau", "steps", "median divergence step", 1.0, "T",
-       "median of the pooled law of tau given tau <= T (percentile CI)", "percentile"),
+       "median of the pooled law of tau given tau <= T (percentile CI)", "percentile",
+       formula=_pooled_median),
     _q("rmst", "tokens", "restricted mean time to divergence", 0.0, "T",
-       "E[min(tau, T)] = sum_{t<T} S_t"),
+       "E[min(tau, T)] = sum_{t<T} S_t",
+       # E[min(tau, T)] = T - E[(T - tau)+]: the survival curve summed over t = 0..T-1.
+       formula=lambda c, T: T - c("occupation")),
     _q("early_tv", "probability", "branch TV, early window", 0.0, 1.0,
-       "branch-aligned TV at early lags 1..s of the window (O-weighted)"),
+       "branch-aligned TV at early lags 1..s of the window (O-weighted)",
+       formula=_window_tv("early")),
     _q("late_tv", "probability", "branch TV, late window", 0.0, 1.0,
-       "branch-aligned TV at late lags s+1..L_w of the window (O-weighted)"),
+       "branch-aligned TV at late lags s+1..L_w of the window (O-weighted)",
+       formula=_window_tv("late")),
     _q("late_minus_early_tv", "probability", "late - early branch TV", -1.0, 1.0,
-       "late_tv - early_tv (paired within documents)"),
+       "late_tv - early_tv (paired within documents)",
+       formula=lambda c, T: _window_tv("late")(c, T) - _window_tv("early")(c, T)),
 )  # fmt: skip
 
 # Per document only (per_document.csv; each also with a `_se` column: its Monte Carlo

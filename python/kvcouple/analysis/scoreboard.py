@@ -66,26 +66,26 @@ class DocScores:
     dp: np.ndarray | None
 
 
-def _delta_p_full(info: TraceStoreReader, doc: int, pol: int, seen: np.ndarray) -> np.ndarray:
+def _delta_p_full(reader: TraceStoreReader, doc: int, pol: int, seen: np.ndarray) -> np.ndarray:
     """``q(a) - p(a)``, ``a = argmax p``, at every seen step, one replicate's rows at a time."""
     out = []
     for rep in range(seen.shape[0]):
         if not seen[rep].any():
             continue
-        p = info.read("p", (doc, pol, rep)).astype(np.float32)[seen[rep]]
-        q = info.read("q", (doc, pol, rep)).astype(np.float32)[seen[rep]]
+        p = reader.read("p", (doc, pol, rep)).astype(np.float32)[seen[rep]]
+        q = reader.read("q", (doc, pol, rep)).astype(np.float32)[seen[rep]]
         top = p.argmax(axis=-1)
         rows = np.arange(len(top))
         out.append(q[rows, top] - p[rows, top])
     return np.concatenate(out) if out else np.zeros(0, np.float32)
 
 
-def _delta_p_topk(info: TraceStoreReader, doc: int, pol: int, seen: np.ndarray) -> np.ndarray:
+def _delta_p_topk(reader: TraceStoreReader, doc: int, pol: int, seen: np.ndarray) -> np.ndarray:
     """The same from top-K records: P's first entry is its top token; Q's probability of it
     where it is among Q's top K (steps where it is not are left out)."""
     sel = (doc, pol)
-    ids_p, probs_p = info.read("topk_ids_p", sel)[seen], info.read("topk_probs_p", sel)[seen]
-    ids_q, probs_q = info.read("topk_ids_q", sel)[seen], info.read("topk_probs_q", sel)[seen]
+    ids_p, probs_p = reader.read("topk_ids_p", sel)[seen], reader.read("topk_probs_p", sel)[seen]
+    ids_q, probs_q = reader.read("topk_ids_q", sel)[seen], reader.read("topk_probs_q", sel)[seen]
     top = ids_p[:, 0]
     hit = ids_q == top[:, None]
     found = hit.any(axis=-1)
@@ -94,25 +94,25 @@ def _delta_p_topk(info: TraceStoreReader, doc: int, pol: int, seen: np.ndarray) 
 
 
 def doc_scores(
-    info: TraceStoreReader, doc: int, summary: dict[str, np.ndarray]
+    reader: TraceStoreReader, doc: int, summary: dict[str, np.ndarray]
 ) -> dict[str, DocScores]:
     """Every policy's :class:`DocScores` of one document, from its summary (``tokens`` and
     ``kl_pq``, read by the analysis task) and the path's ``top1_agree`` (and distributions)."""
     try:
-        agree_all = info.read("top1_agree", (int(doc),))
+        agree_all = reader.read("top1_agree", (int(doc),))
     except StoreError:
         # Not read by the estimates, so never required: a store re-written by a tool that
         # drops chunks equal to the fill value (all False) has no same_top, and no more.
         agree_all = None
     out = {}
-    for i, pol in enumerate(info.policies):
+    for i, pol in enumerate(reader.policies):
         kl = summary["kl_pq"][i]
         seen = (summary["tokens"][i] >= 0) & np.isfinite(kl)
         dp = None
-        if info.record == "full":
-            dp = _delta_p_full(info, int(doc), i, seen)
-        elif info.record.startswith("topk"):
-            dp = _delta_p_topk(info, int(doc), i, seen)
+        if reader.record == "full":
+            dp = _delta_p_full(reader, int(doc), i, seen)
+        elif reader.record.startswith("topk"):
+            dp = _delta_p_topk(reader, int(doc), i, seen)
         out[pol] = DocScores(
             kl[seen].astype(np.float64),
             None if agree_all is None else agree_all[i][seen].astype(bool),

@@ -22,6 +22,7 @@ from typing import Any
 
 import numpy as np
 
+from kvcouple import decomposition as dc
 from kvcouple.analysis import quantities
 from kvcouple.analysis.bootstrap import (
     CI_METHODS,
@@ -42,6 +43,7 @@ from kvcouple.analysis.bootstrap import (
 )
 from kvcouple.analysis.estimates import Table
 from kvcouple.analysis.units import build_table
+from kvcouple.deprecation import module_getattr
 
 # Defined here, or in kvcouple.analysis.bootstrap and importable from here as before.
 __all__ = [
@@ -51,7 +53,7 @@ __all__ = [
     "GAP_TERMS",
     "NOT_INTERPRETABLE",
     "PERCENTILE_TERMS",
-    "QUANTITIES",
+    "SUMMARY_DEFINITIONS",
     "STUDENTIZED_MIN_DOCS",
     "UNBOUNDED",
     "Bootstrap",
@@ -82,7 +84,11 @@ __all__ = [
 ]
 
 # Quantities reported per policy: name -> definition (with the unit), from the registry.
-QUANTITIES: dict[str, str] = {q.name: f"{q.definition} ({q.unit})" for q in quantities.SUMMARY}
+SUMMARY_DEFINITIONS: dict[str, str] = {
+    q.name: f"{q.definition} ({q.unit})" for q in quantities.SUMMARY
+}
+# QUANTITIES named both this map and the registry (kvcouple.analysis.quantities.QUANTITIES).
+__getattr__ = module_getattr(__name__, {"QUANTITIES": "SUMMARY_DEFINITIONS"}, globals())
 # The registry says each quantity's interval: integer-valued ones get percentile intervals;
 # gap terms that are ratios get the test-inversion set (percentile under other methods).
 DISCRETE = tuple(q.name for q in quantities.SUMMARY if q.interval == "percentile")
@@ -104,33 +110,6 @@ AFTER_DIVERGENCE = ("rho", "mean_tau", "median_tau", "early_tv", "late_tv", "lat
 NEED_TAIL = ("expected_mismatches", "mismatch_fraction", "rho", "tail_contribution")
 
 
-def _ratio(a: np.ndarray, b: np.ndarray) -> np.ndarray:
-    return _divided_where(a, b, np.asarray(b) > 0)
-
-
-def _signed_ratio(a: np.ndarray, b: np.ndarray) -> np.ndarray:
-    return _divided_where(a, b, np.asarray(b) != 0)
-
-
-def _divided_where(a: np.ndarray, b: np.ndarray, ok: np.ndarray) -> np.ndarray:
-    """``a / b`` where ``ok``, NaN elsewhere, in one pass over the operands (the studentized
-    bootstrap calls it on (resamples x documents) arrays, once per statistic)."""
-    a, b = np.asarray(a), np.asarray(b)
-    dtype = np.result_type(a.dtype, b.dtype, np.float64)
-    out = np.full(np.broadcast_shapes(a.shape, b.shape), np.nan, dtype)
-    return np.divide(a, b, out=out, where=ok)
-
-
-def _pooled_median(g: Getter, policy: str, horizon: int) -> np.ndarray:
-    """Smallest t with P(tau <= t | tau <= T) >= 1/2 under the pooled (document-averaged)
-    divergence-time law; NaN if nothing diverges."""
-    pmf = np.stack([np.asarray(g(f"{policy}|pmf|{t}"), float) for t in range(1, horizon + 1)])
-    cum = np.cumsum(pmf, axis=0)
-    total = cum[-1]
-    first = np.argmax(2.0 * cum >= total * (1 - 1e-12), axis=0) + 1.0
-    return np.where(total > 0, first, np.nan)
-
-
 def quantity_range(name: str, horizon: int) -> tuple[float, float]:
     """The values a quantity can take (the registry's range)."""
     return quantities.quantity(name).value_range(horizon)
@@ -146,36 +125,13 @@ def quantity_scale(name: str, horizon: int, paired: bool = False) -> Scale:
 
 
 def quantity_fn(policy: str, name: str, horizon: int) -> StatFn:
-    """The statistic ``name`` of ``policy`` as a function of column means."""
+    """The statistic ``name`` of ``policy`` as a function of column means: the registry's
+    formula (:attr:`kvcouple.analysis.quantities.Quantity.formula`) on the policy's columns."""
+    formula = quantities.quantity(name).formula
+    if formula is None:
+        raise KeyError(f"{name!r} has no formula in the registry (kvcouple.analysis.quantities)")
     T = float(horizon)
-
-    def m(g: Getter, col: str) -> np.ndarray:
-        return g(f"{policy}|{col}")
-
-    table: dict[str, StatFn] = {
-        "occurrence": lambda g: m(g, "occurrence"),
-        "occupation": lambda g: m(g, "occupation"),
-        "expected_mismatches": lambda g: m(g, "expected_mismatches"),
-        "mismatch_fraction": lambda g: m(g, "expected_mismatches") / T,
-        "first_mismatch": lambda g: m(g, "occurrence") / T,
-        "exposure": lambda g: m(g, "occupation") / T,
-        "rho": lambda g: _ratio(m(g, "post_mismatches"), m(g, "occupation")),
-        "window_contribution": lambda g: m(g, "window_contribution"),
-        "tail_contribution": lambda g: m(g, "tail_contribution"),
-        "tail_exposure": lambda g: m(g, "tail_exposure"),
-        "interval_lower_fraction": lambda g: m(g, "interval_lower") / T,
-        "interval_upper_fraction": lambda g: m(g, "interval_upper") / T,
-        "mean_tau": lambda g: _ratio(m(g, "tau_mass"), m(g, "occurrence")),
-        "median_tau": lambda g: _pooled_median(g, policy, horizon),
-        # E[min(tau, T)] = T - E[(T - tau)+]: the survival curve summed over t = 0..T-1.
-        "rmst": lambda g: T - m(g, "occupation"),
-        "early_tv": lambda g: _ratio(m(g, "earlyn"), m(g, "earlyd")),
-        "late_tv": lambda g: _ratio(m(g, "laten"), m(g, "lated")),
-        "late_minus_early_tv": lambda g: (
-            _ratio(m(g, "laten"), m(g, "lated")) - _ratio(m(g, "earlyn"), m(g, "earlyd"))
-        ),
-    }
-    return table[name]
+    return lambda g: formula(_prefixed(g, f"{policy}|"), T)
 
 
 def curve_fns(policy: str, horizon: int, lags: int) -> dict[tuple[str, int], StatFn]:
@@ -199,7 +155,7 @@ def _column(name: str) -> StatFn:
 
 def _column_ratio(num: str, den: str) -> StatFn:
     """The ratio of two column means (NaN where the denominator is not positive)."""
-    return lambda g: _ratio(g(num), g(den))
+    return lambda g: dc.ratio(g(num), g(den))
 
 
 def _prefixed(g: Getter, prefix: str) -> Getter:
@@ -221,9 +177,9 @@ def difference(fa: StatFn, fb: StatFn) -> StatFn:
 
 
 def _gap_parts(g: Getter, p: str, T: float) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    f = g(f"{p}|occurrence") / T
-    e = g(f"{p}|occupation") / T
-    return f, e, _ratio(g(f"{p}|post_mismatches"), g(f"{p}|occupation"))
+    f = dc.first_mismatch(g(f"{p}|occurrence"), T)
+    e = dc.exposure(g(f"{p}|occupation"), T)
+    return f, e, dc.rho(g(f"{p}|post_mismatches"), g(f"{p}|occupation"))
 
 
 def _gap_terms(g: Getter, a: str, b: str, T: float) -> dict[str, np.ndarray]:
@@ -249,7 +205,7 @@ def pooled_gap_fns(a: str, b: str, models: Sequence[tuple[str, int]]) -> dict[st
     def terms(g: Getter) -> dict[str, np.ndarray]:
         per = [_gap_terms(_prefixed(g, pre), a, b, float(T)) for pre, T in models]
         out = {k: _average([x[k] for x in per]) for k in GAP_TERMS[:-1]}
-        out["exposure_share"] = _signed_ratio(out["exposure_term"], out["gap"])
+        out["exposure_share"] = dc.signed_ratio(out["exposure_term"], out["gap"])
         return out
 
     def term(name: str) -> StatFn:
@@ -425,7 +381,7 @@ def summarise(
     :func:`quantity_scale`); ``note`` says why one is a point (constant over the documents) or
     absent (undefined, unobserved, too few documents)."""
     summary, curves, diffs, gaps, surv = [], [], [], [], []
-    names = list(QUANTITIES)
+    names = list(SUMMARY_DEFINITIONS)
     discrete = [n in DISCRETE for n in names]
     for pol in policies:
         own = [quantity_scale(n, horizon) for n in names]

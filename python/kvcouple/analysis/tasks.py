@@ -86,69 +86,69 @@ class DocResult:
 Fold = Callable[[TraceStoreReader, list[DocResult]], list[DocResult]]
 
 
-def analyze_doc(info: TraceStoreReader, doc: int, options: Options) -> DocResult:
+def analyze_doc(reader: TraceStoreReader, doc: int, options: Options) -> DocResult:
     """Everything one document contributes (a Dask task). Store damage is returned, not raised,
     so the caller decides whether to skip the document or stop."""
-    doc_id = info.doc_ids[doc]
+    doc_id = reader.doc_ids[doc]
     try:
-        summary = info.read_summary(doc, SUMMARY_READ)
-        units = _units(info, doc, summary, options)
+        summary = reader.read_summary(doc, SUMMARY_READ)
+        units = _units(reader, doc, summary, options)
         check = None
-        if options.recompute and info.record == "full":
-            check = recompute_full(info, doc, summary, options.tolerance, options.io_threads)
-        elif options.recompute and info.record.startswith("topk"):
-            check = recompute_topk(info, doc, summary, options.tolerance)
-        return DocResult(doc, doc_id, units, check, scores=doc_scores(info, doc, summary))
+        if options.recompute and reader.record == "full":
+            check = recompute_full(reader, doc, summary, options.tolerance, options.io_threads)
+        elif options.recompute and reader.record.startswith("topk"):
+            check = recompute_topk(reader, doc, summary, options.tolerance)
+        return DocResult(doc, doc_id, units, check, scores=doc_scores(reader, doc, summary))
     except StoreError as e:
         return DocResult(doc, doc_id, None, None, str(e))
 
 
-def analyze_docs(info: TraceStoreReader, docs: list[int], options: Options) -> list[DocResult]:
+def analyze_docs(reader: TraceStoreReader, docs: list[int], options: Options) -> list[DocResult]:
     """:func:`analyze_doc` of several documents of one store as one task: their summaries read
     in one engine call and their distributions recomputed in another (every block of every
     document on every core), so that the per-call costs are paid once per batch rather than
     per document. Where anything in the batch is damaged (or the engine cannot read the
     store) the batch is redone document by document: the same results and messages as
     :func:`analyze_doc`, the damage named and only its document skipped."""
-    together = _analyze_together(info, docs, options) if len(docs) > 1 else None
+    together = _analyze_together(reader, docs, options) if len(docs) > 1 else None
     if together is not None:
         return together
-    return [analyze_doc(info, d, options) for d in docs]
+    return [analyze_doc(reader, d, options) for d in docs]
 
 
 def _analyze_together(
-    info: TraceStoreReader, docs: list[int], options: Options
+    reader: TraceStoreReader, docs: list[int], options: Options
 ) -> list[DocResult] | None:
     try:
-        summaries = info.read_summaries(docs, SUMMARY_READ)
+        summaries = reader.read_summaries(docs, SUMMARY_READ)
         if summaries is None:
             return None
-        units = [_units(info, d, s, options) for d, s in zip(docs, summaries, strict=True)]
+        units = [_units(reader, d, s, options) for d, s in zip(docs, summaries, strict=True)]
         checks: list[RecomputeCheck | None] = [None] * len(docs)
-        if options.recompute and info.record == "full":
-            fused = recompute_full_engine(info, docs, summaries, options.tolerance)
+        if options.recompute and reader.record == "full":
+            fused = recompute_full_engine(reader, docs, summaries, options.tolerance)
             if fused is None:
                 return None
             checks = list(fused)
-        elif options.recompute and info.record.startswith("topk"):
+        elif options.recompute and reader.record.startswith("topk"):
             checks = [
-                recompute_topk(info, d, s, options.tolerance)
+                recompute_topk(reader, d, s, options.tolerance)
                 for d, s in zip(docs, summaries, strict=True)
             ]
-        scores = [doc_scores(info, d, s) for d, s in zip(docs, summaries, strict=True)]
+        scores = [doc_scores(reader, d, s) for d, s in zip(docs, summaries, strict=True)]
     except StoreError:
         return None
     return [
-        DocResult(d, info.doc_ids[d], u, c, scores=sc)
+        DocResult(d, reader.doc_ids[d], u, c, scores=sc)
         for d, u, c, sc in zip(docs, units, checks, scores, strict=True)
     ]
 
 
 def _units(
-    info: TraceStoreReader, doc: int, summary: dict[str, np.ndarray], options: Options
+    reader: TraceStoreReader, doc: int, summary: dict[str, np.ndarray], options: Options
 ) -> dict[str, UnitEstimate]:
     """Every policy's RB-CMC unit of one document from its summary."""
-    obs = info.window if options.window is None else int(options.window)
+    obs = reader.window if options.window is None else int(options.window)
     return {
         pol: estimate_unit(
             summary["hazard"][i],
@@ -157,10 +157,10 @@ def _units(
             summary["branch_tv"][i],
             obs_window=obs,
             estimator=options.estimator,
-            doc_id=info.doc_ids[doc],
+            doc_id=reader.doc_ids[doc],
             policy=pol,
         )
-        for i, pol in enumerate(info.policies)
+        for i, pol in enumerate(reader.policies)
     }
 
 
@@ -190,11 +190,11 @@ def _batches(
 ) -> list[tuple[TraceStoreReader, list[int]]]:
     """Consecutive tasks of one store, ``size`` documents at most per batch, in task order."""
     out: list[tuple[TraceStoreReader, list[int]]] = []
-    for info, doc in tasks:
-        if out and out[-1][0] is info and len(out[-1][1]) < size:
+    for reader, doc in tasks:
+        if out and out[-1][0] is reader and len(out[-1][1]) < size:
             out[-1][1].append(doc)
         else:
-            out.append((info, [doc]))
+            out.append((reader, [doc]))
     return out
 
 

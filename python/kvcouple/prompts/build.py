@@ -8,7 +8,7 @@ keep lengths within ``[min_tokens, max_tokens]`` (or truncate to ``max_tokens``)
 ``sample`` of them with ``seed``; order them by length bucket (``[2^k, 2^(k+1))`` tokens, so that
 consecutive prompts, which the tracer batches together, are within a factor of two); and split
 the ids into exploratory and confirmatory sets by the plan's own rule
-(:func:`kvcouple.analysis.plan.split_documents`, as ``split = {exploratory_fraction, seed}``),
+(:func:`kvcouple.document_split.split_documents`, as ``split = {exploratory_fraction, seed}``),
 written as explicit lists in a plan's ``[documents]`` section.
 """
 
@@ -24,16 +24,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kvcouple.analysis.plan import split_documents
-from kvcouple.errors import InvalidInputError, MissingExtraError
-from kvcouple.tracer.prompts import Prompt, tokenize_text
+from kvcouple.document_split import split_documents
+from kvcouple.errors import MissingExtraError
+from kvcouple.tracer.prompts import Prompt, PromptFileError, read_json_lines, tokenize_text
 
 TRUNCATE = ("none", "left", "right")
 
 
-class PromptBuildError(InvalidInputError):
-    """Records that cannot make a prompt file: a missing field, an empty result, a tokenizer
-    without a chat template, an unreadable source."""
+# The error of records that cannot make a prompt file is the prompt files' one: one class
+# (this name, which kvcouple.prompts exported, stays an alias of it).
+PromptBuildError = PromptFileError
 
 
 def read_records(source: str | os.PathLike[str], split: str | None = None) -> list[dict[str, Any]]:
@@ -72,25 +72,13 @@ def read_records(source: str | os.PathLike[str], split: str | None = None) -> li
                 "reading Parquet needs pyarrow: pip install 'kvcouple[prompts]'"
             ) from e
         return [dict(r) for r in pq.read_table(path).to_pylist()]
-    raise PromptBuildError(
+    raise PromptFileError(
         f"{path}: unknown kind of file (expected .jsonl, .csv, .parquet, or a datasets folder)"
     )
 
 
 def _jsonl(path: Path) -> list[dict[str, Any]]:
-    out = []
-    with path.open(encoding="utf-8") as f:
-        for number, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            try:
-                obj = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise PromptBuildError(f"{path} line {number}: not valid JSON ({e.msg})") from None
-            if not isinstance(obj, dict):
-                raise PromptBuildError(f"{path} line {number}: expected a JSON object")
-            out.append(obj)
-    return out
+    return [obj for _, obj in read_json_lines(path)]
 
 
 def _saved_dataset(path: Path, split: str | None) -> list[dict[str, Any]]:
@@ -104,18 +92,18 @@ def _saved_dataset(path: Path, split: str | None) -> list[dict[str, Any]]:
     try:
         data = datasets.load_from_disk(str(path))
     except FileNotFoundError as e:
-        raise PromptBuildError(f"{path} is not a folder written by save_to_disk ({e})") from None
+        raise PromptFileError(f"{path} is not a folder written by save_to_disk ({e})") from None
     if isinstance(data, datasets.DatasetDict):
         names = sorted(data)
         if split is None and len(names) == 1:
             split = names[0]
         if split not in data:
-            raise PromptBuildError(
+            raise PromptFileError(
                 f"{path} holds the splits {', '.join(names)}: choose one with --split"
             )
         data = data[split]
     elif split is not None:
-        raise PromptBuildError(f"{path} holds one dataset, not splits: drop --split {split}")
+        raise PromptFileError(f"{path} holds one dataset, not splits: drop --split {split}")
     return [dict(r) for r in data]
 
 
@@ -162,19 +150,19 @@ def _text_of(record: dict[str, Any], text_field: str | None, template: str | Non
         names = [n for _, n, _, _ in string.Formatter().parse(template) if n]
         missing = [n for n in names if n.split(".")[0].split("[")[0] not in record]
         if missing:
-            raise PromptBuildError(
+            raise PromptFileError(
                 f"{where}: the template names field {missing[0]!r}, which the record lacks; "
                 f"its fields: {', '.join(map(str, record))}"
             )
         return template.format_map(record)
     assert text_field is not None
     if text_field not in record:
-        raise PromptBuildError(
+        raise PromptFileError(
             f"{where}: no field {text_field!r}; its fields: {', '.join(map(str, record))}"
         )
     value = record[text_field]
     if not isinstance(value, str):
-        raise PromptBuildError(
+        raise PromptFileError(
             f"{where}: field {text_field!r} is a {type(value).__name__}, not text"
         )
     return value
@@ -232,25 +220,25 @@ def build_prompts(
         Wraps the record iterator (a progress bar).
     """
     if template is None and text_field is None:
-        raise PromptBuildError("give a text field or a template")
+        raise PromptFileError("give a text field or a template")
     if truncate not in TRUNCATE:
-        raise PromptBuildError(f"truncate must be one of {', '.join(TRUNCATE)}, got {truncate!r}")
+        raise PromptFileError(f"truncate must be one of {', '.join(TRUNCATE)}, got {truncate!r}")
     if min_tokens < 2:
-        raise PromptBuildError(f"min_tokens must be >= 2 (the tracer needs 2), got {min_tokens}")
+        raise PromptFileError(f"min_tokens must be >= 2 (the tracer needs 2), got {min_tokens}")
     if max_tokens is not None and max_tokens < min_tokens:
-        raise PromptBuildError(f"max_tokens ({max_tokens}) is below min_tokens ({min_tokens})")
+        raise PromptFileError(f"max_tokens ({max_tokens}) is below min_tokens ({min_tokens})")
     if truncate != "none" and max_tokens is None:
-        raise PromptBuildError("truncation needs max_tokens")
+        raise PromptFileError("truncation needs max_tokens")
     if sample is not None and sample < 1:
-        raise PromptBuildError(f"sample must be >= 1, got {sample}")
+        raise PromptFileError(f"sample must be >= 1, got {sample}")
     if exploratory_fraction is not None and not 0 < exploratory_fraction < 1:
-        raise PromptBuildError(
+        raise PromptFileError(
             f"the exploratory fraction must be in (0, 1), got {exploratory_fraction}"
         )
     if not records:
-        raise PromptBuildError("the source holds no records")
+        raise PromptFileError("the source holds no records")
     if chat_template and not getattr(tokenizer, "chat_template", None):
-        raise PromptBuildError(
+        raise PromptFileError(
             f"the tokenizer ({type(tokenizer).__name__}) has no chat template: drop "
             "--chat-template, or use a model whose tokenizer has one"
         )
@@ -263,12 +251,12 @@ def build_prompts(
         where = f"record {number}"
         if id_field is not None:
             if id_field not in record:
-                raise PromptBuildError(f"{where}: no id field {id_field!r}")
+                raise PromptFileError(f"{where}: no id field {id_field!r}")
             doc_id = str(record[id_field])
         else:
             doc_id = f"doc{number:05d}"
         if doc_id in seen:
-            raise PromptBuildError(f"{where}: id {doc_id!r} already used by record {seen[doc_id]}")
+            raise PromptFileError(f"{where}: id {doc_id!r} already used by record {seen[doc_id]}")
         seen[doc_id] = number
         ids = tokenize_text(tokenizer, _text_of(record, text_field, template, where), chat_template)
         if max_tokens is not None and len(ids) > max_tokens:
@@ -283,7 +271,7 @@ def build_prompts(
         built.prompts.append(Prompt(doc_id, tuple(ids)))
     if not built.prompts:
         over = f", {built.too_long} over {max_tokens} tokens" if max_tokens is not None else ""
-        raise PromptBuildError(
+        raise PromptFileError(
             f"no prompt left: {built.read} read, {built.too_short} under {min_tokens} tokens{over}"
         )
     if sample is not None and sample < len(built.prompts):

@@ -24,6 +24,8 @@ import argparse
 from pathlib import Path
 from typing import Any
 
+from kvcouple import cliargs
+
 
 def register(subparsers: Any) -> None:
     """Add the ``prompts`` command."""
@@ -47,22 +49,26 @@ def register(subparsers: Any) -> None:
     p.add_argument(
         "--chat-template", action="store_true", help="tokenise through the chat template"
     )
-    p.add_argument("--min-tokens", type=int, default=2, help="drop shorter prompts")
-    p.add_argument("--max-tokens", type=int, default=None, help="drop (or truncate) longer ones")
+    p.add_argument("--min-tokens", type=cliargs.positive, default=2, help="drop shorter prompts")
+    p.add_argument(
+        "--max-tokens", type=cliargs.positive, default=None, help="drop (or truncate) longer ones"
+    )
     p.add_argument(
         "--truncate",
         choices=["none", "left", "right"],
         default="none",
         help="over --max-tokens: drop (none), keep the last (left) or first (right) tokens",
     )
-    p.add_argument("--sample", type=int, default=None, metavar="N", help="keep N at random")
-    p.add_argument("--seed", type=int, default=0, help="seeds --sample and the split")
+    p.add_argument(
+        "--sample", type=cliargs.positive, default=None, metavar="N", help="keep N at random"
+    )
+    cliargs.add_seed(p, 0, help="seeds --sample and the split")
     p.add_argument(
         "--no-buckets", action="store_true", help="keep the source's order (no length buckets)"
     )
     p.add_argument(
         "--exploratory-fraction",
-        type=float,
+        type=cliargs.unit_open,
         default=None,
         help="split the ids: about this share exploratory (needs --plan-out)",
     )
@@ -77,15 +83,15 @@ def run(args: argparse.Namespace) -> int:
 
     from kvcouple.models import load_tokenizer
     from kvcouple.prompts.build import (
-        PromptBuildError,
         build_prompts,
         documents_section,
         read_records,
         write_prompt_file,
     )
+    from kvcouple.tracer.prompts import PromptFileError
 
     if (args.exploratory_fraction is None) != (args.plan_out is None):
-        raise PromptBuildError("--exploratory-fraction and --plan-out go together")
+        raise PromptFileError("--exploratory-fraction and --plan-out go together")
     records = read_records(args.source, args.split)  # before the tokenizer: cheap errors first
     tokenizer = load_tokenizer(args.model, revision=args.revision)
 

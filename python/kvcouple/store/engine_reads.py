@@ -2,9 +2,12 @@
 store engine: a document's small variables (:meth:`EngineReads.read_summary`, several
 documents at once with :meth:`EngineReads.read_summaries`) and the row TVs of the stored
 distributions (:meth:`EngineReads.rows_tv`), decoded on every core with the GIL released,
-checksums verified and every value checked. Where the engine cannot read a store (a codec or
-layout it lacks, ``KVCOUPLE_STORE_ENGINE=zarr``) these say so, and the reader reads with
-zarr-python instead: the same numbers and the same messages.
+checksums verified and every value checked (by the reader's
+:class:`~kvcouple.store.validation.StoreValidation`). On object storage the chunk objects
+come from :class:`~kvcouple.store.object_storage.ObjectStorageReads`. Where the engine cannot
+read a store (a codec or layout it lacks, ``KVCOUPLE_STORE_ENGINE=zarr``) these say so
+(:class:`EngineSwitch`), and the reader reads with zarr-python instead: the same numbers and
+the same messages.
 """
 
 from __future__ import annotations
@@ -12,47 +15,65 @@ from __future__ import annotations
 import itertools
 import os
 import sys
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from kvcouple.errors import StoreError
-from kvcouple.store.remote import _NOTICE_LOCK, ObjectStorageReads, is_url
+from kvcouple.store.geometry import StoreGeometry, is_url, zarr_major
+from kvcouple.store.object_storage import ObjectStorageReads
+from kvcouple.store.validation import StoreValidation
+
+# Decoded bytes per window of blocks fetched at once from object storage.
+REMOTE_WINDOW = 64 * 2**20
 
 # Stores the engine fell back on (the notice is printed once per store and process).
 _NOTICED: set[str] = set()
+_NOTICED_LOCK = threading.Lock()
 
 
-def zarr_major() -> int:
-    """The major version of the installed zarr-python."""
-    import zarr
+class EngineSwitch:
+    """Whether the Rust engine reads a store: not with ``KVCOUPLE_STORE_ENGINE=zarr``, not on
+    object storage under zarr-python 2, and not once it met a layout it cannot read (for this
+    reader, from then on)."""
 
-    return int(zarr.__version__.split(".")[0])
+    def __init__(self, path: str):
+        self.path = path
+        self.turned_off = False
+
+    @property
+    def off(self) -> bool:
+        return (
+            self.turned_off
+            or (is_url(self.path) and zarr_major() < 3)
+            or os.environ.get("KVCOUPLE_STORE_ENGINE", "auto") == "zarr"
+        )
 
 
-class EngineReads(ObjectStorageReads):
-    """Reads through the Rust store engine, for :class:`~kvcouple.store.reader.
-    TraceStoreReader` (which provides the store's arrays, grids, keys and value checks)."""
+class EngineReads:
+    """Reads through the Rust store engine: the store's arrays, grids and keys from its
+    :class:`~kvcouple.store.geometry.StoreGeometry`, the checks from its
+    :class:`~kvcouple.store.validation.StoreValidation`, objects on object storage from its
+    :class:`~kvcouple.store.object_storage.ObjectStorageReads`."""
 
-    doc_ids: list[str]
-
-    # Provided by the reader.
-    def check_values(self, name: str, block: np.ndarray, origin: tuple[int, ...]) -> None:
-        raise NotImplementedError
-
-    def read_doc(self, name: str, doc: int) -> np.ndarray:
-        raise NotImplementedError
-
-    def decode_grid(self, name: str) -> tuple[int, ...]:
-        raise NotImplementedError
-
-    def _value_error(
-        self, name: str, full_pos: tuple[int, ...], shown: str, allowed: str
-    ) -> StoreError:
-        raise NotImplementedError
-
-    def _checksum_error(self, name: str, key: str, label: str, detail: str) -> StoreError:
-        raise NotImplementedError
+    def __init__(
+        self,
+        geometry: StoreGeometry,
+        validation: StoreValidation,
+        object_storage: ObjectStorageReads,
+        switch: EngineSwitch,
+    ):
+        self.geometry = geometry
+        self.validation = validation
+        self.object_storage = object_storage
+        self.switch = switch
+        self.path = geometry.path
+        # True once the summaries are read with zarr-python: the engine cannot read them so.
+        self.no_direct = False
+        self._metadata_documents: dict[str, str] = {}
 
     def read_summary(self, doc: int, names: tuple[str, ...]) -> dict[str, np.ndarray]:
         """Several variables of one document, checked. Where each variable holds a document in
@@ -68,7 +89,7 @@ class EngineReads(ObjectStorageReads):
         if not supported and zarr_major() >= 3:
             blocks = self._read_concurrently(wanted, doc)
         if blocks is None:
-            return {n: self.read_doc(n, doc) for n in names}
+            return {n: self.validation.read_doc(n, doc) for n in names}
         self._check_summary(doc, blocks, extra)
         return blocks
 
@@ -99,7 +120,7 @@ class EngineReads(ObjectStorageReads):
     ) -> tuple[tuple[str, ...], bool]:
         """``names`` and whether ``prompt_length`` was added to them: ``kept_length``'s check
         needs it, unless every document's is known already."""
-        known = self.__dict__.get("_prompt_lengths", {})
+        known = self.validation.prompt_lengths
         extra = (
             "kept_length" in names
             and "prompt_length" not in names
@@ -110,12 +131,13 @@ class EngineReads(ObjectStorageReads):
     def _check_summary(self, doc: int, blocks: dict[str, np.ndarray], extra: bool) -> None:
         """Check one document's blocks, ``prompt_length`` first (it bounds ``kept_length``;
         ``extra``: it was read only for that, and is dropped)."""
+        validation = self.validation
         if "prompt_length" in blocks:
             prompt = blocks.pop("prompt_length") if extra else blocks["prompt_length"]
-            self.check_values("prompt_length", prompt, (doc,))
-            self.__dict__.setdefault("_prompt_lengths", {})[doc] = int(prompt)
+            validation.check_values("prompt_length", prompt, (doc,))
+            validation.prompt_lengths[doc] = int(prompt)
         for n, block in blocks.items():
-            self.check_values(n, block, (doc,) + (0,) * block.ndim)
+            validation.check_values(n, block, (doc,) + (0,) * block.ndim)
 
     def _read_direct(
         self, names: tuple[str, ...], docs: list[int]
@@ -128,26 +150,27 @@ class EngineReads(ObjectStorageReads):
         reader). On object storage one document at a time."""
         from kvcouple import _core
 
+        geometry = self.geometry
         remote = is_url(self.path)
         if remote and len(docs) != 1:
             return None, False  # fetched a document at a time (read_summary's prefetch)
         if (
-            self._engine_off
-            or self.__dict__.get("_no_direct")
-            or any(self.storage_grid(n)[0] != 1 for n in names)
+            self.switch.off
+            or self.no_direct
+            or any(geometry.storage_grid(n)[0] != 1 for n in names)
             or remote
-            and self._object_fetcher() is None
+            and self.object_storage.object_fetcher() is None
         ):
-            self.__dict__["_no_direct"] = True
+            self.no_direct = True
             return None, False
-        metas = [self._metadata_document(n) for n in names]
-        arrays = [self.array(n) for n in names]
-        grids = [self.storage_grid(n) for n in names]
+        metas = [self.metadata_document(n) for n in names]
+        arrays = [geometry.array(n) for n in names]
+        grids = [geometry.storage_grid(n) for n in names]
         per_doc = [
             [
                 (i, cell, where)
                 for i, a in enumerate(arrays)
-                for cell, where in self._cells(
+                for cell, where in geometry.cells(
                     names[i], (slice(doc, doc + 1),) + (slice(None),) * (a.ndim - 1), grids[i]
                 )
             ]
@@ -155,15 +178,15 @@ class EngineReads(ObjectStorageReads):
         ]
         cells = [c for doc_cells in per_doc for c in doc_cells]
         which = [i for i, _, _ in cells]
-        keys = [self.chunk_key(names[i], cell) for i, cell, _ in cells]
+        keys = [geometry.chunk_key(names[i], cell) for i, cell, _ in cells]
         if remote:
-            _, got = self._summary_objects(names, docs[0])
+            _, got = self.object_storage.summary_objects(names, docs[0])
             decoded, problem = _core.store_decode_chunks(metas, which, keys, chunks=got)
         else:
             decoded, problem = _core.store_decode_chunks(metas, which, keys, root=self.path)
         if problem is not None:
             if problem[0] == "unsupported":
-                self.__dict__["_no_direct"] = True
+                self.no_direct = True
                 return None, False
             return None, True
         # Stored little endian (the layout the engine reads); edge chunks are padded.
@@ -186,12 +209,8 @@ class EngineReads(ObjectStorageReads):
 
         from zarr.core.sync import sync
 
-        arrays = [self.array(n) for n in names]
-        keys = [
-            k
-            for n, a in zip(names, arrays, strict=True)
-            for k in self.keys(n, (slice(doc, doc + 1),) + (slice(None),) * (len(a.shape) - 1))
-        ]
+        arrays = [self.geometry.array(n) for n in names]
+        keys = self.geometry.doc_keys(names, doc)
         store = arrays[0].store_path.store
 
         async def both() -> tuple[list[bool], list[Any]]:
@@ -214,8 +233,8 @@ class EngineReads(ObjectStorageReads):
         """Selections over the axes after (doc, policy) that follow the decoded chunks (the
         last axis taken whole when ``whole_last``, e.g. a vocabulary), so that streaming them
         holds a few chunks at a time."""
-        arr = self.array(name)
-        shape, grid = arr.shape[2:], self.decode_grid(name)[2:]
+        arr = self.geometry.array(name)
+        shape, grid = arr.shape[2:], self.geometry.decode_grid(name)[2:]
         if whole_last:
             grid = grid[:-1] + (shape[-1],)
         ranges = [range(0, n, c) for n, c in zip(shape, grid, strict=True)]
@@ -231,16 +250,18 @@ class EngineReads(ObjectStorageReads):
         or a slice per axis, the last axis whole) of ``p_name`` against ``q_name``, decoded and
         computed by the Rust engine (zarrs, all cores, GIL released), the blocks' rows one after
         another. Every row of both is checked first to be a distribution (as
-        :meth:`check_values` does), and every chunk against its checksum. On object storage
-        the chunk objects are fetched concurrently and decoded by the same engine
-        (:meth:`_remote_tv`). None where the engine cannot read this store (a codec or layout
-        it lacks, zarr-python 2 on object storage, ``KVCOUPLE_STORE_ENGINE=zarr``): the caller
-        then reads with :meth:`read`."""
-        if self._engine_off:
+        :meth:`~kvcouple.store.validation.StoreValidation.check_values` does), and every
+        chunk against its checksum. On object storage the chunk objects are fetched
+        concurrently and decoded by the same engine (:meth:`_remote_tv`). None where the engine
+        cannot read this store (a codec or layout it lacks, zarr-python 2 on object storage,
+        ``KVCOUPLE_STORE_ENGINE=zarr``): the caller then reads with
+        :meth:`~kvcouple.store.validation.StoreValidation.read`."""
+        if self.switch.off:
             return None
         from kvcouple import _core
 
-        p = self.array(p_name)
+        validation = self.validation
+        p = self.geometry.array(p_name)
         kind = "bfloat16" if p.dtype.name == "bfloat16" else np.dtype(p.dtype).name
         blocks = np.empty((len(sels), len(p.shape), 2), np.int64)
         for i, sel in enumerate(sels):
@@ -257,18 +278,18 @@ class EngineReads(ObjectStorageReads):
             tv, problem = _core.store_blocks_tv(
                 self.path,
                 p.path,
-                self.array(q_name).path,
+                self.geometry.array(q_name).path,
                 blocks,
                 kind,
-                row_tolerance=self.row_tolerance(p_name),
+                row_tolerance=validation.row_tolerance(p_name),
                 decode_only=decode_only,
             )
         if problem is None:
             return np.asarray(tv)
         what, key, message = problem
         if what == "unsupported":
-            self._engine_off = True
-            with _NOTICE_LOCK:  # one line per store, however many threads hit it
+            self.switch.turned_off = True
+            with _NOTICED_LOCK:  # one line per store, however many threads hit it
                 first = self.path not in _NOTICED
                 _NOTICED.add(self.path)
             if first:
@@ -280,27 +301,27 @@ class EngineReads(ObjectStorageReads):
             return None
         name = key.rsplit("/", 1)[0].split("/")[-1] if "/" in key else key
         docs = {int(sel[0]) for sel in sels if not isinstance(sel[0], slice)}
-        label = f" (document {self.doc_ids[docs.pop()]!r})" if len(docs) == 1 else ""
+        label = f" (document {validation.doc_ids[docs.pop()]!r})" if len(docs) == 1 else ""
         if what == "missing":
             raise StoreError(
                 f"{self.path}: chunk {key} of variable {name!r}{label} is missing; the store is "
                 f"damaged. Re-trace that document, or pass --allow-incomplete to analyse the others."
             )
         if what == "checksum":
-            raise self._checksum_error(name, key, label, message)
+            raise validation.checksum_error(name, key, label, message)
         if what == "value":
             # "entry;i0,...,iN;value" or "sum;i0,...,-1;sum" (the engine's row check).
             kind_, at, value = message.split(";")
             pos = tuple(int(i) for i in at.split(","))
             if kind_ == "sum":
-                tol = self.row_tolerance(name)
-                raise self._value_error(
+                tol = validation.row_tolerance(name)
+                raise validation.value_error(
                     name,
                     pos[:-1],
                     "a row",
                     f"rows summing to 1 within {tol:.2g} (this row sums to {float(value):.6g})",
                 )
-            raise self._value_error(
+            raise validation.value_error(
                 name,
                 pos,
                 repr(float(value)),
@@ -311,14 +332,81 @@ class EngineReads(ObjectStorageReads):
             f"the store is damaged."
         )
 
-    @property
-    def _engine_off(self) -> bool:
-        return (
-            self.__dict__.get("_no_engine", False)
-            or (is_url(self.path) and zarr_major() < 3)
-            or os.environ.get("KVCOUPLE_STORE_ENGINE", "auto") == "zarr"
-        )
+    def _remote_tv(
+        self, p_name: str, q_name: str, blocks: np.ndarray, kind: str, decode_only: bool
+    ) -> tuple[np.ndarray, tuple[str, str, str] | None]:
+        """:meth:`rows_tv` on object storage: the chunk objects of a window of blocks are
+        fetched concurrently (zarr's async store: many requests in flight) while the Rust
+        engine verifies, decodes and consumes the previous window
+        (``kvcouple._core.store_chunks_tv``). Holds two windows of stored bytes at most."""
+        from kvcouple import _core
 
-    @_engine_off.setter
-    def _engine_off(self, value: bool) -> None:
-        self.__dict__["_no_engine"] = value
+        objects = self.object_storage
+        keys: dict[str, list[str]] = {}
+        for name in (p_name, q_name):
+            found = objects.block_keys(name, blocks)
+            if found is None:
+                return np.empty(0), ("unsupported", "", "a block spans several objects")
+            keys[name] = found
+        meta = [self.metadata_document(n) for n in (p_name, q_name)]
+        itemsize = self.geometry.array(p_name).dtype.itemsize
+        row_bytes = int(blocks[0, -1, 1] - blocks[0, -1, 0]) * itemsize
+        rows = np.prod(blocks[:, :-1, 1] - blocks[:, :-1, 0], axis=1)
+        # Windows of ~REMOTE_WINDOW decoded bytes (>= 8 blocks): enough requests in flight to
+        # hide the round trips, little enough held in memory.
+        per = max(8, int(REMOTE_WINDOW // max(1, int(rows.max()) * row_bytes)))
+        windows = [range(i, min(i + per, len(blocks))) for i in range(0, len(blocks), per)]
+
+        def fetch(w: range) -> tuple[list[bytes | None], list[bytes | None]]:
+            got = objects.fetch_ahead([keys[p_name][i] for i in w] + [keys[q_name][i] for i in w])
+            return got[: len(w)], got[len(w) :]
+
+        objects.read_ahead(p_name, q_name, blocks, per)
+
+        tvs = []
+        with ThreadPoolExecutor(max_workers=1) as pool:
+            pending = [pool.submit(fetch, w) for w in windows[:1]]
+            for n, w in enumerate(windows):
+                pc, qc = pending.pop().result()
+                pending += [pool.submit(fetch, v) for v in windows[n + 1 : n + 2]]
+                tv, problem = _core.store_chunks_tv(
+                    meta[0],
+                    meta[1],
+                    np.ascontiguousarray(blocks[w.start : w.stop]),
+                    [keys[p_name][i] for i in w],
+                    pc,
+                    [keys[q_name][i] for i in w],
+                    qc,
+                    kind,
+                    row_tolerance=self.validation.row_tolerance(p_name),
+                    decode_only=decode_only,
+                )
+                if problem is not None:
+                    for f in pending:
+                        f.cancel()
+                    return np.empty(0), problem
+                tvs.append(np.asarray(tv))
+        return (np.concatenate(tvs) if tvs else np.empty(0)), None
+
+    def metadata_document(self, name: str) -> str:
+        """An array's metadata document as stored (``zarr.json``, or ``.zarray`` for v2): what
+        the engine decodes its chunks by."""
+        if name not in self._metadata_documents:
+            self._metadata_documents[name] = self._fetch_metadata_document(name)
+        return self._metadata_documents[name]
+
+    def _fetch_metadata_document(self, name: str) -> str:
+        arr = self.geometry.array(name)
+        # (zarr-python 2's arrays have no ``metadata``: they are format 2)
+        fmt = getattr(getattr(arr, "metadata", None), "zarr_format", 2)
+        key = f"{arr.path}/{'zarr.json' if fmt == 3 else '.zarray'}"
+        if not is_url(self.path):
+            try:
+                return (Path(self.path) / key).read_text()
+            except FileNotFoundError:
+                raw = None
+        else:
+            (raw,) = self.object_storage.fetch_objects([key], count=False)
+        if raw is None:
+            raise StoreError(f"{self.path}: the metadata of variable {name!r} is missing")
+        return raw.decode()

@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from kvcouple.errors import StoreError
-from kvcouple.store.remote import is_url
+from kvcouple.store.geometry import is_url
 
 LOCK_DIR = ".kvcouple-lock"
 LOCK_FORMAT = "kvcouple writer lock 1"

@@ -3,17 +3,18 @@
 >>> from kvcouple import synth
 >>> pair = synth.random_pair(vocab=4, states=3, seed=1)
 >>> truth = synth.exact(pair, horizon=12, window=4)
->>> est = synth.estimate(pair, horizon=12, window=4, method="rb", replicates=2000, seed=0)
+>>> est = synth.estimate(pair, horizon=12, window=4, estimator="indicator", replicates=2000, seed=0)
 >>> abs(est.mean["expected_mismatches"] - truth.expected_mismatches) < 5 * est.se["expected_mismatches"]
 True
 """
 
+from kvcouple.deprecation import module_getattr
 from kvcouple.synth.estimators import (
-    METHODS,
-    Estimate,
+    SYNTH_ESTIMATORS,
+    Estimator,
     ExactResult,
     Interval,
-    Method,
+    MonteCarloEstimate,
     estimate,
     exact,
     interval,
@@ -30,13 +31,13 @@ from kvcouple.synth.pairs import (
 )
 
 __all__ = [
-    "METHODS",
-    "Estimate",
+    "SYNTH_ESTIMATORS",
+    "Estimator",
     "ExactResult",
     "Interval",
     "Kernel",
     "KernelPair",
-    "Method",
+    "MonteCarloEstimate",
     "estimate",
     "exact",
     "interval",
@@ -47,3 +48,10 @@ __all__ = [
     "save_pair",
     "simulate",
 ]
+
+# Former names, for one release (deprecated): the estimators are named as in the analysis.
+__getattr__ = module_getattr(
+    __name__,
+    {"Estimate": "MonteCarloEstimate", "METHODS": "SYNTH_ESTIMATORS", "Method": "Estimator"},
+    globals(),
+)

@@ -2,7 +2,7 @@
 
     kvcouple synth random-pair --vocab V --states S --seed N --out pair.npz
     kvcouple synth exact --pair pair.npz --horizon T --window L --json
-    kvcouple synth estimate --pair pair.npz --horizon T --window L --method rb|rb-tv|naive \
+    kvcouple synth estimate --pair pair.npz --horizon T --window L --estimator indicator|tv|naive \
         --replicates N --branches K --seed N --json
 
 JSON values are counts per sequence (``*_fraction``, ``exposure``, ``mismatch_fraction`` and
@@ -17,9 +17,12 @@ import json
 import sys
 from typing import Any
 
-from kvcouple.cliargs import finite_float, nonnegative, positive, seed
+from kvcouple import cliargs
+from kvcouple.cliargs import finite_float, positive
+from kvcouple.synth.estimators import RENAMED_ESTIMATORS, SYNTH_ESTIMATORS
 
-SCALARS = (
+# What `kvcouple synth exact` prints without --json (the JSON has every key).
+EXACT_PRINTED = (
     "expected_mismatches",
     "mismatch_fraction",
     "occurrence",
@@ -88,7 +91,7 @@ def _exact(args: argparse.Namespace) -> int:
     result = exact(_pair(args.pair), args.horizon, args.window)
     d = result.to_dict()
     if not args.json:
-        d = {k: d[k] for k in ("horizon", "window", *SCALARS)}
+        d = {k: d[k] for k in ("horizon", "window", *EXACT_PRINTED)}
     _print(d, args.json)
     return 0
 
@@ -100,7 +103,8 @@ def _estimate(args: argparse.Namespace) -> int:
         _pair(args.pair),
         args.horizon,
         args.window,
-        method=args.method,
+        estimator=args.estimator,
+        method=args.method,  # deprecated: read for one release
         replicates=args.replicates,
         branches=args.branches,
         seed=args.seed,
@@ -112,13 +116,11 @@ def _estimate(args: argparse.Namespace) -> int:
 
 def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--pair", required=True, help="pair file (.npz): emitter keys or P, Q, start")
-    p.add_argument("-T", "--horizon", type=positive, required=True, help="steps T")
-    p.add_argument(
-        "-L",
-        "--window",
-        type=nonnegative,
-        default=None,
+    cliargs.add_horizon(p, required=True, help="steps T", short="-T")
+    cliargs.add_window(
+        p,
         help="lags after divergence in the window (default and L >= T: to the horizon)",
+        short="-L",
     )
     p.add_argument("--json", action="store_true", help="print JSON")
 
@@ -136,7 +138,7 @@ def register(subparsers: Any) -> None:
     p = sub.add_parser("random-pair", help="write a seeded random pair file")
     p.add_argument("--vocab", type=positive, required=True, help="tokens V")
     p.add_argument("--states", type=positive, default=None, help="states S (default V)")
-    p.add_argument("--seed", type=seed, default=0, help="random seed of the pair")
+    cliargs.add_seed(p, 0, help="random seed of the pair")
     p.add_argument("--closeness", type=finite_float, default=0.5, help="0: unrelated Q; 1: Q = P")
     p.add_argument("--sparsity", type=finite_float, default=0.0, help="chance an entry is zero")
     p.add_argument("--absorbing", action="store_true", help="token V-1 is an absorbing EOS")
@@ -154,17 +156,21 @@ def register(subparsers: Any) -> None:
     p = sub.add_parser("estimate", help="Monte Carlo means and standard errors")
     _common(p)
     p.add_argument(
-        "--method",
-        choices=("rb", "rb-tv", "naive"),
-        default="rb",
-        help="rb: RB-CMC from branch mismatch indicators; rb-tv: RB-CMC from branch TVs; "
-        "naive: plain coupled simulation",
+        "--estimator",
+        choices=SYNTH_ESTIMATORS,
+        default=None,
+        help="indicator (default): RB-CMC from branch mismatch indicators; tv: RB-CMC from "
+        "branch TVs; naive: plain coupled simulation",
     )
     p.add_argument(
-        "-N", "--replicates", type=positive, default=1000, help="overlap paths simulated"
+        "--method",
+        choices=(*RENAMED_ESTIMATORS, *SYNTH_ESTIMATORS),
+        default=None,
+        help="deprecated: --estimator (rb is indicator, rb-tv is tv)",
     )
-    p.add_argument("-K", "--branches", type=positive, default=1, help="residual branches per path")
-    p.add_argument("--seed", type=seed, default=0, help="random seed of the simulation")
+    cliargs.add_replicates(p, 1000, help="overlap paths simulated", short="-N")
+    cliargs.add_branches(p, 1, help="residual branches per path", short="-K")
+    cliargs.add_seed(p, 0, help="random seed of the simulation")
     p.add_argument(
         "--trace",
         choices=("horizon", "window"),

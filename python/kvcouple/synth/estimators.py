@@ -19,20 +19,48 @@ import numpy as np
 import numpy.typing as npt
 
 from kvcouple import _core
-from kvcouple.deprecation import RenamedKeys, warn_renamed
+from kvcouple import decomposition as dc
+from kvcouple.deprecation import RenamedKeys, module_getattr, warn_renamed
 from kvcouple.errors import InvalidInputError
 from kvcouple.resources import check_memory
 from kvcouple.synth.pairs import KernelPair, check_seed
 
-Method = Literal["naive", "rb", "rb-tv"]
-METHODS: tuple[str, ...] = ("naive", "rb", "rb-tv")
-METHOD_NOTES = {
+# The estimators, in the analysis's words (kvcouple.analysis.estimates.ESTIMATORS: indicator,
+# tv), plus naive SMC, which only the synthetic tools run.
+Estimator = Literal["naive", "indicator", "tv"]
+SYNTH_ESTIMATORS: tuple[str, ...] = ("naive", "indicator", "tv")
+ESTIMATOR_NOTES = {
     "naive": "naive SMC: realised mismatch counts",
-    "rb": "RB-CMC with branch mismatch indicators (Var <= naive per replicate)",
-    "rb-tv": "RB-CMC with branch-aligned TVs (unbiased; usually lower variance, no dominance guarantee)",
+    "indicator": "RB-CMC with branch mismatch indicators (Var <= naive per replicate)",
+    "tv": "RB-CMC with branch-aligned TVs (unbiased; usually lower variance, no dominance guarantee)",
 }
-# Per-replicate quantities every method returns.
-QUANTITIES = (
+# The synthetic tools' former words (`method`, "rb", "rb-tv"): read for one release, deprecated.
+RENAMED_ESTIMATORS = {"rb": "indicator", "rb-tv": "tv"}
+FORMER_NAMES = {new: old for old, new in RENAMED_ESTIMATORS.items()}
+
+
+def resolve_estimator(estimator: str | None, method: str | None, where: str) -> str:
+    """The estimator asked for, in the analysis's words: ``method=`` and the former names
+    ``"rb"``/``"rb-tv"`` still read, with a DeprecationWarning."""
+    if method is not None:
+        warn_renamed("method", "estimator", where, stacklevel=4)
+        if estimator is not None and estimator != method:
+            raise InvalidInputError("give estimator= or the deprecated method=, not both")
+        estimator = method
+    estimator = "indicator" if estimator is None else estimator
+    if estimator in RENAMED_ESTIMATORS:
+        warn_renamed(estimator, RENAMED_ESTIMATORS[estimator], f"{where} estimator", stacklevel=4)
+        estimator = RENAMED_ESTIMATORS[estimator]
+    if estimator not in SYNTH_ESTIMATORS:
+        keyword = "estimator" if method is None else "method"  # the keyword the caller used
+        raise InvalidInputError(
+            f"unknown {keyword} {estimator!r}: use one of {', '.join(SYNTH_ESTIMATORS)}"
+        )
+    return estimator
+
+
+# The per-replicate values every estimator returns (MonteCarloEstimate.values' keys).
+REPLICATE_KEYS = (
     "occurrence",
     "occupation",
     "window_contribution",
@@ -198,6 +226,11 @@ def exact(pair: KernelPair, horizon: int, window: int | None = None) -> ExactRes
         An out-of-range ``horizon`` or ``window``.
     """
     d = _core.synth_exact(pair.arrays(), horizon, _window(horizon, window))
+    # The decomposition's parts from the counts, as the analysis and the estimates derive them.
+    post = d["window_contribution"] + d["tail_contribution"]
+    d.update(
+        dc.parts(d["expected_mismatches"], d["occurrence"], d["occupation"], post, d["horizon"])
+    )
     return ExactResult(**d)
 
 
@@ -206,11 +239,12 @@ def simulate(
     horizon: int,
     window: int | None = None,
     *,
-    method: Method = "rb",
+    estimator: Estimator | None = None,
     replicates: int = 1000,
     branches: int = 1,
     seed: int = 0,
     trace: Literal["horizon", "window"] = "horizon",
+    method: str | None = None,
 ) -> dict[str, npt.NDArray[np.float64]]:
     """Per-replicate values of one estimator (arrays of length ``replicates``).
 
@@ -230,18 +264,22 @@ def simulate(
     window : int, optional
         Window ``L`` in lags after the first divergence; None (default) traces to the
         horizon (no tail).
-    method : {"naive", "rb", "rb-tv"}
-        Estimator: plain coupled simulation, Rao-Blackwellised, or Rao-Blackwellised with
-        TV-weighted contributions. Default ``"rb"``.
+    estimator : {"naive", "indicator", "tv"}
+        Plain coupled simulation, Rao-Blackwellised from the branches' mismatch indicators,
+        or Rao-Blackwellised from their branch-aligned TVs (the analysis's estimators).
+        Default ``"indicator"``. (Formerly ``method``, with ``"rb"`` for ``"indicator"`` and
+        ``"rb-tv"`` for ``"tv"``: still read for one release, deprecated.)
     replicates : int
         Monte Carlo replicates (>= 1). Default 1000.
     branches : int
-        Branches per replicate (>= 1 for ``"rb"`` and ``"rb-tv"``). Default 1.
+        Branches per replicate (>= 1 for ``"indicator"`` and ``"tv"``). Default 1.
     seed : int
         Seed in ``[0, 2**64)``. Default 0.
     trace : {"horizon", "window"}
         Trace branches to the horizon (default), or stop them at lag ``L`` (the tail and the
         total are then NaN).
+    method : str, optional
+        Deprecated: ``estimator`` (read for one release, with a DeprecationWarning).
 
     Returns
     -------
@@ -251,13 +289,12 @@ def simulate(
     Raises
     ------
     kvcouple.errors.InvalidInputError
-        An unknown ``method`` or ``trace``, a bad seed, or an out-of-range horizon, window,
+        An unknown ``estimator`` or ``trace``, a bad seed, or an out-of-range horizon, window,
         replicate or branch count.
     kvcouple.errors.ResourceLimitError
         The per-replicate outputs would not fit in the memory available.
     """
-    if method not in METHODS:
-        raise InvalidInputError(f"unknown method {method!r}: use one of {', '.join(METHODS)}")
+    chosen = resolve_estimator(estimator, method, "simulate")
     if trace not in ("horizon", "window"):
         raise InvalidInputError(f"trace must be 'horizon' or 'window', got {trace!r}")
     # Per-replicate outputs: about a dozen values plus two per lag, refused beyond memory.
@@ -269,13 +306,13 @@ def simulate(
         pair.arrays(),
         horizon,
         _window(horizon, window),
-        method="naive" if method == "naive" else "rb",
+        method="naive" if chosen == "naive" else "rb",  # the core's words
         replicates=replicates,
         branches=branches,
         seed=check_seed(seed),
         trace_to_horizon=trace == "horizon",
     )
-    if method == "rb-tv":
+    if chosen == "tv":
         for k in ("window_contribution", "tail_contribution", "expected_mismatches"):
             out[k] = out.pop(k + "_tv")
     for k in ("window_contribution_tv", "tail_contribution_tv", "expected_mismatches_tv"):
@@ -302,17 +339,18 @@ def _ratio(a: npt.NDArray[np.float64], b: npt.NDArray[np.float64]) -> tuple[floa
 
 
 @dataclass(frozen=True, eq=False)
-class Estimate:
+class MonteCarloEstimate:
     """Means and standard errors of an estimator's replicates.
 
-    ``values[name]`` holds the per-replicate values of each name in ``QUANTITIES``;
+    ``values[name]`` holds the per-replicate values of each name in ``REPLICATE_KEYS``;
     ``mean``/``se`` also hold the fractions and ratios (``mismatch_fraction``, ``exposure``,
     ``first_mismatch``, ``rho``; ratios with delta-method SEs).
 
     Attributes
     ----------
-    method : str
-        The estimator: ``"naive"``, ``"rb"`` or ``"rb-tv"``.
+    estimator : str
+        The estimator: ``"naive"``, ``"indicator"`` or ``"tv"`` (formerly ``method``, still
+        readable, deprecated).
     horizon : int
         Number of generated tokens ``T``.
     window : int
@@ -324,7 +362,7 @@ class Estimate:
     seed : int
         The seed used.
     values : dict of str to numpy.ndarray
-        Per-replicate values of each quantity in ``QUANTITIES``.
+        Per-replicate values of each name in ``REPLICATE_KEYS``.
     mean : dict of str to float
         Mean of each quantity, including the fractions and ratios.
     se : dict of str to float
@@ -339,7 +377,7 @@ class Estimate:
         The raw output of :func:`simulate`.
     """
 
-    method: str
+    estimator: str
     horizon: int
     window: int
     replicates: int
@@ -353,14 +391,19 @@ class Estimate:
     evaluations: float
     raw: dict[str, npt.NDArray[np.float64]] = field(repr=False)
 
+    @property
+    def method(self) -> str:
+        warn_renamed("method", "estimator", "MonteCarloEstimate")
+        return self.estimator
+
     def variance(self, name: str) -> float:
         """The per-replicate variance of a quantity."""
         return float(np.var(self.values[name], ddof=1))
 
     def to_dict(self) -> dict[str, Any]:
         d: dict[str, Any] = {
-            "method": self.method,
-            "estimator": METHOD_NOTES[self.method],
+            "estimator": self.estimator,
+            "estimator_note": ESTIMATOR_NOTES[self.estimator],
             "horizon": self.horizon,
             "window": self.window,
             "replicates": self.replicates,
@@ -371,6 +414,8 @@ class Estimate:
         for k in self.mean:
             d[k] = {"mean": self.mean[k], "se": self.se[k]}
         d["branch_tv_by_lag"] = {"mean": self.branch_tv_by_lag, "se": self.branch_tv_by_lag_se}
+        # The former key and name, for one release (deprecated).
+        d["method"] = FORMER_NAMES.get(self.estimator, self.estimator)
         return _json(d)
 
 
@@ -379,13 +424,15 @@ def estimate(
     horizon: int,
     window: int | None = None,
     *,
-    method: Method = "rb",
+    estimator: Estimator | None = None,
     replicates: int = 1000,
     branches: int = 1,
     seed: int = 0,
     trace: Literal["horizon", "window"] = "horizon",
-) -> Estimate:
-    """Estimate every quantity of :func:`exact` by Monte Carlo (``method``: naive, rb, rb-tv).
+    method: str | None = None,
+) -> MonteCarloEstimate:
+    """Estimate every quantity of :func:`exact` by Monte Carlo (``estimator``: naive,
+    indicator, tv).
 
     Parameters
     ----------
@@ -396,38 +443,43 @@ def estimate(
     window : int, optional
         Window ``L`` in lags after the first divergence; None (default) traces to the
         horizon (no tail).
-    method : {"naive", "rb", "rb-tv"}
-        Estimator: plain coupled simulation, Rao-Blackwellised, or Rao-Blackwellised with
-        TV-weighted contributions. Default ``"rb"``.
+    estimator : {"naive", "indicator", "tv"}
+        Plain coupled simulation, Rao-Blackwellised from the branches' mismatch indicators,
+        or Rao-Blackwellised from their branch-aligned TVs (the analysis's estimators).
+        Default ``"indicator"``. (Formerly ``method``, with ``"rb"`` for ``"indicator"`` and
+        ``"rb-tv"`` for ``"tv"``: still read for one release, deprecated.)
     replicates : int
         Monte Carlo replicates (>= 1). Default 1000.
     branches : int
-        Branches per replicate (>= 1 for ``"rb"`` and ``"rb-tv"``). Default 1.
+        Branches per replicate (>= 1 for ``"indicator"`` and ``"tv"``). Default 1.
     seed : int
         Seed in ``[0, 2**64)``. Default 0.
     trace : {"horizon", "window"}
         Trace branches to the horizon (default), or stop them at lag ``L`` (the tail and the
         total are then NaN).
+    method : str, optional
+        Deprecated: ``estimator`` (read for one release, with a DeprecationWarning).
 
     Returns
     -------
-    Estimate
+    MonteCarloEstimate
         Means and standard errors of every quantity, the branch TV by lag, the mean number of
         kernel evaluations and the raw output of :func:`simulate`.
 
     Raises
     ------
     kvcouple.errors.InvalidInputError
-        An unknown ``method`` or ``trace``, a bad seed, or an out-of-range horizon, window,
+        An unknown ``estimator`` or ``trace``, a bad seed, or an out-of-range horizon, window,
         replicate or branch count.
     kvcouple.errors.ResourceLimitError
         The per-replicate outputs would not fit in the memory available.
     """
+    chosen = resolve_estimator(estimator, method, "estimate")
     raw = simulate(
         pair,
         horizon,
         window,
-        method=method,
+        estimator=chosen,  # type: ignore[arg-type]  # checked: one of SYNTH_ESTIMATORS
         replicates=replicates,
         branches=branches,
         seed=seed,
@@ -447,6 +499,11 @@ def estimate(
     for k, x in values.items():
         mean[k], se[k] = _mean_se(x)
     t = float(horizon)
+    post = raw["window_contribution"] + raw["tail_contribution"]
+    # The decomposition's parts from the means, as the analysis and the exact solver derive
+    # them; the fractions' standard errors scale with them, rho's by the delta method.
+    parts = dc.parts(mean["expected_mismatches"], mean["occurrence"], mean["occupation"],
+                     float(np.mean(post)), t)  # fmt: skip
     for k, src in (
         ("mismatch_fraction", "expected_mismatches"),
         ("first_mismatch", "occurrence"),
@@ -454,13 +511,12 @@ def estimate(
         ("interval_lower_fraction", "interval_lower"),
         ("interval_upper_fraction", "interval_upper"),
     ):
-        mean[k], se[k] = mean[src] / t, se[src] / t
-    post = raw["window_contribution"] + raw["tail_contribution"]
-    mean["rho"], se["rho"] = _ratio(post, raw["occupation"])
+        mean[k], se[k] = parts.get(k, mean[src] / t), se[src] / t
+    mean["rho"], se["rho"] = parts["rho"], _ratio(post, raw["occupation"])[1]
     lags = raw["branch_tv_sum"].shape[1]
     tv = [_ratio(raw["branch_tv_sum"][:, i], raw["branch_lag_weight"][:, i]) for i in range(lags)]
-    return Estimate(
-        method=method,
+    return MonteCarloEstimate(
+        estimator=chosen,
         horizon=horizon,
         window=_window(horizon, window),
         replicates=replicates,
@@ -523,16 +579,16 @@ class Interval:
         return _json(d)
 
 
-def interval(result: ExactResult | Estimate, level: float = 0.95) -> Interval:
+def interval(result: ExactResult | MonteCarloEstimate, level: float = 0.95) -> Interval:
     """The sharp interval ``[occurrence + window, that + tail_exposure]`` of a result.
 
-    For an :class:`Estimate` each end's standard error comes from its per-replicate values;
+    For a :class:`MonteCarloEstimate` each end's standard error comes from its per-replicate values;
     the confidence bounds are ``lower - z se`` and ``upper + z se`` with ``z`` the two-sided
     normal quantile of ``level``.
 
     Parameters
     ----------
-    result : ExactResult or Estimate
+    result : ExactResult or MonteCarloEstimate
         The output of :func:`exact` or :func:`estimate`.
     level : float
         Confidence level in ``(0, 1)``. Default 0.95.
@@ -601,3 +657,17 @@ def interval_constructions(
     """
     lo, hi = _core.synth_interval_constructions(pair.arrays(), horizon, window)
     return KernelPair.from_arrays(lo), KernelPair.from_arrays(hi)
+
+
+# Former names, for one release (deprecated).
+__getattr__ = module_getattr(
+    __name__,
+    {
+        "Estimate": "MonteCarloEstimate",
+        "Method": "Estimator",
+        "METHODS": "SYNTH_ESTIMATORS",
+        "METHOD_NOTES": "ESTIMATOR_NOTES",
+        "QUANTITIES": "REPLICATE_KEYS",
+    },
+    globals(),
+)

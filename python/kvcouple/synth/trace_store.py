@@ -392,26 +392,12 @@ def register_trace_store(subparsers: Any) -> None:
         "pair", nargs="+", help="pair files (.npz), optionally NAME=FILE; one per policy"
     )
     p.add_argument("--out", required=True, help="the store to write (created or resumed)")
-    p.add_argument(
-        "-T", "--horizon", type=cliargs.positive, required=True, help="T: steps per trajectory"
+    cliargs.add_horizon(p, required=True, help="T: steps per trajectory", short="-T")
+    cliargs.add_window(
+        p, help="L: lags traced after a branch (default: T-1, to the horizon)", short="-L"
     )
-    p.add_argument(
-        "-L",
-        "--window",
-        type=cliargs.nonnegative,
-        default=None,
-        help="L: lags traced after a branch (default: T-1, to the horizon)",
-    )
-    p.add_argument(
-        "-K", "--branches", type=cliargs.positive, default=1, help="K: residual branches per path"
-    )
-    p.add_argument(
-        "-R",
-        "--replicates",
-        type=cliargs.positive,
-        default=64,
-        help="R: overlap paths per document",
-    )
+    cliargs.add_branches(p, 1, short="-K")
+    cliargs.add_replicates(p, 64, short="-R")
     p.add_argument(
         "--docs", type=cliargs.positive, default=1, help="documents from the pairs' start states"
     )
@@ -421,6 +407,6 @@ def register_trace_store(subparsers: Any) -> None:
         help="one start per document: 'a,b,c' (Markov) or 'sp:sq,...' (emitters)",
     )
     p.add_argument("--record", default="summary", help="summary, topk:K or full")
-    p.add_argument("--seed", type=cliargs.seed, default=0, help="random seed of the simulation")
+    cliargs.add_seed(p, 0, help="random seed of the simulation")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=_run)

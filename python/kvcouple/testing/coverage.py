@@ -58,10 +58,10 @@ class CoverageRow:
 
 def coverage_rows() -> list[CoverageRow]:
     """What the tracer's checks (the support check and the probe document,
-    :func:`kvcouple.tracer.run.check_model`) say of each tiny architecture (torch and
+    :func:`kvcouple.tracer.batches.check_model`) say of each tiny architecture (torch and
     transformers needed)."""
     from kvcouple.policies import parse_policy
-    from kvcouple.tracer.run import check_model
+    from kvcouple.tracer.batches import check_model
     from kvcouple.tracer.support import UnsupportedModelError
 
     rows = []

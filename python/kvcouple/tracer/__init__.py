@@ -23,7 +23,7 @@ _EXPORTS = {
     "PromptFileError": "kvcouple.tracer.prompts",
     "load_prompts": "kvcouple.tracer.prompts",
     "trace": "kvcouple.tracer.run",
-    "trace_document": "kvcouple.tracer.run",
+    "trace_document": "kvcouple.tracer.batches",
 }
 
 __all__ = sorted(_EXPORTS)

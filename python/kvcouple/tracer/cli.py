@@ -17,9 +17,9 @@ import json
 import math
 import os
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
-from kvcouple.cliargs import MAX_COUNT
+from kvcouple import cliargs
 from kvcouple.errors import InvalidInputError, require
 from kvcouple.models import (
     check_gguf,
@@ -35,8 +35,7 @@ from kvcouple.models import (
 from kvcouple.policies import parse_policy
 from kvcouple.policies.plugins import load_plugins
 from kvcouple.scheduler import check_scheduler, connect_client
-from kvcouple.store import Record, StoreLayout
-from kvcouple.store.background import format_host
+from kvcouple.store import Record
 from kvcouple.tracer.prompts import check_prompt_file, load_prompts
 
 
@@ -82,25 +81,21 @@ def register(subparsers: Any) -> None:
 
 def _size_arguments(p: argparse.ArgumentParser) -> None:
     """What is traced per document, and within what memory."""
-    p.add_argument("--horizon", type=int, default=64, help="T: new tokens per trajectory")
-    p.add_argument("--replicates", type=int, default=8, help="R: overlap paths per document")
-    p.add_argument("--branches", type=int, default=1, help="K: residual branches per path")
-    p.add_argument(
-        "--window",
-        type=int,
-        default=16,
-        help="L: lags traced after a branch (>= horizon: to the horizon)",
-    )
+    cliargs.add_horizon(p, 64)
+    cliargs.add_replicates(p, 8)
+    cliargs.add_branches(p, 1)
+    cliargs.add_window(p, 16)
     p.add_argument("--record", default="summary", help="summary | topk:K | full")
     p.add_argument(
         "--branch-batch",
+        type=cliargs.positive_or_auto,
         default="auto",
         help="most branches traced at once (each holds two cache copies); auto (default): the "
         "largest that fits the device's free memory (CUDA; on CPU every branch at once)",
     )
     p.add_argument(
         "--memory",
-        type=float,
+        type=cliargs.positive_float,
         default=None,
         metavar="GIB",
         help="device memory the run may use in all, weights included, in GiB "
@@ -124,6 +119,7 @@ def _size_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--doc-batch",
+        type=cliargs.positive_or_auto,
         default="auto",
         help="most documents traced as one batch (shared cache layout); auto (default): as "
         "many as fit the CUDA device together, up to 128 rows; on CPU one at a time",
@@ -139,14 +135,20 @@ def _size_arguments(p: argparse.ArgumentParser) -> None:
 def _run_arguments(p: argparse.ArgumentParser) -> None:
     """The decoding transform, EOS, seed, output and device."""
     p.add_argument(
-        "--temperature", type=float, default=1.0, help="sampling temperature of both sides"
+        "--temperature",
+        type=cliargs.finite_float,
+        default=1.0,
+        help="sampling temperature of both sides",
     )
     p.add_argument(
-        "--top-k", type=int, default=None, help="keep the k most likely tokens (default: all)"
+        "--top-k",
+        type=cliargs.positive,
+        default=None,
+        help="keep the k most likely tokens (default: all)",
     )
     p.add_argument(
         "--top-p",
-        type=float,
+        type=cliargs.unit_half_open,
         default=None,
         help="nucleus sampling: smallest set with this mass (default: off)",
     )
@@ -158,11 +160,14 @@ def _run_arguments(p: argparse.ArgumentParser) -> None:
         help="EOS token id (repeatable; default: the model's)",
     )
     p.add_argument("--no-eos", action="store_true", help="no absorbing EOS")
-    p.add_argument("--seed", type=int, default=0, help="random seed of the coupling")
+    cliargs.add_seed(p, 0, help="random seed of the coupling")
     p.add_argument("--out", required=True, help="trace store (.zarr) to create or resume")
     p.add_argument("--shard", default="0/1", help="i/N: trace documents with index i mod N")
     p.add_argument(
-        "--max-docs", type=int, default=None, help="stop after this many newly traced documents"
+        "--max-docs",
+        type=cliargs.nonnegative,
+        default=None,
+        help="stop after this many newly traced documents",
     )
     p.add_argument("--device", default=None, help="cuda, cuda:1, cpu (default: cuda if any)")
     p.add_argument(
@@ -227,162 +232,78 @@ def _has_tokenizer(args: argparse.Namespace) -> bool:
     )
 
 
-def _branch_batch(text: str) -> int | str:
-    return _positive_or_auto("--branch-batch", text)
+def settings_of(args: argparse.Namespace) -> Any:
+    """The run's ``TraceSettings`` from the arguments (EOS None: the model's)."""
+    from kvcouple.tracer.settings import Decoding, TraceSettings
+
+    eos = () if args.no_eos else tuple(args.eos) if args.eos else None
+    return TraceSettings(
+        horizon=args.horizon,
+        replicates=args.replicates,
+        branches=args.branches,
+        window=args.window,
+        decoding=Decoding(args.temperature, args.top_k, args.top_p),
+        record=Record.parse(args.record),
+        eos_token_ids=eos,
+        branch_batch=args.branch_batch,
+        cache_layout=args.cache_layout,
+        doc_batch=args.doc_batch,
+        compile=args.compile,
+    )
 
 
-def _positive_or_auto(option: str, text: str) -> int | Literal["auto"]:
-    if text == "auto":
-        return "auto"
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise ValueError(f"{option} must be >= 1, got {text} (or 'auto')")
-    return value
+def _memory(args: argparse.Namespace) -> int | None:
+    """``--memory`` in bytes."""
+    return None if args.memory is None else int(args.memory * 2**30)
 
 
-def dry_run(args: argparse.Namespace, policies: list[Any], branch_batch: int | str) -> int:
-    """Print the memory plan of every document of this shard from the model's config and the
-    prompts' lengths (no weights loaded, nothing written); 1 if a document would be refused."""
+def dry_run(args: argparse.Namespace, policies: list[Any], settings: Any) -> int:
+    """Print the run's plan (:func:`~kvcouple.tracer.planner.plan_run`, the planner
+    :func:`~kvcouple.tracer.run.trace` uses) from the model's config and the prompts' lengths
+    (no weights loaded, nothing written); 1 if the run would be refused."""
     from dataclasses import replace
 
     import torch
     from transformers import AutoConfig, AutoTokenizer
 
-    from kvcouple.tracer.memory import (
-        GiB,
-        ModelShape,
-        Sizes,
-        format_plan,
-        plan_documents,
-        refusal,
-    )
-    from kvcouple.tracer.run import parse_shard
+    from kvcouple.tracer.planner import Budget, parse_shard, plan_run
+    from kvcouple.tracer.shape import ModelShape
 
     src = model_source(args.model)
-    source = src.location
     kw: dict[str, Any] = {"local_files_only": True} if src.local else {}
     if args.revision:
         kw["revision"] = args.revision
     kw |= src.pretrained_kwargs()  # a GGUF file: config and tokenizer from its metadata
-    config = AutoConfig.from_pretrained(source, **kw)
+    config = AutoConfig.from_pretrained(src.location, **kw)
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     shape = ModelShape.of_unloaded(config, resolve_dtype(args.dtype, device))
     shape = replace(shape, attn_implementation=args.attn)
-    tokenizer = AutoTokenizer.from_pretrained(source, **kw) if _has_tokenizer(args) else None
+    tokenizer = AutoTokenizer.from_pretrained(src.location, **kw) if _has_tokenizer(args) else None
     prompts = load_prompts(
         args.prompts or default_prompts_path(),
         tokenizer,
         chat_template=args.chat_template,
         vocab_size=shape.vocab,
     )
-    index, count = parse_shard(args.shard)
-    mine = [p for d, p in enumerate(prompts) if d % count == index]
-    memory = None if args.memory is None else int(args.memory * GiB)
-    host = infos = None
     if args.scheduler is not None:  # the plan in the workers' memory, not this machine's
-        budget, where, infos = _workers_budget(args, shape, memory)
+        budget = Budget.cluster(shape, _worker_infos(args, shape), _memory(args))
     else:
-        budget, where, host = _local_budget(args, shape, device, memory)
-    sizes = Sizes(args.horizon, args.replicates, args.branches, args.window, args.cache_layout)
-    documents = [(p.id, len(p.input_ids)) for p in mine]
-    plans = plan_documents(
-        shape, documents, policies, sizes, branch_batch, budget, refuse=False, host=host
-    )
-    print(format_plan(shape, plans, budget, where))
-    refused = [p for p in plans if not p.fits]
-    host_refused = None
-    if not refused:
-        from kvcouple.tracer.run import document_batches
-        from kvcouple.tracer.settings import TraceSettings
-
-        settings = TraceSettings(
-            args.horizon,
-            args.replicates,
-            doc_batch=_positive_or_auto("--doc-batch", args.doc_batch),
-        )
-        batches = document_batches(range(len(plans)), dict(enumerate(plans)), settings)
-        print(
-            f"document batches: {len(batches)} ("
-            + ", ".join("+".join(plans[d].doc_id for d in b) for b in batches[:8])
-            + (", ..." if len(batches) > 8 else "")
-            + ")"
-        )
-        line, host_refused = host_plan(args, policies, shape.vocab, [len(b) for b in batches])
-        print(line)
-        if infos is not None:
-            from kvcouple.tracer.distributed import format_workers
-
-            print(format_workers(infos, batches, dict(enumerate(plans))))
-    for plan in refused:
-        print("refused: " + refusal(plan))
-    if host_refused is not None:
-        print("refused: " + host_refused)
-    return 1 if refused or host_refused is not None else 0
+        budget = Budget.local(shape, device, _memory(args), loaded=False)
+    shard = parse_shard(args.shard)
+    run = plan_run(shape, prompts, policies, settings, budget, shard, refuse=False)
+    print(run.format())
+    return 1 if run.refused else 0
 
 
-def host_plan(
-    args: argparse.Namespace, policies: list[Any], vocab: int, batches: list[int]
-) -> tuple[str, str | None]:
-    """The plan's host-memory line (the records of a batch tracing and of those being written,
-    against this host's available memory) and why the run is refused there, or None. With
-    ``--scheduler`` the records are held on the workers: their hosts are not checked here."""
-    from kvcouple.tracer.memory import host_refusal, human, plan_host
-
-    layout = StoreLayout(
-        ["-"], [p.spec() for p in policies], args.horizon, args.window, args.branches,
-        args.replicates, vocab, Record.parse(args.record),
-    )  # fmt: skip
-    line = format_host(layout, batches)
-    if args.scheduler is not None:
-        return line, None
-    host = plan_host(layout, batches)
-    if host.budget is None:
-        return f"{line}; host memory available: unknown", None
-    return (
-        f"{line}; {human(host.budget)} available (less the margin)",
-        None if host.fits else host_refusal(host),
-    )
-
-
-def _local_budget(
-    args: argparse.Namespace, shape: Any, device: Any, memory: int | None
-) -> tuple[int | None, str, int | None]:
-    """``--dry-run`` on this machine: the budget (weights not loaded), where it comes from,
-    and on CPU the host memory bound (:func:`~kvcouple.tracer.memory.host_limit`)."""
-    from kvcouple.tracer.memory import document_budget, host_limit, human
-
-    budget = document_budget(shape, device, memory, loaded=False)
-    if memory is not None:
-        return budget, f"{args.memory:g} GiB given", None
-    if budget is not None:
-        return budget, f"free memory of {device}", None
-    host = host_limit(device)
-    if host is None:
-        return None, "unknown on CPU: no limit", None
-    return None, f"on CPU: bounded by the host's {human(host)}, less the margin", host
-
-
-def _workers_budget(
-    args: argparse.Namespace, shape: Any, memory: int | None
-) -> tuple[int | None, str, dict[str, Any]]:
-    """``--dry-run --scheduler``: each worker's device and free memory (weights not loaded),
-    and the budget the run would plan with: the smallest worker's, or ``--memory``."""
-    from kvcouple.tracer.distributed import run_budget, worker_info
-    from kvcouple.tracer.memory import document_budget
+def _worker_infos(args: argparse.Namespace, shape: Any) -> dict[str, Any]:
+    """``--dry-run --scheduler``: each worker's device and free memory (weights not loaded)."""
+    from kvcouple.tracer.distributed import worker_info
 
     client, _ = connect_client(None, args.scheduler)
     try:
-        infos = client.run(worker_info, _worker_model(args), shape.weight_bytes)
+        return dict(client.run(worker_info, _worker_model(args), shape.weight_bytes))
     finally:
         client.close()
-    if memory is not None:
-        return document_budget(shape, None, memory), f"{args.memory:g} GiB given", infos
-    budget = run_budget(infos.values())
-    where = "the smallest worker's free memory" if budget is not None else "unknown on CPU workers"
-    return budget, where + ("" if budget is not None else ": no limit"), infos
 
 
 def _worker_model(args: argparse.Namespace) -> Any:
@@ -401,33 +322,22 @@ def _worker_model(args: argparse.Namespace) -> Any:
 def run(args: argparse.Namespace) -> int:
     """Run ``kvcouple trace``; returns the exit code."""
     # Validate everything cheap before loading a model.
-    from kvcouple.tracer.run import parse_shard
+    from kvcouple.tracer.planner import parse_shard
 
     check_arguments(args)
     load_plugins(args.plugin)  # before the specs are parsed: they may name plug-in policies
     policies = [parse_policy(s) for s in args.policy]
-    record = Record.parse(args.record)
+    settings = settings_of(args)
     shard = parse_shard(args.shard)
-    for name in ("horizon", "replicates", "branches"):
-        if getattr(args, name) < 1:
-            raise ValueError(f"--{name} must be >= 1, got {getattr(args, name)}")
-    if args.window < 0:
-        raise ValueError(f"--window must be >= 0, got {args.window}")
     if args.attn not in ("sdpa", "eager"):
         raise ValueError(f"--attn must be sdpa or eager, got {args.attn!r}")
-    branch_batch = _branch_batch(args.branch_batch)
-    doc_batch = _positive_or_auto("--doc-batch", args.doc_batch)
-    if args.memory is not None and not args.memory > 0:
-        raise ValueError(f"--memory must be a positive number of GiB, got {args.memory}")
     if args.dry_run:
         if args.model is not None and args.prompts is None:
             raise ValueError("--prompts is required with --model")
-        return dry_run(args, policies, branch_batch)
+        return dry_run(args, policies, settings)
 
     from kvcouple.tracer.run import trace
-    from kvcouple.tracer.settings import Decoding, TraceSettings
 
-    decoding = Decoding(args.temperature, args.top_k, args.top_p)
     prompts_path = args.prompts
     if prompts_path is None:
         if args.model is not None:
@@ -446,20 +356,6 @@ def run(args: argparse.Namespace) -> int:
     prompts = load_prompts(
         prompts_path, tokenizer, chat_template=args.chat_template, vocab_size=vocab
     )
-    eos = () if args.no_eos else tuple(args.eos) if args.eos else None  # None: the model's
-    settings = TraceSettings(
-        horizon=args.horizon,
-        replicates=args.replicates,
-        branches=args.branches,
-        window=args.window,
-        decoding=decoding,
-        record=record,
-        eos_token_ids=eos,
-        branch_batch=branch_batch,  # type: ignore[arg-type]
-        cache_layout=args.cache_layout,
-        doc_batch=doc_batch,  # type: ignore[arg-type]
-        compile=args.compile,
-    )
     client, owned = connect_client(None, args.scheduler)  # checked reachable before
     try:
         summary = trace(
@@ -474,7 +370,7 @@ def run(args: argparse.Namespace) -> int:
             shard=shard,
             max_docs=args.max_docs,
             progress=not args.quiet,
-            memory=None if args.memory is None else int(args.memory * 2**30),
+            memory=_memory(args),
             client=client,
             tokenizer=tokenizer,
         )
@@ -509,25 +405,12 @@ def _model_and_vocabulary(args: argparse.Namespace, extra: dict[str, Any]) -> tu
 def check_arguments(args: argparse.Namespace) -> None:
     """The checks of ``kvcouple trace`` arguments that need no model (run before loading one);
     each error names the option."""
-
-    for name in ("horizon", "replicates", "branches", "window"):
-        v = getattr(args, name)
-        if v is not None and v > MAX_COUNT:
-            raise InvalidInputError(f"--{name} = {v} is beyond {MAX_COUNT}")
     t = args.temperature
     if not (math.isfinite(t) and t > 0 and math.isfinite(1 / t)):
         raise InvalidInputError(
             f"--temperature must be a finite number > 0 whose inverse is finite, got {t} "
             "(use --top-k 1 for greedy decoding)"
         )
-    if args.top_k is not None and args.top_k < 1:
-        raise InvalidInputError(f"--top-k must be >= 1, got {args.top_k}")
-    if args.top_p is not None and not 0 < args.top_p <= 1:
-        raise InvalidInputError(f"--top-p must be in (0, 1], got {args.top_p}")
-    if not 0 <= args.seed < 2**64:
-        raise InvalidInputError(f"--seed must be in [0, 2**64), got {args.seed}")
-    if args.max_docs is not None and args.max_docs < 0:
-        raise InvalidInputError(f"--max-docs must be >= 0, got {args.max_docs}")
     if args.eos and args.no_eos:
         raise InvalidInputError("--eos and --no-eos contradict each other")
     out = Path(args.out)

@@ -14,8 +14,7 @@
   entries): the cache tracks each entry's original position per row, layer and KV head
   (:mod:`kvcouple.tracer.kvcache`), and windows are applied by position.
 
-The cache functions live in :mod:`kvcouple.tracer.kvcache`; the names are also importable
-from here, and the row layouts build their caches through this module (one place to swap).
+The cache functions live in :mod:`kvcouple.tracer.kvcache` and are imported from there.
 """
 
 from __future__ import annotations
@@ -27,35 +26,12 @@ from typing import Any
 import torch
 
 from kvcouple.tracer import attention, kvcache
-from kvcouple.tracer.attention import QueryCapture as QueryCapture
-from kvcouple.tracer.kvcache import append_columns as append_columns
-from kvcouple.tracer.kvcache import cache_capacity as cache_capacity
-from kvcouple.tracer.kvcache import cache_from_tensors as cache_from_tensors
-from kvcouple.tracer.kvcache import cache_length as cache_length
-from kvcouple.tracer.kvcache import cache_positions as cache_positions
-from kvcouple.tracer.kvcache import cache_tensors as cache_tensors
-from kvcouple.tracer.kvcache import new_cache as new_cache
 from kvcouple.tracer.lse_attention import MASK_ALIGNMENT
-from kvcouple.tracer.model import UnsupportedModelError as UnsupportedModelError
 from kvcouple.tracer.model import facts
 from kvcouple.tracer.prefix import SharedPrefix
 from kvcouple.tracer.settings import active_compile_mode
 
-__all__ = [
-    "QueryCapture",
-    "UnsupportedModelError",
-    "additive_mask",
-    "append_columns",
-    "cache_capacity",
-    "cache_from_tensors",
-    "cache_length",
-    "cache_positions",
-    "cache_tensors",
-    "forward",
-    "needs_positions",
-    "new_cache",
-    "static_step",
-]
+__all__ = ["additive_mask", "aligned_rows", "forward", "needs_positions", "static_step"]
 
 
 def needs_positions(model: Any) -> bool:

@@ -20,7 +20,8 @@ from typing import Any
 import torch
 
 from kvcouple.policies import DecodeCache, DecodeRule
-from kvcouple.tracer import compat
+from kvcouple.tracer.attention import QueryCapture
+from kvcouple.tracer.kvcache import append_columns, cache_tensors
 from kvcouple.tracer.prefill import Prefill
 from kvcouple.tracer.trajectories import Trajectories
 
@@ -45,7 +46,7 @@ class DecodeEvictor:
         self.row_ids = tuple(int(r) for r in replicates.tolist())  # once, for seeded rules
         window = rule.query_window
         needs_queries = rule.needs_attention or window > 0
-        self._capture = compat.QueryCapture(model) if needs_queries else None
+        self._capture = QueryCapture(model) if needs_queries else None
         ctx = pre.context()
         self.group = ctx.group_size
         self.num_query_heads = pre.num_query_heads
@@ -111,14 +112,12 @@ class DecodeEvictor:
         fed = current[:, None, None]
         for name, tensor in self.slots.items():
             new = fed if name == "position" else zeros
-            self.slots[name], self._storage[name] = compat.append_columns(
-                tensor, new, self._storage[name]
-            )
+            self.slots[name], self._storage[name] = append_columns(tensor, new, self._storage[name])
         hidden = None
         if self.rule.needs_attention:  # once for every layer: 0 where visible, -inf where not
             hidden = torch.zeros(valid.shape, device=valid.device).masked_fill_(~valid, -math.inf)
             hidden = hidden[:, None, None, :]  # (Bq, 1, 1, S)
-        for layer, (keys, values) in enumerate(compat.cache_tensors(rows.cache)):
+        for layer, (keys, values) in enumerate(cache_tensors(rows.cache)):
             kq, vq = keys[self.rows], values[self.rows]  # views into the cache
             state = {name: tensor[layer] for name, tensor in self.slots.items()}
             q = None

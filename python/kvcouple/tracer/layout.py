@@ -35,7 +35,7 @@ from typing import Any
 import torch
 
 from kvcouple.tracer import compat
-from kvcouple.tracer.kvcache import cache_bytes, fork_cache
+from kvcouple.tracer.kvcache import cache_bytes, cache_from_tensors, cache_length, fork_cache
 from kvcouple.tracer.prefill import hidden_entries
 from kvcouple.tracer.prefix import PrefixGroup, PromptPack, SharedPrefix
 from kvcouple.tracer.rows import CacheRows
@@ -90,7 +90,7 @@ class SplitRows:
 
         def rows(kv: list[tuple[torch.Tensor, torch.Tensor]], pos: Any) -> _Batch:
             layers = ((k.expand(copies, -1, -1, -1), v.expand(copies, -1, -1, -1)) for k, v in kv)
-            return _Batch(model, compat.cache_from_tensors(layers, pos, steps), None, positions)
+            return _Batch(model, cache_from_tensors(layers, pos, steps), None, positions)
 
         return cls(rows(prefix, p_pos), rows(kept, q_pos), n1 - keep)
 
@@ -189,7 +189,7 @@ class SharedRows(CacheRows):
             )
             for k, v in first
         )
-        cache = compat.cache_from_tensors(empty, None, steps)
+        cache = cache_from_tensors(empty, None, steps)
         half = copies * len(units)
         where = slots or [None] * len(units)
         groups = [
@@ -219,7 +219,7 @@ class SharedRows(CacheRows):
             raise ValueError("fork index must list P rows, then Q rows")
         offsets = self.offsets[index]
         own = visible_before - offsets
-        if bool((own < 0).any()) or int(own.max()) > compat.cache_length(self.cache):
+        if bool((own < 0).any()) or int(own.max()) > cache_length(self.cache):
             # (a column mapping that disagrees with the rows' would read the wrong columns)
             raise ValueError("a fork must see the whole prefix and only columns already fed")
         cache, seen = fork_cache(self.cache, self.valid, index, own, steps)

@@ -21,6 +21,8 @@ from kvcouple.policies import Policy, PolicyContext
 from kvcouple.policies.base import query_needs as query_needs
 from kvcouple.policies.context import LayerInputCapture
 from kvcouple.tracer import compat, support
+from kvcouple.tracer.attention import QueryCapture
+from kvcouple.tracer.kvcache import cache_tensors, new_cache
 from kvcouple.tracer.model import attn_implementation as attn_implementation
 from kvcouple.tracer.model import facts
 from kvcouple.tracer.model import vocab_size as vocab_size
@@ -38,7 +40,7 @@ class Prefill:
 
     input_ids: torch.Tensor  # (n,) the whole prompt
     kv: list[tuple[torch.Tensor, torch.Tensor]]  # per layer (1, kv_heads, n-1, head_dim)
-    capture: compat.QueryCapture | None
+    capture: QueryCapture | None
     num_query_heads: int
     vocab_size: int
     layer_inputs: LayerInputCapture | None = None  # for policies with NEEDS_LAYER_INPUTS
@@ -94,12 +96,12 @@ def prefill(
     support.check_support(model, [_ScoredPolicy()] if need_queries else [])
     device = next(model.parameters()).device
     ids = ids.to(device)
-    cache = compat.new_cache()
+    cache = new_cache()
     positions = torch.arange(n - 1, device=device)[None]
     keep, accumulate = None, False
     if policies is not None:
         need_queries, keep, accumulate = query_needs(policies)
-    capture = compat.QueryCapture(model, keep, accumulate) if need_queries else None
+    capture = QueryCapture(model, keep, accumulate) if need_queries else None
     inputs = None
     if any(p.NEEDS_LAYER_INPUTS for p in policies or ()):
         inputs = LayerInputCapture(model)
@@ -107,7 +109,7 @@ def prefill(
         compat.forward(model, ids[None, :-1], cache, positions)
     return Prefill(
         ids,
-        compat.cache_tensors(cache),
+        cache_tensors(cache),
         capture,
         num_query_heads(model),
         vocab_size(model),

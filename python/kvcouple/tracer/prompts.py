@@ -18,7 +18,9 @@ from kvcouple.errors import InvalidInputError
 
 
 class PromptFileError(InvalidInputError):
-    """A prompt file that cannot be read as documented (names the line)."""
+    """Prompts that cannot be read or built: a prompt file not as documented, or a JSON-lines
+    source of ``kvcouple prompts`` (each names the file and line), or records that cannot make
+    a prompt file (:mod:`kvcouple.prompts.build`)."""
 
 
 @dataclass(frozen=True)
@@ -119,15 +121,10 @@ def check_prompt_file(path: str | os.PathLike[str]) -> int:
     return sum(1 for _ in _records(Path(path), None))
 
 
-def _records(
-    path: Path, vocab_size: int | None
-) -> Iterator[tuple[str, str, str | None, list[int] | None]]:
-    """``(where, id, text, input_ids)`` of each line, one of text and input_ids set."""
-    if not path.exists():
-        raise FileNotFoundError(f"prompt file {path} does not exist")
-    if path.is_dir():
-        raise PromptFileError(f"{path} is a directory, not a prompt file (JSON lines)")
-    seen: dict[str, int] = {}
+def read_json_lines(path: Path, hint: str = "") -> Iterator[tuple[int, dict[str, Any]]]:
+    """``(line number, object)`` of each non-blank line of a JSON-lines file; a file that is
+    not UTF-8, or a line that is not a JSON object, raises :class:`PromptFileError` naming the
+    line (``hint`` appended to the message of a line that is not JSON)."""
     with path.open(encoding="utf-8", errors="strict") as f:
         try:
             lines = list(enumerate(f, start=1))
@@ -140,9 +137,23 @@ def _records(
         try:
             obj = json.loads(line)
         except json.JSONDecodeError as e:
-            raise PromptFileError(f"{where}: not valid JSON ({e.msg}){_not_jsonl(path)}") from None
+            raise PromptFileError(f"{where}: not valid JSON ({e.msg}){hint}") from None
         if not isinstance(obj, dict):
             raise PromptFileError(f"{where}: expected a JSON object, got {type(obj).__name__}")
+        yield number, obj
+
+
+def _records(
+    path: Path, vocab_size: int | None
+) -> Iterator[tuple[str, str, str | None, list[int] | None]]:
+    """``(where, id, text, input_ids)`` of each line, one of text and input_ids set."""
+    if not path.exists():
+        raise FileNotFoundError(f"prompt file {path} does not exist")
+    if path.is_dir():
+        raise PromptFileError(f"{path} is a directory, not a prompt file (JSON lines)")
+    seen: dict[str, int] = {}
+    for number, obj in read_json_lines(path, _not_jsonl(path)):
+        where = f"{path} line {number}"
         if (
             "id" not in obj
             or isinstance(obj["id"], bool)

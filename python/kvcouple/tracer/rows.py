@@ -17,6 +17,8 @@ from typing import Any, Protocol
 import torch
 
 from kvcouple.tracer import compat
+from kvcouple.tracer.kvcache import cache_capacity, cache_length, cache_tensors
+from kvcouple.tracer.lse_attention import MASK_ALIGNMENT
 from kvcouple.tracer.prefix import SharedPrefix
 
 
@@ -83,7 +85,7 @@ class CacheRows:
         self.masked = masked  # False: every row sees every column, no mask needed
         self.hook = hook
         self.prefix = prefix
-        self.dtype = dtype if dtype is not None else compat.cache_tensors(cache)[0][0].dtype
+        self.dtype = dtype if dtype is not None else cache_tensors(cache)[0][0].dtype
         self._columns: torch.Tensor | None = None  # arange over the capacity (static steps)
         self._open = self._hidden = torch.zeros(())  # a static mask's two values (set with it)
 
@@ -92,7 +94,7 @@ class CacheRows:
         """``(rows, filled columns)``: a view of the visibility storage (writes go through)."""
         if self._visible is None:
             return None
-        return self._visible[:, : compat.cache_length(self.cache)]
+        return self._visible[:, : cache_length(self.cache)]
 
     @valid.setter
     def valid(self, valid: torch.Tensor | None) -> None:
@@ -101,10 +103,10 @@ class CacheRows:
     def _static_mask(self) -> torch.Tensor:
         """The mask of a static step over the cache's capacity: the columns each row sees,
         with the one being written, in place of ``valid`` plus a concatenated column."""
-        capacity = compat.cache_capacity(self.cache)
+        capacity = cache_capacity(self.cache)
         # Masks are stored with 16-element-aligned rows (compat.additive_mask): the columns
         # past the capacity are hidden and outside the view.
-        stored = capacity + (-capacity % compat.MASK_ALIGNMENT)
+        stored = capacity + (-capacity % MASK_ALIGNMENT)
         column = self.cache.write_column
         rows = int(self.positions.shape[0])
         if self._visible is None:  # every row sees the written columns, and this one

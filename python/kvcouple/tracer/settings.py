@@ -93,7 +93,7 @@ class TraceSettings:
     decoding: Decoding = field(default_factory=Decoding)
     record: Record = field(default_factory=Record)
     # Absorbing EOS ids; None (the default) means the model's own, resolved where a model is
-    # traced (kvcouple.tracer.run.with_model_eos: trace, trace_document, kvcouple trace);
+    # traced (kvcouple.tracer.batches.with_model_eos: trace, trace_document, kvcouple trace);
     # () means no absorbing EOS.
     eos_token_ids: tuple[int, ...] | None = None
     # Most branches traced in one batch (each is two rows with a copy of the cache); None: all;
@@ -102,7 +102,7 @@ class TraceSettings:
     branch_batch: int | Literal["auto"] | None = "auto"
     # Cache layout of one-shot policies (kvcouple.tracer.shape.choose_layout).
     cache_layout: Literal["auto", "joint", "split", "shared"] = "auto"
-    # Documents traced as one batch (kvcouple.tracer.run.document_batches).
+    # Documents traced as one batch (kvcouple.tracer.planner.document_batches).
     doc_batch: int | Literal["auto"] = "auto"
     # torch.compile of the decoding step (compile_mode).
     compile: Literal["off", "auto", "graphs"] = "off"

@@ -23,7 +23,7 @@ plain masked forward; any exception, a difference beyond rounding, or a model wh
 does not change when an entry is masked refuses the model too. Rounding is measured, not
 assumed: the same re-fed token without eviction, cached against plain, gives this model's
 noise in its dtype (:class:`ProbeMeasure`; docs/tracer.md has the figures).
-The run layer (:func:`kvcouple.tracer.run.check_model`) then traces a short probe document
+The run layer (:func:`kvcouple.tracer.batches.check_model`) then traces a short probe document
 under every policy, so an unknown architecture fails before a store exists, never in the
 middle of one.
 
@@ -40,6 +40,7 @@ from typing import Any
 import torch
 
 from kvcouple.tracer import attention, compat
+from kvcouple.tracer.kvcache import cache_tensors, new_cache
 from kvcouple.tracer.model import ModelFacts, UnsupportedModelError, facts, refresh
 from kvcouple.tracer.model import layer_windows as layer_windows
 from kvcouple.tracer.model import text_config as text_config
@@ -231,7 +232,7 @@ def _probe(model: Any, f: ModelFacts, needs_scores: bool) -> ProbeMeasure | None
     ids = ((torch.arange(4, device=device) * 7919 + 101) % max(vocab, 1))[None].expand(2, 4)
     try:
         with torch.inference_mode():
-            cache = compat.new_cache()
+            cache = new_cache()
             capture = attention.QueryCapture(model) if needs_scores else None
             positions = torch.arange(3, device=device)[None].expand(2, 3)
             if capture is not None:
@@ -241,7 +242,7 @@ def _probe(model: Any, f: ModelFacts, needs_scores: bool) -> ProbeMeasure | None
                     capture.attention(layer, 0, 3)
             else:
                 compat.forward(model, ids[:, :3], cache, positions)
-            kv = compat.cache_tensors(cache)
+            kv = cache_tensors(cache)
             _check_layout(kv, layers, name)
             dtype = kv[0][0].dtype
             valid = torch.ones(2, 4, dtype=torch.bool, device=device)

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from kvcouple.tracer import compat
-from kvcouple.tracer.kvcache import fork_cache
+from kvcouple.tracer.kvcache import cache_from_tensors, fork_cache
 from kvcouple.tracer.prefill import Prefill
 from kvcouple.tracer.rows import CacheRows, Rows, StepHook
 from kvcouple.tracer.step import CoupledStep, EosState, coupled_step
@@ -98,7 +98,7 @@ class Trajectories(CacheRows):
                 for kept_pos in idx
             ]
         # Built one layer at a time, with room for the steps to come.
-        cache = compat.cache_from_tensors(layers(), key_positions, steps)
+        cache = cache_from_tensors(layers(), key_positions, steps)
         return cls(model, cache, valid, positions, keep < n1, hook)
 
     def fork(

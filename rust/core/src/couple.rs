@@ -169,13 +169,6 @@ pub fn couple(
     atol: Option<f64>,
 ) -> KvResult<Vec<Draw>> {
     check_pair(&p, &q, rows, vocab)?;
-    if p.dtype() != q.dtype() {
-        return Err(KvError::InvalidArgument(format!(
-            "p is {:?} but q is {:?}; pass both in one dtype",
-            p.dtype(),
-            q.dtype()
-        )));
-    }
     if u.len() != rows * 3 {
         return Err(KvError::Shape(format!(
             "u has {} elements, expected ({rows}, 3)",

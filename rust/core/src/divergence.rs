@@ -16,6 +16,7 @@ use crate::error::{KvError, KvResult};
 use crate::fastmath::{ln3_and_quotient, positive_or_tiny};
 use crate::parallel;
 use crate::rows::{check_pair, Dtype, Rows};
+use crate::simd::{self, Level};
 use crate::transform::Transform;
 
 pub(crate) const BLOCK: usize = 1024;
@@ -116,7 +117,7 @@ impl Lanes {
 
 /// Every sum over one full block (the caller zero-pads a partial last block: zeros add
 /// nothing to any sum). Kept apart from the row loop and over fixed-size arrays so that it
-/// vectorises; compiled twice, generic and with AVX2+FMA, picked at run time.
+/// vectorises; compiled for each [`simd::Level`], picked at run time.
 /// The Hellinger term uses `(sqrt p - sqrt q)^2 = (p - q)^2 / (p + q + 2 sqrt(pq))`: one
 /// square root, no cancellation, exactly 0 for equal entries.
 #[inline(always)]
@@ -171,25 +172,18 @@ unsafe fn block_kernel_avx512(a: &[f64; BLOCK], b: &[f64; BLOCK], l: &mut Lanes)
 
 type BlockKernel = fn(&[f64; BLOCK], &[f64; BLOCK], &mut Lanes);
 
-/// The fastest block kernel this CPU runs. Every variant sums in the same lane order, so
-/// results are bit-identical across CPUs; `KVCOUPLE_NO_AVX512=1` forces the AVX2 kernel
-/// (for comparing, or where AVX-512 lowers the clock of neighbouring work).
+/// The block kernel for this CPU's [`simd::level`]. Every variant sums in the same lane
+/// order, so results are bit-identical across CPUs.
 fn pick_block_kernel() -> BlockKernel {
-    #[cfg(target_arch = "x86_64")]
-    {
-        if std::is_x86_feature_detected!("avx512f")
-            && std::is_x86_feature_detected!("avx512dq")
-            && std::env::var_os("KVCOUPLE_NO_AVX512").is_none()
-        {
-            // SAFETY: only reached when the CPU has the features the kernel was compiled for.
-            return |a, b, l| unsafe { block_kernel_avx512(a, b, l) };
-        }
-        if std::is_x86_feature_detected!("avx2") && std::is_x86_feature_detected!("fma") {
-            // SAFETY: only reached when the CPU has the features the kernel was compiled for.
-            return |a, b, l| unsafe { block_kernel_avx2(a, b, l) };
-        }
+    match simd::level() {
+        // SAFETY: only reached when the CPU has the features the kernel was compiled for.
+        #[cfg(target_arch = "x86_64")]
+        Level::Avx512 => |a, b, l| unsafe { block_kernel_avx512(a, b, l) },
+        // SAFETY: as above.
+        #[cfg(target_arch = "x86_64")]
+        Level::Avx2 => |a, b, l| unsafe { block_kernel_avx2(a, b, l) },
+        _ => block_kernel_generic,
     }
-    block_kernel_generic
 }
 
 fn fold(x: &[f64; LANES]) -> f64 {
@@ -418,13 +412,6 @@ pub fn divergences(
     opts: &Options,
 ) -> KvResult<Vec<RowDivergence>> {
     check_pair(&p, &q, rows, vocab)?;
-    if p.dtype() != q.dtype() {
-        return Err(KvError::InvalidArgument(format!(
-            "p is {:?} but q is {:?}; pass both in one dtype",
-            p.dtype(),
-            q.dtype()
-        )));
-    }
     if let Some(t) = opts.logits {
         t.validate()?;
     }

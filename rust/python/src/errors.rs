@@ -9,7 +9,7 @@ use std::time::Duration;
 
 use kvcouple_core::cancel::Cancel;
 use kvcouple_core::KvError;
-use kvcouple_remote::FetchError;
+use kvcouple_fetch::FetchError;
 use pyo3::create_exception;
 use pyo3::exceptions::{PyKeyboardInterrupt, PyOSError, PyRuntimeError, PyValueError};
 use pyo3::prelude::*;

@@ -1,8 +1,10 @@
-//! Thin wrappers of the divergence and coupling kernels.
+//! Thin wrappers of the row kernels: divergences, coupling, the TV of stored rows.
 
 use kvcouple_core::couple as core_couple;
 use kvcouple_core::divergence::{self, Options};
+use kvcouple_core::rows::Rows;
 use kvcouple_core::transform::Transform;
+use kvcouple_core::{row_tv as stored, KvResult};
 use numpy::{IntoPyArray, PyReadonlyArray2, PyUntypedArrayMethods};
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
@@ -112,6 +114,20 @@ pub fn couple<'py>(
     ))
 }
 
+/// One value per row pair of `p` and `q` from `kernel`, run with the GIL released.
+fn per_row<'py>(
+    py: Python<'py>,
+    (p, q): (&Bound<'py, PyAny>, &Bound<'py, PyAny>),
+    dtype: &str,
+    kernel: fn(Rows, Rows, usize, usize) -> KvResult<Vec<f64>>,
+) -> PyResult<Bound<'py, numpy::PyArray1<f64>>> {
+    let pair = MatrixPair::extract(p, q, dtype)?;
+    let (rows, vocab) = pair.shape;
+    let (pr, qr) = pair.views()?;
+    let out = py.detach(|| guard(|| kernel(pr, qr, rows, vocab)))?;
+    Ok(out.into_pyarray(py))
+}
+
 /// A plain streaming pass (convert and sum) over the same bytes: the benchmark's speed of light.
 #[pyfunction]
 pub fn plain_pass<'py>(
@@ -120,11 +136,18 @@ pub fn plain_pass<'py>(
     q: &Bound<'py, PyAny>,
     dtype: &str,
 ) -> PyResult<Bound<'py, numpy::PyArray1<f64>>> {
-    let pair = MatrixPair::extract(p, q, dtype)?;
-    let (rows, vocab) = pair.shape;
-    let (pr, qr) = pair.views()?;
-    let out = py.detach(|| guard(|| divergence::plain_pass(pr, qr, rows, vocab)))?;
-    Ok(out.into_pyarray(py))
+    per_row(py, (p, q), dtype, divergence::plain_pass)
+}
+
+/// Per-row TV between stored distributions; NaN for rows that hold NaN (never recorded).
+#[pyfunction]
+pub fn row_tv<'py>(
+    py: Python<'py>,
+    p: &Bound<'py, PyAny>,
+    q: &Bound<'py, PyAny>,
+    dtype: &str,
+) -> PyResult<Bound<'py, numpy::PyArray1<f64>>> {
+    per_row(py, (p, q), dtype, stored::row_tv)
 }
 
 /// Use `n` threads in every kernel (0: the default pool of all cores).
@@ -143,6 +166,7 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(divergences, m)?)?;
     m.add_function(wrap_pyfunction!(couple, m)?)?;
     m.add_function(wrap_pyfunction!(plain_pass, m)?)?;
+    m.add_function(wrap_pyfunction!(row_tv, m)?)?;
     m.add_function(wrap_pyfunction!(set_num_threads, m)?)?;
     m.add_function(wrap_pyfunction!(get_num_threads, m)?)?;
     Ok(())

@@ -6,7 +6,7 @@ use pyo3::prelude::*;
 mod arrays;
 mod errors;
 mod kernels;
-mod remote;
+mod object_fetcher;
 mod stats;
 mod store;
 mod synth;
@@ -19,6 +19,6 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     synth::register(m)?;
     stats::register(m)?;
     store::register(m)?;
-    remote::register(m)?;
+    object_fetcher::register(m)?;
     Ok(())
 }

@@ -1,14 +1,13 @@
-//! Wrappers of the analysis kernels (`kvcouple-core::stats`): bootstrap of column means and
-//! TV recomputed from stored distributions.
+//! Wrappers of the analysis kernels (`kvcouple-core::stats`): bootstrap of column means,
+//! their intervals, jackknife standard errors.
 
-use kvcouple_core::stats::{bootstrap, intervals, jackknife, moments, recompute};
+use kvcouple_core::stats::{bootstrap, intervals, jackknife, moments};
 use numpy::{
     IntoPyArray, PyArray1, PyArray2, PyArrayMethods, PyReadonlyArray1, PyReadonlyArray2,
     PyUntypedArrayMethods,
 };
 use pyo3::prelude::*;
 
-use crate::arrays::MatrixPair;
 use crate::errors::{guard, ShapeError};
 
 /// Column means of `n_boot` document resamples of `values` (docs x cols); NaN entries skipped.
@@ -151,27 +150,11 @@ pub fn jackknife_se<'py>(
     Ok(out.into_pyarray(py))
 }
 
-/// Per-row TV between stored distributions; NaN for rows that hold NaN (never recorded).
-#[pyfunction]
-pub fn row_tv<'py>(
-    py: Python<'py>,
-    p: &Bound<'py, PyAny>,
-    q: &Bound<'py, PyAny>,
-    dtype: &str,
-) -> PyResult<Bound<'py, numpy::PyArray1<f64>>> {
-    let pair = MatrixPair::extract(p, q, dtype)?;
-    let (rows, vocab) = pair.shape;
-    let (pr, qr) = pair.views()?;
-    let out = py.detach(|| guard(|| recompute::row_tv(pr, qr, rows, vocab)))?;
-    Ok(out.into_pyarray(py))
-}
-
 pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(bootstrap_means, m)?)?;
     m.add_function(wrap_pyfunction!(bootstrap_counts, m)?)?;
     m.add_function(wrap_pyfunction!(bootstrap_moments, m)?)?;
     m.add_function(wrap_pyfunction!(bootstrap_intervals, m)?)?;
     m.add_function(wrap_pyfunction!(jackknife_se, m)?)?;
-    m.add_function(wrap_pyfunction!(row_tv, m)?)?;
     Ok(())
 }

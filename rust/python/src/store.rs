@@ -4,9 +4,11 @@ use std::ops::Range;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 
 use kvcouple_core::rows::Dtype;
-use kvcouple_store::chunks::{decode_chunks, Chunk, Source};
-use kvcouple_store::remote::{chunks_tv, Fetched, RemoteVariable};
-use kvcouple_store::{blocks_tv, Problem, Variable};
+use kvcouple_store::chunks::{decode_chunks, Chunk};
+use kvcouple_store::fetched::{chunks_tv, FetchedVariable};
+use kvcouple_store::local::{blocks_tv, LocalVariable};
+use kvcouple_store::source::{ChunkSource, FetchedObjects, LocalFiles};
+use kvcouple_store::Problem;
 use numpy::{IntoPyArray, PyArray1, PyReadonlyArray3, PyUntypedArrayMethods};
 use pyo3::prelude::*;
 use pyo3::pybacked::PyBackedBytes;
@@ -53,11 +55,14 @@ fn parse_kind(dtype: &str) -> PyResult<Dtype> {
     }
 }
 
-/// `blocks[i, axis] = (start, stop)` as ranges (and the tolerance checked).
+/// The rows' format and `blocks[i, axis] = (start, stop)` as ranges (and the tolerance
+/// checked).
 fn parse_blocks(
     blocks: &PyReadonlyArray3<'_, i64>,
+    dtype: &str,
     row_tolerance: Option<f64>,
-) -> PyResult<Vec<Vec<Range<u64>>>> {
+) -> PyResult<(Dtype, Vec<Vec<Range<u64>>>)> {
+    let kind = parse_kind(dtype)?;
     let shape = blocks.shape().to_vec();
     if shape[2] != 2 {
         return Err(ShapeError::new_err("blocks must have shape (n, ndim, 2)"));
@@ -73,27 +78,39 @@ fn parse_blocks(
     if flat.iter().any(|&v| v < 0) {
         return Err(InvalidInputError::new_err("block bounds must be >= 0"));
     }
-    Ok(flat
+    let ranges = flat
         .chunks_exact((shape[1] * 2).max(1))
         .map(|b| {
             b.chunks_exact(2)
                 .map(|r| r[0] as u64..r[1] as u64)
                 .collect()
         })
-        .collect())
+        .collect();
+    Ok((kind, ranges))
 }
 
-/// The binding's answer: `(tvs, None)`, `(empty, problem)`, or a caught panic raised.
-fn finish<'py>(
-    py: Python<'py>,
-    result: std::thread::Result<Result<Vec<f64>, Problem>>,
-) -> PyResult<(Bound<'py, PyArray1<f64>>, Option<ProblemTuple>)> {
-    match result {
-        Ok(Ok(tv)) => Ok((tv.into_pyarray(py), None)),
-        Ok(Err(problem)) => Ok((Vec::<f64>::new().into_pyarray(py), Some(as_tuple(problem)))),
+/// `read` run with the GIL released: its result, or its problem as a tuple (store damage is
+/// named by the reader, not raised here); a panic is raised as an internal error.
+fn run_engine<T: Send>(
+    py: Python<'_>,
+    read: impl FnOnce() -> Result<T, Problem> + Send,
+) -> PyResult<Result<T, ProblemTuple>> {
+    match py.detach(|| catch_unwind(AssertUnwindSafe(read))) {
+        Ok(result) => Ok(result.map_err(as_tuple)),
         Err(_) => Err(InternalError::new_err(
             "the store engine panicked; please report this with the store's layout",
         )),
+    }
+}
+
+/// The TV bindings' answer: `(tvs, None)` or `(empty, problem)`.
+fn tvs_or_problem(
+    py: Python<'_>,
+    result: Result<Vec<f64>, ProblemTuple>,
+) -> (Bound<'_, PyArray1<f64>>, Option<ProblemTuple>) {
+    match result {
+        Ok(tv) => (tv.into_pyarray(py), None),
+        Err(problem) => (Vec::<f64>::new().into_pyarray(py), Some(problem)),
     }
 }
 
@@ -114,17 +131,13 @@ pub fn store_blocks_tv<'py>(
     row_tolerance: Option<f64>,
     decode_only: bool,
 ) -> PyResult<(Bound<'py, PyArray1<f64>>, Option<ProblemTuple>)> {
-    let kind = parse_kind(dtype)?;
-    let ranges = parse_blocks(&blocks, row_tolerance)?;
-    let (root, p, q) = (root.to_string(), p.to_string(), q.to_string());
-    let result = py.detach(move || {
-        catch_unwind(AssertUnwindSafe(|| {
-            let pv = Variable::open(&root, &p)?;
-            let qv = Variable::open(&root, &q)?;
-            blocks_tv(&pv, &qv, &ranges, kind, row_tolerance, decode_only)
-        }))
-    });
-    finish(py, result)
+    let (kind, ranges) = parse_blocks(&blocks, dtype, row_tolerance)?;
+    let result = run_engine(py, || {
+        let pv = LocalVariable::open(root, p)?;
+        let qv = LocalVariable::open(root, q)?;
+        blocks_tv(&pv, &qv, &ranges, kind, row_tolerance, decode_only)
+    })?;
+    Ok(tvs_or_problem(py, result))
 }
 
 /// `store_blocks_tv` for a store on object storage: the caller fetched the chunk objects
@@ -148,41 +161,45 @@ pub fn store_chunks_tv<'py>(
     row_tolerance: Option<f64>,
     decode_only: bool,
 ) -> PyResult<(Bound<'py, PyArray1<f64>>, Option<ProblemTuple>)> {
-    let kind = parse_kind(dtype)?;
-    let ranges = parse_blocks(&blocks, row_tolerance)?;
+    let (kind, ranges) = parse_blocks(&blocks, dtype, row_tolerance)?;
     let n = ranges.len();
     if [p_keys.len(), p_chunks.len(), q_keys.len(), q_chunks.len()] != [n, n, n, n] {
         return Err(ShapeError::new_err(
             "one key and one chunk per block for each of p and q",
         ));
     }
-    let (p_meta, q_meta) = (p_meta.to_string(), q_meta.to_string());
-    let result = py.detach(move || {
-        catch_unwind(AssertUnwindSafe(|| {
-            let pv = RemoteVariable::new("p", &p_meta)?;
-            let qv = RemoteVariable::new("q", &q_meta)?;
-            let (ps, qs) = (fetched(&p_keys, &p_chunks), fetched(&q_keys, &q_chunks));
-            chunks_tv(
-                (&pv, &qv),
-                &ranges,
-                (&ps, &qs),
-                kind,
-                row_tolerance,
-                decode_only,
-            )
-        }))
-    });
-    finish(py, result)
+    let result = run_engine(py, || {
+        let pv = FetchedVariable::new("p", p_meta)?;
+        let qv = FetchedVariable::new("q", q_meta)?;
+        let objects = fetched(&p_keys, &p_chunks).chain(fetched(&q_keys, &q_chunks));
+        let objects = FetchedObjects::new(objects);
+        let (pk, qk): (Vec<&str>, Vec<&str>) = (
+            p_keys.iter().map(String::as_str).collect(),
+            q_keys.iter().map(String::as_str).collect(),
+        );
+        let (pv, qv) = (&pv, &qv);
+        let tol = row_tolerance;
+        chunks_tv(
+            (pv, qv),
+            &ranges,
+            (&pk, &qk),
+            &objects,
+            kind,
+            tol,
+            decode_only,
+        )
+    })?;
+    Ok(tvs_or_problem(py, result))
 }
 
-fn fetched<'a>(keys: &'a [String], chunks: &'a [Option<PyBackedBytes>]) -> Vec<Fetched<'a>> {
+/// Fetched objects as `(key, bytes)`, None where absent.
+fn fetched<'a>(
+    keys: &'a [String],
+    chunks: &'a [Option<PyBackedBytes>],
+) -> impl Iterator<Item = (&'a str, Option<&'a [u8]>)> {
     keys.iter()
-        .zip(chunks)
-        .map(|(k, c)| Fetched {
-            key: k.as_str(),
-            bytes: c.as_deref(),
-        })
-        .collect()
+        .map(String::as_str)
+        .zip(chunks.iter().map(|c| c.as_deref()))
 }
 
 /// Whole chunks of small variables, decoded as stored: chunk `i` has key `keys[i]` and the
@@ -205,42 +222,38 @@ pub fn store_decode_chunks<'py>(
             "which must name a metadata document for every key",
         ));
     }
-    let paths: Vec<std::path::PathBuf> = match (&root, &chunks) {
-        (Some(r), None) => keys
-            .iter()
-            .map(|k| std::path::Path::new(r).join(k))
-            .collect(),
-        (None, Some(c)) if c.len() == keys.len() => Vec::new(),
+    let files;
+    let objects;
+    let source: &dyn ChunkSource = match (&root, &chunks) {
+        (Some(r), None) => {
+            files = LocalFiles::new(r);
+            &files
+        }
+        (None, Some(c)) if c.len() == keys.len() => {
+            objects = FetchedObjects::new(fetched(&keys, c));
+            &objects
+        }
         _ => {
             return Err(InvalidInputError::new_err(
                 "give root (a local store) or one fetched chunk per key, not both",
             ))
         }
     };
-    let result = py.detach(|| {
-        catch_unwind(AssertUnwindSafe(|| {
-            let items: Vec<Chunk> = keys
-                .iter()
-                .enumerate()
-                .map(|(i, key)| Chunk {
-                    key,
-                    source: match &chunks {
-                        Some(c) => Source::Bytes(c[i].as_deref()),
-                        None => Source::File(&paths[i]),
-                    },
-                    meta: &metas[which[i]],
-                })
-                .collect();
-            decode_chunks(&items)
-        }))
-    });
-    match result {
-        Ok(Ok(decoded)) => Ok((decoded.iter().map(|b| PyBytes::new(py, b)).collect(), None)),
-        Ok(Err(problem)) => Ok((Vec::new(), Some(as_tuple(problem)))),
-        Err(_) => Err(InternalError::new_err(
-            "the store engine panicked; please report this with the store's layout",
-        )),
-    }
+    let result = run_engine(py, || {
+        let items: Vec<Chunk> = keys
+            .iter()
+            .zip(&which)
+            .map(|(key, &w)| Chunk {
+                key,
+                meta: &metas[w],
+            })
+            .collect();
+        decode_chunks(source, &items)
+    })?;
+    Ok(match result {
+        Ok(decoded) => (decoded.iter().map(|b| PyBytes::new(py, b)).collect(), None),
+        Err(problem) => (Vec::new(), Some(problem)),
+    })
 }
 
 pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {

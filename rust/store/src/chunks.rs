@@ -1,13 +1,13 @@
 //! Whole chunks of the small variables (hazards, tokens, lengths, ...), decoded as they are
-//! stored: one call reads a document's chunk of every variable at once, in parallel, with
-//! the checks of the distributions' path (an absent chunk named, crc32c verified, the
-//! decoded size exact). The caller views the bytes with the variable's dtype.
+//! stored: one call reads a document's chunk of every variable at once, in parallel, from a
+//! [`ChunkSource`] (a local store's files or fetched objects), with the checks of the
+//! distributions' path (an absent chunk named, crc32c verified, the decoded size exact). The
+//! caller views the bytes with the variable's dtype.
 //!
 //! Only the layout kvcouple writes is read here ([`crate::direct`]: `bytes` -> `zstd`
 //! (-> `crc32c`), little endian); anything else is [`Problem::Unsupported`].
 
 use std::collections::HashMap;
-use std::path::Path;
 
 use rayon::prelude::*;
 use zarrs::metadata::ArrayMetadata;
@@ -15,21 +15,13 @@ use zarrs::metadata::ArrayMetadata;
 use kvcouple_core::parallel;
 
 use crate::direct::{self, Layout};
+use crate::source::ChunkSource;
 use crate::Problem;
 
-/// Where a chunk's stored bytes are.
-pub enum Source<'a> {
-    /// A file of a local store.
-    File(&'a Path),
-    /// Fetched from object storage (None: the object does not exist).
-    Bytes(Option<&'a [u8]>),
-}
-
-/// One chunk to decode: its key (for messages), its bytes, and its variable's metadata
+/// One chunk to decode: its key (relative to the store's root) and its variable's metadata
 /// document (`zarr.json` or `.zarray`, as stored).
 pub struct Chunk<'a> {
     pub key: &'a str,
-    pub source: Source<'a>,
     pub meta: &'a str,
 }
 
@@ -45,7 +37,7 @@ fn layout_of(key: &str, meta: &str) -> Result<Layout, Problem> {
 }
 
 /// Every chunk's decoded bytes, in order; the first problem (in chunk order) otherwise.
-pub fn decode_chunks(chunks: &[Chunk]) -> Result<Vec<Vec<u8>>, Problem> {
+pub fn decode_chunks(source: &dyn ChunkSource, chunks: &[Chunk]) -> Result<Vec<Vec<u8>>, Problem> {
     // A call holds many documents' chunks of a few variables: each metadata document is
     // parsed once.
     let mut parsed: HashMap<&str, Layout> = HashMap::new();
@@ -65,22 +57,16 @@ pub fn decode_chunks(chunks: &[Chunk]) -> Result<Vec<Vec<u8>>, Problem> {
         chunks
             .par_iter()
             .zip(&layouts)
-            .map(|(c, layout)| decode_one(c, layout))
+            .map(|(c, layout)| decode_one(source, c, layout))
             .collect()
     });
     decoded.into_iter().collect()
 }
 
-fn decode_one(c: &Chunk, layout: &Layout) -> Result<Vec<u8>, Problem> {
+fn decode_one(source: &dyn ChunkSource, c: &Chunk, layout: &Layout) -> Result<Vec<u8>, Problem> {
     let want = layout.chunk.iter().product::<u64>() as usize * layout.itemsize;
     let mut buffers = direct::take();
-    let result = match c.source {
-        Source::File(path) => buffers.decode(path, c.key, want, layout.crc32c),
-        Source::Bytes(Some(bytes)) => buffers.decode_bytes(bytes, c.key, want, layout.crc32c),
-        Source::Bytes(None) => Err(Problem::Missing {
-            key: c.key.to_string(),
-        }),
-    };
+    let result = buffers.decode(source, c.key, want, layout.crc32c);
     let out = result.map(|()| bytemuck::cast_slice::<u64, u8>(&buffers.decoded)[..want].to_vec());
     direct::give(buffers);
     out
@@ -89,6 +75,7 @@ fn decode_one(c: &Chunk, layout: &Layout) -> Result<Vec<u8>, Problem> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::source::FetchedObjects;
 
     const META: &str = r#"{"zarr_format": 3, "node_type": "array", "shape": [3, 4],
         "data_type": "int32", "fill_value": 0, "chunk_key_encoding": {"name": "default"},
@@ -104,18 +91,22 @@ mod tests {
         out
     }
 
-    fn chunk<'a>(key: &'a str, bytes: Option<&'a [u8]>) -> Chunk<'a> {
-        Chunk {
-            key,
-            source: Source::Bytes(bytes),
-            meta: META,
-        }
+    /// Decode `keys` with `meta` from the fetched objects `stored`.
+    fn decode(
+        meta: &str,
+        keys: &[&str],
+        stored: &[(&str, Option<&[u8]>)],
+    ) -> Result<Vec<Vec<u8>>, Problem> {
+        let source = FetchedObjects::new(stored.iter().copied());
+        let chunks: Vec<Chunk> = keys.iter().map(|key| Chunk { key, meta }).collect();
+        decode_chunks(&source, &chunks)
     }
 
     #[test]
     fn chunks_decode_in_order_and_damage_is_named() {
         let (a, b) = (stored(&[1, -2, 3, 4]), stored(&[5, 6, 7, i32::MAX]));
-        let got = decode_chunks(&[chunk("t/c/1/0", Some(&b)), chunk("t/c/0/0", Some(&a))]).unwrap();
+        let both = [("t/c/1/0", Some(&b[..])), ("t/c/0/0", Some(&a[..]))];
+        let got = decode(META, &["t/c/1/0", "t/c/0/0"], &both).unwrap();
         let ints = |v: &[u8]| -> Vec<i32> {
             v.chunks_exact(4)
                 .map(|w| i32::from_le_bytes([w[0], w[1], w[2], w[3]]))
@@ -125,13 +116,14 @@ mod tests {
         assert_eq!(ints(&got[1]), vec![1, -2, 3, 4]);
         let mut flipped = a.clone();
         flipped[3] ^= 0x10;
-        let err = decode_chunks(&[chunk("t/c/0/0", Some(&b)), chunk("t/c/2/0", Some(&flipped))]);
+        let damaged = [("t/c/0/0", Some(&b[..])), ("t/c/2/0", Some(&flipped[..]))];
+        let err = decode(META, &["t/c/0/0", "t/c/2/0"], &damaged);
         assert!(matches!(err, Err(Problem::Checksum { ref key, .. }) if key == "t/c/2/0"));
-        let err = decode_chunks(&[chunk("t/c/0/0", None)]);
+        let err = decode(META, &["t/c/0/0"], &[("t/c/0/0", None)]);
         assert!(matches!(err, Err(Problem::Missing { ref key }) if key == "t/c/0/0"));
         // Three values where the chunk holds four: the size is checked.
         let short = stored(&[1, 2, 3]);
-        let err = decode_chunks(&[chunk("t/c/0/0", Some(&short))]);
+        let err = decode(META, &["t/c/0/0"], &[("t/c/0/0", Some(&short[..]))]);
         assert!(matches!(err, Err(Problem::Decode { .. })));
     }
 
@@ -141,24 +133,10 @@ mod tests {
             r#"{"name": "zstd", "configuration": {"level": 1, "checksum": false}}"#,
             r#"{"name": "gzip", "configuration": {"level": 1}}"#,
         );
-        let c = Chunk {
-            key: "t/c/0/0",
-            source: Source::Bytes(Some(b"")),
-            meta: &gzip,
-        };
-        assert!(matches!(
-            decode_chunks(&[c]),
-            Err(Problem::Unsupported { .. })
-        ));
         let strings = META.replace(r#""int32""#, r#""string""#);
-        let c = Chunk {
-            key: "t/c/0/0",
-            source: Source::Bytes(Some(b"")),
-            meta: &strings,
-        };
-        assert!(matches!(
-            decode_chunks(&[c]),
-            Err(Problem::Unsupported { .. })
-        ));
+        for meta in [gzip, strings] {
+            let err = decode(&meta, &["t/c/0/0"], &[("t/c/0/0", Some(b""))]);
+            assert!(matches!(err, Err(Problem::Unsupported { .. })));
+        }
     }
 }

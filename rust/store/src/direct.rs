@@ -4,15 +4,15 @@
 //! checksum verified, and decompressed straight into a reused, aligned buffer that the
 //! kernels read in place: no fresh allocation per block (fresh multi-MB buffers cost a page
 //! fault per 4 KiB), no copy from zarrs' output into aligned rows. Anything else (sharding,
-//! other codecs, blocks that are not whole chunks) goes through zarrs ([`crate::Variable::read`]).
+//! other codecs, blocks that are not whole chunks) goes through zarrs
+//! ([`crate::local::LocalVariable`]). Where the stored bytes come from is a [`ChunkSource`].
 
-use std::fs::File;
-use std::io::{ErrorKind, Read};
 use std::sync::Mutex;
 
 use serde_json::Value;
 use zarrs::metadata::ArrayMetadata;
 
+use crate::source::ChunkSource;
 use crate::Problem;
 
 /// What the direct path needs of a variable: its chunk shape, the decoded item size, and
@@ -134,7 +134,7 @@ fn layout_with(meta: &ArrayMetadata, itemsize_of: fn(&str) -> Option<usize>) -> 
     })
 }
 
-/// One thread's buffers: the chunk file as read, and its decoded values (8-byte aligned,
+/// One thread's buffers: the chunk file as read (local stores), and its decoded values (8-byte aligned,
 /// so that every stored float format can be viewed in place).
 #[derive(Default)]
 pub(crate) struct Buffers {
@@ -164,45 +164,26 @@ pub(crate) fn give(b: Buffers) {
 }
 
 impl Buffers {
-    /// Read the chunk file `path` (key `key`) and decode its `want` bytes into
-    /// `self.decoded` (the first `want` bytes of it).
+    /// The chunk object `key` of `source`, its `want` bytes decoded into `self.decoded` (the
+    /// first `want` bytes of it).
     pub fn decode(
         &mut self,
-        path: &std::path::Path,
+        source: &dyn ChunkSource,
         key: &str,
         want: usize,
         crc32c: bool,
     ) -> Result<(), Problem> {
-        let mut f = match File::open(path) {
-            Ok(f) => f,
-            Err(e) if e.kind() == ErrorKind::NotFound => {
-                return Err(Problem::Missing {
-                    key: key.to_string(),
-                })
-            }
-            Err(e) => {
-                return Err(Problem::Decode {
-                    key: key.to_string(),
-                    message: e.to_string(),
-                })
-            }
-        };
         let mut file = std::mem::take(&mut self.file);
-        file.clear();
-        let out = match f.read_to_end(&mut file) {
-            Ok(_) => self.decode_bytes(&file, key, want, crc32c),
-            Err(e) => Err(Problem::Decode {
-                key: key.to_string(),
-                message: e.to_string(),
-            }),
-        };
+        let out = source
+            .stored(key, &mut file)
+            .and_then(|bytes| self.decode_stored(bytes, key, want, crc32c));
         self.file = file;
         out
     }
 
-    /// Decode the stored chunk `bytes` (key `key`, e.g. fetched from object storage): its
-    /// crc32c verified where it has one, its `want` bytes into `self.decoded`.
-    pub fn decode_bytes(
+    /// Decode the stored chunk `bytes` (key `key`): its crc32c verified where it has one, its
+    /// `want` bytes into `self.decoded`.
+    fn decode_stored(
         &mut self,
         bytes: &[u8],
         key: &str,
@@ -264,6 +245,7 @@ impl Buffers {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::source::LocalFiles;
 
     fn v3(codecs: &str) -> ArrayMetadata {
         let json = format!(
@@ -304,10 +286,12 @@ mod tests {
             .collect();
         let mut file = zstd::bulk::compress(&raw, 1).unwrap();
         file.extend_from_slice(&crc32c::crc32c(&file).to_le_bytes());
-        let path = dir.join("c");
+        let path = dir.join("p").join("0.0");
+        std::fs::create_dir_all(dir.join("p")).unwrap();
         std::fs::write(&path, &file).unwrap();
+        let files = LocalFiles::new(&dir);
         let mut b = take();
-        b.decode(&path, "p/0.0", raw.len(), true).unwrap();
+        b.decode(&files, "p/0.0", raw.len(), true).unwrap();
         assert_eq!(
             &bytemuck::cast_slice::<u64, u8>(&b.decoded)[..raw.len()],
             &raw[..]
@@ -315,15 +299,13 @@ mod tests {
         // A flipped byte fails the checksum; a wrong size and an absent file are named too.
         file[10] ^= 1;
         std::fs::write(&path, &file).unwrap();
-        let err = b.decode(&path, "p/0.0", raw.len(), true).unwrap_err();
+        let err = b.decode(&files, "p/0.0", raw.len(), true).unwrap_err();
         assert!(matches!(err, Problem::Checksum { ref key, .. } if key == "p/0.0"));
         file[10] ^= 1;
         std::fs::write(&path, &file).unwrap();
-        let err = b.decode(&path, "p/0.0", raw.len() - 2, true).unwrap_err();
+        let err = b.decode(&files, "p/0.0", raw.len() - 2, true).unwrap_err();
         assert!(matches!(err, Problem::Decode { .. }));
-        let err = b
-            .decode(&dir.join("absent"), "p/1.0", raw.len(), true)
-            .unwrap_err();
+        let err = b.decode(&files, "p/1.0", raw.len(), true).unwrap_err();
         assert!(matches!(err, Problem::Missing { ref key } if key == "p/1.0"));
         give(b);
         std::fs::remove_dir_all(&dir).unwrap();

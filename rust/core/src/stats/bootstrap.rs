@@ -77,6 +77,16 @@ pub(crate) fn bootstrap_counts_into(seed: u64, b: usize, row: &mut [u32]) {
     }
 }
 
+/// A `docs x cols` table to resample has at least one of each.
+pub(crate) fn check_table(docs: usize, cols: usize) -> KvResult<()> {
+    if docs == 0 || cols == 0 {
+        return Err(KvError::Shape(format!(
+            "bootstrap needs at least one document and one column, got {docs} x {cols}"
+        )));
+    }
+    Ok(())
+}
+
 /// Column means of `n_boot` bootstrap resamples of the rows of `values` (`docs x cols`,
 /// row-major). Returns `n_boot x cols`, row-major.
 pub fn bootstrap_means(
@@ -86,11 +96,7 @@ pub fn bootstrap_means(
     n_boot: usize,
     seed: u64,
 ) -> KvResult<Vec<f64>> {
-    if docs == 0 || cols == 0 {
-        return Err(KvError::Shape(format!(
-            "bootstrap needs at least one document and one column, got {docs} x {cols}"
-        )));
-    }
+    check_table(docs, cols)?;
     if values.len() != docs * cols {
         return Err(KvError::Shape(format!(
             "values has {} elements, expected {docs} x {cols}",

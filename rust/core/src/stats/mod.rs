@@ -6,12 +6,9 @@
 //! - [`jackknife`]: jackknife standard errors of many rows of leave-one-out values (the
 //!   studentized bootstrap's, inside every resample);
 //! - [`moments`]: resample means of columns and of column products (the studentized
-//!   interval's standard errors, in memory independent of resamples x documents);
-//! - [`recompute`]: per-row total variation recomputed from stored distributions (rows that
-//!   were never recorded hold NaN and give NaN).
+//!   interval's standard errors, in memory independent of resamples x documents).
 
 pub mod bootstrap;
 pub mod intervals;
 pub mod jackknife;
 pub mod moments;
-pub mod recompute;

@@ -14,7 +14,7 @@ use rayon::prelude::*;
 use crate::error::{KvError, KvResult};
 use crate::parallel;
 
-use super::bootstrap::bootstrap_counts_into;
+use super::bootstrap::{bootstrap_counts_into, check_table};
 
 /// Replicates per task: their draw counts (`BLOCK x docs`) and accumulators are the task's
 /// memory, and every pass over the table serves all of them.
@@ -34,11 +34,7 @@ pub fn bootstrap_moments(
     n_boot: usize,
     seed: u64,
 ) -> KvResult<Vec<f64>> {
-    if docs == 0 || cols == 0 {
-        return Err(KvError::Shape(format!(
-            "bootstrap needs at least one document and one column, got {docs} x {cols}"
-        )));
-    }
+    check_table(docs, cols)?;
     if values.len() != docs * cols || centers.len() != cols {
         return Err(KvError::Shape(format!(
             "values has {} elements and centers {}, expected {docs} x {cols} and {cols}",

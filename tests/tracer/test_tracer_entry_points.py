@@ -1,4 +1,5 @@
-"""Three tracer bugs found by reading (issue 20), each pinned by a test that failed before its fix:
+"""The tracer's entry points behave as ``trace`` does (three bugs found by reading, issue 20,
+each pinned by a test that failed before its fix):
 
 - ``first_step`` applies the policy's admission step (a gated ``page:`` policy runs) and seeds
   each policy with the engine's per-(document, policy) seed, so its first step is the first
@@ -55,7 +56,7 @@ def test_first_step_is_the_first_step_of_trace_for_gated_and_random_policies():
 
 
 def test_trace_document_absorbs_at_the_models_eos_by_default():
-    from kvcouple.tracer.run import model_eos_ids
+    from kvcouple.tracer.model import model_eos_ids
 
     m = tiny_model("llama", seed=7)
     # Make the most likely first token the EOS, so that paths emit it within the horizon.

@@ -1,8 +1,8 @@
 //! Blocks of a store on object storage (`s3://`, `gs://`, ...): the caller fetches the chunk
 //! objects (many requests in flight, with its own credentials and endpoint) and hands their
-//! bytes here, where they are checked and decoded in parallel and consumed like local blocks
-//! ([`crate::blocks_tv`]): crc32c verified, a missing object named, every row checked to be
-//! a distribution before its TV counts.
+//! bytes here ([`FetchedObjects`]), where they are checked, decoded and consumed like a local
+//! store's blocks ([`crate::local::blocks_tv`], the same code): crc32c verified, a missing
+//! object named, every row checked to be a distribution before its TV counts.
 //!
 //! Only the layout kvcouple writes is read this way (one block is one whole chunk, encoded
 //! `bytes` -> `zstd` (-> `crc32c`), see [`crate::direct`]); anything else is
@@ -10,23 +10,23 @@
 
 use std::ops::Range;
 
-use rayon::prelude::*;
 use serde_json::Value;
 use zarrs::metadata::ArrayMetadata;
 
-use kvcouple_core::parallel;
 use kvcouple_core::rows::Dtype;
 
+use crate::blocks::{check_blocks, direct_block_tv, itemsize, per_block, DirectChunk};
 use crate::direct::{self, Layout};
-use crate::{consume, itemsize, rows_of, KeyOf, Problem};
+use crate::source::FetchedObjects;
+use crate::Problem;
 
 /// One variable on object storage: its metadata document (`zarr.json` or `.zarray`), parsed.
-pub struct RemoteVariable {
+pub struct FetchedVariable {
     shape: Vec<u64>,
     layout: Layout,
 }
 
-impl RemoteVariable {
+impl FetchedVariable {
     /// Parse `metadata` (the array's metadata document as stored); unsupported unless the
     /// direct layout reads it.
     pub fn new(name: &str, metadata: &str) -> Result<Self, Problem> {
@@ -64,102 +64,47 @@ impl RemoteVariable {
     }
 }
 
-/// A fetched chunk object: its key, and its bytes (None where the object does not exist).
-pub struct Fetched<'a> {
-    pub key: &'a str,
-    pub bytes: Option<&'a [u8]>,
-}
-
 /// The row TVs of every block (each exactly one chunk; the last axis the whole vocabulary)
-/// from the fetched chunk objects of `p` and `q` (`p_chunks[i]`, `q_chunks[i]` hold block
-/// `i`), as [`crate::blocks_tv`] gives them for a local store.
+/// from the fetched chunk objects of `p` and `q` (`p_keys[i]`, `q_keys[i]` name block `i`'s
+/// objects in `objects`), as [`crate::local::blocks_tv`] gives them for a local store.
 pub fn chunks_tv(
-    (p, q): (&RemoteVariable, &RemoteVariable),
+    (p, q): (&FetchedVariable, &FetchedVariable),
     blocks: &[Vec<Range<u64>>],
-    (p_chunks, q_chunks): (&[Fetched], &[Fetched]),
+    (p_keys, q_keys): (&[&str], &[&str]),
+    objects: &FetchedObjects,
     kind: Dtype,
     tolerance: Option<f64>,
     decode_only: bool,
 ) -> Result<Vec<f64>, Problem> {
     let unsupported = |message: String| Problem::Unsupported { message };
-    if p.shape != q.shape {
-        return Err(unsupported(format!(
-            "p has shape {:?} and q {:?}",
-            p.shape, q.shape
-        )));
-    }
+    let vocab = check_blocks(&p.shape, &q.shape, blocks)?;
     if p.layout.itemsize != itemsize(kind) || q.layout.itemsize != itemsize(kind) {
         return Err(unsupported(format!("stored items are not {kind:?}")));
     }
-    if p_chunks.len() != blocks.len() || q_chunks.len() != blocks.len() {
+    if p_keys.len() != blocks.len() || q_keys.len() != blocks.len() {
         return Err(unsupported(
             "one fetched chunk per block and variable".into(),
         ));
     }
-    let vocab = *p.shape.last().unwrap_or(&0);
-    for b in blocks {
-        let whole = b.last().is_some_and(|r| r.start == 0 && r.end == vocab);
-        if vocab == 0 || !whole || !p.is_chunk(b) || !q.is_chunk(b) {
-            return Err(unsupported(format!(
-                "block {b:?} is not one chunk of whole rows of shape {:?}",
-                p.shape
-            )));
-        }
+    if let Some(b) = blocks.iter().find(|b| !p.is_chunk(b) || !q.is_chunk(b)) {
+        return Err(unsupported(format!(
+            "block {b:?} is not one chunk of whole rows of shape {:?}",
+            p.shape
+        )));
     }
-    let vocab = vocab as usize;
-    let per_block: Vec<Result<Vec<f64>, Problem>> = parallel::install(|| {
-        blocks
-            .par_iter()
-            .zip(p_chunks.par_iter().zip(q_chunks.par_iter()))
-            .map(|(b, (pc, qc))| {
-                let n: usize = b.iter().map(|r| (r.end - r.start) as usize).product();
-                let rows = n / vocab;
-                let want = n * itemsize(kind);
-                let (pd, qd) = (direct::take(), direct::take());
-                let mut bufs = (pd, qd);
-                let out = decode(&mut bufs.0, pc, want, p.layout.crc32c)
-                    .and_then(|()| decode(&mut bufs.1, qc, want, q.layout.crc32c))
-                    .and_then(|()| {
-                        if decode_only {
-                            return Ok(vec![0.0; rows]);
-                        }
-                        // The block is one chunk: every element's key is that chunk's.
-                        let (pk, qk) = (
-                            |_: &[u64]| pc.key.to_string(),
-                            |_: &[u64]| qc.key.to_string(),
-                        );
-                        let keys: (KeyOf, KeyOf) = (&pk, &qk);
-                        let pair = (
-                            rows_of(&bufs.0.decoded, kind, n),
-                            rows_of(&bufs.1.decoded, kind, n),
-                        );
-                        consume(keys, b, pair, rows, vocab, tolerance)
-                    });
-                direct::give(bufs.0);
-                direct::give(bufs.1);
-                out
-            })
-            .collect()
-    });
-    let mut out = Vec::new();
-    for r in per_block {
-        out.extend(r?);
-    }
-    Ok(out)
-}
-
-fn decode(
-    into: &mut direct::Buffers,
-    chunk: &Fetched,
-    want: usize,
-    crc32c: bool,
-) -> Result<(), Problem> {
-    match chunk.bytes {
-        Some(bytes) => into.decode_bytes(bytes, chunk.key, want, crc32c),
-        None => Err(Problem::Missing {
-            key: chunk.key.to_string(),
-        }),
-    }
+    per_block(blocks, |i, b| {
+        let pc = DirectChunk {
+            source: objects,
+            key: p_keys[i].into(),
+            crc32c: p.layout.crc32c,
+        };
+        let qc = DirectChunk {
+            source: objects,
+            key: q_keys[i].into(),
+            crc32c: q.layout.crc32c,
+        };
+        direct_block_tv((pc, qc), b, kind, vocab, tolerance, decode_only)
+    })
 }
 
 #[cfg(test)]
@@ -181,7 +126,7 @@ mod tests {
 
     #[test]
     fn fetched_chunks_give_tvs_and_name_damage() {
-        let v = RemoteVariable::new("p", META).unwrap();
+        let v = FetchedVariable::new("p", META).unwrap();
         // 0x3800 = 0.5: TV((.5, .5, 0, 0), (0, 0, .5, .5)) = 1 and TV(p, p) = 0.
         let (p0, p1) = (
             chunk(&[0x3800, 0x3800, 0, 0]),
@@ -192,41 +137,41 @@ mod tests {
             chunk(&[0, 0, 0x3800, 0x3800]),
         );
         let blocks = vec![vec![0..1, 0..4], vec![1..2, 0..4]];
-        let at = |key, bytes: &'static [u8]| Fetched {
-            key,
-            bytes: Some(bytes),
+        let (ps, qs): ([&str; 2], [&str; 2]) = (["p/0.0", "p/1.0"], ["q/0.0", "q/1.0"]);
+        let objects = |p1: Option<&[u8]>, q1: &[u8]| -> Vec<(&str, Option<Vec<u8>>)> {
+            vec![
+                ("p/0.0", Some(p0.clone())),
+                ("p/1.0", p1.map(<[u8]>::to_vec)),
+                ("q/0.0", Some(q0.clone())),
+                ("q/1.0", Some(q1.to_vec())),
+            ]
         };
-        let leak = |v: Vec<u8>| -> &'static [u8] { Box::leak(v.into_boxed_slice()) };
-        let (p0, p1, q0, q1) = (leak(p0), leak(p1), leak(q0), leak(q1));
-        let ps = [at("p/0.0", p0), at("p/1.0", p1)];
-        let qs = [at("q/0.0", q0), at("q/1.0", q1)];
-        let tv = chunks_tv((&v, &v), &blocks, (&ps, &qs), Dtype::F16, Some(1e-3), false);
+        let tvs = |stored: &[(&str, Option<Vec<u8>>)], tolerance, blocks: &[Vec<Range<u64>>]| {
+            let fetched = FetchedObjects::new(stored.iter().map(|(k, b)| (*k, b.as_deref())));
+            let n = blocks.len();
+            let keys = (&ps[..n], &qs[..n]);
+            chunks_tv(
+                (&v, &v),
+                blocks,
+                keys,
+                &fetched,
+                Dtype::F16,
+                tolerance,
+                false,
+            )
+        };
+        let tv = tvs(&objects(Some(&p1), &q1), Some(1e-3), &blocks);
         assert_eq!(tv.unwrap(), vec![1.0, 0.0]);
         // A missing object and a flipped byte are named by key.
-        let gone = [
-            at("p/0.0", p0),
-            Fetched {
-                key: "p/1.0",
-                bytes: None,
-            },
-        ];
-        let err = chunks_tv((&v, &v), &blocks, (&gone, &qs), Dtype::F16, None, false);
+        let err = tvs(&objects(None, &q1), None, &blocks);
         assert!(matches!(err, Err(Problem::Missing { ref key }) if key == "p/1.0"));
         let mut bad = q1.to_vec();
         bad[3] ^= 1;
-        let qs = [at("q/0.0", q0), at("q/1.0", leak(bad))];
-        let err = chunks_tv((&v, &v), &blocks, (&ps, &qs), Dtype::F16, None, false);
+        let err = tvs(&objects(Some(&p1), &bad), None, &blocks);
         assert!(matches!(err, Err(Problem::Checksum { ref key, .. }) if key == "q/1.0"));
         // A block that is not one chunk is not read here.
         let two = vec![vec![0..2, 0..4]];
-        let err = chunks_tv(
-            (&v, &v),
-            &two,
-            (&ps[..1], &qs[..1]),
-            Dtype::F16,
-            None,
-            false,
-        );
+        let err = tvs(&objects(Some(&p1), &q1), None, &two);
         assert!(matches!(err, Err(Problem::Unsupported { .. })));
     }
 }

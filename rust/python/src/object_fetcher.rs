@@ -1,7 +1,7 @@
-//! Object storage for the store engine (`kvcouple-remote`): a store's objects fetched with
+//! Object storage for the store engine (`kvcouple-fetch`): a store's objects fetched with
 //! many requests in flight, the GIL released, and handed back as bytes.
 
-use kvcouple_remote::{Fetcher, DEFAULT_CONCURRENCY};
+use kvcouple_fetch::{Fetcher, DEFAULT_CONCURRENCY};
 use pyo3::prelude::*;
 use pyo3::types::PyBytes;
 

@@ -3,7 +3,8 @@
 //!
 //! The caller names the objects (chunk keys relative to the store's root) and gets their bytes
 //! back in the same order, `None` for an object that does not exist; decoding and checking
-//! stay in `kvcouple-store` (`remote::chunks_tv`), which takes these bytes as they are.
+//! stay in `kvcouple-store` (`fetched::chunks_tv`, `chunks::decode_chunks`), which take these
+//! bytes as they are.
 
 use std::str::FromStr;
 use std::sync::{Arc, Mutex};
