@@ -14,9 +14,9 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from kvcouple.analysis.engine import AnalysisResult, ModelResult
 from kvcouple.analysis.labels import number, policy_labels
 from kvcouple.analysis.quantities import labelled
+from kvcouple.analysis.results import AnalysisResult, ModelResult
 from kvcouple.analysis.stats import NEVER_DIVERGES
 from kvcouple.textsafe import terminal
 

@@ -12,14 +12,15 @@ from __future__ import annotations
 
 import math
 import os
-from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
 from kvcouple.analysis import stats as st
+from kvcouple.analysis.comparisons import pool_gaps, run_tests
 from kvcouple.analysis.estimates import ESTIMATORS
 from kvcouple.analysis.plan import DEFAULTS, Plan, PlanError, load_plan, registration_status
+from kvcouple.analysis.results import AnalysisResult, ModelResult
 from kvcouple.analysis.scoreboard import ScoreboardPool
 from kvcouple.analysis.tasks import (
     DocResult,
@@ -34,8 +35,8 @@ from kvcouple.errors import InvalidInputError, StoreError
 from kvcouple.resources import check_memory
 from kvcouple.store.reader import TraceStoreReader
 
-# Defined here, or in kvcouple.analysis.tasks (the per-document task) and importable from here
-# as before.
+# The analysis's entry points; its results (kvcouple.analysis.results), per-document task
+# (kvcouple.analysis.tasks) and comparisons (kvcouple.analysis.comparisons) as users reach them.
 __all__ = [
     "DEFAULT_N_BOOT",
     "SEALED",
@@ -53,80 +54,6 @@ __all__ = [
 
 # Document bootstrap resamples when neither the caller nor a plan says (CLI, demo, API).
 DEFAULT_N_BOOT = DEFAULTS["n_boot"]  # one default, the plan's
-
-
-@dataclass
-class ModelResult:
-    """The analysis of one store (one model)."""
-
-    model: str
-    store: str
-    policies: list[str]
-    horizon: int
-    window: int  # stored L
-    obs_window: int  # L_w used for the window/tail split
-    docs: list[DocResult]
-    tables: dict[str, list[dict[str, Any]]]
-    bootstrap: st.Bootstrap | None = None
-    table: st.Table | None = None
-    # The scoreboard's rows (kvcouple.analysis.scoreboard), pooled as the documents came back.
-    scoreboard: list[dict[str, Any]] | None = None
-
-
-@dataclass
-class AnalysisResult:
-    """The result of :func:`kvcouple.analysis.analyze`: one entry per store, plus the plan's tests.
-
-    Attributes
-    ----------
-    models : list of ModelResult
-        The analysis of each store (one model per store), in the order the stores were given.
-    estimator : str
-        The per-unit estimator used: ``"indicator"`` or ``"tv"``.
-    doc_set : str
-        The documents analysed: ``"all"``, ``"exploratory"`` or ``"confirmatory"``.
-    plan_hash : str
-        SHA-256 hash of the completed plan content, or ``"none"`` without a plan.
-    plan_name : str or None
-        The plan's name, or ``None`` without a plan.
-    tests : list of dict
-        One row per comparison the plan registers (empty without a plan).
-    skipped : list of dict
-        Documents left out of the analysis (for example damaged or unfinished ones), each
-        with the reason.
-    settings : dict
-        Every number-changing setting used, with the recomputation settings and the store
-        paths (``"stores"``).
-    preregistration : str
-        ``"preregistered: ..."`` or ``"not preregistered: <why>"``; stamped on every output.
-        Default ``"not preregistered: no plan"``.
-    pooled : dict
-        Gap attribution pooled across models (key ``"gap_attribution"``) when the settings
-        ask for pooling; empty otherwise.
-    """
-
-    models: list[ModelResult]
-    estimator: str
-    doc_set: str
-    plan_hash: str
-    plan_name: str | None
-    tests: list[dict[str, Any]] = field(default_factory=list)
-    skipped: list[dict[str, str]] = field(default_factory=list)
-    settings: dict[str, Any] = field(default_factory=dict)
-    # "preregistered: ..." or "not preregistered: <why>", stamped on every output.
-    preregistration: str = "not preregistered: no plan"
-    pooled: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
-
-    def checks(self) -> list[dict[str, Any]]:
-        """Recomputation summary per model and the disagreements themselves."""
-        rows = []
-        for m in self.models:
-            for d in m.docs:
-                if d.check is None:
-                    continue
-                for x in d.check.disagreements:
-                    rows.append({"model": m.model, **x.__dict__})
-        return rows
 
 
 def _select_docs(reader: TraceStoreReader, plan: Plan | None, doc_set: str) -> list[int]:
@@ -552,34 +479,6 @@ def _compare(result: AnalysisResult, cfg: dict[str, Any], plan: Plan | None) -> 
         result.tests = run_tests(result, plan)
 
 
-def pool_gaps(models: list[ModelResult], cfg: dict[str, Any]) -> dict[str, list[dict[str, Any]]]:
-    """Gap attribution pooled across models (equal weight per model), bootstrapped over the
-    union of documents aligned by id (documents shared by models are resampled together)."""
-    if len(models) < 2:
-        raise ValueError("pooling gaps across models needs at least two stores")
-    common = [p for p in models[0].policies if all(p in m.policies for m in models)]
-    ids = sorted({d.doc_id for m in models for d in m.docs})
-    row = {d: i for i, d in enumerate(ids)}
-    joint = st.Table(ids)
-    for m in models:
-        assert m.table is not None
-        at = np.array([row[d] for d in m.table.doc_ids])
-        for name, col in m.table.cols.items():
-            full = np.full(len(ids), np.nan)
-            full[at] = col
-            joint.cols[f"{m.model}::{name}"] = full
-    bs = st.bootstrap_table(joint, cfg["n_boot"], cfg["seed"], cfg["ci_level"], cfg["ci_method"])
-    rows: list[dict[str, Any]] = []
-    for a, b in st.policy_pairs(common, cfg["reference"]):
-        fns = st.pooled_gap_fns(a, b, [(f"{m.model}::", m.horizon) for m in models])
-        rows += st.gap_rows(
-            bs, fns, {"model": "pooled: " + " + ".join(m.model for m in models),
-                      "policy_a": a, "policy_b": b},
-            st.gap_scales(min(m.horizon for m in models)),
-        )  # fmt: skip
-    return {"gap_attribution": rows}
-
-
 def _model_labels(readers: list[TraceStoreReader]) -> list[str]:
     labels = [i.model for i in readers]
     return [lab if labels.count(lab) == 1 else f"{lab}#{k}" for k, lab in enumerate(labels)]
@@ -609,65 +508,3 @@ def _model_result(
         label, reader.path, reader.policies, T, L, obs, docs, tables, bs, table,
         store.scoreboard.rows(label),
     )  # fmt: skip
-
-
-def run_tests(result: AnalysisResult, plan: Plan) -> list[dict[str, Any]]:
-    """The plan's comparisons: estimate, CI at level 1 - alpha, bootstrap p-value (of the
-    interval's method), corrected for multiplicity over every test (paired and within-policy)."""
-    rows: list[dict[str, Any]] = []
-    for c in plan.comparisons:
-        models = [m for m in result.models if c.model in (None, m.model)]
-        if not models:
-            raise PlanError(
-                f"comparison {c.name!r}: no model {c.model!r} among "
-                f"{[m.model for m in result.models]}"
-            )
-        for m in models:
-            for pol in c.policies:
-                if pol not in m.policies:
-                    raise PlanError(
-                        f"comparison {c.name!r}: policy {pol!r} is not in "
-                        f"{m.store} (policies: {', '.join(m.policies)})"
-                    )
-            assert m.bootstrap is not None
-            bs = m.bootstrap.at_level(1.0 - plan.alpha)
-            if c.policy is not None:
-                fn = st.quantity_fn(c.policy, c.metric, m.horizon)
-            else:
-                fa = st.quantity_fn(str(c.a), c.metric, m.horizon)
-                fb = st.quantity_fn(str(c.b), c.metric, m.horizon)
-                fn = st.difference(fa, fb)
-            scale = st.quantity_scale(c.metric, m.horizon, paired=c.policy is None)
-            est = bs.evaluate(fn, c.metric in st.DISCRETE, scale)
-            rows.append(
-                {
-                    "comparison": c.name,
-                    "model": m.model,
-                    "metric": c.metric,
-                    "policy_a": c.a or "",
-                    "policy_b": c.b or "",
-                    "policy": c.policy or "",
-                    "value": c.value,
-                    "direction": c.direction,
-                    "estimate": est.estimate,
-                    "ci_low": est.ci_low,
-                    "ci_high": est.ci_high,
-                    "ci_method": est.method,
-                    "p_value": bs.p_value(est, c.direction, c.value),
-                    "n_docs": bs.n_docs,
-                    "doc_set": result.doc_set,
-                }
-            )
-    raw = [r["p_value"] for r in rows]
-    if plan.correction == "holm":
-        adj = st.holm(raw)
-    elif plan.correction == "bonferroni":
-        adj = [min(1.0, p * len(raw)) for p in raw]
-    else:
-        adj = raw
-    for r, p in zip(rows, adj, strict=True):
-        r["p_adjusted"] = p
-        r["correction"] = plan.correction
-        r["alpha"] = plan.alpha
-        r["reject_h0"] = bool(p < plan.alpha)
-    return rows

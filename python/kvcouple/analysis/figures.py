@@ -17,7 +17,7 @@ from kvcouple.analysis.quantities import label
 from kvcouple.textsafe import terminal
 
 if TYPE_CHECKING:
-    from kvcouple.analysis.engine import AnalysisResult
+    from kvcouple.analysis.results import AnalysisResult
 
 Rows = list[dict[str, Any]]
 

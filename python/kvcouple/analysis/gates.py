@@ -12,8 +12,8 @@ from typing import Any
 
 import numpy as np
 
-from kvcouple.analysis.engine import AnalysisResult
 from kvcouple.analysis.estimates import SCALARS
+from kvcouple.analysis.results import AnalysisResult
 from kvcouple.store.reader import TraceStoreReader
 from kvcouple.store.schema import CAPACITY_BOUND, DILUTION_PRONE, NO_GATE
 

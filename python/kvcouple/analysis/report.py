@@ -27,11 +27,11 @@ import warnings
 from pathlib import Path
 from typing import Any
 
-from kvcouple.analysis.engine import AnalysisResult
 from kvcouple.analysis.figures import make_figures
 from kvcouple.analysis.report_html import html_page
 from kvcouple.analysis.report_sections import markdown_report
 from kvcouple.analysis.report_words import report_title
+from kvcouple.analysis.results import AnalysisResult
 from kvcouple.analysis.tables import EMPTY_COLUMNS, json_safe, table_meta, tidy_tables, write_csv
 from kvcouple.analysis.text_html import with_text
 from kvcouple.errors import InvalidInputError, MissingExtraError, require

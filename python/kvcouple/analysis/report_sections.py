@@ -11,7 +11,6 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from kvcouple.analysis.engine import AnalysisResult
 from kvcouple.analysis.figures import FIGURES, early_late_split
 from kvcouple.analysis.quantities import labelled
 from kvcouple.analysis.report_words import (
@@ -26,6 +25,7 @@ from kvcouple.analysis.report_words import (
     summary_lookup,
     with_ci,
 )
+from kvcouple.analysis.results import AnalysisResult
 from kvcouple.analysis.scoreboard import report_section as scoreboard_section
 from kvcouple.analysis.stats import DISCRETE, NOT_INTERPRETABLE, SUMMARY_DEFINITIONS
 from kvcouple.analysis.text_html import markdown_lines as text_markdown_lines

@@ -11,8 +11,8 @@ import math
 from typing import Any, TypeGuard
 
 from kvcouple.analysis.console import run_stamp
-from kvcouple.analysis.engine import AnalysisResult
 from kvcouple.analysis.labels import number, percent, policy_labels
+from kvcouple.analysis.results import AnalysisResult
 from kvcouple.analysis.stats import NEVER_DIVERGES
 from kvcouple.textsafe import markdown_cell, terminal
 

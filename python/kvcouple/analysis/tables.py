@@ -9,9 +9,9 @@ import math
 from pathlib import Path
 from typing import Any
 
-from kvcouple.analysis.engine import AnalysisResult
 from kvcouple.analysis.estimates import SCALARS
 from kvcouple.analysis.reading import TOLERANCE
+from kvcouple.analysis.results import AnalysisResult
 from kvcouple.analysis.scoreboard import scoreboard_rows
 
 

@@ -1,0 +1,86 @@
+"""What :func:`kvcouple.analysis.analyze` returns: one :class:`ModelResult` per store (its
+documents, tables, bootstrap and scoreboard) inside an :class:`AnalysisResult`."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvcouple.analysis import stats as st
+from kvcouple.analysis.tasks import DocResult
+
+__all__ = ["AnalysisResult", "ModelResult"]
+
+
+@dataclass
+class ModelResult:
+    """The analysis of one store (one model)."""
+
+    model: str
+    store: str
+    policies: list[str]
+    horizon: int
+    window: int  # stored L
+    obs_window: int  # L_w used for the window/tail split
+    docs: list[DocResult]
+    tables: dict[str, list[dict[str, Any]]]
+    bootstrap: st.Bootstrap | None = None
+    table: st.Table | None = None
+    # The scoreboard's rows (kvcouple.analysis.scoreboard), pooled as the documents came back.
+    scoreboard: list[dict[str, Any]] | None = None
+
+
+@dataclass
+class AnalysisResult:
+    """The result of :func:`kvcouple.analysis.analyze`: one entry per store, plus the plan's tests.
+
+    Attributes
+    ----------
+    models : list of ModelResult
+        The analysis of each store (one model per store), in the order the stores were given.
+    estimator : str
+        The per-unit estimator used: ``"indicator"`` or ``"tv"``.
+    doc_set : str
+        The documents analysed: ``"all"``, ``"exploratory"`` or ``"confirmatory"``.
+    plan_hash : str
+        SHA-256 hash of the completed plan content, or ``"none"`` without a plan.
+    plan_name : str or None
+        The plan's name, or ``None`` without a plan.
+    tests : list of dict
+        One row per comparison the plan registers (empty without a plan).
+    skipped : list of dict
+        Documents left out of the analysis (for example damaged or unfinished ones), each
+        with the reason.
+    settings : dict
+        Every number-changing setting used, with the recomputation settings and the store
+        paths (``"stores"``).
+    preregistration : str
+        ``"preregistered: ..."`` or ``"not preregistered: <why>"``; stamped on every output.
+        Default ``"not preregistered: no plan"``.
+    pooled : dict
+        Gap attribution pooled across models (key ``"gap_attribution"``) when the settings
+        ask for pooling; empty otherwise.
+    """
+
+    models: list[ModelResult]
+    estimator: str
+    doc_set: str
+    plan_hash: str
+    plan_name: str | None
+    tests: list[dict[str, Any]] = field(default_factory=list)
+    skipped: list[dict[str, str]] = field(default_factory=list)
+    settings: dict[str, Any] = field(default_factory=dict)
+    # "preregistered: ..." or "not preregistered: <why>", stamped on every output.
+    preregistration: str = "not preregistered: no plan"
+    pooled: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
+
+    def checks(self) -> list[dict[str, Any]]:
+        """Recomputation summary per model and the disagreements themselves."""
+        rows = []
+        for m in self.models:
+            for d in m.docs:
+                if d.check is None:
+                    continue
+                for x in d.check.disagreements:
+                    rows.append({"model": m.model, **x.__dict__})
+        return rows
