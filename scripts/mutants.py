@@ -143,7 +143,7 @@ MUTANTS = [
         ANALYSIS,
         ("tv_lag_den = (reached.mean(1) * weight)", "tv_lag_den = (reached.sum(1) * weight)"),
     ),
-    # --- across-document statistics (analysis/stats.py, analysis/bootstrap.py) ----------------
+    # --- across-document statistics (analysis/stats.py, analysis/pvalues.py) ------------------
     m(
         "S1",
         "analysis/stats.py",
@@ -217,14 +217,14 @@ MUTANTS = [
     ),
     m(
         "S9",
-        "analysis/bootstrap.py",
+        "analysis/pvalues.py",
         "bootstrap p-value without the +1 correction",
         PLAN,
         ("le = (1 + np.sum(b <= value)) / (b.size + 1)", "le = np.sum(b <= value) / b.size"),
     ),
     m(
         "S10",
-        "analysis/bootstrap.py",
+        "analysis/pvalues.py",
         "Holm multiplier off by one",
         PLAN,
         ("min(1.0, (len(p) - rank) * p[i])", "min(1.0, (len(p) - rank - 1) * p[i])"),

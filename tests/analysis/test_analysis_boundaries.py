@@ -183,15 +183,16 @@ def test_the_curve_figures_draw_their_bands_inside_the_unit_range(result):
 def test_an_estimate_outside_its_range_keeps_its_interval_beside_the_range():
     """A ratio of Monte Carlo estimates can land just outside its range with few documents
     (rho = 1.02): its interval contains it and leaves the range only as far as it does."""
-    from kvcouple.analysis.bootstrap import Scale, _studentized_estimate
+    from kvcouple.analysis.intervals import Scale
     from kvcouple.analysis.stats import OUTSIDE, _note
+    from kvcouple.analysis.studentized import studentized_estimate
 
     rng = np.random.default_rng(0)
     boot = 1.02 + 0.4 * rng.standard_normal(400)
     se_boot = np.full(400, 0.4)
-    e = _studentized_estimate(1.02, boot, 0.4, se_boot, 0.95, Scale(0.0, 1.0))
+    e = studentized_estimate(1.02, boot, 0.4, se_boot, 0.95, Scale(0.0, 1.0))
     assert 0.0 <= e.ci_low < 1.02 == e.ci_high
     assert _note(e, scale=Scale(0.0, 1.0)) == OUTSIDE
-    inside = _studentized_estimate(0.6, boot - 0.42, 0.1, se_boot / 4, 0.95, Scale(0.0, 1.0))
+    inside = studentized_estimate(0.6, boot - 0.42, 0.1, se_boot / 4, 0.95, Scale(0.0, 1.0))
     assert 0 < inside.ci_low <= 0.6 <= inside.ci_high < 1
     assert _note(inside, scale=Scale(0.0, 1.0)) == ""

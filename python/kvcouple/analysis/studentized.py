@@ -1,0 +1,279 @@
+"""Studentized (bootstrap-t) intervals of statistics of column means: their delta-method
+standard errors, of the table and inside every resample (:class:`DeltaMethod`), the interval on
+the quantity's scale (:func:`studentized_estimate`), and the confidence set of a ratio by
+inverting the studentized test of ``num - s den = 0`` (Fieller's construction with bootstrap-t
+critical values, :func:`fieller_set`). The bootstrap that asks for them is
+:class:`kvcouple.analysis.bootstrap.Bootstrap` (docs/statistics.md: why the default interval).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import replace
+from typing import Protocol
+
+import numpy as np
+
+from kvcouple import _core
+from kvcouple.analysis.intervals import UNBOUNDED, Estimate, Getter, Scale, StatFn, beside_range
+
+
+class Resamples(Protocol):
+    """What the standard errors read of a bootstrap
+    (:class:`kvcouple.analysis.bootstrap.Bootstrap`): the column names and means, the
+    resamples' means and seed, and the table."""
+
+    names: list[str]
+    point: np.ndarray  # (cols,)
+    reps: np.ndarray  # (n_boot, cols)
+    level: float
+    n_docs: int
+    data: np.ndarray | None  # (n_docs, cols)
+    seed: int
+
+    def columns(self, f: StatFn) -> list[int]: ...
+
+
+class DeltaMethod:
+    """Delta-method standard errors of statistics of column means, of the table and inside
+    every resample: ``se^2 = grad' S grad / (n - 1)`` with ``S`` the covariance (divisor n) of
+    the columns a statistic reads and ``grad`` its gradient at the means (central
+    differences). For a mean this is the jackknife's ``s^2 / n`` exactly; for a ratio of means
+    the jackknife's to first order. The resamples' covariances come from their cross moments
+    (:func:`kvcouple._core.bootstrap_moments`), never from a (resamples x documents) array."""
+
+    def __init__(self, bs: Resamples, fns: Sequence[StatFn], joint: bool = False) -> None:
+        """``joint``: the statistics' covariances with each other are needed too (every pair
+        of the columns any of them reads)."""
+        if bs.data is None:
+            raise ValueError("studentized intervals need the table (bootstrap_table keeps it)")
+        self.bs, self.fns = bs, list(fns)
+        self.index = {n: i for i, n in enumerate(bs.names)}
+        self.cols = [bs.columns(f) for f in self.fns]
+        if joint:
+            self.cols = [sorted({j for c in self.cols for j in c})] * len(self.cols)
+        pairs = sorted({(j, k) for c in self.cols for j in c for k in c if j <= k})
+        self.pair = {p: q for q, p in enumerate(pairs)}
+        self.center = np.where(np.isfinite(bs.point), bs.point, 0.0)
+        data = bs.data
+        with np.errstate(invalid="ignore"):
+            self.cross = np.array(
+                [np.nanmean((data[:, j] - self.center[j]) * (data[:, k] - self.center[k]))
+                 if np.isfinite(data[:, j] * data[:, k]).any() else np.nan
+                 for j, k in pairs]
+            )  # fmt: skip
+        arr = np.asarray(pairs, np.int64).reshape(-1, 2)
+        n_boot = bs.reps.shape[0]
+        self.cross_boot = (
+            _core.bootstrap_moments(
+                np.ascontiguousarray(data, np.float64), self.center, arr, n_boot, int(bs.seed)
+            )
+            if pairs
+            else np.zeros((n_boot, 0))
+        )
+        # Central differences' steps: a millionth of each column's scale (column by column:
+        # no temporary the size of the table).
+        with np.errstate(invalid="ignore"):
+            sd = np.array([np.nanstd(data[:, j]) if np.isfinite(data[:, j]).any() else 0.0
+                           for j in range(data.shape[1])])  # fmt: skip
+        self.step = 1e-6 * (np.abs(self.center) + sd + 1e-6)
+
+    def gradient(self, f: StatFn, cols: list[int], means: np.ndarray) -> np.ndarray:
+        """``d f / d mean_j`` for ``j`` in ``cols`` at ``means`` ((cols,) or (n_boot, cols)):
+        central differences, (len(cols),) or (n_boot, len(cols))."""
+        index = self.index
+
+        def shifted(j: int, h: float) -> Getter:
+            # The getter of ``means`` with column j moved by h (no copy of the means).
+            def g(c: str) -> np.ndarray:
+                i = index[c]
+                return means[..., i] + h if i == j else means[..., i]
+
+            return g
+
+        out = []
+        for j in cols:
+            h = float(self.step[j])
+            up = np.asarray(f(shifted(j, h)), np.float64)
+            down = np.asarray(f(shifted(j, -h)), np.float64)
+            out.append(np.broadcast_to((up - down) / (2 * h), means.shape[:-1]))
+        return np.stack(out, axis=-1) if out else np.zeros(means.shape[:-1] + (0,))
+
+    def covariance(self, j: int, k: int, boot: bool) -> np.ndarray | float:
+        """Covariance (divisor n) of columns j and k: of the table, or of every resample."""
+        q = self.pair[(min(j, k), max(j, k))]
+        if not boot:
+            return float(self.cross[q])
+        reps = self.bs.reps
+        return self.cross_boot[:, q] - (reps[:, j] - self.center[j]) * (reps[:, k] - self.center[k])
+
+    def variance(
+        self, ga: np.ndarray, gb: np.ndarray, cols: list[int], boot: bool
+    ) -> np.ndarray | float:
+        """``ga' S gb / (n - 1)``: the delta method's (co)variance of two statistics reading
+        ``cols`` (gradients ``ga``, ``gb`` over them)."""
+        total: np.ndarray | float = 0.0
+        for a, j in enumerate(cols):
+            for b, k in enumerate(cols):
+                total = total + ga[..., a] * gb[..., b] * self.covariance(j, k, boot)
+        return total / max(self.bs.n_docs - 1, 1)
+
+    def standard_errors(self) -> tuple[np.ndarray, np.ndarray]:
+        """Standard errors of every statistic: of the table (k,) and of every resample
+        (n_boot, k)."""
+        bs = self.bs
+        k, n_boot = len(self.fns), bs.reps.shape[0]
+        se, se_boot = np.empty(k), np.empty((n_boot, k))
+        for i, (f, cols) in enumerate(zip(self.fns, self.cols, strict=True)):
+            g = self.gradient(f, cols, bs.point)
+            gb = self.gradient(f, cols, bs.reps)
+            with np.errstate(invalid="ignore"):
+                se[i] = math.sqrt(max(float(self.variance(g, g, cols, False)), 0.0))
+                se_boot[:, i] = np.sqrt(np.maximum(self.variance(gb, gb, cols, True), 0.0))
+        return se, se_boot
+
+
+def _t_ends(tstar: np.ndarray, level: float) -> tuple[float, float]:
+    """The order statistics of the sorted finite ``t*`` at the two tails of ``level``:
+    ``t*_(floor((m+1) a))`` and ``t*_(ceil((m+1)(1-a)))``, ``a = (1 - level)/2`` (so that the
+    p-values below invert the interval); beyond the replicates: infinite."""
+    m = tstar.size
+    a = (1.0 - level) / 2.0
+    j = math.floor((m + 1) * a + 1e-9)
+    k = math.ceil((m + 1) * (1.0 - a) - 1e-9)
+    low = float(tstar[j - 1]) if 1 <= j <= m else -math.inf
+    high = float(tstar[k - 1]) if 1 <= k <= m else math.inf
+    return low, high
+
+
+def studentized_estimate(
+    point: float,
+    boot: np.ndarray,
+    se: float,
+    se_boot: np.ndarray,
+    level: float,
+    scale: Scale = UNBOUNDED,
+) -> Estimate:
+    """The bootstrap-t interval on ``scale``: ``back([psi - t*_high se_psi, psi - t*_low
+    se_psi])`` with ``psi = scale(theta)``, ``se_psi = scale'(theta) se`` and ``t*`` the
+    replicates of ``(psi* - psi) / se_psi*``. Rules for resamples that cannot be studentized:
+    one at an end of the range (every draw there: ``psi* = +-inf``) is as far as a resample
+    goes, ``t* = +-inf``; one whose draws are all alike inside the range (``se* = 0``) is
+    studentized by the table's ``se_psi``; one whose statistic is undefined is left out. A
+    statistic constant over the documents (``se = 0``, or at an end of its range) gets the
+    point as interval, ``constant``. The interval always contains the point (``t*_low <= 0
+    <= t*_high``)."""
+    nan = math.nan
+    if not (math.isfinite(point) and math.isfinite(se)):
+        return Estimate(point, nan, nan, boot, method="studentized", se=se, scale=scale)
+    outside = not (scale.low <= point <= scale.high)
+    if outside:  # a Monte Carlo estimate just outside the range (rho above 1)
+        plain = studentized_estimate(point, boot, se, se_boot, level, UNBOUNDED)
+        lo, hi = beside_range(plain.ci_low, plain.ci_high, point, scale)
+        return replace(plain, ci_low=lo, ci_high=hi)
+    if se <= 1e-12 * max(1.0, abs(point)) or not scale.holds(point):
+        return Estimate(
+            point, point, point, boot, method="studentized", se=0.0, constant=True, scale=scale
+        )
+    psi = float(scale.forward(point))
+    se_psi = float(scale.slope(point)) * se
+    with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
+        psi_b = scale.forward(boot)
+        t = (psi_b - psi) / (scale.slope(boot) * se_boot)
+        edge = np.isinf(psi_b)
+        t = np.where(edge, np.sign(psi_b) * math.inf, t)
+        flat = (se_boot == 0) & np.isfinite(psi_b)
+        t = np.where(flat, (psi_b - psi) / se_psi, t)
+    tstar = np.sort(t[~np.isnan(t)])
+    if tstar.size < boot.size / 2:
+        return Estimate(point, nan, nan, boot, method="studentized", se=se, scale=scale)
+    low, high = _t_ends(tstar, level)
+    low, high = min(low, 0.0), max(high, 0.0)
+    with np.errstate(invalid="ignore"):
+        ends = scale.back(np.array([psi - high * se_psi, psi - low * se_psi]))
+    return Estimate(
+        point,
+        float(ends[0]),
+        float(ends[1]),
+        boot,
+        method="studentized",
+        se=se,
+        tstar=tstar,
+        scale=scale,
+    )
+
+
+def fieller_set(
+    bs: Resamples, num: StatFn, den: StatFn, point: np.ndarray, boot: np.ndarray
+) -> tuple[float, float, tuple[float, float] | None]:
+    """The accepted set of the ratio as (low, high, exclude) (see
+    :meth:`kvcouple.analysis.bootstrap.Bootstrap.ratio`).
+
+    ``s = tan(phi)``: testing ``cos(phi) num - sin(phi) den = 0`` over ``phi`` in
+    ``(-pi/2, pi/2)`` covers every ``s`` and infinity (the test's statistic does not change
+    when the combination is rescaled). A grid of angles finds where the test accepts, and
+    bisection the boundaries."""
+    # (var num, cov, var den) by the delta method, of the table and of every resample.
+    moments = DeltaMethod(bs, [num, den], joint=True)
+    cols = moments.cols[0]
+    gn, gd = (moments.gradient(f, cols, bs.point) for f in (num, den))
+    bn, bd = (moments.gradient(f, cols, bs.reps) for f in (num, den))
+    cov = np.array(
+        [float(moments.variance(a, b, cols, False)) for a, b in ((gn, gn), (gn, gd), (gd, gd))]
+    )
+    cov_boot = np.stack(
+        [
+            np.broadcast_to(moments.variance(a, b, cols, True), bs.reps.shape[:1])
+            for a, b in ((bn, bn), (bn, bd), (bd, bd))
+        ]
+    )
+
+    def accepts(phi: np.ndarray) -> np.ndarray:
+        c, s = np.cos(phi), np.sin(phi)
+        var = cov[0] * c * c - 2 * cov[1] * c * s + cov[2] * s * s
+        var_boot = cov_boot[0][:, None] * c * c - 2 * cov_boot[1][:, None] * c * s
+        var_boot = var_boot + cov_boot[2][:, None] * s * s
+        d = point[0] * c - point[1] * s
+        d_boot = boot[:, :1] * c - boot[:, 1:2] * s
+        with np.errstate(divide="ignore", invalid="ignore"):
+            t_obs = d / np.sqrt(var)
+            t = (d_boot - d) / np.sqrt(var_boot)
+        t = np.sort(np.where(np.isfinite(t), t, np.nan), axis=0)  # NaN sorts last
+        m = np.isfinite(t).sum(0)
+        a = (1.0 - bs.level) / 2.0
+        j = np.floor((m + 1) * a + 1e-9).astype(int)
+        k = np.ceil((m + 1) * (1.0 - a) - 1e-9).astype(int)
+        cols = np.arange(phi.size)
+        low = np.where(j >= 1, t[np.clip(j - 1, 0, None), cols], -np.inf)
+        high = np.where(k <= m, t[np.clip(k - 1, 0, t.shape[0] - 1), cols], np.inf)
+        enough = (m >= boot.shape[0] / 2) & np.isfinite(t_obs)
+        return np.asarray(enough & (low <= t_obs) & (t_obs <= high))
+
+    def edge(a: float, b: float) -> float:
+        # The boundary between angles a and b (accepts(a) != accepts(b)), by bisection.
+        inside_a = bool(accepts(np.array([a]))[0])
+        for _ in range(40):
+            mid = 0.5 * (a + b)
+            if bool(accepts(np.array([mid]))[0]) == inside_a:
+                a = mid
+            else:
+                b = mid
+        return 0.5 * (a + b)
+
+    phi = np.linspace(-math.pi / 2, math.pi / 2, 723)[1:-1]
+    ok = accepts(phi)
+    if not ok.any() or not np.isfinite(point).all():
+        return math.nan, math.nan, None
+    if ok.all():
+        return -math.inf, math.inf, None
+    # Boundaries: where acceptance changes between neighbouring angles.
+    flips = np.flatnonzero(ok[1:] != ok[:-1])
+    edges = [math.tan(edge(float(phi[i]), float(phi[i + 1]))) for i in flips]
+    if ok[0] and ok[-1]:  # the set passes through infinity
+        if len(edges) == 2:  # two rays: everything outside one rejected interval
+            return -math.inf, math.inf, (edges[0], edges[1])
+        return -math.inf, math.inf, None
+    low = -math.inf if ok[0] else edges[0]
+    high = math.inf if ok[-1] else edges[-1]
+    return low, high, None
