@@ -12,13 +12,14 @@ from __future__ import annotations
 
 import math
 import os
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
 
 from kvcouple.analysis import stats as st
 from kvcouple.analysis.comparisons import pool_gaps, run_tests
-from kvcouple.analysis.estimates import ESTIMATORS
+from kvcouple.analysis.estimates import ESTIMATORS, observation_window
 from kvcouple.analysis.plan import DEFAULTS, Plan, PlanError, load_plan, registration_status
 from kvcouple.analysis.results import AnalysisResult, ModelResult
 from kvcouple.analysis.scoreboard import ScoreboardPool
@@ -278,7 +279,7 @@ def analyze(
         the_plan, readers, paths, labels, doc_set, allow_unregistered
     )
     options = Options(
-        None if cfg["window"] == "stored" else int(cfg["window"]),
+        None,  # each store's own observation window: _StoreFold resolves it, once
         cfg["estimator"],
         recompute,
         tolerance,
@@ -372,7 +373,9 @@ def _read_documents(
 
     the_client, owned = connect_client(client, scheduler)
     try:
-        return run_docs(tasks, options, the_client, worker_threads, progress, fold)
+        # Each store's documents with its own observation window, resolved once (_StoreFold).
+        per_store = {f.reader: replace(options, window=f.obs_window) for f in folds}
+        return run_docs(tasks, per_store, the_client, worker_threads, progress, fold)
     finally:
         if owned:
             the_client.close()
@@ -399,9 +402,9 @@ class _StoreFold:
 
     def __init__(self, reader: TraceStoreReader, selected: list[int], cfg: dict[str, Any]) -> None:
         T, L = reader.horizon, reader.window
-        obs = L if cfg["window"] == "stored" else int(cfg["window"])
+        self.obs_window = observation_window(L, cfg["window"])
         split = None if cfg["early_late_split"] == "half" else int(cfg["early_late_split"])
-        layout = TableLayout.of(reader.policies, T, L + 1, obs, split)
+        layout = TableLayout.of(reader.policies, T, L + 1, self.obs_window, split)
         check_memory(
             f"the table of {len(selected)} documents x {layout.width} quantities",
             8 * len(selected) * layout.width,
@@ -488,7 +491,7 @@ def _model_result(
     label: str, store: _StoreFold, docs: list[DocResult], cfg: dict[str, Any]
 ) -> ModelResult:
     reader, columns = store.reader, store.columns
-    T, L, obs = reader.horizon, reader.window, columns.layout.obs_window
+    T, L = reader.horizon, reader.window
     views = [d.units for d in docs]
     if not all(isinstance(v, UnitView) and v.columns is columns for v in views):
         raise RuntimeError("a document's units were not folded into its store's table")
@@ -505,6 +508,6 @@ def _model_result(
     bs = st.bootstrap_table(table, n_boot, cfg["seed"], cfg["ci_level"], cfg["ci_method"])
     tables = st.summarise(bs, reader.policies, T, L + 1, cfg["reference"])
     return ModelResult(
-        label, reader.path, reader.policies, T, L, obs, docs, tables, bs, table,
+        label, reader.path, reader.policies, T, L, store.obs_window, docs, tables, bs, table,
         store.scoreboard.rows(label),
     )  # fmt: skip

@@ -57,6 +57,23 @@ class UnitEstimate:
     tail_observed: bool
 
 
+def observation_window(stored: int, window: int | str | None) -> int:
+    """The observation window L_w (lags of the window/tail split) as an int: ``window`` as the
+    analysis settings give it (``None`` or ``"stored"``: the store's L; else lags, at most L).
+    The one place the setting becomes a number."""
+    if window is None or window == "stored":
+        return int(stored)
+    if isinstance(window, bool) or not isinstance(window, int | np.integer):
+        raise ValueError(
+            f"the observation window must be 'stored' or a number of lags, got {window!r}"
+        )
+    if not 0 <= int(window) <= stored:
+        raise ValueError(
+            f"the observation window must be in 0..{stored} (the stored window), got {window}"
+        )
+    return int(window)
+
+
 def _where(doc_id: str, policy: str) -> str:
     return f"document {doc_id!r}, policy {policy!r}"
 

@@ -24,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from kvcouple.analysis.estimates import UnitEstimate, estimate_unit
+from kvcouple.analysis.estimates import UnitEstimate, estimate_unit, observation_window
 from kvcouple.analysis.reading import (
     SUMMARY_READ,
     RecomputeCheck,
@@ -148,14 +148,14 @@ def _units(
     reader: TraceStoreReader, doc: int, summary: dict[str, np.ndarray], options: Options
 ) -> dict[str, UnitEstimate]:
     """Every policy's RB-CMC unit of one document from its summary."""
-    obs = reader.window if options.window is None else int(options.window)
+    obs_window = observation_window(reader.window, options.window)
     return {
         pol: estimate_unit(
             summary["hazard"][i],
             summary["branch_step"][i],
             summary["branch_mismatch"][i],
             summary["branch_tv"][i],
-            obs_window=obs,
+            obs_window=obs_window,
             estimator=options.estimator,
             doc_id=reader.doc_ids[doc],
             policy=pol,
@@ -200,7 +200,7 @@ def _batches(
 
 def run_docs(
     tasks: list[tuple[TraceStoreReader, int]],
-    options: Options,
+    options: Options | Mapping[TraceStoreReader, Options],
     client: Any,
     worker_threads: int | None,
     progress: bool = False,
@@ -209,10 +209,17 @@ def run_docs(
     """Every task ``(store, document)``'s :func:`analyze_doc`, in task order, by batches of a
     store's documents (:func:`analyze_docs`): a few in flight on local threads, or one Dask
     task each on ``client``'s workers (batches small enough that every worker thread gets
-    several). ``fold(store, results)`` is called on each batch as it comes back (from any
+    several). ``options``: one for every store, or each store's own (its observation window
+    resolved). ``fold(store, results)`` is called on each batch as it comes back (from any
     thread) and its return value kept instead: the caller folds the heavy parts into its own
     accumulators, so memory does not grow with every document's arrays."""
     keep: Fold = fold if fold is not None else (lambda _store, results: results)
+    if isinstance(options, Options):
+        each: dict[TraceStoreReader, Options] = {reader: options for reader, _ in tasks}
+    else:
+        each = dict(options)
+    of = each.__getitem__
+    threads_per_batch = max((o.io_threads for o in each.values()), default=1)
     from tqdm import tqdm  # type: ignore[import-untyped]
 
     bar = tqdm(total=len(tasks), unit="doc", desc="kvcouple analyze", disable=not progress)
@@ -224,13 +231,12 @@ def run_docs(
             from concurrent.futures import ThreadPoolExecutor
 
             def one(batch: tuple[TraceStoreReader, list[int]]) -> list[DocResult]:
-                r = keep(batch[0], analyze_docs(batch[0], batch[1], options))
+                r = keep(batch[0], analyze_docs(batch[0], batch[1], of(batch[0])))
                 bar.update(len(batch[1]))
                 return r
 
-            with ThreadPoolExecutor(max(1, options.io_threads)) as pool:
-                done = pool.map(one, _batches(tasks, LOCAL_BATCH))
-                return [r for rs in done for r in rs]
+            with ThreadPoolExecutor(max(1, threads_per_batch)) as pool:
+                return [r for rs in pool.map(one, _batches(tasks, LOCAL_BATCH)) for r in rs]
         from distributed import as_completed
 
         client.run(_limit_worker_threads, worker_threads)
@@ -241,7 +247,7 @@ def run_docs(
             analyze_docs,
             [b[0] for b in batches],
             [b[1] for b in batches],
-            options=options,
+            [of(b[0]) for b in batches],
             pure=False,
         )
         index = {f.key: i for i, f in enumerate(futures)}
