@@ -2,12 +2,13 @@
 statistical efficiency over naive simulation.
 
 For each reference pair, prints (all measured in this one run):
-- replicates per second of naive and rb (K=1) in Rust and in the numba reference (same
+- replicates per second of naive and indicator (K=1) in Rust and in the numba reference (same
   algorithms, same random numbers: the replicates agree to rounding), with 1 thread and with all
   threads, and Rust's speed-up. The Rust core caches per-state-pair step tables (TV, running
   sums of the overlap and residual weights); the reference recomputes rows at every step;
 - per-replicate variance of the total loss M and cost in kernel evaluations (2 per step);
-- the efficiency ratio Var(naive) * cost(naive) / (Var(rb) * cost(rb)), also for rb-tv.
+- the efficiency ratio Var(naive) * cost(naive) / (Var(e) * cost(e)) of each estimator e
+  (indicator, tv).
 Usage: python benchmarks/bench_estimators.py [--replicates 20000] [--repeat 3]
 """
 
@@ -69,29 +70,31 @@ def main() -> None:
             f"== {name}: T={horizon}, L={window}, exact E[M] = {truth.expected_mismatches:.4f}, "
             f"P(tau<=T) = {truth.occurrence:.4f}"
         )
-        for method in ("naive", "rb"):
+        for estimator in ("naive", "indicator"):
             for threads in sorted({1, all_threads}):
                 kvcouple.set_num_threads(threads)
                 numba.set_num_threads(threads)
                 t_rust = best_time(
-                    lambda m=method: synth.simulate(pair, horizon, window, method=m, replicates=n),
+                    lambda m=estimator: synth.simulate(
+                        pair, horizon, window, estimator=m, replicates=n
+                    ),
                     args.repeat,
                 )
                 t_numba = best_time(
-                    lambda m=method: simulate_ref(
-                        pair.arrays(), horizon, window, method=m, replicates=n
+                    lambda m=estimator: simulate_ref(
+                        pair.arrays(), horizon, window, estimator=m, replicates=n
                     ),
                     args.repeat,
                 )
                 print(
-                    f"  {method:5s} {threads} thread(s): rust {n / t_rust:12,.0f} rep/s   "
+                    f"  {estimator:9s} {threads} thread(s): rust {n / t_rust:12,.0f} rep/s   "
                     f"numba {n / t_numba:12,.0f} rep/s   rust/numba {t_numba / t_rust:5.1f}x"
                 )
         kvcouple.set_num_threads(0)
         numba.set_num_threads(all_threads)
         runs = {
-            m: synth.estimate(pair, horizon, window, method=m, replicates=n, seed=7)
-            for m in synth.METHODS
+            m: synth.estimate(pair, horizon, window, estimator=m, replicates=n, seed=7)
+            for m in synth.SYNTH_ESTIMATORS
         }
         naive = runs["naive"]
         v0, c0 = naive.variance("expected_mismatches"), naive.evaluations
@@ -99,7 +102,7 @@ def main() -> None:
             v, c = est.variance("expected_mismatches"), est.evaluations
             ratio = (v0 * c0) / (v * c) if v > 0 else float("inf")
             print(
-                f"  {m:6s} mean {est.mean['expected_mismatches']:.4f} "
+                f"  {m:9s} mean {est.mean['expected_mismatches']:.4f} "
                 f"+- {est.se['expected_mismatches']:.4f}   Var/rep {v:9.4f}   "
                 f"cost/rep {c:7.1f} evals   efficiency vs naive {ratio:7.2f}x"
             )

@@ -145,7 +145,7 @@ def synth_simulate(
     horizon: int,
     window: int,
     *,
-    method: str,
+    estimator: str,
     replicates: int,
     branches: int = 1,
     seed: int = 0,

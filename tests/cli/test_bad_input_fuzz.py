@@ -183,7 +183,7 @@ NUMBERS = [
 # Per command: the options a user could get wrong, and a valid base command line.
 OPTIONS = {
     "exact": ["-T", "-L", "--horizon", "--window"],
-    "estimate": ["-T", "-L", "-N", "-K", "--seed", "--method", "--trace"],
+    "estimate": ["-T", "-L", "-N", "-K", "--seed", "--estimator", "--trace"],
     "random-pair": [
         "--vocab",
         "--states",

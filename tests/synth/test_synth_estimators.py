@@ -3,6 +3,9 @@ numba reference."""
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -10,6 +13,7 @@ from hypothesis import strategies as st
 
 import kvcouple
 from kvcouple import _core, synth
+from kvcouple.cli import main
 from synth_helpers import tiny_kernel
 
 QUANTITIES = (
@@ -75,30 +79,32 @@ def _tolerance(values: np.ndarray, name: str, horizon: int) -> float:
     return 4 * max(se, scale / n) + 1e-12
 
 
-def _check(est: synth.Estimate, truth: synth.ExactResult, label: str) -> None:
+def _check(est: synth.MonteCarloEstimate, truth: synth.ExactResult, label: str) -> None:
     for name in QUANTITIES:
         values = est.values[name]
         tol = _tolerance(values, name, truth.horizon)
         got, want = float(np.mean(values)), getattr(truth, name)
-        assert abs(got - want) <= tol, f"{label} {est.method} {name}: {got} vs exact {want}"
+        assert abs(got - want) <= tol, f"{label} {est.estimator} {name}: {got} vs exact {want}"
 
 
-@pytest.mark.parametrize("method", synth.METHODS)
-def test_every_mean_within_4_se_of_exact_on_random_pairs(method: str) -> None:
+@pytest.mark.parametrize("estimator", synth.SYNTH_ESTIMATORS)
+def test_every_mean_within_4_se_of_exact_on_random_pairs(estimator: str) -> None:
     for i, (pair, horizon, window) in enumerate(random_cases()):
         truth = synth.exact(pair, horizon, window)
         est = synth.estimate(
-            pair, horizon, window, method=method, replicates=REPLICATES, branches=2, seed=i
+            pair, horizon, window, estimator=estimator, replicates=REPLICATES, branches=2, seed=i
         )
         _check(est, truth, f"case {i} (T={horizon}, L={window})")
 
 
-@pytest.mark.parametrize("method", synth.METHODS)
+@pytest.mark.parametrize("estimator", synth.SYNTH_ESTIMATORS)
 @pytest.mark.parametrize("case", range(6))
-def test_edge_cases_within_4_se(method: str, case: int) -> None:
+def test_edge_cases_within_4_se(estimator: str, case: int) -> None:
     label, pair, horizon, window = edge_cases()[case]
     truth = synth.exact(pair, horizon, window)
-    est = synth.estimate(pair, horizon, window, method=method, replicates=REPLICATES, seed=case)
+    est = synth.estimate(
+        pair, horizon, window, estimator=estimator, replicates=REPLICATES, seed=case
+    )
     _check(est, truth, label)
     if label == "identical":
         assert all(np.all(est.values[k] == 0) for k in QUANTITIES)
@@ -117,12 +123,14 @@ def test_rb_variance_never_exceeds_naive() -> None:
     for i, (pair, horizon, window) in enumerate(random_cases()):
         truth = synth.exact(pair, horizon, window)
         runs = {
-            m: synth.simulate(pair, horizon, window, method=m, replicates=REPLICATES, seed=100 + i)
-            for m in ("naive", "rb")
+            m: synth.simulate(
+                pair, horizon, window, estimator=m, replicates=REPLICATES, seed=100 + i
+            )
+            for m in ("naive", "indicator")
         }
         # Total loss: both variances sampled (SE floored at one event of size T).
         floor = horizon**2 / REPLICATES
-        v_rb, s_rb = _var_and_se(runs["rb"]["expected_mismatches"])
+        v_rb, s_rb = _var_and_se(runs["indicator"]["expected_mismatches"])
         v_nv, s_nv = _var_and_se(runs["naive"]["expected_mismatches"])
         tol = 4 * np.hypot(max(s_rb, floor), max(s_nv, floor))
         assert v_rb <= v_nv + tol, (i, v_rb, v_nv)
@@ -135,25 +143,25 @@ def test_rb_variance_never_exceeds_naive() -> None:
             ("tail_exposure", np.maximum(horizon - t - window, 0).astype(float)),
         ):
             v_naive = float(pmf @ g**2 - (pmf @ g) ** 2)
-            v_rb, s_rb = _var_and_se(runs["rb"][name])
+            v_rb, s_rb = _var_and_se(runs["indicator"][name])
             assert v_rb <= v_naive + 4 * s_rb + 1e-12, (i, name, v_rb, v_naive)
 
 
 def test_rb_pays_off_when_divergence_is_rare() -> None:
     pair = synth.random_pair(5, 4, seed=7, closeness=0.995)
-    naive = synth.estimate(pair, 16, 16, method="naive", replicates=4000, seed=1)
-    rb = synth.estimate(pair, 16, 16, method="rb", replicates=4000, seed=1)
+    naive = synth.estimate(pair, 16, 16, estimator="naive", replicates=4000, seed=1)
+    rb = synth.estimate(pair, 16, 16, estimator="indicator", replicates=4000, seed=1)
     assert rb.variance("expected_mismatches") < 0.5 * naive.variance("expected_mismatches")
 
 
 def test_branch_tv_by_lag_estimates() -> None:
     pair = synth.random_pair(4, 4, seed=11, closeness=0.9)
     truth = synth.exact(pair, 12, 6)
-    for method in synth.METHODS:
-        est = synth.estimate(pair, 12, 6, method=method, replicates=6000, seed=3)
+    for estimator in synth.SYNTH_ESTIMATORS:
+        est = synth.estimate(pair, 12, 6, estimator=estimator, replicates=6000, seed=3)
         assert est.branch_tv_by_lag.shape == truth.branch_tv_by_lag.shape == (6,)
         err = np.abs(est.branch_tv_by_lag - truth.branch_tv_by_lag)
-        assert np.all(err <= 4 * est.branch_tv_by_lag_se + 1e-3), (method, err)
+        assert np.all(err <= 4 * est.branch_tv_by_lag_se + 1e-3), (estimator, err)
         weights = est.raw["branch_lag_weight"]
         se = weights.std(0, ddof=1) / np.sqrt(len(weights))
         assert np.all(np.abs(weights.mean(0) - truth.branch_lag_weight) <= 4 * se + 1e-3)
@@ -168,8 +176,10 @@ def test_results_do_not_depend_on_the_thread_count() -> None:
         outs = []
         for n in (1, 2):
             kvcouple.set_num_threads(n)
-            outs.append(synth.simulate(pair, 14, 4, method="rb", replicates=777, branches=3))
-            outs.append(synth.simulate(pair, 14, 4, method="naive", replicates=777))
+            outs.append(
+                synth.simulate(pair, 14, 4, estimator="indicator", replicates=777, branches=3)
+            )
+            outs.append(synth.simulate(pair, 14, 4, estimator="naive", replicates=777))
     finally:
         kvcouple.set_num_threads(0 if before == 0 else before)
     for a, b in zip(outs[:2], outs[2:], strict=True):
@@ -180,28 +190,30 @@ def test_results_do_not_depend_on_the_thread_count() -> None:
 
 def test_seeds_give_different_streams() -> None:
     pair = synth.random_pair(4, 4, seed=4, closeness=0.9)
-    a = synth.simulate(pair, 10, 3, method="naive", replicates=200, seed=1)
-    b = synth.simulate(pair, 10, 3, method="naive", replicates=200, seed=2)
+    a = synth.simulate(pair, 10, 3, estimator="naive", replicates=200, seed=1)
+    b = synth.simulate(pair, 10, 3, estimator="naive", replicates=200, seed=2)
     assert not np.array_equal(a["expected_mismatches"], b["expected_mismatches"])
 
 
 def test_window_only_tracing() -> None:
     pair = synth.random_pair(4, 4, seed=8, closeness=0.9)
     truth = synth.exact(pair, 12, 3)
-    for method in synth.METHODS:
-        est = synth.estimate(pair, 12, 3, method=method, replicates=4000, seed=5, trace="window")
+    for estimator in synth.SYNTH_ESTIMATORS:
+        est = synth.estimate(
+            pair, 12, 3, estimator=estimator, replicates=4000, seed=5, trace="window"
+        )
         assert np.isnan(est.mean["tail_contribution"]) and np.isnan(est.mean["expected_mismatches"])
         for name in ("occurrence", "window_contribution", "interval_lower", "interval_upper"):
             tol = _tolerance(est.values[name], name, 12)
-            assert abs(est.mean[name] - getattr(truth, name)) <= tol, (method, name)
-        full = synth.estimate(pair, 12, 3, method=method, replicates=200, seed=5)
+            assert abs(est.mean[name] - getattr(truth, name)) <= tol, (estimator, name)
+        full = synth.estimate(pair, 12, 3, estimator=estimator, replicates=200, seed=5)
         assert est.evaluations <= full.evaluations
 
 
 def test_interval_from_estimates_covers_exact() -> None:
     pair = synth.random_pair(5, 5, seed=9, closeness=0.95)
     truth = synth.exact(pair, 16, 4)
-    est = synth.estimate(pair, 16, 4, method="rb-tv", replicates=4000, seed=2)
+    est = synth.estimate(pair, 16, 4, estimator="tv", replicates=4000, seed=2)
     iv = synth.interval(est, level=0.999)
     assert iv.ci_low <= truth.interval_lower and truth.interval_upper <= iv.ci_high
     assert iv.ci_low <= truth.expected_mismatches <= iv.ci_high
@@ -219,12 +231,12 @@ def test_numba_reference_reproduces_the_replicates() -> None:
         pair = synth.random_pair(
             3 + seed, 2 + seed, seed=seed, closeness=0.9, sparsity=0.2, absorbing=seed == 2
         )
-        for method in ("naive", "rb"):
+        for estimator in ("naive", "indicator"):
             ours = _core.synth_simulate(
-                pair.arrays(), 11, 3, method=method, replicates=300, branches=2, seed=seed
+                pair.arrays(), 11, 3, estimator=estimator, replicates=300, branches=2, seed=seed
             )
             ref = simulate_ref(
-                pair.arrays(), 11, 3, method=method, replicates=300, branches=2, seed=seed
+                pair.arrays(), 11, 3, estimator=estimator, replicates=300, branches=2, seed=seed
             )
             for k, v in ref.items():
                 np.testing.assert_allclose(ours[k], v, rtol=1e-12, atol=1e-12, err_msg=k)
@@ -236,8 +248,8 @@ def test_bad_arguments_raise_typed_errors() -> None:
         synth.exact(pair, 0, 2)
     with pytest.raises(kvcouple.InvalidInputError, match="horizon"):
         synth.estimate(pair, 0, 2)
-    with pytest.raises(kvcouple.InvalidInputError, match="unknown method"):
-        synth.estimate(pair, 5, 2, method="fast")  # type: ignore[arg-type]
+    with pytest.raises(kvcouple.InvalidInputError, match="unknown estimator"):
+        synth.estimate(pair, 5, 2, estimator="fast")  # type: ignore[arg-type]
     with pytest.raises(kvcouple.InvalidInputError, match="replicates"):
         synth.estimate(pair, 5, 2, replicates=0)
     with pytest.raises(kvcouple.InvalidInputError, match="branch"):
@@ -261,6 +273,62 @@ def test_estimators_on_pairs_with_ties_and_zeros(data: st.DataObject) -> None:
     pair = synth.KernelPair(data.draw(tiny_kernel(vocab)), data.draw(tiny_kernel(vocab)))
     horizon, window = data.draw(st.integers(1, 6)), data.draw(st.integers(0, 6))
     truth = synth.exact(pair, horizon, window)
-    for i, method in enumerate(synth.METHODS):
-        est = synth.estimate(pair, horizon, window, method=method, replicates=2000, seed=i)
+    for i, estimator in enumerate(synth.SYNTH_ESTIMATORS):
+        est = synth.estimate(pair, horizon, window, estimator=estimator, replicates=2000, seed=i)
         _check(est, truth, "tiny pair")
+
+
+def _assert_warned(warned: pytest.WarningsRecorder, *new_names: str) -> None:
+    """Each new name was named by one of the DeprecationWarnings caught."""
+    said = " ".join(str(w.message) for w in warned)
+    for name in new_names:
+        assert f"use {name!r}" in said, (name, said)
+
+
+def test_former_estimator_names_still_read_with_a_warning(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """One release of deprecated aliases for the estimator's former words: method=, "rb",
+    "rb-tv", synth.METHODS / Method / Estimate, MonteCarloEstimate.method, the CLI's --method
+    and its JSON key, and the numba reference's method=; each gives what the new word gives."""
+    from kvcouple.reference.synth import simulate_ref
+
+    pair = synth.random_pair(3, 3, seed=6, closeness=0.9)
+    with pytest.warns(DeprecationWarning, match="use 'SYNTH_ESTIMATORS'"):
+        assert synth.METHODS == synth.SYNTH_ESTIMATORS
+    with pytest.warns(DeprecationWarning, match="use 'Estimator'"):
+        assert synth.Method is synth.Estimator
+    with pytest.warns(DeprecationWarning, match="use 'MonteCarloEstimate'"):
+        assert synth.Estimate is synth.MonteCarloEstimate
+    for old, new in (("rb", "indicator"), ("rb-tv", "tv"), ("naive", "naive")):
+        want = synth.estimate(pair, 8, 3, estimator=new, replicates=50, seed=1)
+        renamed = ("estimator",) if old == new else ("estimator", new)  # naive kept its name
+        with pytest.warns(DeprecationWarning) as warned:
+            got = synth.estimate(pair, 8, 3, method=old, replicates=50, seed=1)
+        _assert_warned(warned, *renamed)
+        assert got.estimator == new and got.mean == want.mean
+        with pytest.warns(DeprecationWarning, match="use 'estimator'"):
+            assert got.method == new
+        assert got.to_dict()["method"] == old
+        with pytest.warns(DeprecationWarning) as warned:
+            raw = synth.simulate(pair, 8, 3, method=old, replicates=50, seed=1)
+        _assert_warned(warned, *renamed)
+        np.testing.assert_array_equal(
+            raw["expected_mismatches"], want.values["expected_mismatches"]
+        )
+    with pytest.warns(DeprecationWarning, match="use 'tv'"):
+        est = synth.estimate(pair, 8, 3, estimator="rb-tv", replicates=50)  # type: ignore[arg-type]
+    assert est.estimator == "tv"
+    with pytest.warns(DeprecationWarning, match="use 'estimator'"):
+        ref = simulate_ref(pair.arrays(), 8, 3, method="rb", replicates=50, seed=1)
+    want_ref = simulate_ref(pair.arrays(), 8, 3, estimator="indicator", replicates=50, seed=1)
+    for k, v in want_ref.items():
+        np.testing.assert_array_equal(ref[k], v, err_msg=k)
+    path = tmp_path / "pair.npz"
+    synth.save_pair(pair, path)
+    args = ["synth", "estimate", "--pair", str(path), "-T", "8", "-L", "3", "--json"]
+    with pytest.warns(DeprecationWarning) as warned:
+        assert main([*args, "--method", "rb-tv", "--replicates", "50"]) == 0
+    _assert_warned(warned, "estimator", "tv")
+    out = json.loads(capsys.readouterr().out)
+    assert out["estimator"] == "tv" and out["method"] == "rb-tv"

@@ -224,7 +224,7 @@ def test_renamed_quantities_still_read_with_a_warning():
         assert e.first_mismatch_contribution == e.first_mismatch == e.occurrence / 6
     with pytest.warns(DeprecationWarning, match="use 'rho'"):
         assert e.mismatch_rate == e.rho
-    out = synth.simulate(pair, 6, method="rb", replicates=20)
+    out = synth.simulate(pair, 6, estimator="indicator", replicates=20)
     with pytest.warns(DeprecationWarning, match="use 'expected_mismatches'"):
         np.testing.assert_array_equal(out["total_loss"], out["expected_mismatches"])
     est = synth.estimate(pair, 6, replicates=20)

@@ -188,10 +188,20 @@ def test_cli_random_pair_exact_estimate(tmp_path: Path, capsys: pytest.CaptureFi
     truth = synth.exact(synth.load_pair(path), 10, 3)
     assert exact["expected_mismatches"] == truth.expected_mismatches
     args = ["synth", "estimate", "--pair", str(path), "--horizon", "10", "--window", "3"]
-    args += ["--method", "rb", "--replicates", "3000", "--branches", "2", "--seed", "1", "--json"]
+    args += [
+        "--estimator",
+        "indicator",
+        "--replicates",
+        "3000",
+        "--branches",
+        "2",
+        "--seed",
+        "1",
+        "--json",
+    ]
     assert main(args) == 0
     est = json.loads(capsys.readouterr().out)
-    assert est["method"] == "rb" and est["replicates"] == 3000 and est["branches"] == 2
+    assert est["estimator"] == "indicator" and est["replicates"] == 3000 and est["branches"] == 2
     for key in ("expected_mismatches", "occurrence", "window_contribution", "interval_upper"):
         assert set(est[key]) == {"mean", "se"}
         assert abs(est[key]["mean"] - getattr(truth, key)) <= 5 * est[key]["se"] + 1e-9
@@ -207,4 +217,4 @@ def test_cli_errors(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit):
         main(["synth", "exact", "--pair", str(path), "--horizon", "0"])
     with pytest.raises(SystemExit):
-        main(["synth", "estimate", "--pair", str(path), "--horizon", "3", "--method", "fast"])
+        main(["synth", "estimate", "--pair", str(path), "--horizon", "3", "--estimator", "fast"])

@@ -11,6 +11,8 @@ from __future__ import annotations
 import numba
 import numpy as np
 
+from kvcouple.deprecation import warn_renamed
+
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
 _MIX1 = np.uint64(0xBF58476D1CE4E5B9)
 _MIX2 = np.uint64(0x94D049BB133111EB)
@@ -257,23 +259,36 @@ RB_COLUMNS = (
 )
 
 
+# The estimators a call may name (as kvcouple.synth's): "indicator" and "tv" run the same
+# branches, so both return both variants' columns, as the Rust core does.
+ESTIMATORS = ("naive", "indicator", "tv")
+
+
 def simulate_ref(
     arrays: tuple,
     horizon: int,
     window: int,
     *,
-    method: str,
+    estimator: str | None = None,
     replicates: int,
     branches: int = 1,
     seed: int = 0,
+    method: str | None = None,
 ) -> dict[str, np.ndarray]:
-    """Per-replicate values like :func:`kvcouple.synth.simulate` (``method``: naive or rb)."""
+    """Per-replicate values like :func:`kvcouple.synth.simulate` (``estimator``: naive,
+    indicator or tv; the last two return the columns of both). ``method=`` (with ``"rb"`` for
+    ``"indicator"``) is the former keyword, read for one release with a DeprecationWarning."""
+    if method is not None:
+        warn_renamed("method", "estimator", "simulate_ref")
+        if estimator is not None and estimator != method:
+            raise ValueError("give estimator= or the deprecated method=, not both")
+        estimator = "indicator" if method == "rb" else method
     pe, pn, ps, qe, qn, qs = arrays
     args = (pe, pn, int(ps), qe, qn, int(qs), int(horizon), int(window), int(replicates))
-    if method == "naive":
+    if estimator == "naive":
         out = naive_ref(*args, np.uint64(seed))
         return dict(zip(NAIVE_COLUMNS, out.T, strict=True))
-    if method == "rb":
+    if estimator in ("indicator", "tv"):
         out = rb_ref(*args, int(branches), np.uint64(seed))
         return dict(zip(RB_COLUMNS, out.T, strict=True))
-    raise ValueError(f"unknown method {method!r}")
+    raise ValueError(f"unknown estimator {estimator!r}: use one of {', '.join(ESTIMATORS)}")

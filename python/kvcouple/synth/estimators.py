@@ -1,12 +1,7 @@
-"""Exact solver, Monte Carlo estimators and the sharp interval on synthetic pairs.
-
-Conventions (SPEC sections 3 to 5): steps ``t = 1..T``; the window ``L`` counts lags
-``1..L`` after the first divergence ``tau`` (``L >= T``: to the horizon). Quantities are counts
-per sequence, not fractions: ``expected_mismatches = occurrence + window_contribution +
-tail_contribution``; ``mismatch_fraction = expected_mismatches / T``,
-``first_mismatch = occurrence / T``, ``exposure = occupation / T``. The interval is
-``[occurrence + window_contribution, that + tail_exposure]`` (``*_fraction``: divided by T).
-``branch_tv_by_lag[l - 1] = E[delta_{tau+l} | tau + l <= T]``, ``l = 1..min(L, T - 1)``.
+"""The Monte Carlo estimators on synthetic pairs: naive SMC and the RB-CMC estimators
+(indicator, tv), their names, per-replicate values (:func:`simulate`) and means with standard
+errors (:func:`estimate`, :class:`MonteCarloEstimate`). Conventions: :mod:`kvcouple.synth.exact`
+(the exact solver); the sharp interval: :mod:`kvcouple.synth.interval`.
 """
 
 from __future__ import annotations
@@ -23,6 +18,7 @@ from kvcouple import decomposition as dc
 from kvcouple.deprecation import RenamedKeys, module_getattr, warn_renamed
 from kvcouple.errors import InvalidInputError
 from kvcouple.resources import check_memory
+from kvcouple.synth.exact import json_values, resolved_window
 from kvcouple.synth.pairs import KernelPair, check_seed
 
 # The estimators, in the analysis's words (kvcouple.analysis.estimates.ESTIMATORS: indicator,
@@ -70,168 +66,6 @@ REPLICATE_KEYS = (
     "interval_lower",
     "interval_upper",
 )
-
-
-def _window(horizon: int, window: int | None) -> int:
-    return horizon if window is None else window
-
-
-def _json(x: Any) -> Any:
-    """Numbers and arrays as JSON values (NaN as null)."""
-    if isinstance(x, np.ndarray):
-        return [_json(v) for v in x.tolist()]
-    if isinstance(x, list | tuple):
-        return [_json(v) for v in x]
-    if isinstance(x, dict):
-        return {k: _json(v) for k, v in x.items()}
-    if isinstance(x, float | np.floating):
-        return None if math.isnan(x) else float(x)
-    if isinstance(x, np.integer):
-        return int(x)
-    return x
-
-
-@dataclass(frozen=True, eq=False)
-class ExactResult:
-    """The exact law of the SMC on a pair (see the module docstring for the conventions).
-
-    Quantities are counts per sequence, not fractions (divide by ``horizon`` for fractions);
-    ``tau`` is the step of the first divergence.
-
-    Attributes
-    ----------
-    horizon : int
-        Number of generated tokens ``T``.
-    window : int
-        Window ``L`` in lags after the first divergence (``horizon`` when none was given).
-    expected_mismatches : float
-        ``E[M]``, the expected number of mismatched steps.
-    mismatch_fraction : float
-        ``expected_mismatches / T``.
-    occurrence : float
-        ``P(tau <= T)``, the probability that the sequences diverge at all.
-    first_mismatch : float
-        ``occurrence / T`` (formerly ``first_mismatch_contribution``: still readable,
-        deprecated).
-    occupation : float
-        ``E[(T - tau)+]``, the expected number of steps after the first divergence.
-    exposure : float
-        ``occupation / T``.
-    rho : float
-        Mismatches after the first divergence per step of occupation (formerly
-        ``mismatch_rate``, still readable, deprecated),
-        ``(window_contribution + tail_contribution) / occupation``.
-    window_contribution : float
-        Expected mismatches at lags ``1..L`` after ``tau``.
-    tail_contribution : float
-        Expected mismatches at lags greater than ``L`` after ``tau``.
-    tail_exposure : float
-        ``E[(T - tau - L)+]``, the expected number of steps beyond the window.
-    interval_lower : float
-        Lower end of the sharp interval, ``occurrence + window_contribution``.
-    interval_upper : float
-        Upper end of the sharp interval, ``interval_lower + tail_exposure``.
-    survival : numpy.ndarray
-        ``P(tau > t)`` for ``t = 0..T``.
-    divergence_time_pmf : numpy.ndarray
-        ``P(tau = t)`` for ``t = 1..T``.
-    hazard : numpy.ndarray
-        Discrete hazard ``P(tau = t | tau >= t)`` for ``t = 1..T`` (NaN once the survival
-        is 0).
-    mismatch_by_step : numpy.ndarray
-        ``P(X_t != Y_t)`` for ``t = 1..T``.
-    branch_tv_by_lag : numpy.ndarray
-        ``E[delta_{tau+l} | tau + l <= T]`` for ``l = 1..min(L, T - 1)`` (NaN where the
-        condition has probability 0).
-    branch_lag_weight : numpy.ndarray
-        ``P(tau + l <= T)``, the conditioning event's probability, same lags.
-    """
-
-    horizon: int
-    window: int
-    expected_mismatches: float
-    mismatch_fraction: float
-    occurrence: float
-    first_mismatch: float
-    occupation: float
-    exposure: float
-    rho: float
-    window_contribution: float
-    tail_contribution: float
-    tail_exposure: float
-    interval_lower: float
-    interval_upper: float
-    survival: npt.NDArray[np.float64]
-    divergence_time_pmf: npt.NDArray[np.float64]
-    hazard: npt.NDArray[np.float64]
-    mismatch_by_step: npt.NDArray[np.float64]
-    branch_tv_by_lag: npt.NDArray[np.float64]
-    branch_lag_weight: npt.NDArray[np.float64]
-
-    @property
-    def interval_lower_fraction(self) -> float:
-        return self.interval_lower / self.horizon
-
-    @property
-    def interval_upper_fraction(self) -> float:
-        return self.interval_upper / self.horizon
-
-    @property
-    def first_mismatch_contribution(self) -> float:
-        warn_renamed("first_mismatch_contribution", "first_mismatch", "ExactResult")
-        return self.first_mismatch
-
-    @property
-    def mismatch_rate(self) -> float:
-        warn_renamed("mismatch_rate", "rho", "ExactResult")
-        return self.rho
-
-    def to_dict(self) -> dict[str, Any]:
-        d = {k: getattr(self, k) for k in self.__dataclass_fields__}
-        d["interval_lower_fraction"] = self.interval_lower_fraction
-        d["interval_upper_fraction"] = self.interval_upper_fraction
-        # The renamed keys, for one release (deprecated).
-        d["first_mismatch_contribution"] = self.first_mismatch
-        d["mismatch_rate"] = self.rho
-        return _json(d)
-
-
-def exact(pair: KernelPair, horizon: int, window: int | None = None) -> ExactResult:
-    """Exact quantities by dynamic programming over the joint SMC chain.
-
-    Complexity: time ``O(T * A * (V + R^2) * (min(L, T) + 2))`` with ``A <= S_P * S_Q``
-    reachable state pairs and ``R <= min(V, S)`` residual successor states; memory
-    ``O(S_P * S_Q * (min(L, T) + 2))``. S = V = 16, T = L = 64 takes well under a second.
-    ``window=None`` traces to the horizon (no tail).
-
-    Parameters
-    ----------
-    pair : KernelPair
-        The two kernels (P, Q) of the synthetic chain.
-    horizon : int
-        Number of generated tokens ``T`` (>= 1).
-    window : int, optional
-        Window ``L`` in lags after the first divergence; None (default) traces to the
-        horizon (no tail).
-
-    Returns
-    -------
-    ExactResult
-        The exact expected quantities (occurrence, occupation, window and tail
-        contributions, expected mismatches, tail exposure and the interval ends).
-
-    Raises
-    ------
-    kvcouple.errors.InvalidInputError
-        An out-of-range ``horizon`` or ``window``.
-    """
-    d = _core.synth_exact(pair.arrays(), horizon, _window(horizon, window))
-    # The decomposition's parts from the counts, as the analysis and the estimates derive them.
-    post = d["window_contribution"] + d["tail_contribution"]
-    d.update(
-        dc.parts(d["expected_mismatches"], d["occurrence"], d["occupation"], post, d["horizon"])
-    )
-    return ExactResult(**d)
 
 
 def simulate(
@@ -299,14 +133,18 @@ def simulate(
         raise InvalidInputError(f"trace must be 'horizon' or 'window', got {trace!r}")
     # Per-replicate outputs: about a dozen values plus two per lag, refused beyond memory.
     if isinstance(replicates, int) and replicates > 0:
-        lags = max(min(_window(horizon, window), horizon - 1), 1) if isinstance(horizon, int) else 1
+        lags = (
+            max(min(resolved_window(horizon, window), horizon - 1), 1)
+            if isinstance(horizon, int)
+            else 1
+        )
         if replicates * lags <= 2**27:  # beyond, the core refuses with its own message
             check_memory(f"replicates = {replicates}", 8 * replicates * (16 + 2 * lags))
     out = _core.synth_simulate(
         pair.arrays(),
         horizon,
-        _window(horizon, window),
-        method="naive" if chosen == "naive" else "rb",  # the core's words
+        resolved_window(horizon, window),
+        estimator=chosen,
         replicates=replicates,
         branches=branches,
         seed=check_seed(seed),
@@ -416,7 +254,7 @@ class MonteCarloEstimate:
         d["branch_tv_by_lag"] = {"mean": self.branch_tv_by_lag, "se": self.branch_tv_by_lag_se}
         # The former key and name, for one release (deprecated).
         d["method"] = FORMER_NAMES.get(self.estimator, self.estimator)
-        return _json(d)
+        return json_values(d)
 
 
 def estimate(
@@ -518,7 +356,7 @@ def estimate(
     return MonteCarloEstimate(
         estimator=chosen,
         horizon=horizon,
-        window=_window(horizon, window),
+        window=resolved_window(horizon, window),
         replicates=replicates,
         branches=branches,
         seed=seed,
@@ -530,133 +368,6 @@ def estimate(
         evaluations=float(np.mean(raw["evaluations"])),
         raw=raw,
     )
-
-
-@dataclass(frozen=True)
-class Interval:
-    """The sharp interval for E[M] from a finite window (SPEC section 5), in counts.
-
-    ``ci_low``/``ci_high`` widen the ends by ``z`` standard errors (0 for exact values).
-
-    Attributes
-    ----------
-    horizon : int
-        Number of generated tokens ``T``.
-    window : int
-        Window ``L`` in lags after the first divergence.
-    lower : float
-        Lower end, ``occurrence + window_contribution`` (a count).
-    upper : float
-        Upper end, ``lower + tail_exposure`` (a count).
-    lower_se : float
-        Standard error of ``lower`` (0 for an exact result).
-    upper_se : float
-        Standard error of ``upper`` (0 for an exact result).
-    ci_low : float
-        ``lower - z * lower_se``.
-    ci_high : float
-        ``upper + z * upper_se``.
-    level : float
-        Confidence level in ``(0, 1)`` that ``z`` corresponds to.
-    """
-
-    horizon: int
-    window: int
-    lower: float
-    upper: float
-    lower_se: float
-    upper_se: float
-    ci_low: float
-    ci_high: float
-    level: float
-
-    def fractions(self) -> tuple[float, float]:
-        return self.lower / self.horizon, self.upper / self.horizon
-
-    def to_dict(self) -> dict[str, Any]:
-        d = dict(self.__dict__)
-        d["lower_fraction"], d["upper_fraction"] = self.fractions()
-        return _json(d)
-
-
-def interval(result: ExactResult | MonteCarloEstimate, level: float = 0.95) -> Interval:
-    """The sharp interval ``[occurrence + window, that + tail_exposure]`` of a result.
-
-    For a :class:`MonteCarloEstimate` each end's standard error comes from its per-replicate values;
-    the confidence bounds are ``lower - z se`` and ``upper + z se`` with ``z`` the two-sided
-    normal quantile of ``level``.
-
-    Parameters
-    ----------
-    result : ExactResult or MonteCarloEstimate
-        The output of :func:`exact` or :func:`estimate`.
-    level : float
-        Confidence level in ``(0, 1)``. Default 0.95.
-
-    Returns
-    -------
-    Interval
-        The interval ends in counts, their standard errors (0 for exact values) and the
-        confidence bounds.
-
-    Raises
-    ------
-    kvcouple.errors.InvalidInputError
-        ``level`` is not in ``(0, 1)``.
-    """
-    if not 0 < level < 1:
-        raise InvalidInputError(f"level = {level} must lie in (0, 1)")
-    from statistics import NormalDist
-
-    z = NormalDist().inv_cdf(0.5 + level / 2)
-    if isinstance(result, ExactResult):
-        lo, hi, slo, shi = result.interval_lower, result.interval_upper, 0.0, 0.0
-    else:
-        lo, hi = result.mean["interval_lower"], result.mean["interval_upper"]
-        slo, shi = result.se["interval_lower"], result.se["interval_upper"]
-    return Interval(
-        horizon=result.horizon,
-        window=result.window,
-        lower=lo,
-        upper=hi,
-        lower_se=slo,
-        upper_se=shi,
-        ci_low=lo - z * slo,
-        ci_high=hi + z * shi,
-        level=level,
-    )
-
-
-def interval_constructions(
-    pair: KernelPair, horizon: int, window: int
-) -> tuple[KernelPair, KernelPair]:
-    """Two pairs that agree with ``pair`` up to ``window`` lags after the first divergence and
-    then re-synchronise (``lower``: TV 0) or separate forever (``upper``: TV 1), so that
-    ``exact(lower).expected_mismatches == exact(pair).interval_lower`` and likewise for the
-    upper end (SPEC section 5). Vocabulary ``3V + 2``: overlap tokens, P- and Q-marked residual
-    tokens, two end tokens; states ``S_P S_Q + S L + 1``.
-
-    Parameters
-    ----------
-    pair : KernelPair
-        The two kernels (P, Q).
-    horizon : int
-        Number of generated tokens ``T`` (>= 1).
-    window : int
-        Window ``L`` in lags after the first divergence.
-
-    Returns
-    -------
-    tuple of KernelPair
-        ``(lower, upper)``.
-
-    Raises
-    ------
-    kvcouple.errors.InvalidInputError
-        An out-of-range ``horizon`` or ``window``.
-    """
-    lo, hi = _core.synth_interval_constructions(pair.arrays(), horizon, window)
-    return KernelPair.from_arrays(lo), KernelPair.from_arrays(hi)
 
 
 # Former names, for one release (deprecated).

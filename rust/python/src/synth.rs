@@ -8,7 +8,7 @@
 use kvcouple_core::synth::construction;
 use kvcouple_core::synth::exact;
 use kvcouple_core::synth::kernel::{self, Kernel, KernelPair, RandomPairOptions};
-use kvcouple_core::synth::montecarlo::{self, McOptions, Method};
+use kvcouple_core::synth::montecarlo::{self, Estimators, McOptions};
 use numpy::{
     IntoPyArray, PyArray1, PyArray2, PyArrayMethods, PyReadonlyArray2, PyUntypedArrayMethods,
 };
@@ -165,30 +165,32 @@ pub fn synth_exact<'py>(
 
 /// Per-replicate Monte Carlo values (see `kvcouple.synth.simulate`).
 #[pyfunction]
-#[pyo3(signature = (pair, horizon, window, *, method, replicates, branches=1, seed=0, trace_to_horizon=true))]
+#[pyo3(signature = (pair, horizon, window, *, estimator, replicates, branches=1, seed=0, trace_to_horizon=true))]
 pub fn synth_simulate<'py>(
     py: Python<'py>,
     pair: PairArg<'py>,
     horizon: i64,
     window: i64,
-    method: &str,
+    estimator: &str,
     replicates: i64,
     branches: i64,
     seed: u64,
     trace_to_horizon: bool,
 ) -> PyResult<Bound<'py, PyDict>> {
     let pr = pair.pair()?;
-    let method = match method {
-        "naive" => Method::Naive,
-        "rb" => Method::Rb,
+    // indicator and tv run the same branches: either returns both (the `*_tv` keys: tv's).
+    // "rb", the former name, still reads.
+    let estimators = match estimator {
+        "naive" => Estimators::Naive,
+        "indicator" | "tv" | "rb" => Estimators::IndicatorAndTv,
         other => {
-            let hint = "use \"naive\" or \"rb\" (rb returns the rb-tv variant too)";
-            let msg = format!("unknown method {other:?}: {hint}");
+            let hint = "use \"naive\", \"indicator\" or \"tv\"";
+            let msg = format!("unknown estimator {other:?}: {hint}");
             return Err(InvalidInputError::new_err(msg));
         }
     };
     let o = McOptions {
-        method,
+        estimators,
         horizon: count("horizon", horizon)?,
         window: count("window", window)?,
         replicates: count("replicates", replicates)?,
@@ -211,7 +213,7 @@ pub fn synth_simulate<'py>(
         "expected_mismatches",
         out.expected_mismatches.into_pyarray(py),
     )?;
-    if method == Method::Rb {
+    if estimators == Estimators::IndicatorAndTv {
         d.set_item(
             "window_contribution_tv",
             out.window_contribution_tv.into_pyarray(py),

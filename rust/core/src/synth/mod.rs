@@ -3,7 +3,7 @@
 //! - [`kernel`]: finite-state emitters, the Markov shorthand, validation, random pairs;
 //! - [`step`]: one SMC step on f64 rows (the rule of [`crate::couple`]);
 //! - [`exact`]: the exact DP solver (decomposition, survival, window/tail, interval);
-//! - [`montecarlo`]: naive SMC and RB-CMC estimators, parallel over replicates;
+//! - [`montecarlo`]: the naive, indicator and tv (RB-CMC) estimators, parallel over replicates;
 //! - [`construction`]: the pairs that attain both ends of the sharp interval;
 //! - [`rng`]: the seeded per-replicate PRNG.
 

@@ -6,7 +6,7 @@
 //!
 //! Uniforms are consumed in a fixed order (the numba reference follows it bit for bit):
 //! - naive: three per step (`u0, u1, u2`, see [`crate::synth::step::draw`]);
-//! - rb: one per overlap step (the token; none at the last step or when `delta = 1`), then per
+//! - indicator and tv: one per overlap step (the token; none at the last step or when `delta = 1`), then per
 //!   branch one for the branch time, two for the residual pair, and three per traced lag.
 //!
 //! Simulation stops at a frozen state pair ([`Stepper::frozen`], e.g. both kernels after EOS).
@@ -21,21 +21,23 @@ use crate::synth::kernel::KernelPair;
 use crate::synth::rng::Rng;
 use crate::synth::step::{inverse_cdf, RowStepper, Stepper, TableStepper};
 
+/// The estimators one run computes (the analysis's words; synth adds naive).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Method {
-    /// Simulate the SMC and count mismatches.
+pub enum Estimators {
+    /// `naive`: simulate the SMC and count mismatches.
     Naive,
-    /// RB-CMC; returns both the indicator variant (`rb`) and the branch-TV variant (`rb-tv`).
-    Rb,
+    /// RB-CMC's two, from the same branches: `indicator` (the branches' mismatch indicators)
+    /// and `tv` (their branch-aligned TVs, the `*_tv` outputs).
+    IndicatorAndTv,
 }
 
 #[derive(Debug, Clone)]
 pub struct McOptions {
-    pub method: Method,
+    pub estimators: Estimators,
     pub horizon: usize,
     pub window: usize,
     pub replicates: usize,
-    /// Branches per replicate (rb only).
+    /// Branches per replicate (indicator and tv only).
     pub branches: usize,
     pub seed: u64,
     /// Trace branches to the horizon (else only the window: tail and total are NaN).
@@ -52,7 +54,7 @@ pub struct McOutput {
     pub window_contribution: Vec<f64>,
     pub tail_contribution: Vec<f64>,
     pub expected_mismatches: Vec<f64>,
-    /// The branch-TV variants (rb only; empty for naive).
+    /// The `tv` estimator's values (empty for naive).
     pub window_contribution_tv: Vec<f64>,
     pub tail_contribution_tv: Vec<f64>,
     pub expected_mismatches_tv: Vec<f64>,
@@ -158,7 +160,7 @@ fn naive_replicate<S: Stepper>(
     r
 }
 
-fn rb_replicate<S: Stepper>(
+fn branch_replicate<S: Stepper>(
     pair: &KernelPair,
     steps: &S,
     o: &McOptions,
@@ -270,7 +272,7 @@ fn rb_replicate<S: Stepper>(
     r
 }
 
-/// Reusable buffers of one worker (rb's overlap path).
+/// Reusable buffers of one worker (the branches' overlap path).
 #[derive(Default)]
 struct Scratch {
     path: Vec<(usize, usize)>,
@@ -304,9 +306,11 @@ fn run<S: Stepper>(
                     tv_sum: &mut tv[..lags],
                     weight: &mut w[..lags],
                 };
-                match o.method {
-                    Method::Naive => naive_replicate(pair, steps, o, lags, &mut rng, by_lag),
-                    Method::Rb => rb_replicate(pair, steps, o, lags, &mut rng, scratch, by_lag),
+                match o.estimators {
+                    Estimators::Naive => naive_replicate(pair, steps, o, lags, &mut rng, by_lag),
+                    Estimators::IndicatorAndTv => {
+                        branch_replicate(pair, steps, o, lags, &mut rng, scratch, by_lag)
+                    }
                 }
             })
             .collect()
@@ -331,9 +335,9 @@ pub fn simulate_with(pair: &KernelPair, o: &McOptions, cancel: &Cancel) -> KvRes
             "replicates must be at least 1".into(),
         ));
     }
-    if o.method == Method::Rb && o.branches == 0 {
+    if o.estimators == Estimators::IndicatorAndTv && o.branches == 0 {
         return Err(KvError::InvalidArgument(
-            "rb needs at least 1 branch per replicate".into(),
+            "the indicator and tv estimators need at least 1 branch per replicate".into(),
         ));
     }
     let lags = o.window.min(o.horizon - 1);
@@ -355,7 +359,7 @@ pub fn simulate_with(pair: &KernelPair, o: &McOptions, cancel: &Cancel) -> KvRes
     };
     cancel.check()?;
     let col = |f: fn(&Replicate) -> f64| reps.iter().map(f).collect::<Vec<f64>>();
-    let rb = o.method == Method::Rb;
+    let tv = o.estimators == Estimators::IndicatorAndTv;
     Ok(McOutput {
         lags,
         occurrence: col(|r| r.occurrence),
@@ -364,9 +368,9 @@ pub fn simulate_with(pair: &KernelPair, o: &McOptions, cancel: &Cancel) -> KvRes
         window_contribution: col(|r| r.window),
         tail_contribution: col(|r| r.tail),
         expected_mismatches: col(|r| r.total),
-        window_contribution_tv: if rb { col(|r| r.window_tv) } else { vec![] },
-        tail_contribution_tv: if rb { col(|r| r.tail_tv) } else { vec![] },
-        expected_mismatches_tv: if rb { col(|r| r.total_tv) } else { vec![] },
+        window_contribution_tv: if tv { col(|r| r.window_tv) } else { vec![] },
+        tail_contribution_tv: if tv { col(|r| r.tail_tv) } else { vec![] },
+        expected_mismatches_tv: if tv { col(|r| r.total_tv) } else { vec![] },
         branch_tv_sum: tv_sum,
         branch_lag_weight: weight,
         evaluations: col(|r| r.evaluations),

@@ -4,7 +4,7 @@ use crate::parallel;
 use crate::synth::construction::interval_constructions;
 use crate::synth::exact::exact;
 use crate::synth::kernel::{random_pair, Kernel, KernelPair, RandomPairOptions};
-use crate::synth::montecarlo::{simulate, McOptions, McOutput, Method};
+use crate::synth::montecarlo::{simulate, Estimators, McOptions, McOutput};
 
 fn pair(seed: u64, vocab: usize, states: usize, markov: bool) -> KernelPair {
     random_pair(&RandomPairOptions {
@@ -27,9 +27,9 @@ fn mean_se(x: &[f64]) -> (f64, f64) {
     (m, (var / n).sqrt())
 }
 
-fn opts(method: Method, horizon: usize, window: usize, replicates: usize) -> McOptions {
+fn opts(estimators: Estimators, horizon: usize, window: usize, replicates: usize) -> McOptions {
     McOptions {
-        method,
+        estimators,
         horizon,
         window,
         replicates,
@@ -58,8 +58,8 @@ fn estimators_agree_with_exact() {
         let pr = pair(seed, 3 + seed as usize % 3, 3, seed % 2 == 1);
         let (t, l) = (8, 3);
         let e = exact(&pr, t, l).unwrap();
-        for method in [Method::Naive, Method::Rb] {
-            let out = simulate(&pr, &opts(method, t, l, 4000)).unwrap();
+        for estimators in [Estimators::Naive, Estimators::IndicatorAndTv] {
+            let out = simulate(&pr, &opts(estimators, t, l, 4000)).unwrap();
             let checks: [(&[f64], f64); 6] = [
                 (&out.occurrence, e.occurrence),
                 (&out.occupation, e.occupation),
@@ -72,7 +72,7 @@ fn estimators_agree_with_exact() {
                 let (m, se) = mean_se(x);
                 assert!(
                     (m - truth).abs() <= 4.5 * se + 1e-12,
-                    "seed {seed} {method:?} quantity {i}: {m} +- {se} vs {truth}"
+                    "seed {seed} {estimators:?} quantity {i}: {m} +- {se} vs {truth}"
                 );
             }
         }
@@ -84,7 +84,7 @@ fn results_do_not_depend_on_threads() {
     let pr = pair(4, 5, 4, false);
     let run = |n| -> McOutput {
         parallel::set_num_threads(n).unwrap();
-        let out = simulate(&pr, &opts(Method::Rb, 12, 4, 300)).unwrap();
+        let out = simulate(&pr, &opts(Estimators::IndicatorAndTv, 12, 4, 300)).unwrap();
         parallel::set_num_threads(0).unwrap();
         out
     };
@@ -105,7 +105,7 @@ fn identical_and_disjoint_kernels() {
     let e = exact(&apart, 5, 2).unwrap();
     assert_eq!(e.expected_mismatches, 5.0);
     assert_eq!(e.divergence_time_pmf[0], 1.0);
-    let out = simulate(&apart, &opts(Method::Rb, 5, 2, 10)).unwrap();
+    let out = simulate(&apart, &opts(Estimators::IndicatorAndTv, 5, 2, 10)).unwrap();
     assert!(out.expected_mismatches.iter().all(|&x| x == 5.0));
 }
 
@@ -144,7 +144,7 @@ fn cancelled_solvers_stop_with_interrupted() {
     assert!(exact_with(&pr, 8, 8, &c).is_ok());
     c.cancel();
     assert_eq!(exact_with(&pr, 8, 8, &c), Err(KvError::Interrupted));
-    let o = opts(Method::Rb, 8, 8, 100);
+    let o = opts(Estimators::IndicatorAndTv, 8, 8, 100);
     assert!(matches!(
         simulate_with(&pr, &o, &c),
         Err(KvError::Interrupted)
