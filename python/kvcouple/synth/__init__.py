@@ -12,15 +12,12 @@ from kvcouple.deprecation import module_getattr
 from kvcouple.synth.estimators import (
     SYNTH_ESTIMATORS,
     Estimator,
-    ExactResult,
-    Interval,
     MonteCarloEstimate,
     estimate,
-    exact,
-    interval,
-    interval_constructions,
     simulate,
 )
+from kvcouple.synth.exact import ExactResult, exact
+from kvcouple.synth.interval import Interval, interval, interval_constructions
 from kvcouple.synth.pairs import (
     Kernel,
     KernelPair,
