@@ -41,6 +41,23 @@ class RenamedKeys(dict[str, Any]):
             return default
 
 
+class RenamedAttribute:
+    """A class attribute's former name (deprecated, one release): reads the new one, on the
+    class or an instance, with a :class:`DeprecationWarning`. Set as ``OLD = RenamedAttribute
+    ("NEW")`` in the class body."""
+
+    def __init__(self, new: str) -> None:
+        self.new = new
+        self.old = new
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.old = name
+
+    def __get__(self, obj: object, owner: type) -> Any:
+        warn_renamed(self.old, self.new, owner.__name__)
+        return getattr(owner if obj is None else obj, self.new)
+
+
 def module_getattr(module: str, renamed: dict[str, str], namespace: dict[str, Any]) -> Any:
     """A module's ``__getattr__`` that reads each old name of ``renamed`` (old -> new) as the
     new one in ``namespace`` (the module's globals), with a :class:`DeprecationWarning`."""

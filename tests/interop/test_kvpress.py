@@ -94,7 +94,7 @@ def kvpress_kept(press, attn: str, make=None, prompt=None) -> torch.Tensor:
 def kvcouple_kept(spec: str, attn: str, make=None, prompt=None) -> torch.Tensor:
     policy = parse_policy(spec)
     prompt = PROMPT if prompt is None else prompt
-    pre = prefill((make or model)(attn), prompt, policy.NEEDS_QUERIES, policies=[policy])
+    pre = prefill((make or model)(attn), prompt, policy.NEEDS_ATTENTION, policies=[policy])
     torch.manual_seed(0)
     return select(policy, pre).cpu()
 

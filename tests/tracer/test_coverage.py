@@ -162,7 +162,7 @@ def test_scored_policies_exact_or_refused(arch, tmp_path):
             trace(m, [Prompt("d", tuple(PROMPT))], SCORED[:1], TraceSettings(horizon=2), out)
         assert not out.exists()
         return
-    pre = prefill(m, torch.tensor(PROMPT), need_queries=True)
+    pre = prefill(m, torch.tensor(PROMPT), needs_attention=True)
     eager = m if arch in EAGER_ONLY else model(arch, "eager")
     with torch.no_grad():
         att = eager(torch.tensor([PROMPT[:-1]]), output_attentions=True).attentions

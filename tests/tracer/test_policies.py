@@ -194,6 +194,24 @@ def test_plugin_scorer():
         POLICIES.pop("test-keymean")
 
 
+def test_needs_queries_still_reads_and_sets_needs_attention_with_a_warning():
+    """NEEDS_QUERIES, the former name of NEEDS_ATTENTION (deprecated, one release): read on a
+    class or an instance, and set by a plug-in written before the rename."""
+    snapkv = POLICIES["snapkv"]
+    with pytest.warns(DeprecationWarning, match="use 'NEEDS_ATTENTION'"):
+        assert snapkv.NEEDS_QUERIES is snapkv.NEEDS_ATTENTION is True
+    with pytest.warns(DeprecationWarning, match="use 'NEEDS_ATTENTION'"):
+        assert parse_policy("recent:retain=0.5").NEEDS_QUERIES is False
+    with pytest.warns(DeprecationWarning, match="use 'NEEDS_ATTENTION'"):
+
+        class OldPlugin(ScorePolicy):
+            name = "test-old-plugin"
+            NEEDS_QUERIES = True
+
+    assert OldPlugin.NEEDS_ATTENTION is True
+    assert OldPlugin(retain=0.5).prompt_queries() == (None, False)
+
+
 def _plain_attention(ctx: PolicyContext, layer: int) -> torch.Tensor:
     """Causal softmax attention of every prefix query: ``(query_heads, length, length)``."""
     n = ctx.length

@@ -113,7 +113,7 @@ def test_uniform_eviction_equals_masked_full_forward(arch, spec):
 )
 def test_snapkv_indices_match_eager_attention(arch, spec):
     policy = parse_policy(spec)
-    pre = prefill(model(arch), torch.tensor(PROMPT), need_queries=True)
+    pre = prefill(model(arch), torch.tensor(PROMPT), needs_attention=True)
     idx = select(policy, pre)
     eager = model(arch, "eager")
     with torch.no_grad():
@@ -141,7 +141,7 @@ def test_snapkv_indices_match_eager_attention(arch, spec):
 def test_h2o_and_tova_indices_match_eager_attention(arch):
     """Scores from every prompt query (H2O, observed) and from the last one (TOVA, both head
     conventions), recomputed from eager attention weights."""
-    pre = prefill(model(arch), torch.tensor(PROMPT), need_queries=True)
+    pre = prefill(model(arch), torch.tensor(PROMPT), needs_attention=True)
     with torch.no_grad():
         attentions = model(arch, "eager")(
             torch.tensor([PROMPT[:-1]]), output_attentions=True

@@ -73,7 +73,7 @@ class RecordingEvictor(DecodeEvictor):
 
 def traced(m, spec):
     """Row 0 of a decode-time overlap path: kept sets after each step, tokens, q_t."""
-    pre = prefill(m, torch.tensor(PROMPT), need_queries=True)
+    pre = prefill(m, torch.tensor(PROMPT), needs_attention=True)
     policy = parse_policy(spec)
     idx = select(policy, pre, torch.Generator().manual_seed(0))
     budget = idx.shape[-1] + 1

@@ -318,7 +318,7 @@ def test_split_layout_equals_a_masked_full_forward():
 
     m = model("llama")
     n, T, spec = len(PROMPT), 6, "recent:retain=0.5"
-    pre = prefill(m, torch.tensor(PROMPT), need_queries=False)
+    pre = prefill(m, torch.tensor(PROMPT), needs_attention=False)
     kept = gather_kept(pre.kv, select(parse_policy(spec), pre))
     everything, evicted = set(range(n)), kept_positions(spec, n)
     rows = SplitRows.start(m, pre.kv, kept, copies=2, steps=T)
@@ -364,7 +364,7 @@ def test_shared_layout_equals_a_masked_full_forward(attn):
 
     m = model("qwen3", attn)
     n, T, spec = len(PROMPT), 6, "recent:retain=0.5"
-    pre = prefill(m, torch.tensor(PROMPT), need_queries=False)
+    pre = prefill(m, torch.tensor(PROMPT), needs_attention=False)
     kept = gather_kept(pre.kv, select(parse_policy(spec), pre))
     everything, evicted = set(range(n)), kept_positions(spec, n)
     rows = SharedRows.start(m, pre.kv, kept, copies=2, steps=T)
@@ -448,11 +448,11 @@ def test_prefill_captures_only_what_the_policy_reads(spec, kept_queries):
     m = model("qwen3")
     policy = parse_policy(spec)
     ids = torch.tensor(PROMPT)
-    lean = prefill(m, ids, policy.NEEDS_QUERIES, policies=[policy])
+    lean = prefill(m, ids, policy.NEEDS_ATTENTION, policies=[policy])
     if kept_queries is None:
         assert lean.capture is None
         return
-    full = prefill(m, ids, need_queries=True)
+    full = prefill(m, ids, needs_attention=True)
     for layer in range(2):
         assert lean.capture.calls[layer].query.shape[2] == kept_queries
         assert full.capture.calls[layer].query.shape[2] == len(PROMPT) - 1

@@ -48,6 +48,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
+from kvcouple.deprecation import RenamedAttribute, warn_renamed
 from kvcouple.policies.context import PolicyContext
 from kvcouple.policies.decode import (
     DecodeCache,
@@ -168,12 +169,22 @@ class Policy:
     name: ClassVar[str] = ""
     PARAMS: ClassVar[dict[str, tuple[type, Any]]] = {}
     BUDGETED: ClassVar[bool] = True
-    NEEDS_QUERIES: ClassVar[bool] = False
+    # Whether selection reads attention scores (the prompt's queries, PolicyContext.attention):
+    # the tracer captures the queries at prefill only for such policies.
+    NEEDS_ATTENTION: ClassVar[bool] = False
+    NEEDS_QUERIES = RenamedAttribute("NEEDS_ATTENTION")  # the former name, deprecated
     # Whether selection reads each attention layer's inputs (PolicyContext.layer_inputs): the
     # tracer records them at prefill only for such policies.
     NEEDS_LAYER_INPUTS: ClassVar[bool] = False
     # A parameter given without its name as the spec's first item (``kvpress:SnapKVPress,...``).
     POSITIONAL: ClassVar[str | None] = None
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        # A plug-in written before the rename sets the former name: read for one release.
+        if "NEEDS_QUERIES" in cls.__dict__:
+            warn_renamed("NEEDS_QUERIES", "NEEDS_ATTENTION", cls.__name__)
+            cls.NEEDS_ATTENTION = cls.__dict__["NEEDS_QUERIES"]
 
     def __init__(self, **params: Any):
         allowed = dict(self.PARAMS)
@@ -248,7 +259,7 @@ class Policy:
     def decode_query_window(self) -> int:
         """Recent queries :meth:`select` needs while decoding (its window attention): 32 for
         query-scored policies unless they say otherwise, 0 for the rest."""
-        return 32 if self.NEEDS_QUERIES else 0
+        return 32 if self.NEEDS_ATTENTION else 0
 
     def selects_per_head(self) -> bool:
         """Whether :meth:`select` treats every layer's KV heads each on its own, drawing
@@ -268,7 +279,7 @@ class Policy:
     def prompt_queries(self) -> tuple[int | None, bool]:
         """What selection reads of the prompt's queries: how many of the last ones (None: any)
         and whether their accumulated attention. The tracer captures only that."""
-        return (None if self.NEEDS_QUERIES else 0), False
+        return (None if self.NEEDS_ATTENTION else 0), False
 
     def spec(self) -> str:
         """The canonical string form, e.g. ``snapkv:retain=0.5,window=32,kernel=7,pool=avg``."""
@@ -385,7 +396,7 @@ class ScorePolicy(Policy):
 def query_needs(policies: Sequence[Policy]) -> tuple[bool, int | None, bool]:
     """What to capture for ``policies``: whether anything, how many of the last queries
     (None: all), and whether accumulated attention (see ``Policy.prompt_queries``)."""
-    needs = [p.prompt_queries() for p in policies if p.NEEDS_QUERIES]
+    needs = [p.prompt_queries() for p in policies if p.NEEDS_ATTENTION]
     if not needs:
         return False, None, False
     windows = [w for w, _ in needs if w is not None]

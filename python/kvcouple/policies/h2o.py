@@ -75,7 +75,7 @@ class H2O(Policy):
     """
 
     name = "h2o"
-    NEEDS_QUERIES = True
+    NEEDS_ATTENTION = True
     PARAMS = {"recent": (float, 0.5)}
 
     def validate(self) -> None:

@@ -282,11 +282,11 @@ class KVPress(Policy):
             )
 
     @property
-    def NEEDS_QUERIES(self) -> bool:  # type: ignore[override]
+    def NEEDS_ATTENTION(self) -> bool:  # type: ignore[override]
         return self.press_class.__name__ in NEEDS_ATTENTIONS
 
     def prompt_queries(self) -> tuple[int | None, bool]:
-        return (None if self.NEEDS_QUERIES else 0), False
+        return (None if self.NEEDS_ATTENTION else 0), False
 
     def spec(self) -> str:
         own = [f"{k}={self.params[k]}" for k in _OWN if self.params.get(k) is not None]
@@ -336,7 +336,7 @@ class KVPress(Policy):
                     press.post_init_from_model(inputs.model)
                     self._initialised.add(id(inputs.model))
             attentions = None
-            if self.NEEDS_QUERIES:
+            if self.NEEDS_ATTENTION:
                 attentions = ctx.attention(layer).to(keys.dtype)[None]
             with torch.no_grad():
                 s = press.score(module, hidden, keys, values, attentions, kwargs)

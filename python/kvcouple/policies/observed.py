@@ -28,7 +28,7 @@ class Observed(ScorePolicy):
     """
 
     name = "observed"
-    NEEDS_QUERIES = True
+    NEEDS_ATTENTION = True
 
     def validate(self) -> None:
         if self.decode_time:

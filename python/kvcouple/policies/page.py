@@ -64,7 +64,7 @@ class PAGE(Policy):
 
     name = "page"
     BUDGETED = False
-    NEEDS_QUERIES = True
+    NEEDS_ATTENTION = True
     PARAMS = {
         "base": (str, None),
         "threshold": (float, 0.1),
@@ -114,7 +114,7 @@ class PAGE(Policy):
 
     def prompt_queries(self) -> tuple[int | None, bool]:
         window, accumulate = self.base.prompt_queries()
-        if self.base.NEEDS_QUERIES and window is None:
+        if self.base.NEEDS_ATTENTION and window is None:
             return None, accumulate
         return max(self.params["queries"], int(window or 0)), accumulate
 

@@ -39,7 +39,7 @@ class SnapKV(Policy):
     """
 
     name = "snapkv"
-    NEEDS_QUERIES = True
+    NEEDS_ATTENTION = True
     PARAMS = {"window": (int, 32), "kernel": (int, 7), "pool": (str, "avg")}
 
     def validate(self) -> None:

@@ -32,7 +32,7 @@ class TOVA(ScorePolicy):
     """
 
     name = "tova"
-    NEEDS_QUERIES = True
+    NEEDS_ATTENTION = True
     PARAMS = {"heads": (str, "all")}
 
     def validate(self) -> None:

@@ -138,7 +138,7 @@ def _trace_batch(
     on_policy: Callable[[], object] | None = None,
 ) -> list[DocumentTrace]:
     """:func:`trace_documents_records` of a model and policies already checked."""
-    need = any(p.NEEDS_QUERIES for p in policies)
+    need = any(p.NEEDS_ATTENTION for p in policies)
     pres = prefill_documents(
         model,
         [torch.as_tensor(ids, dtype=torch.long) for ids, _, _, _ in documents],

@@ -45,8 +45,9 @@ class DecodeEvictor:
         self.replicates = replicates
         self.row_ids = tuple(int(r) for r in replicates.tolist())  # once, for seeded rules
         window = rule.query_window
-        needs_queries = rule.needs_attention or window > 0
-        self._capture = QueryCapture(model) if needs_queries else None
+        # Queries are captured for the rule's attention scores or its query window.
+        capture = rule.needs_attention or window > 0
+        self._capture = QueryCapture(model) if capture else None
         ctx = pre.context()
         self.group = ctx.group_size
         self.num_query_heads = pre.num_query_heads

@@ -93,7 +93,7 @@ def first_step(
     refresh(model)
     pols = [parse_policy(p) if isinstance(p, str) else p for p in policies]
     ids = torch.as_tensor(input_ids, dtype=torch.long).reshape(-1)
-    pre = prefill(model, ids, any(p.NEEDS_QUERIES for p in pols), policies=pols)
+    pre = prefill(model, ids, any(p.NEEDS_ATTENTION for p in pols), policies=pols)
     last = pre.input_ids[-1:]
     shape = ModelShape.of_model(model)
     settings = TraceSettings(horizon=1)  # the seeds do not depend on the sizes

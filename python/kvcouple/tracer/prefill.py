@@ -79,13 +79,13 @@ def num_query_heads(model: Any) -> int:
 def prefill(
     model: Any,
     input_ids: torch.Tensor,
-    need_queries: bool,
+    needs_attention: bool,
     doc: str = "",
     policies: Sequence[Policy] | None = None,
 ) -> Prefill:
     """Run the prompt minus its last token through the model once. With ``policies`` the
     capture holds only what they read (their last queries, accumulated attention computed
-    while prefilling); otherwise every query when ``need_queries``."""
+    while prefilling); otherwise every query when ``needs_attention``."""
     ids = torch.as_tensor(input_ids, dtype=torch.long).reshape(-1)
     n = int(ids.shape[0])
     if n < 2:
@@ -93,15 +93,15 @@ def prefill(
             f"prompt {doc!r} has {n} token(s); the tracer needs at least 2 (the last prompt "
             "token is re-fed after eviction)"
         )
-    support.check_support(model, [_ScoredPolicy()] if need_queries else [])
+    support.check_support(model, [_ScoredPolicy()] if needs_attention else [])
     device = next(model.parameters()).device
     ids = ids.to(device)
     cache = new_cache()
     positions = torch.arange(n - 1, device=device)[None]
     keep, accumulate = None, False
     if policies is not None:
-        need_queries, keep, accumulate = query_needs(policies)
-    capture = QueryCapture(model, keep, accumulate) if need_queries else None
+        needs_attention, keep, accumulate = query_needs(policies)
+    capture = QueryCapture(model, keep, accumulate) if needs_attention else None
     inputs = None
     if any(p.NEEDS_LAYER_INPUTS for p in policies or ()):
         inputs = LayerInputCapture(model)
@@ -120,7 +120,7 @@ def prefill(
 def prefill_documents(
     model: Any,
     prompts: Sequence[torch.Tensor],
-    need_queries: bool,
+    needs_attention: bool,
     doc_ids: Sequence[str],
     policies: Sequence[Policy] | None = None,
 ) -> list[Prefill]:
@@ -132,7 +132,7 @@ def prefill_documents(
     pack = None
     lengths = [int(torch.as_tensor(ids).numel()) - 1 for ids in prompts]
     for i, (ids, doc) in enumerate(zip(prompts, doc_ids, strict=True)):
-        pre = prefill(model, ids, need_queries, doc=doc, policies=policies)
+        pre = prefill(model, ids, needs_attention, doc=doc, policies=policies)
         if len(prompts) > 1:
             if pack is None:
                 pack = PromptPack.allocate(pre.kv, lengths)
@@ -145,7 +145,7 @@ def prefill_documents(
 class _ScoredPolicy:
     """Stands for "some policy scored by attention" in the support check."""
 
-    NEEDS_QUERIES = True
+    NEEDS_ATTENTION = True
 
 
 @without_grad

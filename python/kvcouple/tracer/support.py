@@ -144,11 +144,11 @@ def _refuse_statically(f: ModelFacts, policies: Sequence[Any]) -> str:
     if why:
         raise UnsupportedModelError(f"{f.name}: the tracer cannot serve this model: {why}")
     scores_why = _scores_refusal(f)
-    if scores_why and any(getattr(p, "NEEDS_QUERIES", False) for p in policies):
+    if scores_why and any(getattr(p, "NEEDS_ATTENTION", False) for p in policies):
         raise UnsupportedModelError(f"{f.name}: {scores_why}")
     decoding = [p for p in policies if getattr(p, "decode_time", False)]
     if decoding:
-        scored = any(getattr(p, "NEEDS_QUERIES", False) for p in decoding)
+        scored = any(getattr(p, "NEEDS_ATTENTION", False) for p in decoding)
         decode_why = _decode_refusal(f, scored)
         if decode_why:
             raise UnsupportedModelError(
@@ -161,7 +161,7 @@ def _refuse_statically(f: ModelFacts, policies: Sequence[Any]) -> str:
 def check_support(model: Any, policies: Sequence[Any] = ()) -> ModelSupport:
     """Refuse (:class:`UnsupportedModelError`) a model or policy the tracer cannot serve
     exactly; return what it found otherwise. Kept per model and kind of policy."""
-    needs_scores = any(getattr(p, "NEEDS_QUERIES", False) for p in policies)
+    needs_scores = any(getattr(p, "NEEDS_ATTENTION", False) for p in policies)
     decode = any(getattr(p, "decode_time", False) for p in policies)
     specs = tuple(sorted(p.spec() for p in policies if hasattr(p, "spec")))
     f = facts(model)
