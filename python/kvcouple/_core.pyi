@@ -111,6 +111,17 @@ def store_chunks_tv(
     decode_only: bool = False,
 ) -> tuple[npt.NDArray[np.float64], tuple[str, str, str] | None]: ...
 
+# --- units.rs ---
+def estimate_units(
+    hazard: npt.NDArray[np.float64],
+    branch_step: npt.NDArray[np.int64],
+    branch_mismatch: npt.NDArray[np.int8],
+    branch_tv: npt.NDArray[np.float64],
+    obs_window: int,
+    estimator: str,
+    tail_observed: bool,
+) -> dict[str, Any]: ...
+
 # --- synth.rs ---
 _PairArrays = tuple[
     npt.NDArray[np.float64],

@@ -24,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from kvcouple.analysis.estimates import UnitEstimate, estimate_unit, observation_window
+from kvcouple.analysis.estimates import UnitEstimate, estimate_units, observation_window
 from kvcouple.analysis.reading import (
     SUMMARY_READ,
     RecomputeCheck,
@@ -92,7 +92,7 @@ def analyze_doc(reader: TraceStoreReader, doc: int, options: Options) -> DocResu
     doc_id = reader.doc_ids[doc]
     try:
         summary = reader.read_summary(doc, SUMMARY_READ)
-        units = _units(reader, doc, summary, options)
+        units = _units(reader, [doc], [summary], options)[0]
         check = None
         if options.recompute and reader.record == "full":
             check = recompute_full(reader, doc, summary, options.tolerance, options.io_threads)
@@ -123,7 +123,7 @@ def _analyze_together(
         summaries = reader.read_summaries(docs, SUMMARY_READ)
         if summaries is None:
             return None
-        units = [_units(reader, d, s, options) for d, s in zip(docs, summaries, strict=True)]
+        units = _units(reader, docs, summaries, options)
         checks: list[RecomputeCheck | None] = [None] * len(docs)
         if options.recompute and reader.record == "full":
             fused = recompute_full_engine(reader, docs, summaries, options.tolerance)
@@ -145,23 +145,20 @@ def _analyze_together(
 
 
 def _units(
-    reader: TraceStoreReader, doc: int, summary: dict[str, np.ndarray], options: Options
-) -> dict[str, UnitEstimate]:
-    """Every policy's RB-CMC unit of one document from its summary."""
-    obs_window = observation_window(reader.window, options.window)
-    return {
-        pol: estimate_unit(
-            summary["hazard"][i],
-            summary["branch_step"][i],
-            summary["branch_mismatch"][i],
-            summary["branch_tv"][i],
-            obs_window=obs_window,
-            estimator=options.estimator,
-            doc_id=reader.doc_ids[doc],
-            policy=pol,
-        )
-        for i, pol in enumerate(reader.policies)
-    }
+    reader: TraceStoreReader,
+    docs: list[int],
+    summaries: list[dict[str, np.ndarray]],
+    options: Options,
+) -> list[dict[str, UnitEstimate]]:
+    """Every policy's RB-CMC units of a batch of documents from their summaries (one Rust
+    call)."""
+    return estimate_units(
+        summaries,
+        [reader.doc_ids[d] for d in docs],
+        reader.policies,
+        obs_window=observation_window(reader.window, options.window),
+        estimator=options.estimator,
+    )
 
 
 def _limit_worker_threads(threads: int | None = None, dask_worker: Any = None) -> int:

@@ -10,6 +10,7 @@ mod object_fetcher;
 mod stats;
 mod store;
 mod synth;
+mod units;
 
 #[pymodule]
 fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
@@ -17,6 +18,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     errors::register(m)?;
     kernels::register(m)?;
     synth::register(m)?;
+    units::register(m)?;
     stats::register(m)?;
     store::register(m)?;
     object_fetcher::register(m)?;

@@ -12,3 +12,4 @@ pub mod bootstrap;
 pub mod intervals;
 pub mod jackknife;
 pub mod moments;
+pub mod units;
