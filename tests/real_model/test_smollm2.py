@@ -27,6 +27,7 @@ from kvcouple.models import load_model  # noqa: E402
 from kvcouple.policies import parse_policy  # noqa: E402
 from kvcouple.testing.real_model import stdlib_documents  # noqa: E402
 from kvcouple.tracer.prefill import prefill, select  # noqa: E402
+from units_helpers import assert_store_matches_reference  # noqa: E402
 
 pytestmark = [pytest.mark.torch, pytest.mark.real_model]
 
@@ -207,6 +208,12 @@ def test_full_policy_never_diverges(full_store):
     s = full_store.isel(doc=0, policy=2)
     assert float(np.abs(s.hazard.values).max()) == 0.0
     assert (s.branch_step.values == 0).all()
+
+
+def test_rust_unit_estimates_equal_the_numpy_reference_on_a_real_store(full_store):
+    # The analysis's per-unit estimates (Rust) against kvcouple.reference.estimates (numpy),
+    # on SmolLM2's hazards and branches: occurrences near 1, float16 branch TVs.
+    assert assert_store_matches_reference(full_store.encoding["source"], [2, L]) > 0
 
 
 def test_chat_template_ids_and_greedy_path_are_transformers(smollm2, smollm2_dir, tmp_path):
