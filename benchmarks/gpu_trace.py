@@ -98,12 +98,12 @@ def short_documents(
 ) -> dict[str, Any]:
     """``count`` documents of ``length`` tokens traced as one batch of documents and one at a
     time (the same records to float noise): tokens/s of both."""
-    from kvcouple.tracer.memory import plan_loaded
     from kvcouple.tracer.batches import trace_documents_records
+    from kvcouple.tracer.memory import loaded_footprints
 
     vocab = model.config.vocab_size
     prompts = [rng.integers(2, vocab, length).tolist() for _ in range(count)]
-    plans = plan_loaded(model, [(f"s{i}", length) for i in range(count)], [policy], settings)
+    plans = loaded_footprints(model, [(f"s{i}", length) for i in range(count)], [policy], settings)
     docs = [
         (torch.tensor(p), i, f"s{i}", replace(settings, branch_batch=plan.branch_batch))
         for i, (p, plan) in enumerate(zip(prompts, plans, strict=True))
@@ -198,7 +198,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
     from kvcouple.policies import parse_policy
     from kvcouple.tracer import TraceSettings, lse_attention, trace_document
-    from kvcouple.tracer.memory import ModelShape, plan_loaded
+    from kvcouple.tracer.memory import ModelShape, loaded_footprints
     from kvcouple.tracer.provenance import device_name
 
     wall = time.perf_counter()
@@ -392,7 +392,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             results.append({"prompt_tokens": n, "skipped": "time budget spent"})
             continue
         prompt = prompts[n] = rng.integers(2, vocab, n).tolist()
-        (plan,) = plan_loaded(model, [(f"n{n}", n)], [policy], settings)
+        (plan,) = loaded_footprints(model, [(f"n{n}", n)], [policy], settings)
         row: dict[str, Any] = {
             "prompt_tokens": n,
             "branch_batch": plan.branch_batch,

@@ -76,15 +76,15 @@ def test_host_bytes_follow_the_layout():
 
 
 def test_the_memory_plan_counts_records_on_the_host():
-    from kvcouple.tracer.memory import host_refusal, plan_host
+    from kvcouple.tracer.memory import host_footprint, host_refusal
 
     layout = StoreLayout(["a"], ["full"], 4, 2, 2, 3, 1000, Record.parse("full"))
     need = host_record_bytes(layout, 3, 3)  # batches of 3: 3 tracing, 3 queued, 1 + 1
-    assert plan_host(layout, [3, 1], available=need * 2).fits
-    tight = plan_host(layout, [3, 1], available=need)  # the 10% margin leaves too little
+    assert host_footprint(layout, [3, 1], available=need * 2).fits
+    tight = host_footprint(layout, [3, 1], available=need)  # the 10% margin leaves too little
     assert tight.records == need and not tight.fits
     assert "--doc-batch" in host_refusal(tight) and "3 traced at once" in host_refusal(tight)
-    assert plan_host(layout, [1], available=need).fits  # one at a time: 4 documents' worth
+    assert host_footprint(layout, [1], available=need).fits  # one at a time: 4 documents' worth
 
 
 torch = pytest.importorskip("torch")
@@ -223,6 +223,6 @@ def test_a_run_whose_records_do_not_fit_the_host_is_refused_before_tracing(tmp_p
     monkeypatch.setattr(memory, "available_memory", lambda: host_record_bytes(layout, 0, 1))
     model = tiny_model("llama", seed=3, vocab_size=VOCAB)
     settings = TraceSettings(**SETTINGS, record=Record.parse("full"))
-    with pytest.raises(memory.MemoryPlanError, match="host memory"):
+    with pytest.raises(memory.FootprintTooLargeError, match="host memory"):
         trace(model, _prompts(2), ["recent:retain=0.5"], settings, tmp_path / "run.zarr")
     assert not (tmp_path / "run.zarr").exists()

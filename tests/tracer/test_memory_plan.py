@@ -1,8 +1,8 @@
-"""The memory plan from numbers: a model's shape given as figures, no model, no torch.
+"""The memory footprint from numbers: a model's shape given as figures, no model, no torch.
 
-These run without torch installed (the compat venv and ``-m "not torch"`` run them): the plan
-is arithmetic on the shape, the prompt length, the policies and R, K, L, T.
-``tests/tracer/test_tracer_scale.py`` checks the same plan against the tensors a traced
+These run without torch installed (the compat venv and ``-m "not torch"`` run them): the
+footprint is arithmetic on the shape, the prompt length, the policies and R, K, L, T.
+``tests/tracer/test_tracer_scale.py`` checks the same footprint against the tensors a traced
 document holds.
 """
 
@@ -12,10 +12,10 @@ import pytest
 
 from kvcouple.policies import parse_policy
 from kvcouple.tracer.memory import (
-    MemoryPlanError,
+    FootprintTooLargeError,
     Sizes,
     choose_branch_batch,
-    plan_document,
+    document_footprint,
 )
 from kvcouple.tracer.shape import ModelShape, choose_layout
 
@@ -49,7 +49,7 @@ def test_token_bytes_are_keys_and_values_of_every_layer_and_head():
 @pytest.mark.parametrize("spec", ["recent:retain=0.5", "snapkv:retain=0.25", "h2o:budget=512"])
 def test_components_add_up(spec):
     shape, n = llama3_8b(), 4096
-    plan = plan_document(shape, n, [parse_policy(spec)], SIZES, 8)
+    plan = document_footprint(shape, n, [parse_policy(spec)], SIZES, 8)
     c = shape.token_bytes
     assert plan.prompt_cache == (n - 1) * c  # the last prompt token is fed as the first step
     assert plan.branch_count == SIZES.replicates * SIZES.branches
@@ -63,13 +63,13 @@ def test_components_add_up(spec):
 
 def test_a_larger_branch_batch_never_needs_less():
     shape, pol = llama3_8b(shared=False), [parse_policy("recent:retain=0.5")]
-    peaks = [plan_document(shape, 8192, pol, SIZES, b).peak for b in (1, 2, 4, 8, 16, 32)]
+    peaks = [document_footprint(shape, 8192, pol, SIZES, b).peak for b in (1, 2, 4, 8, 16, 32)]
     assert peaks == sorted(peaks) and peaks[0] < peaks[-1]
 
 
 def test_the_largest_fitting_branch_batch_is_chosen():
     shape, pol, n = llama3_8b(shared=False), [parse_policy("recent:retain=0.5")], 32768
-    at = {b: plan_document(shape, n, pol, SIZES, b).peak for b in range(1, 33)}
+    at = {b: document_footprint(shape, n, pol, SIZES, b).peak for b in range(1, 33)}
     budget = (at[5] + at[6]) // 2  # 5 fits, 6 does not
     plan = choose_branch_batch(shape, n, pol, SIZES, budget)
     assert plan.branch_batch == 5 and plan.fits and plan.budget == budget
@@ -78,8 +78,8 @@ def test_the_largest_fitting_branch_batch_is_chosen():
 
 def test_a_document_that_does_not_fit_one_branch_at_a_time_is_refused_with_figures():
     shape, pol = llama3_8b(shared=False), [parse_policy("recent:retain=0.5")]
-    one = plan_document(shape, 32768, pol, SIZES, 1)
-    with pytest.raises(MemoryPlanError) as e:
+    one = document_footprint(shape, 32768, pol, SIZES, 1)
+    with pytest.raises(FootprintTooLargeError) as e:
         choose_branch_batch(shape, 32768, pol, SIZES, one.peak - 1, doc_id="long")
     text = str(e.value)
     assert "long" in text and "GiB" in text
@@ -87,8 +87,8 @@ def test_a_document_that_does_not_fit_one_branch_at_a_time_is_refused_with_figur
 
 def test_shared_prefix_holds_less_than_joint_or_split():
     pol = [parse_policy("recent:retain=0.5")]
-    shared = plan_document(llama3_8b(shared=True), 32768, pol, SIZES, 32)
-    other = plan_document(llama3_8b(shared=False), 32768, pol, SIZES, 32)
+    shared = document_footprint(llama3_8b(shared=True), 32768, pol, SIZES, 32)
+    other = document_footprint(llama3_8b(shared=False), 32768, pol, SIZES, 32)
     assert shared.layout == "shared" and other.layout in ("joint", "split")
     assert shared.peak < other.peak / 4
 
@@ -108,3 +108,21 @@ def test_layout_rules():
     evicted = shape.weight_bytes // (R * c)  # padded bytes == weights
     assert choose_layout(shape, 2 * evicted, evicted, R, False) == "split"
     assert choose_layout(shape, 2 * evicted - 2, evicted, R, False) == "joint"
+
+
+def test_the_memory_plan_names_still_read_with_a_warning():
+    """The footprint's former names (the "memory plan"), deprecated aliases for one release."""
+    from kvcouple.tracer import memory
+
+    for old, new in (
+        ("MemoryPlanError", "FootprintTooLargeError"),
+        ("DocumentPlan", "DocumentFootprint"),
+        ("HostPlan", "HostFootprint"),
+        ("plan_document", "document_footprint"),
+        ("plan_documents", "document_footprints"),
+        ("plan_loaded", "loaded_footprints"),
+        ("plan_host", "host_footprint"),
+        ("format_plan", "format_footprints"),
+    ):
+        with pytest.warns(DeprecationWarning, match=f"use {new!r}"):
+            assert getattr(memory, old) is getattr(memory, new)

@@ -39,7 +39,7 @@ from kvcouple.tracer.distributed import (  # noqa: E402
     gpu_resources,
     run_budget,
 )
-from kvcouple.tracer.memory import MemoryPlanError, human, plan_loaded  # noqa: E402
+from kvcouple.tracer.memory import FootprintTooLargeError, human, loaded_footprints  # noqa: E402
 from kvcouple.tracer.planner import document_batches  # noqa: E402
 
 pytestmark = [pytest.mark.dask, pytest.mark.torch]
@@ -105,7 +105,9 @@ def _batch_needs(model, prompts, settings):
     """Each document batch of a run (by document id) and its plan's peak, as the client
     forms them before submitting."""
     docs = [(p.id, len(p.input_ids)) for p in prompts]
-    plans = dict(enumerate(plan_loaded(model, docs, [parse_policy(p) for p in POLICIES], settings)))
+    plans = dict(
+        enumerate(loaded_footprints(model, docs, [parse_policy(p) for p in POLICIES], settings))
+    )
     batches = document_batches(list(plans), plans, settings)
     return plans, {
         tuple(plans[d].doc_id for d in b): sum(plans[d].peak for d in b) for b in batches
@@ -298,10 +300,10 @@ def test_a_batch_the_device_cannot_hold_fails_with_the_plans_figure(model_and_pr
 
     model, prompts = model_and_prompts
     docs = [(p.id, len(p.input_ids)) for p in prompts[:2]]
-    plans = plan_loaded(model, docs, [parse_policy(p) for p in POLICIES], SMALL)
+    plans = loaded_footprints(model, docs, [parse_policy(p) for p in POLICIES], SMALL)
     need = sum(p.peak for p in plans)
     monkeypatch.setattr(distributed, "device_budget", lambda device: need - 1)
-    with pytest.raises(MemoryPlanError, match=r"needs .*MiB at its peak"):
+    with pytest.raises(FootprintTooLargeError, match=r"needs .*MiB at its peak"):
         check_fits(plans, model)
     monkeypatch.setattr(distributed, "device_budget", lambda device: need)
     check_fits(plans, model)  # exactly the plan's figure fits
@@ -312,7 +314,7 @@ def test_gpu_workers_take_one_batch_each_and_refuse_one_beyond_their_memory(
 ):
     """Workers that declare ``GPU=1`` (``dask-cuda``'s do): each batch task asks for one, and
     the run equals one process's. A worker whose device has less free than a batch's plan
-    fails that task with the plan's figure (a MemoryPlanError, no tracing, no out-of-memory),
+    fails that task with the plan's figure (a FootprintTooLargeError, no tracing, no out-of-memory),
     and the run stops with nothing written. The worker is a thread of this process, so that
     its device's free memory can be set here (off CUDA it is not known)."""
     import zarr
@@ -338,7 +340,7 @@ def test_gpu_workers_take_one_batch_each_and_refuse_one_beyond_their_memory(
         # Free memory below the smaller batch's plan: the first task to run fails for good.
         free = min(needs.values()) - 1
         monkeypatch.setattr(distributed, "device_budget", lambda device: free)
-        with pytest.raises(MemoryPlanError) as refused:
+        with pytest.raises(FootprintTooLargeError) as refused:
             trace(model, prompts, POLICIES, SMALL, tmp_path / "small.zarr", client=gpu, **KW)
     message = str(refused.value)
     assert f"has {human(free)} free for a batch" in message, message

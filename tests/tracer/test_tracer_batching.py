@@ -105,11 +105,13 @@ def test_a_resumed_partial_batch_equals_an_uninterrupted_run(tmp_path):
 
 
 def test_document_batches_follow_the_memory_plan():
-    from kvcouple.tracer.memory import DocumentPlan
+    from kvcouple.tracer.memory import DocumentFootprint
     from kvcouple.tracer.planner import MAX_DOC_ROWS, document_batches
 
     def plan(peak, budget, tokens=10):
-        return DocumentPlan("", tokens, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0, peak, "path", budget=budget)
+        return DocumentFootprint(
+            "", tokens, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0, peak, "path", budget=budget
+        )
 
     docs = list(range(6))
     # CPU (no budget): auto traces one at a time; a number is taken as given.

@@ -128,7 +128,7 @@ def test_plan_matches_the_cache_bytes_held_at_the_peak(monkeypatch, spec):
     of what the joint (padded) layout's does at retain=0.5, and the shared layout's rows hold
     only their own columns (the prompt's cache once, not once per replicate)."""
     from kvcouple.policies import parse_policy
-    from kvcouple.tracer.memory import ModelShape, Sizes, plan_document
+    from kvcouple.tracer.memory import ModelShape, Sizes, document_footprint
 
     m = tiny_model("llama", seed=7, max_position_embeddings=4096)
     n, R, K, T, L = 2048, 4, 2, 6, 3
@@ -140,7 +140,7 @@ def test_plan_matches_the_cache_bytes_held_at_the_peak(monkeypatch, spec):
             horizon=T, replicates=R, branches=K, window=L, branch_batch=None, cache_layout=layout
         )
         measured[layout] = _traced_peak(monkeypatch, m, prompt, spec, settings)
-        plan = plan_document(shape, n, [parse_policy(spec)], Sizes(T, R, K, L, layout), None)
+        plan = document_footprint(shape, n, [parse_policy(spec)], Sizes(T, R, K, L, layout), None)
         assert plan.layout == layout
         assert plan.phases["branches"] >= plan.phases["path"]
         planned = plan.cache_bytes + plan.capture
@@ -160,37 +160,39 @@ def test_plan_matches_the_cache_bytes_held_at_the_peak(monkeypatch, spec):
     saved = plans["joint"].cache_bytes - plans["shared"].cache_bytes
     assert measured["joint"] - measured["shared"] == pytest.approx(saved, rel=0.1)
     # auto shares on a model whose attention allows it.
-    auto = plan_document(shape, n, [parse_policy(spec)], Sizes(T, R, K, L), None)
+    auto = document_footprint(shape, n, [parse_policy(spec)], Sizes(T, R, K, L), None)
     assert auto.layout == "shared"
 
 
 def test_auto_branch_batch_is_the_largest_that_fits():
     from kvcouple.policies import parse_policy
     from kvcouple.tracer.memory import (
-        MemoryPlanError,
+        FootprintTooLargeError,
         ModelShape,
         Sizes,
         choose_branch_batch,
-        plan_document,
+        document_footprint,
     )
 
     shape = ModelShape.of_model(model("llama"))
     pols = [parse_policy("snapkv:retain=0.5"), parse_policy("recent:budget=8")]
     # (joint: the branches' copies of the prompt make the peak grow with the batch)
     sizes = Sizes(horizon=16, replicates=4, branches=3, window=4, layout="joint")
-    peaks = [plan_document(shape, 300, pols, sizes, b).peak for b in range(1, 13)]
+    peaks = [document_footprint(shape, 300, pols, sizes, b).peak for b in range(1, 13)]
     assert all(a < b for a, b in zip(peaks, peaks[1:], strict=False))  # grows with the batch
     for b in (1, 5, 12):
         chosen = choose_branch_batch(shape, 300, pols, sizes, peaks[b - 1] + 1, doc_id="d")
         assert chosen.branch_batch == b and chosen.fits
     just_below = choose_branch_batch(shape, 300, pols, sizes, peaks[6] - 1)
     assert just_below.branch_batch == 6
-    with pytest.raises(MemoryPlanError, match=r"'d' \(300 prompt tokens\) needs .* at its peak"):
+    with pytest.raises(
+        FootprintTooLargeError, match=r"'d' \(300 prompt tokens\) needs .* at its peak"
+    ):
         choose_branch_batch(shape, 300, pols, sizes, peaks[0] - 1, doc_id="d")
 
 
 def test_a_document_that_cannot_fit_is_refused_before_the_store_is_written(tmp_path):
-    from kvcouple.tracer.memory import MemoryPlanError, ModelShape
+    from kvcouple.tracer.memory import FootprintTooLargeError, ModelShape
 
     m = model("llama")
     weights = ModelShape.of_model(m).weight_bytes
@@ -200,7 +202,7 @@ def test_a_document_that_cannot_fit_is_refused_before_the_store_is_written(tmp_p
     ]
     settings = TraceSettings(horizon=4, replicates=2, branches=2, window=2)
     # Enough for the short document, not for the long one.
-    with pytest.raises(MemoryPlanError, match="'long' .* needs"):
+    with pytest.raises(FootprintTooLargeError, match="'long' .* needs"):
         trace(m, prompts, ["recent:retain=0.5"], settings, tmp_path / "s", memory=weights + 2**20)
     assert not (tmp_path / "s").exists()
     # With room for everything the same run traces (auto: every branch at once).
@@ -215,14 +217,14 @@ def test_on_cpu_a_plan_larger_than_the_host_memory_is_refused(tmp_path, monkeypa
     exceeds the host's available memory is refused before anything is written (a huge
     horizon once preallocated tens of GB and failed mid-run)."""
     from kvcouple.tracer import memory
-    from kvcouple.tracer.memory import MemoryPlanError, ModelShape
+    from kvcouple.tracer.memory import FootprintTooLargeError, ModelShape
 
     m = model("llama")
     prompts = [Prompt("d", tuple(range(1, 13)))]
     weights = ModelShape.of_model(m).weight_bytes
     monkeypatch.setattr(memory, "available_memory", lambda: weights + 2**20)
     settings = TraceSettings(horizon=2000, replicates=8, branches=2, window=2)
-    with pytest.raises(MemoryPlanError, match=r"'d' .* needs .* shorter --horizon"):
+    with pytest.raises(FootprintTooLargeError, match=r"'d' .* needs .* shorter --horizon"):
         trace(m, prompts, ["recent:retain=0.5"], settings, tmp_path / "s", progress=False)
     assert not (tmp_path / "s").exists()
     monkeypatch.setattr(memory, "available_memory", lambda: None)  # unknown: no limit

@@ -21,7 +21,7 @@ import torch
 from kvcouple.policies import Policy, parse_policy
 from kvcouple.store.background import DocumentWriter
 from kvcouple.tracer.engine import trace_units
-from kvcouple.tracer.memory import DocumentPlan, plan_loaded
+from kvcouple.tracer.memory import DocumentFootprint, loaded_footprints
 from kvcouple.tracer.model import facts, refresh
 from kvcouple.tracer.prefill import prefill_documents
 from kvcouple.tracer.prompts import Prompt
@@ -220,8 +220,8 @@ def trace_document(
     pols = [parse_policy(p) if isinstance(p, str) else p for p in policies]
     refresh(model)
     if settings.branch_batch == "auto":
-        (plan,) = plan_loaded(model, [(doc_id, len(input_ids))], pols, settings)
-        settings = replace(settings, branch_batch=plan.branch_batch)
+        (footprint,) = loaded_footprints(model, [(doc_id, len(input_ids))], pols, settings)
+        settings = replace(settings, branch_batch=footprint.branch_batch)
     ids = torch.as_tensor(list(input_ids), dtype=torch.long)
     (doc,) = trace_documents_records(
         model, [(ids, doc_index, doc_id, settings)], pols, seed=seed, on_policy=on_policy
@@ -260,7 +260,7 @@ def write_batch(
 def batch_documents(
     prompts: Sequence[Prompt],
     settings: TraceSettings,
-    plans: dict[int, DocumentPlan],
+    footprints: dict[int, DocumentFootprint],
     batch: list[int],
 ) -> list[BatchDocument]:
     """A batch's documents as :func:`write_batch` takes them (each at its planned branch batch)."""
@@ -269,7 +269,7 @@ def batch_documents(
             d,
             prompts[d].input_ids,
             prompts[d].id,
-            replace(settings, branch_batch=plans[d].branch_batch),
+            replace(settings, branch_batch=footprints[d].branch_batch),
         )
         for d in batch
     ]

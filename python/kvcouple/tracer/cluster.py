@@ -49,7 +49,7 @@ from kvcouple.tracer.distributed import (
     worker_info,
 )
 from kvcouple.tracer.identity import store_identity
-from kvcouple.tracer.memory import DocumentPlan
+from kvcouple.tracer.memory import DocumentFootprint
 from kvcouple.tracer.model import refresh
 from kvcouple.tracer.planner import Budget, plan_run, run_policies
 from kvcouple.tracer.prompts import Prompt
@@ -98,7 +98,7 @@ def _batch_task(
     spec: WorkerModel,
     docs: list[BatchDocument],
     write: list[int],
-    plans: list[DocumentPlan],
+    footprints: list[DocumentFootprint],
     policies: list[Policy],
     out: str,
     layout: StoreLayout,
@@ -116,7 +116,7 @@ def _batch_task(
     done = writer.completed()
     model = WORKER_MODELS.get(spec)
     refresh(model)
-    check_fits(plans, model)
+    check_fits(footprints, model)
     policy = iter(range(len(policies)))
     on_policy = lambda: report(topic, [index, next(policy)])  # noqa: E731
     kept = [d for d in write if done[d]]
@@ -196,9 +196,10 @@ def _run_on_cluster(
     for i, batch in enumerate(run.batches):
         write = [d for d in batch if d in chosen]
         if write:
-            docs = batch_documents(prompts, settings, run.plans, batch)
-            args = (spec, docs, write, [run.plans[d] for d in batch], pols, where, setup.layout,
-                    setup.attrs, seed, topic, i)  # fmt: skip
+            docs = batch_documents(prompts, settings, run.footprints, batch)
+            footprints = [run.footprints[d] for d in batch]
+            args = (spec, docs, write, footprints, pols, where, setup.layout, setup.attrs, seed,
+                    topic, i)  # fmt: skip
             tasks.append((f"{topic}-batch-{i}", args))
             weight[i] = len(write)
     counted: set[tuple[int, int]] = set()  # (batch, policy): a retried task counts once

@@ -32,8 +32,8 @@ from kvcouple.errors import require
 from kvcouple.models import load_model
 from kvcouple.tracer.memory import (
     DEFAULT_MARGIN,
-    DocumentPlan,
-    MemoryPlanError,
+    DocumentFootprint,
+    FootprintTooLargeError,
     device_budget,
     human,
 )
@@ -152,21 +152,21 @@ def run_budget(infos: Iterable[WorkerInfo]) -> int | None:
     return min(known) if known else None
 
 
-def check_fits(plans: Sequence[DocumentPlan], model: Any) -> None:
+def check_fits(footprints: Sequence[DocumentFootprint], model: Any) -> None:
     """Refuse a batch whose planned peak (the sum of its documents' peaks) exceeds what this
-    process's device has free now: :class:`MemoryPlanError` with the plan's figures."""
+    process's device has free now: :class:`FootprintTooLargeError` with the figures."""
     device = next(model.parameters()).device
     budget = device_budget(device)
-    need = sum(p.peak for p in plans)
+    need = sum(p.peak for p in footprints)
     if budget is None or need <= budget:
         return
     worker = worker_address()
     worker = f"worker {worker}: " if worker else ""
-    ids = ", ".join(repr(p.doc_id) for p in plans)
-    raise MemoryPlanError(
+    ids = ", ".join(repr(p.doc_id) for p in footprints)
+    raise FootprintTooLargeError(
         f"{worker}{device} ({device_name(device)}) has {human(budget)} free for a batch, but "
         f"the memory plan of documents {ids} needs {human(need)} at its peak "
-        f"(largest: {human(max(p.peak for p in plans))}); give the run less --memory, or "
+        f"(largest: {human(max(p.peak for p in footprints))}); give the run less --memory, or "
         "workers with more free device memory"
     )
 
@@ -236,10 +236,12 @@ def run_tasks(
 
 
 def format_workers(
-    infos: dict[str, WorkerInfo], batches: Sequence[Sequence[int]], plans: dict[int, DocumentPlan]
+    infos: dict[str, WorkerInfo],
+    batches: Sequence[Sequence[int]],
+    footprints: dict[int, DocumentFootprint],
 ) -> str:
     """The dry run's plan per worker: device, free memory, and the batches it could take."""
-    needs = [sum(plans[d].peak for d in b) for b in batches]
+    needs = [sum(footprints[d].peak for d in b) for b in batches]
     n = len(infos)
     lines = [f"workers: {n}; {len(batches)} batches, about {len(batches) / max(n, 1):.1f} each"]
     for address, info in sorted(infos.items()):

@@ -1,8 +1,9 @@
-"""The memory plan: the peak device memory of tracing one document, known before tracing it.
+"""The memory footprint: the peak device memory of tracing one document, known before tracing
+it (the run planner, :mod:`kvcouple.tracer.planner`, sets it against the budget).
 
 From the model's shape (layers, KV heads, head size, hidden and MLP widths, vocabulary), the
-dtype, the prompt length, the policies and ``R, K, L, T`` and the branch batch, the plan adds up
-what the tracer holds in each phase of a document and takes the largest:
+dtype, the prompt length, the policies and ``R, K, L, T`` and the branch batch, the footprint
+adds up what the tracer holds in each phase of a document and takes the largest:
 
 - **prefill**: the prompt's prefix cache (batch 1), what attention-scored policies read of the
   prompt (their last queries; accumulated attention, summed while prefilling), and the
@@ -18,21 +19,21 @@ what the tracer holds in each phase of a document and takes the largest:
   **replay** each batch from the prompt cache after the path's cache is freed.
 
 Caches are preallocated (:mod:`kvcouple.tracer.kvcache`), so cache bytes follow the tracer's
-layout exactly (``tests/tracer/test_tracer_scale.py`` checks the plan against every tensor alive in a
-traced document); activations are estimates with some headroom. Weights are not part of a
+layout exactly (``tests/tracer/test_tracer_scale.py`` checks the footprint against every tensor
+alive in a traced document); activations are estimates with some headroom. Weights are not part of a
 document's peak: they are resident already, and the free memory the batch is chosen against
 excludes them.
 
 ``branch_batch="auto"`` picks the largest batch of branches whose peak fits the budget (free
 device memory less a margin); a document that does not fit even at batch 1 raises
-:class:`MemoryPlanError` with the figures, before anything is traced.
+:class:`FootprintTooLargeError` with the figures, before anything is traced.
 
 **Host memory.** Records wait on the host between the device and the store: the batch being
 traced, the writer's queue (a batch), the document being written and the encoder's buffers
 (:func:`kvcouple.store.background.host_record_bytes`; ``record=full`` on a 128k vocabulary is
-about 1.6 GB a document). :func:`plan_host` sets that against the host's available memory less
+about 1.6 GB a document). :func:`host_footprint` sets that against the host's available memory less
 the same margin; a run whose records do not fit is refused before anything is traced
-(:class:`MemoryPlanError`, :func:`host_refusal`), and ``--dry-run`` prints both figures.
+(:class:`FootprintTooLargeError`, :func:`host_refusal`), and ``--dry-run`` prints both figures.
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvcouple.deprecation import module_getattr
 from kvcouple.errors import InvalidInputError
 from kvcouple.policies import Policy
 from kvcouple.policies.base import query_needs
@@ -52,9 +54,9 @@ from kvcouple.tracer.shape import ModelShape, choose_layout
 __all__ = [
     "DEFAULT_MARGIN",
     "GiB",
-    "DocumentPlan",
-    "HostPlan",
-    "MemoryPlanError",
+    "DocumentFootprint",
+    "HostFootprint",
+    "FootprintTooLargeError",
     "ModelShape",
     "Sizes",
     "choose_branch_batch",
@@ -62,20 +64,20 @@ __all__ = [
     "device_budget",
     "document_budget",
     "host_limit",
-    "format_plan",
+    "format_footprints",
     "host_refusal",
     "human",
-    "plan_document",
-    "plan_documents",
-    "plan_host",
-    "plan_loaded",
+    "document_footprint",
+    "document_footprints",
+    "host_footprint",
+    "loaded_footprints",
     "run_sizes",
     "refusal",
 ]
 
 GiB = 2**30
 
-# Share of the budget kept free for the allocator's fragmentation and what the plan does not
+# Share of the budget kept free for the allocator's fragmentation and what the footprint does not
 # model (CUDA context, library workspaces).
 DEFAULT_MARGIN = 0.1
 
@@ -84,13 +86,13 @@ DEFAULT_MARGIN = 0.1
 _VOCAB_TEMPORARIES = 12
 
 
-class MemoryPlanError(InvalidInputError):
+class FootprintTooLargeError(InvalidInputError):
     """A document whose trace cannot fit the device memory, even one branch at a time."""
 
 
 @dataclass(frozen=True)
 class Sizes:
-    """The run's sizes a plan depends on (a subset of ``TraceSettings``)."""
+    """The run's sizes a footprint depends on (a subset of ``TraceSettings``)."""
 
     horizon: int
     replicates: int
@@ -100,8 +102,8 @@ class Sizes:
 
 
 @dataclass
-class DocumentPlan:
-    """The planned peak of one document, in bytes, by component."""
+class DocumentFootprint:
+    """The peak device memory of one document, in bytes, by component."""
 
     doc_id: str
     prompt_length: int
@@ -199,7 +201,7 @@ def _decode_activations(shape: ModelShape, rows: int, length: int, shared: bool 
 
 
 @dataclass
-class _PolicyPlan:
+class _PolicyFootprint:
     layout: str
     kept: int
     path_p: int
@@ -209,9 +211,9 @@ class _PolicyPlan:
     activations: list[int]
 
 
-def _plan_policy(
+def _policy_footprint(
     shape: ModelShape, n: int, policy: Policy, sizes: Sizes, batch: int, held: int
-) -> _PolicyPlan:
+) -> _PolicyFootprint:
     """The path and branch phases of one policy (``held``: prefix cache and capture)."""
     T, R, L = sizes.horizon, sizes.replicates, sizes.window
     n1, c = n - 1, shape.token_bytes
@@ -243,7 +245,9 @@ def _plan_policy(
             "path": held + path_p + path_q + path_act,
             "branches": held + path_p + path_q + branches + fork_act,
         }
-        return _PolicyPlan(layout, kept, path_p, path_q, branches, phases, [path_act, fork_act])
+        return _PolicyFootprint(
+            layout, kept, path_p, path_q, branches, phases, [path_act, fork_act]
+        )
     path_p, path_q = rows(R, n1 + T, False), rows(R, q_columns + T, True)
     path_act = _decode_activations(shape, 2 * R, n1 + T)
     if policy.decode_time:
@@ -258,7 +262,9 @@ def _plan_policy(
             "path": held + path_p + path_q + evictor(R) + path_act,
             "replay": held + branches + evictor(batch) + replay_act,
         }
-        return _PolicyPlan(layout, kept, path_p, path_q, branches, phases, [path_act, replay_act])
+        return _PolicyFootprint(
+            layout, kept, path_p, path_q, branches, phases, [path_act, replay_act]
+        )
     # A batch of forks copies the path columns its rows can see, one layer at a time, into
     # caches with room for its steps: at most n - 1 + T + L columns (Q: its own columns).
     branches = rows(batch, n1 + T + L, False) + rows(batch, q_columns + T + L, True)
@@ -268,10 +274,10 @@ def _plan_policy(
         "path": held + path_p + path_q + path_act,
         "branches": held + path_p + path_q + branches + max(copying, fork_act),
     }
-    return _PolicyPlan(layout, kept, path_p, path_q, branches, phases, [path_act, fork_act])
+    return _PolicyFootprint(layout, kept, path_p, path_q, branches, phases, [path_act, fork_act])
 
 
-def plan_document(
+def document_footprint(
     shape: ModelShape,
     prompt_length: int,
     policies: Sequence[Policy],
@@ -281,8 +287,8 @@ def plan_document(
     doc_id: str = "",
     budget: int | None = None,
     host: int | None = None,
-) -> DocumentPlan:
-    """The planned peak of one document at a given branch batch (None: every branch at once);
+) -> DocumentFootprint:
+    """The peak of one document at a given branch batch (None: every branch at once);
     its components are those of the policy with the largest peak."""
     n = prompt_length
     n1 = n - 1
@@ -293,11 +299,11 @@ def plan_document(
     scoring, accumulating = _scoring_bytes(shape, policies, n1)
     prefill_act = _prefill_activations(shape, n1) + accumulating
     phases = {"prefill": prompt + capture + prefill_act, "select": prompt + capture + scoring}
-    plans = [_plan_policy(shape, n, p, sizes, batch, prompt + capture) for p in policies]
-    top = max(plans, key=lambda p: max(p.phases.values()))
+    footprints = [_policy_footprint(shape, n, p, sizes, batch, prompt + capture) for p in policies]
+    top = max(footprints, key=lambda p: max(p.phases.values()))
     phases.update(top.phases)
     phase = max(phases, key=lambda k: phases[k])
-    return DocumentPlan(
+    return DocumentFootprint(
         doc_id=doc_id,
         prompt_length=n,
         branch_batch=batch,
@@ -309,7 +315,7 @@ def plan_document(
         path_p=top.path_p,
         path_q=top.path_q,
         branches=top.branches,
-        activations=max([prefill_act, *(a for p in plans for a in p.activations)]),
+        activations=max([prefill_act, *(a for p in footprints for a in p.activations)]),
         peak=phases[phase],
         phase=phase,
         budget=budget,
@@ -327,36 +333,37 @@ def choose_branch_batch(
     budget: int,
     *,
     doc_id: str = "",
-) -> DocumentPlan:
-    """The plan at the largest branch batch whose peak fits ``budget``; raises
-    :class:`MemoryPlanError` when even one branch at a time does not fit."""
-    plan = lambda b: plan_document(  # noqa: E731
+) -> DocumentFootprint:
+    """The footprint at the largest branch batch whose peak fits ``budget``; raises
+    :class:`FootprintTooLargeError` when even one branch at a time does not fit."""
+    footprint = lambda b: document_footprint(  # noqa: E731
         shape, prompt_length, policies, sizes, b, doc_id=doc_id, budget=budget
     )
-    lo_plan = plan(1)
-    if not lo_plan.fits:
-        raise MemoryPlanError(refusal(lo_plan))
+    lo_footprint = footprint(1)
+    if not lo_footprint.fits:
+        raise FootprintTooLargeError(refusal(lo_footprint))
     count = sizes.replicates * sizes.branches
     lo, hi = 1, count
     while lo < hi:  # the peak grows with the batch: bisect for the largest that fits
         mid = (lo + hi + 1) // 2
-        if plan(mid).fits:
+        if footprint(mid).fits:
             lo = mid
         else:
             hi = mid - 1
-    return plan(lo)
+    return footprint(lo)
 
 
-def refusal(plan: DocumentPlan) -> str:
+def refusal(footprint: DocumentFootprint) -> str:
     """Why a document cannot be traced, with the figures."""
+    f = footprint
     return (
-        f"document {plan.doc_id!r} ({plan.prompt_length} prompt tokens) needs "
-        f"{human(plan.peak)} of {'device' if plan.budget is not None else 'host'} memory at its "
-        f"peak ({plan.phase}, branch batch {plan.branch_batch}) but {human(plan.limit)} are "
+        f"document {f.doc_id!r} ({f.prompt_length} prompt tokens) needs "
+        f"{human(f.peak)} of {'device' if f.budget is not None else 'host'} memory at its "
+        f"peak ({f.phase}, branch batch {f.branch_batch}) but {human(f.limit)} are "
         f"available to it: prompt cache "
-        f"{human(plan.prompt_cache)}, P rows {human(plan.path_p)}, Q rows {human(plan.path_q)}, "
-        f"branches {human(plan.branches)}, query capture {human(plan.capture)}, activations "
-        f"{human(plan.activations)}. Use fewer --replicates, a shorter --horizon, a shorter "
+        f"{human(f.prompt_cache)}, P rows {human(f.path_p)}, Q rows {human(f.path_q)}, "
+        f"branches {human(f.branches)}, query capture {human(f.capture)}, activations "
+        f"{human(f.activations)}. Use fewer --replicates, a shorter --horizon, a shorter "
         "prompt, or more --memory"
     )
 
@@ -364,7 +371,7 @@ def refusal(plan: DocumentPlan) -> str:
 def device_budget(device: Any, margin: float = DEFAULT_MARGIN, reserve: int = 0) -> int | None:
     """Bytes a document may use on ``device``: free memory (plus what torch's allocator holds
     unused) less ``reserve`` (weights not loaded yet), less a ``margin`` share. None off CUDA."""
-    import torch  # optional heavy dependency: the plan itself is arithmetic on numbers
+    import torch  # optional heavy dependency: the footprint itself is arithmetic on numbers
 
     device = torch.device(device)
     if device.type != "cuda" or not torch.cuda.is_available():
@@ -376,8 +383,8 @@ def device_budget(device: Any, margin: float = DEFAULT_MARGIN, reserve: int = 0)
 
 def host_limit(device: Any, margin: float = DEFAULT_MARGIN) -> int | None:
     """On CPU, the host memory available now less a ``margin`` share: the bound a document's
-    plan must stay within there (the caches are host memory); None on other devices."""
-    import torch  # optional heavy dependency: the plan itself is arithmetic on numbers
+    footprint must stay within there (the caches are host memory); None on other devices."""
+    import torch  # optional heavy dependency: the footprint itself is arithmetic on numbers
 
     if torch.device(device).type != "cpu":
         return None
@@ -401,7 +408,7 @@ def document_budget(
     return device_budget(device, margin, reserve=0 if loaded else shape.weight_bytes)
 
 
-def plan_documents(
+def document_footprints(
     shape: ModelShape,
     documents: Sequence[tuple[str, int]],
     policies: Sequence[Policy],
@@ -411,37 +418,42 @@ def plan_documents(
     *,
     refuse: bool = True,
     host: int | None = None,
-) -> list[DocumentPlan]:
-    """A plan per ``(doc_id, prompt_length)``. ``branch_batch="auto"`` chooses the batch
+) -> list[DocumentFootprint]:
+    """A footprint per ``(doc_id, prompt_length)``. ``branch_batch="auto"`` chooses the batch
     against ``budget`` (every branch at once when the budget is unknown). A document that does
     not fit ``budget`` (or, where it is unknown, ``host``: :func:`host_limit`) raises
-    :class:`MemoryPlanError` (``refuse=False``: its plan says so instead)."""
-    plans = []
+    :class:`FootprintTooLargeError` (``refuse=False``: its footprint says so instead)."""
+    footprints = []
     for doc_id, n in documents:
         if branch_batch == "auto" and budget is not None:
             try:
-                plans.append(choose_branch_batch(shape, n, policies, sizes, budget, doc_id=doc_id))
+                footprints.append(
+                    choose_branch_batch(shape, n, policies, sizes, budget, doc_id=doc_id)
+                )
                 continue
-            except MemoryPlanError:
+            except FootprintTooLargeError:
                 if refuse:
                     raise
                 batch: int | None = 1
         else:
             batch = None if branch_batch == "auto" else int(branch_batch) if branch_batch else None
-        plan = plan_document(
+        footprint = document_footprint(
             shape, n, policies, sizes, batch, doc_id=doc_id, budget=budget, host=host
         )
-        if refuse and not plan.fits:
-            raise MemoryPlanError(refusal(plan))
-        plans.append(plan)
-    return plans
+        if refuse and not footprint.fits:
+            raise FootprintTooLargeError(refusal(footprint))
+        footprints.append(footprint)
+    return footprints
 
 
-def format_plan(
-    shape: ModelShape, plans: Sequence[DocumentPlan], budget: int | None, where: str
+def format_footprints(
+    shape: ModelShape, footprints: Sequence[DocumentFootprint], budget: int | None, where: str
 ) -> str:
-    """The plan as a table, one document a line (GiB, or MiB when every peak is below 1 GiB)."""
-    unit, name = (GiB, "GiB") if max((p.peak for p in plans), default=0) >= GiB else (2**20, "MiB")
+    """The footprints as a table, one document a line (GiB, or MiB when every peak is below
+    1 GiB)."""
+    unit, name = (
+        (GiB, "GiB") if max((p.peak for p in footprints), default=0) >= GiB else (2**20, "MiB")
+    )
 
     def f(b: int) -> str:
         return f"{b / unit:.2f}" if unit == GiB else f"{b / unit:.1f}"
@@ -455,7 +467,7 @@ def format_plan(
         f"{'branches':>10}{'capture':>9}{'activ.':>9}{'peak':>9}  {'phase':<9}{'batch':>9}"
         f"  layout",
     ]
-    for p in plans:
+    for p in footprints:
         lines.append(
             f"{p.doc_id[:15]:<16}{p.prompt_length:>8}{f(p.prompt_cache):>9}"
             f"{f(p.kept_cache):>8}{f(p.path_p):>9}{f(p.path_q):>9}"
@@ -466,7 +478,7 @@ def format_plan(
     return "\n".join(lines)
 
 
-def plan_loaded(
+def loaded_footprints(
     model: Any,
     documents: Sequence[tuple[str, int]],
     policies: Sequence[Policy],
@@ -474,14 +486,15 @@ def plan_loaded(
     memory: int | None = None,
     *,
     refuse: bool = True,
-) -> list[DocumentPlan]:
-    """:func:`plan_documents` for a loaded model on its device, with a run's ``TraceSettings``."""
+) -> list[DocumentFootprint]:
+    """:func:`document_footprints` for a loaded model on its device, with a run's
+    ``TraceSettings``."""
     shape = ModelShape.of_model(model)
     device = next(model.parameters()).device
     budget = document_budget(shape, device, memory)
     host = host_limit(device) if budget is None else None
     sizes = run_sizes(settings)
-    return plan_documents(
+    return document_footprints(
         shape, documents, policies, sizes, settings.branch_batch, budget, refuse=refuse, host=host
     )
 
@@ -498,7 +511,7 @@ def run_sizes(settings: Any) -> Sizes:
 
 
 @dataclass(frozen=True)
-class HostPlan:
+class HostFootprint:
     """Host memory a run's records take at most, against what the host has."""
 
     records: int  # bytes of records held at once (host_record_bytes)
@@ -511,13 +524,13 @@ class HostPlan:
         return self.budget is None or self.records <= self.budget
 
 
-def plan_host(
+def host_footprint(
     layout: StoreLayout,
     batch_sizes: Sequence[int],
     available: int | None = None,
     margin: float = DEFAULT_MARGIN,
-) -> HostPlan:
-    """The host side of the plan: records of the largest batch tracing, a queued batch, one
+) -> HostFootprint:
+    """The host side of the footprint: records of the largest batch tracing, a queued batch, one
     document writing and one for the encoder, against ``available`` bytes (default: the host's
     available memory now) less ``margin``."""
     batch = max(batch_sizes, default=1) or 1
@@ -526,14 +539,32 @@ def plan_host(
     if available is None:
         available = available_memory()
     budget = None if available is None else int(available * (1 - margin))
-    return HostPlan(records, per_document, batch, budget)
+    return HostFootprint(records, per_document, batch, budget)
 
 
-def host_refusal(plan: HostPlan) -> str:
+def host_refusal(footprint: HostFootprint) -> str:
     """Why a run's records cannot be held on this host, and what to change."""
     return (
-        f"the records need {human(plan.records)} of host memory at most ({human(plan.per_document)}"
-        f" a document, {plan.batch} traced at once, a batch queued for the writer), more than "
-        f"the {human(plan.budget)} available (less a {DEFAULT_MARGIN:.0%} margin). Trace fewer "
+        f"the records need {human(footprint.records)} of host memory at most ({human(footprint.per_document)}"
+        f" a document, {footprint.batch} traced at once, a batch queued for the writer), more than "
+        f"the {human(footprint.budget)} available (less a {DEFAULT_MARGIN:.0%} margin). Trace fewer "
         "documents at once (--doc-batch), or record less (--record summary or topk:K)"
     )
+
+
+# The former names (the "memory plan"; "plan" is the analysis plan and the run plan), for one
+# release (deprecated).
+__getattr__ = module_getattr(
+    __name__,
+    {
+        "MemoryPlanError": "FootprintTooLargeError",
+        "DocumentPlan": "DocumentFootprint",
+        "HostPlan": "HostFootprint",
+        "plan_document": "document_footprint",
+        "plan_documents": "document_footprints",
+        "plan_loaded": "loaded_footprints",
+        "plan_host": "host_footprint",
+        "format_plan": "format_footprints",
+    },
+    globals(),
+)

@@ -3,7 +3,7 @@
 One plan for :func:`kvcouple.tracer.run.trace` (in one process or on a Dask cluster) and for
 ``kvcouple trace --dry-run`` (from the model's config, no weights loaded): the run's policies
 checked (:func:`run_policies`), the shard's documents (:func:`shard_documents`), each
-document's memory plan against the budget (:class:`Budget`: the device's free memory, the
+document's memory footprint against the budget (:class:`Budget`: the device's free memory, the
 smallest worker's, or ``--memory``), the document batches (:func:`document_batches`) and the
 host memory their records take (:func:`plan_run` gives all of it as a :class:`RunPlan`).
 
@@ -24,16 +24,16 @@ from kvcouple.store import StoreLayout
 from kvcouple.store.background import format_host
 from kvcouple.tracer.distributed import WorkerInfo, format_workers, run_budget
 from kvcouple.tracer.memory import (
-    DocumentPlan,
+    DocumentFootprint,
     GiB,
-    HostPlan,
+    HostFootprint,
     document_budget,
-    format_plan,
+    document_footprints,
+    format_footprints,
+    host_footprint,
     host_limit,
     host_refusal,
     human,
-    plan_documents,
-    plan_host,
     refusal,
     run_sizes,
 )
@@ -76,30 +76,30 @@ def shard_documents(documents: int, shard: tuple[int, int]) -> list[int]:
     return [d for d in range(documents) if d % count == index]
 
 
-def _pack_padding(plans: Mapping[int, DocumentPlan], members: list[int]) -> int:
+def _pack_padding(footprints: Mapping[int, DocumentFootprint], members: list[int]) -> int:
     """Bytes the batch's prompt pack holds beyond its prompts' caches (each padded to the
     longest, :func:`~kvcouple.tracer.prefill.prefill_documents`)."""
-    longest = max(plans[b].prompt_length for b in members)
+    longest = max(footprints[b].prompt_length for b in members)
     return sum(
-        (longest - plans[b].prompt_length)
-        * plans[b].prompt_cache
-        // max(plans[b].prompt_length - 1, 1)
+        (longest - footprints[b].prompt_length)
+        * footprints[b].prompt_cache
+        // max(footprints[b].prompt_length - 1, 1)
         for b in members
     )
 
 
 def document_batches(
-    documents: Iterable[int], plans: Mapping[int, DocumentPlan], settings: TraceSettings
+    documents: Iterable[int], footprints: Mapping[int, DocumentFootprint], settings: TraceSettings
 ) -> list[list[int]]:
     """The shard's documents in batches, in order: ``settings.doc_batch`` documents at most
     (``"auto"``: up to :data:`MAX_DOC_ROWS` rows on a device whose memory is known, one at a
-    time otherwise), and never more than fit the plans' budget together (the sum of their
+    time otherwise), and never more than fit the footprints' budget together (the sum of their
     planned peaks, a bound: they share the activations, plus the padding of their prompt
     pack), of prompt lengths within a factor of two (the pack pads every prompt to the
     longest, and a batch's prefix call reads that width for every document). Policies whose
     layout is not shared (decode-time eviction, windowed models) trace a batch's documents one
     at a time (:func:`~kvcouple.tracer.engine.trace_units`)."""
-    budget = next((p.budget for p in plans.values() if p.budget is not None), None)
+    budget = next((p.budget for p in footprints.values() if p.budget is not None), None)
     if settings.doc_batch == "auto":
         most = max(1, MAX_DOC_ROWS // (2 * settings.replicates)) if budget is not None else 1
     else:
@@ -107,15 +107,15 @@ def document_batches(
     batches: list[list[int]] = []
     total = 0
     for d in documents:
-        peak = plans[d].peak
+        peak = footprints[d].peak
         members = [*(batches[-1] if batches else []), d]
-        lengths = [plans[b].prompt_length for b in members]
+        lengths = [footprints[b].prompt_length for b in members]
         similar = max(lengths) <= 2 * min(lengths)
         if (
             batches
             and len(batches[-1]) < most
             and similar
-            and (budget is None or total + peak + _pack_padding(plans, members) <= budget)
+            and (budget is None or total + peak + _pack_padding(footprints, members) <= budget)
         ):
             batches[-1].append(d)
             total += peak
@@ -168,38 +168,40 @@ class Budget:
 
 @dataclass(frozen=True)
 class RunPlan:
-    """A run's plan: the shard's documents, their memory plans, their batches (none while a
+    """A run's plan: the shard's documents, their memory footprints, their batches (none while a
     document does not fit) and the host memory of their records (checked only in one process:
     on a cluster the workers hold them)."""
 
     shape: ModelShape
     budget: Budget
     documents: list[int]
-    plans: dict[int, DocumentPlan]
+    footprints: dict[int, DocumentFootprint]
     batches: list[list[int]]
     layout: StoreLayout
-    host: HostPlan | None
+    host: HostFootprint | None
 
     @property
     def refused(self) -> list[str]:
         """Why the run cannot go ahead: each document that does not fit, then the host."""
-        out = ["refused: " + refusal(p) for p in self.plans.values() if not p.fits]
+        out = ["refused: " + refusal(p) for p in self.footprints.values() if not p.fits]
         if self.host is not None and not self.host.fits:
             out.append("refused: " + host_refusal(self.host))
         return out
 
     def format(self) -> str:
-        """The dry run's report: the memory plan, the batches, the host line, the workers and
+        """The dry run's report: the memory footprints, the batches, the host line, the workers and
         what is refused."""
-        plans = [self.plans[d] for d in self.documents]
-        lines = [format_plan(self.shape, plans, self.budget.document, self.budget.where)]
-        if all(p.fits for p in plans):
-            ids = ["+".join(self.plans[d].doc_id for d in b) for b in self.batches]
+        footprints = [self.footprints[d] for d in self.documents]
+        lines = [format_footprints(self.shape, footprints, self.budget.document, self.budget.where)]
+        if all(p.fits for p in footprints):
+            ids = ["+".join(self.footprints[d].doc_id for d in b) for b in self.batches]
             more = ", ..." if len(ids) > 8 else ""
             lines.append(f"document batches: {len(ids)} ({', '.join(ids[:8])}{more})")
             lines.append(self._host_line())
             if self.budget.workers is not None:
-                lines.append(format_workers(dict(self.budget.workers), self.batches, self.plans))
+                lines.append(
+                    format_workers(dict(self.budget.workers), self.batches, self.footprints)
+                )
         return "\n".join([*lines, *self.refused])
 
     def _host_line(self) -> str:
@@ -222,22 +224,23 @@ def plan_run(
     refuse: bool = True,
 ) -> RunPlan:
     """Plan the shard's documents of a run. ``refuse``: a document that does not fit raises
-    :class:`~kvcouple.tracer.memory.MemoryPlanError` (else its plan says so, for the dry run).
+    :class:`~kvcouple.tracer.memory.FootprintTooLargeError` (else its plan says so, for the dry
+    run).
     The records are planned on this host unless the budget is a cluster's."""
     mine = shard_documents(len(prompts), shard)
     documents = [(prompts[d].id, len(prompts[d].input_ids)) for d in mine]
-    found = plan_documents(
+    found = document_footprints(
         shape, documents, policies, run_sizes(settings), settings.branch_batch,
         budget.document, refuse=refuse, host=budget.host,
     )  # fmt: skip
-    plans = dict(zip(mine, found, strict=True))
+    footprints = dict(zip(mine, found, strict=True))
     fits = all(p.fits for p in found)
-    batches = document_batches(mine, plans, settings) if fits else []
+    batches = document_batches(mine, footprints, settings) if fits else []
     # The records' host memory depends on the layout's sizes per document, not on the ids.
     layout = StoreLayout(
         ["-"], [p.spec() for p in policies], settings.horizon, settings.window,
         settings.branches, settings.replicates, shape.vocab, settings.record,
     )  # fmt: skip
     on_cluster = budget.workers is not None
-    host = None if on_cluster or not fits else plan_host(layout, [len(b) for b in batches])
-    return RunPlan(shape, budget, mine, plans, batches, layout, host)
+    host = None if on_cluster or not fits else host_footprint(layout, [len(b) for b in batches])
+    return RunPlan(shape, budget, mine, footprints, batches, layout, host)

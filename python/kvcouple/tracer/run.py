@@ -6,8 +6,8 @@ documents, and because every random draw depends only on ``(seed, doc index, pol
 the finished store equals an uninterrupted run. ``shard=(i, n)`` traces documents whose index
 is ``i`` modulo ``n``, so ``n`` processes can fill one store.
 
-:func:`trace` plans the run (:mod:`kvcouple.tracer.planner`: every document's memory plan, the
-document batches, the records' host memory) before a store exists, then traces batch after
+:func:`trace` plans the run (:mod:`kvcouple.tracer.planner`: every document's memory footprint,
+the document batches, the records' host memory) before a store exists, then traces batch after
 batch (:func:`~kvcouple.tracer.batches.write_batch`) with a background writer; with a Dask
 ``client`` the same steps run on the cluster (:mod:`kvcouple.tracer.cluster`). A resumed run
 traces a partly written batch whole again (and writes only what is missing), so its records
@@ -40,7 +40,7 @@ from kvcouple.tracer.batches import check_model as _check_model
 from kvcouple.tracer.cluster import trace_on_cluster
 from kvcouple.tracer.distributed import WorkerModel
 from kvcouple.tracer.identity import store_identity, store_text
-from kvcouple.tracer.memory import MemoryPlanError, host_refusal
+from kvcouple.tracer.memory import FootprintTooLargeError, host_refusal
 from kvcouple.tracer.model import refresh
 from kvcouple.tracer.planner import Budget, RunPlan, plan_run, run_policies
 from kvcouple.tracer.prompts import Prompt
@@ -139,7 +139,7 @@ def trace(
     kvcouple.store.lock.StoreLockError
         Another live run writes the same part of ``out`` (or one sharing documents with it);
         the message names its process, host and start time.
-    kvcouple.tracer.memory.MemoryPlanError
+    kvcouple.tracer.memory.FootprintTooLargeError
         A document, or on a cluster a batch on the worker that took it, cannot fit.
     """
     if client is not None:
@@ -161,7 +161,7 @@ def trace(
     budget = Budget.local(shape, next(model.parameters()).device, memory)
     run = plan_run(shape, prompts, pols, settings, budget, shard)
     if run.host is not None and not run.host.fits:
-        raise MemoryPlanError(f"refusing to trace: {host_refusal(run.host)}")
+        raise FootprintTooLargeError(f"refusing to trace: {host_refusal(run.host)}")
     writer = TraceStoreWriter.open(out, layout, attrs, store_text(tokenizer, prompts, layout))
     # One writer of this part at a time (kvcouple.store.lock): held until the last write.
     with writer_lock(out, shard, len(prompts)):
@@ -205,7 +205,7 @@ def _write_batches(
         for batch, write in batches:
             if not write:
                 continue
-            docs = batch_documents(prompts, settings, run.plans, batch)
+            docs = batch_documents(prompts, settings, run.footprints, batch)
             update = functools.partial(bar.update, len(write))
             for written in write_batch(model, docs, write, policies, writer, seed, update):
                 summary.add(written)

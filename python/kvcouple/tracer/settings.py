@@ -97,7 +97,7 @@ class TraceSettings:
     # () means no absorbing EOS.
     eos_token_ids: tuple[int, ...] | None = None
     # Most branches traced in one batch (each is two rows with a copy of the cache); None: all;
-    # "auto": the largest that fits the device, chosen per document by the memory plan
+    # "auto": the largest that fits the device, chosen per document by its memory footprint
     # (kvcouple.tracer.memory) in trace/trace_document (every branch when memory is unknown).
     branch_batch: int | Literal["auto"] | None = "auto"
     # Cache layout of one-shot policies (kvcouple.tracer.shape.choose_layout).

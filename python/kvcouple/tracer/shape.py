@@ -1,7 +1,7 @@
 """What of a model decides the tracer's memory and cache layout: :class:`ModelShape` (pure
 numbers, from the model's facts) and :func:`choose_layout` (the layout of one document and
-policy). The per-document engine chooses its layout here; the memory plan
-(:mod:`kvcouple.tracer.memory`) plans with the same numbers.
+policy). The per-document engine chooses its layout here; the memory footprint
+(:mod:`kvcouple.tracer.memory`) counts with the same numbers.
 """
 
 from __future__ import annotations
