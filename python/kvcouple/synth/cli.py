@@ -179,11 +179,8 @@ def register(subparsers: Any) -> None:
     )
     p.set_defaults(func=_estimate)
 
-    # Another module adds `kvcouple synth trace-store` (when it is present).
-    try:
-        from kvcouple.synth.trace_store import register_trace_store
-    except ModuleNotFoundError as e:
-        if not (e.name or "").startswith("kvcouple"):
-            raise
-    else:
-        register_trace_store(sub)
+    # `kvcouple synth trace-store` lives with the store writing it (imported here, not above:
+    # the other synth commands do not load the store writer).
+    from kvcouple.synth.trace_store import register_trace_store
+
+    register_trace_store(sub)
