@@ -31,17 +31,10 @@ from typing import Any, Generic, TypeVar, overload
 import numpy as np
 
 from kvcouple.errors import StoreError
-
-# check_memory (kvcouple.resources) and UNIT_SLACK (a value rule) moved to their own modules
-# and stay importable from here.
-from kvcouple.resources import available_memory as available_memory
-from kvcouple.resources import check_memory as check_memory
 from kvcouple.store.engine_reads import EngineReads, EngineSwitch
 from kvcouple.store.geometry import StoreGeometry
-from kvcouple.store.geometry import is_url as is_url
 from kvcouple.store.lock import StoreBeingWrittenError, writing_note
 from kvcouple.store.object_storage import ObjectStorageReads
-from kvcouple.store.schema import UNIT_SLACK as UNIT_SLACK
 from kvcouple.store.schema import Record, Variable
 from kvcouple.store.validation import StoreValidation
 

@@ -20,7 +20,7 @@ import numpy as np
 
 from kvcouple.errors import MissingExtraError, StoreError
 from kvcouple.store import registry
-from kvcouple.store.reader import is_url
+from kvcouple.store.geometry import is_url
 from kvcouple.store.schema import RUN_KEYS as RUN_KEYS
 from kvcouple.store.schema import SCHEMA_VERSION, TEXT_VARIABLES, Record, variables
 from kvcouple.store.text import TEXT_ATTR, TextTables

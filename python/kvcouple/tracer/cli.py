@@ -384,7 +384,7 @@ def run(args: argparse.Namespace) -> int:
 def _model_and_vocabulary(args: argparse.Namespace, extra: dict[str, Any]) -> tuple[Any, Any, int]:
     """The model (loaded here, or for the workers to load with ``--scheduler``), its tokenizer
     and the width of its logits."""
-    from kvcouple.tracer.prefill import vocab_size
+    from kvcouple.tracer.model import vocab_size
 
     if args.scheduler is None:
         model, tokenizer = _load(load_model, args, extra)

@@ -25,8 +25,8 @@ from tqdm import tqdm  # type: ignore[import-untyped]
 
 from kvcouple.policies import Policy
 from kvcouple.store import StoreLayout, TraceStoreWriter
+from kvcouple.store.geometry import is_url
 from kvcouple.store.lock import visible, writer_lock
-from kvcouple.store.reader import is_url
 from kvcouple.store.text import TextTables
 from kvcouple.tracer.batches import (
     BatchDocument,

@@ -10,7 +10,7 @@
    (``u0 = 0``), then continues both trajectories with the maximal coupling for ``L`` lags
    (:mod:`kvcouple.tracer.branches`).
 
-Every step of both is :func:`~kvcouple.tracer.trajectories.coupled_step`. Decode-time
+Every step of both is :func:`~kvcouple.tracer.step.coupled_step`. Decode-time
 eviction (``mode=decode``) is the policy's :class:`~kvcouple.policies.DecodeRule` run by a
 :class:`~kvcouple.tracer.decode.DecodeEvictor` on the Q rows after every step. EOS is
 absorbing. Every uniform comes from a NumPy generator seeded with ``(seed, doc index, policy

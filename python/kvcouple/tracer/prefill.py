@@ -18,14 +18,12 @@ import torch
 
 from kvcouple.errors import InvalidInputError
 from kvcouple.policies import Policy, PolicyContext
-from kvcouple.policies.base import query_needs as query_needs
+from kvcouple.policies.base import query_needs
 from kvcouple.policies.context import LayerInputCapture
 from kvcouple.tracer import compat, support
 from kvcouple.tracer.attention import QueryCapture
 from kvcouple.tracer.kvcache import cache_tensors, new_cache
-from kvcouple.tracer.model import attn_implementation as attn_implementation
-from kvcouple.tracer.model import facts
-from kvcouple.tracer.model import vocab_size as vocab_size
+from kvcouple.tracer.model import facts, vocab_size
 from kvcouple.tracer.prefix import PromptPack
 from kvcouple.tracer.settings import without_grad
 

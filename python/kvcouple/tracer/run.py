@@ -33,8 +33,8 @@ from kvcouple.deprecation import warn_renamed
 from kvcouple.policies import Policy
 from kvcouple.store import TraceStoreWriter
 from kvcouple.store.background import BackgroundWriter, DocumentWriter, queue_bound
+from kvcouple.store.geometry import is_url
 from kvcouple.store.lock import writer_lock
-from kvcouple.store.reader import is_url
 from kvcouple.tracer.batches import batch_documents, with_model_eos, write_batch
 from kvcouple.tracer.batches import check_model as _check_model
 from kvcouple.tracer.cluster import trace_on_cluster

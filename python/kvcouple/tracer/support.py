@@ -42,8 +42,6 @@ import torch
 from kvcouple.tracer import attention, compat
 from kvcouple.tracer.kvcache import cache_tensors, new_cache
 from kvcouple.tracer.model import ModelFacts, UnsupportedModelError, facts, refresh
-from kvcouple.tracer.model import layer_windows as layer_windows
-from kvcouple.tracer.model import text_config as text_config
 
 __all__ = [
     "ModelSupport",
@@ -51,8 +49,6 @@ __all__ = [
     "UnsupportedModelError",
     "check_support",
     "describe",
-    "layer_windows",
-    "text_config",
 ]
 
 _ATTENTION_LAYERS = {"full_attention", "sliding_attention"}

@@ -3,8 +3,7 @@
 A :class:`Trajectories` batch holds ``2B`` rows (``B`` P rows, then ``B`` Q rows); each row has
 its own visibility mask over the cache's columns and its own position. The Q rows' kept
 entries are left-padded to the prefix length and the padding hidden. The other layouts are in
-:mod:`kvcouple.tracer.layout`; the coupled step in :mod:`kvcouple.tracer.step` (its names are
-importable from here too).
+:mod:`kvcouple.tracer.layout`; the coupled step in :mod:`kvcouple.tracer.step`.
 """
 
 from __future__ import annotations
@@ -17,10 +16,9 @@ import torch
 from kvcouple.tracer import compat
 from kvcouple.tracer.kvcache import cache_from_tensors, fork_cache
 from kvcouple.tracer.prefill import Prefill
-from kvcouple.tracer.rows import CacheRows, Rows, StepHook
-from kvcouple.tracer.step import CoupledStep, EosState, coupled_step
+from kvcouple.tracer.rows import CacheRows, StepHook
 
-__all__ = ["CoupledStep", "EosState", "Rows", "StepHook", "Trajectories", "coupled_step"]
+__all__ = ["Trajectories"]
 
 
 class Trajectories(CacheRows):
