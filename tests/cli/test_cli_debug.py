@@ -52,11 +52,14 @@ def test_info_and_plan_errors_show_the_traceback_with_debug(tmp_path):
 @pytest.mark.torch
 def test_demo_with_debug_shows_the_traceback(tmp_path):
     pytest.importorskip("torch")
-    proc = kvcouple("--debug", "demo", "--horizon", "0", "--out", str(tmp_path / "demo"))
+    # A model that is not there passes the argument checks (argparse refuses a bad number
+    # before any traceback) and fails when the demo runs.
+    missing = str(tmp_path / "no-such-model")
+    proc = kvcouple("--debug", "demo", "--model", missing, "--out", str(tmp_path / "demo"))
     assert proc.returncode != 0
     assert "Traceback (most recent call last)" in proc.stderr
-    assert "horizon" in proc.stderr
-    plain = kvcouple("demo", "--horizon", "0", "--out", str(tmp_path / "demo2"))
+    assert "no such local directory or file" in proc.stderr
+    plain = kvcouple("demo", "--model", missing, "--out", str(tmp_path / "demo2"))
     assert plain.returncode != 0
     assert "Traceback" not in plain.stderr
-    assert "horizon" in plain.stderr
+    assert "no such local directory or file" in plain.stderr
