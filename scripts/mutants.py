@@ -56,17 +56,19 @@ def m(id: str, file: str, what: str, tests: list[str], *patches: tuple[str, str]
 
 
 MUTANTS = [
-    # --- per-(document, policy) estimators (analysis/estimates.py) ---------------------------
+    # --- per-(document, policy) estimators: the numpy reference (reference/estimates.py),
+    # which the Rust-vs-reference test (tests/analysis/test_unit_estimates_reference.py)
+    # must catch; the Rust implementation (rust/core/src/stats/units.rs) is cargo-mutants'.
     m(
         "E1",
-        "analysis/estimates.py",
+        "reference/estimates.py",
         "RB-CMC weights W_t instead of W_{t-1}",
         ANALYSIS,
         ("    mass = w_prev * h  #", "    mass = w * h  #"),
     ),
     m(
         "E2",
-        "analysis/estimates.py",
+        "reference/estimates.py",
         "window lags shifted by one (0..L_w-1 instead of 1..L_w)",
         ANALYSIS,
         (
@@ -77,28 +79,28 @@ MUTANTS = [
     ),
     m(
         "E3",
-        "analysis/estimates.py",
+        "reference/estimates.py",
         "occupation counts step t itself: (T - t + 1)",
         ANALYSIS,
         ("occupation = mass @ (T - steps)", "occupation = mass @ (T - steps + 1)"),
     ),
     m(
         "E4",
-        "analysis/estimates.py",
+        "reference/estimates.py",
         "tail exposure off by one lag",
         ANALYSIS,
         ("np.maximum(T - steps - obs_window, 0.0)", "np.maximum(T - steps - obs_window - 1, 0.0)"),
     ),
     m(
         "E5",
-        "analysis/estimates.py",
+        "reference/estimates.py",
         "mean divergence time counts from 0",
         ANALYSIS,
         ("tau_mass = mass @ steps", "tau_mass = mass @ (steps - 1)"),
     ),
     m(
         "E6",
-        "analysis/estimates.py",
+        "reference/estimates.py",
         "unobserved mismatch (-1) counted as a mismatch",
         ANALYSIS,
         (
@@ -108,7 +110,7 @@ MUTANTS = [
     ),
     m(
         "E7",
-        "analysis/estimates.py",
+        "reference/estimates.py",
         "branches summed instead of averaged",
         ANALYSIS,
         (
@@ -118,7 +120,7 @@ MUTANTS = [
     ),
     m(
         "E8",
-        "analysis/estimates.py",
+        "reference/estimates.py",
         "survival curve shifted (W_{t-1} for W_t)",
         ANALYSIS,
         (
@@ -128,7 +130,7 @@ MUTANTS = [
     ),
     m(
         "E9",
-        "analysis/estimates.py",
+        "reference/estimates.py",
         "median divergence time off by one",
         ANALYSIS,
         (
@@ -138,7 +140,7 @@ MUTANTS = [
     ),
     m(
         "E10",
-        "analysis/estimates.py",
+        "reference/estimates.py",
         "branch TV denominator summed over branches",
         ANALYSIS,
         ("tv_lag_den = (reached.mean(1) * weight)", "tv_lag_den = (reached.sum(1) * weight)"),
