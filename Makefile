@@ -91,7 +91,7 @@ COMPAT_TESTS = tests/kernels/test_kernels.py tests/kernels/test_coupling.py test
 	tests/synth/test_synth_exact.py tests/synth/test_synth_pairs.py tests/synth/test_synth_estimators.py \
 	tests/analysis/test_analysis_store.py tests/analysis/test_analysis_synthetic.py tests/analysis/test_analysis_plan.py \
 	tests/store/test_store_damage.py tests/store/test_store_rechunk.py tests/store/test_store_summary_direct.py tests/kernels/test_tv_only.py \
-	tests/store/test_store_integrity.py tests/tracer/test_prompt_files.py tests/tracer/test_memory_plan.py
+	tests/store/test_store_integrity.py tests/tracer/test_prompt_files.py tests/tracer/test_memory_footprint.py
 
 compat-py310: wheel ## The wheel and torch-free suites on Python 3.10 (zarr 2)
 	@py=$$(ls $$(pyenv root 2>/dev/null)/versions/3.10*/bin/python 2>/dev/null | head -1); \

@@ -4,7 +4,7 @@ and 32k-token prompts with SnapKV, R=8, K=4, L=32, T=256, against ``model.genera
     python benchmarks/gpu_trace.py --out gpu_trace.json     # one CUDA device (H200: < 10 min)
     python benchmarks/gpu_trace.py --tiny                   # the same code on CPU, in seconds
 
-For every prompt length: the memory plan (kvcouple.tracer.memory, branch batch ``auto``), the
+For every prompt length: the memory footprint (kvcouple.tracer.memory, branch batch ``auto``), the
 coupled trace's generated tokens per second (at the shortest length also in the joint cache
 layout, against the shared one ``auto`` picks) (both sides counted, prefill and selection
 included), ``generate``'s at the same batch ``2R`` and the same prompt, their ratio, and the

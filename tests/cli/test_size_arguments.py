@@ -55,4 +55,3 @@ def test_a_bad_size_gets_the_same_message_in_every_command(capsys, command, name
     assert line.startswith(f"kvcouple {command}: error: argument "), line
     # The option's names (synth adds short ones: -T/--horizon), then the one message.
     assert line.endswith(f"--{name}: {message}"), line
-

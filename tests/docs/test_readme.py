@@ -1,6 +1,6 @@
 """The README's "Using it" snippets run as shown, in order, in an empty folder: the Python
 kernels snippet, the synthetic pairs, a trace of the embedded model with a prompt file written
-on the spot, a plug-in policy from a .py file, and a dry-run memory plan."""
+on the spot, a plug-in policy from a .py file, and a dry-run memory footprint."""
 
 from __future__ import annotations
 
@@ -58,7 +58,7 @@ def test_the_using_it_snippets_run(tmp_path):
     assert "document 'letter'" in outputs[2] and "divergence" in outputs[2]
     assert (tmp_path / "report" / "report.html").is_file()
     assert (tmp_path / "mine.zarr").is_dir()  # the plug-in policy traced
-    assert "memory plan" in outputs[4] and not (tmp_path / "plan.zarr").exists()
+    assert "memory footprint" in outputs[4] and not (tmp_path / "plan.zarr").exists()
 
 
 def _sample_script():

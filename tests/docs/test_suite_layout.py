@@ -17,8 +17,8 @@ AREAS = {
     "kernels", "synth", "store", "tracer", "analysis", "cli", "docs", "interop", "real_model"
 }  # fmt: skip
 # Tests that need no torch although they exercise tracer modules: prompt parsing and the
-# memory plan from numbers. They must pass, not skip, without torch.
-TORCH_FREE = ["tests/tracer/test_prompt_files.py", "tests/tracer/test_memory_plan.py"]
+# memory footprint from numbers. They must pass, not skip, without torch.
+TORCH_FREE = ["tests/tracer/test_prompt_files.py", "tests/tracer/test_memory_footprint.py"]
 # What a test needs -> the marker it must carry.
 NEEDS = {
     "torch": "torch",

@@ -1,4 +1,4 @@
-"""The tracer at scale: provenance attributes, the memory plan, ``--dry-run``."""
+"""The tracer at scale: provenance attributes, the memory footprint, ``--dry-run``."""
 
 import json
 
@@ -76,7 +76,7 @@ def test_revision_resolved_from_a_hub_snapshot(tmp_path, capsys):
     assert xr.open_zarr(out).attrs["model_revision"] == COMMIT
 
 
-# The memory plan ------------------------------------------------------------------------------
+# The memory footprint ------------------------------------------------------------------------------
 def _live_tensor_bytes(exclude: set[int]) -> int:
     """Bytes of every distinct CPU tensor storage alive now, except ``exclude`` (the weights)."""
     import gc
@@ -243,7 +243,10 @@ def test_dry_run_prints_the_plan_and_writes_nothing(tmp_path, capsys):
     base += ["--horizon", "8", "--window", "3", "--dry-run", "--device", "cpu"]
     assert cli_main(base) == 0
     text = capsys.readouterr().out
-    assert "memory plan: 2 layers x 2 KV heads x 16" in text and "0.5 KiB per cached token" in text
+    assert (
+        "memory footprint: 2 layers x 2 KV heads x 16" in text
+        and "0.5 KiB per cached token" in text
+    )
     lines = {line.split()[0]: line.split() for line in text.splitlines() if line[:1] == "d"}
     assert lines["d0"][1] == "40" and lines["d1"][1] == "90"
     assert lines["d1"][-2:] == ["8/8", "shared"]  # fits the host; the model allows sharing

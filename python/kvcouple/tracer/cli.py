@@ -127,7 +127,7 @@ def _size_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--dry-run",
         action="store_true",
-        help="print the memory plan of every document (cache bytes for P, Q, branches, "
+        help="print the memory footprint of every document (cache bytes for P, Q, branches, "
         "activations; the chosen branch batch) and exit without loading weights or writing",
     )
 

@@ -165,7 +165,7 @@ def check_fits(footprints: Sequence[DocumentFootprint], model: Any) -> None:
     ids = ", ".join(repr(p.doc_id) for p in footprints)
     raise FootprintTooLargeError(
         f"{worker}{device} ({device_name(device)}) has {human(budget)} free for a batch, but "
-        f"the memory plan of documents {ids} needs {human(need)} at its peak "
+        f"the memory footprint of documents {ids} needs {human(need)} at its peak "
         f"(largest: {human(max(p.peak for p in footprints))}); give the run less --memory, or "
         "workers with more free device memory"
     )

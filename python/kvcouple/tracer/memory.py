@@ -459,7 +459,7 @@ def format_footprints(
         return f"{b / unit:.2f}" if unit == GiB else f"{b / unit:.1f}"
 
     lines = [
-        f"memory plan: {shape.layers} layers x {shape.kv_heads} KV heads x {shape.head_dim}, "
+        f"memory footprint: {shape.layers} layers x {shape.kv_heads} KV heads x {shape.head_dim}, "
         f"{shape.itemsize}-byte dtype: {shape.token_bytes / 1024:.1f} KiB per cached token; "
         f"weights {human(shape.weight_bytes)}",
         f"available to a document: {human(budget)} ({where}); figures in {name}",
