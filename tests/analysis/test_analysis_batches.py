@@ -84,9 +84,11 @@ def test_a_batch_equals_one_task_per_document(store, monkeypatch):
     tvs = _counting(monkeypatch, "store_blocks_tv")
     batch = analyze_docs(TraceStoreReader(store), docs, options)
     _assert_same(batch, one_by_one)
-    # The batch took the batched path: one summary read and one call per pair of variables
-    # (path, branches) for every document, not one per document.
-    assert len(decodes) == 1 and len(tvs) == 2, (decodes, tvs)
+    # The batch took the batched path: one summary read, one read of the scoreboard's
+    # top1_agree and one call per pair of variables (path, branches)
+    # for every document, not one per document.
+    per_doc = len(reader.policies)  # top1_agree: a chunk per (document, policy)
+    assert len(decodes) == 2 and decodes[1] == DOCS * per_doc and len(tvs) == 2, (decodes, tvs)
     assert tvs == [DOCS * len(PAIRS)] * 2
 
 

@@ -98,12 +98,14 @@ def doc_scores(
 ) -> dict[str, DocScores]:
     """Every policy's :class:`DocScores` of one document, from its summary (``tokens`` and
     ``kl_pq``, read by the analysis task) and the path's ``top1_agree`` (and distributions)."""
-    try:
-        agree_all = reader.read("top1_agree", (int(doc),))
-    except StoreError:
-        # Not read by the estimates, so never required: a store re-written by a tool that
-        # drops chunks equal to the fill value (all False) has no same_top, and no more.
-        agree_all = None
+    agree_all = summary.get("top1_agree")  # read with the batch's summaries, where it could be
+    if agree_all is None:
+        try:
+            agree_all = reader.read("top1_agree", (int(doc),))
+        except StoreError:
+            # Not read by the estimates, so never required: a store re-written by a tool that
+            # drops chunks equal to the fill value (all False) has no same_top, and no more.
+            agree_all = None
     out = {}
     for i, pol in enumerate(reader.policies):
         kl = summary["kl_pq"][i]

@@ -135,6 +135,9 @@ def _analyze_together(
                 recompute_topk(reader, d, s, options.tolerance)
                 for d, s in zip(docs, summaries, strict=True)
             ]
+        agree = _agreement(reader, docs)
+        if agree is not None:
+            summaries = [{**s, "top1_agree": a} for s, a in zip(summaries, agree, strict=True)]
         scores = [doc_scores(reader, d, s) for d, s in zip(docs, summaries, strict=True)]
     except StoreError:
         return None
@@ -142,6 +145,17 @@ def _analyze_together(
         DocResult(d, reader.doc_ids[d], u, c, scores=sc)
         for d, u, c, sc in zip(docs, units, checks, scores, strict=True)
     ]
+
+
+def _agreement(reader: TraceStoreReader, docs: list[int]) -> list[np.ndarray] | None:
+    """The batch's ``top1_agree`` in one engine call (the scoreboard's same_top); None where
+    the engine cannot, or a chunk is missing (each document is then read on its own, and a
+    missing one only loses its same_top)."""
+    try:
+        got = reader.read_summaries(docs, ("top1_agree",))
+    except StoreError:
+        return None
+    return None if got is None else [g["top1_agree"] for g in got]
 
 
 def _units(

@@ -137,7 +137,7 @@ class EngineReads:
             validation.check_values("prompt_length", prompt, (doc,))
             validation.prompt_lengths[doc] = int(prompt)
         for n, block in blocks.items():
-            validation.check_values(n, block, (doc,) + (0,) * block.ndim)
+            validation.check_values(n, block, (doc,) + (0,) * block.ndim, blocks)
 
     def _read_direct(
         self, names: tuple[str, ...], docs: list[int]

@@ -10,6 +10,7 @@ a variable without a mark (``hazard``) may hold no NaN at all.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Protocol
 
 import numpy as np
@@ -22,12 +23,17 @@ class _Reads(Protocol):
 
 
 def recorded_nan(
-    reader: _Reads, name: str, block: np.ndarray, origin: tuple[int, ...]
+    reader: _Reads,
+    name: str,
+    block: np.ndarray,
+    origin: tuple[int, ...],
+    marks: Mapping[str, np.ndarray] | None = None,
 ) -> tuple[tuple[int, ...], str, str] | None:
     """The first NaN of ``block`` (at ``origin``, one entry per array axis, the first the
     document) where something was recorded: ``(position in the array, shown value, allowed
     values in words)``; None if there is none. A distribution's NaN counts by whole rows (a
-    row partly NaN is refused by the row check)."""
+    row partly NaN is refused by the row check). ``marks``: the block's document's mark
+    variables where the caller decoded them already (a summary read), else each is read."""
     rule = RULES.get(name)
     if rule not in ("unit", "nonneg", "divergence", "distribution") or block.dtype.kind != "f":
         return None
@@ -49,8 +55,10 @@ def recorded_nan(
         return first, "nan", "finite (NaN is never written to it)"
     for doc in np.unique(full[:, 0]):
         rows = full[full[:, 0] == doc]
-        marks = reader.read_doc(mark, int(doc))
-        at = marks[tuple(rows[:, 1 : 1 + marks.ndim].T)]
+        # The given marks are one document's: the block's (its document is its origin's lead).
+        known = marks.get(mark) if marks is not None and len(lead) == 1 else None
+        marked = known if known is not None else reader.read_doc(mark, int(doc))
+        at = marked[tuple(rows[:, 1 : 1 + marked.ndim].T)]
         recorded = at != -1
         if recorded.any():
             first = tuple(int(i) for i in rows[int(np.argmax(recorded))])

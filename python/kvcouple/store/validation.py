@@ -16,6 +16,7 @@ naming the variable, the chunk, the document and the store.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
@@ -376,15 +377,22 @@ class StoreValidation:
             f"{_fmt_index(full_pos)}; values must be {allowed}. The store is damaged."
         )
 
-    def check_values(self, name: str, block: np.ndarray, origin: tuple[int, ...]) -> None:
+    def check_values(
+        self,
+        name: str,
+        block: np.ndarray,
+        origin: tuple[int, ...],
+        marks: Mapping[str, np.ndarray] | None = None,
+    ) -> None:
         """Raise naming the chunk and element of the first value the schema does not allow.
-        ``origin`` is the block's position in the array (one entry per array axis)."""
+        ``origin`` is the block's position in the array (one entry per array axis); ``marks``:
+        the same document's blocks already decoded (where NaN is allowed reads them)."""
         rule = RULES.get(name)
         if rule is None or block.size == 0:
             return
         lead = tuple(int(o) for o in origin[: len(origin) - block.ndim])
         offset = origin[len(origin) - block.ndim :]
-        nan = recorded_nan(self, name, block, origin)
+        nan = recorded_nan(self, name, block, origin, marks)
         if nan is not None:  # a NaN where something was recorded: damage (no range sees it)
             raise self.value_error(name, *nan)
         if rule == "distribution":
