@@ -39,7 +39,10 @@ import numpy as np
 
 from kvcouple import synth
 from kvcouple.analysis import stats as st
+from kvcouple.analysis.bootstrap import Bootstrap, bootstrap_table
 from kvcouple.analysis.estimates import UnitEstimate, estimate_unit
+from kvcouple.analysis.intervals import CI_METHODS, Estimate, Scale, StatFn
+from kvcouple.analysis.units import build_table
 from kvcouple.store.schema import Record, empty_arrays
 from kvcouple.store.writer import StoreLayout
 from kvcouple.synth.trace_store import as_emitter_pair, simulate_doc_policy
@@ -192,7 +195,7 @@ def simulate_pool(
     ]
 
 
-Stat = tuple[tuple, st.StatFn, bool, st.Scale]
+Stat = tuple[tuple, StatFn, bool, Scale]
 
 
 def statistics(horizon: int) -> list[Stat]:
@@ -211,7 +214,7 @@ def statistics(horizon: int) -> list[Stat]:
     return stats
 
 
-def gap_terms(bs: st.Bootstrap, horizon: int) -> dict[tuple, st.Estimate]:
+def gap_terms(bs: Bootstrap, horizon: int) -> dict[tuple, Estimate]:
     """The gap terms as the analysis estimates them (``gap_estimates``)."""
     out = {}
     for a, b in PAIRS:
@@ -221,7 +224,7 @@ def gap_terms(bs: st.Bootstrap, horizon: int) -> dict[tuple, st.Estimate]:
     return out
 
 
-def band_covers(bs: st.Bootstrap, a: str, b: str, horizon: int, target: np.ndarray) -> bool:
+def band_covers(bs: Bootstrap, a: str, b: str, horizon: int, target: np.ndarray) -> bool:
     rows = st.survival_band(bs, a, b, horizon)
     lo = np.array([r["band_low"] for r in rows])
     hi = np.array([r["band_high"] for r in rows])
@@ -258,8 +261,8 @@ def run_scenario(
             else:  # documents drawn from the population, each simulated afresh
                 pick = rng.integers(len(docs), size=n)
                 chosen = [simulate(docs[i], layout, rng) for i in pick]
-            table = st.build_table([f"d{i}" for i in range(n)], chosen, list(POLICIES), T, T - 1)
-            base = st.bootstrap_table(table, args.n_boot, args.seed * 7919 + rep, args.level)
+            table = build_table([f"d{i}" for i in range(n)], chosen, list(POLICIES), T, T - 1)
+            base = bootstrap_table(table, args.n_boot, args.seed * 7919 + rep, args.level)
             for m in methods:
                 bs = replace(base, method=m)
                 fns, flags = [f for _, f, _, _ in stats], [d for _, _, d, _ in stats]
@@ -310,7 +313,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--scenarios", default=",".join(SCENARIOS), help="populations to study")
     ap.add_argument(
-        "--methods", default="studentized", help=f"interval methods, of {','.join(st.CI_METHODS)}"
+        "--methods", default="studentized", help=f"interval methods, of {','.join(CI_METHODS)}"
     )
     args = ap.parse_args(argv)
     sizes = [int(s) for s in args.sizes.split(",")]

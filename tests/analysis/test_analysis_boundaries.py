@@ -12,7 +12,10 @@ import pytest
 from kvcouple.analysis import analyze
 from kvcouple.analysis import quantities as qn
 from kvcouple.analysis import stats as st
+from kvcouple.analysis.bootstrap import Bootstrap, bootstrap_table
 from kvcouple.analysis.console import format_decomposition
+from kvcouple.analysis.estimates import Table
+from kvcouple.analysis.intervals import UNBOUNDED, Scale
 from kvcouple.synth.trace_store import write_synthetic_trace_store
 
 V, T = 4, 8
@@ -109,9 +112,9 @@ def test_a_constant_quantity_gets_a_point_interval_and_a_flag(result):
     assert rows[("sat", "occurrence")]["note"] == ""
 
 
-def _boot(cols: dict[str, np.ndarray], seed: int = 0) -> st.Bootstrap:
+def _boot(cols: dict[str, np.ndarray], seed: int = 0) -> Bootstrap:
     n = len(next(iter(cols.values())))
-    return st.bootstrap_table(st.Table([f"d{i}" for i in range(n)], cols), 999, seed, 0.95)
+    return bootstrap_table(Table([f"d{i}" for i in range(n)], cols), 999, seed, 0.95)
 
 
 def test_most_documents_at_one_keep_the_interval_inside_the_unit_range():
@@ -128,13 +131,13 @@ def test_most_documents_at_one_keep_the_interval_inside_the_unit_range():
 
 
 def test_the_scale_maps_the_real_line_into_the_range():
-    s = st.Scale(0.0, 8.0)
+    s = Scale(0.0, 8.0)
     x = np.array([0.5, 4.0, 7.99])
     np.testing.assert_allclose(s.back(s.forward(x)), x, rtol=1e-12)
     assert s.back(-math.inf) == 0.0 and s.back(math.inf) == 8.0
-    assert s.slope(0.0) == math.inf and st.UNBOUNDED.forward(3.0) == 3.0
-    assert st.quantity_scale("exposure_share", T) == st.UNBOUNDED
-    assert st.quantity_scale("late_minus_early_tv", T, paired=True) == st.Scale(-2.0, 2.0)
+    assert s.slope(0.0) == math.inf and UNBOUNDED.forward(3.0) == 3.0
+    assert st.quantity_scale("exposure_share", T) == UNBOUNDED
+    assert st.quantity_scale("late_minus_early_tv", T, paired=True) == Scale(-2.0, 2.0)
 
 
 @pytest.mark.parametrize("method", ["percentile", "bca", "expanded-bca"])
@@ -142,8 +145,8 @@ def test_other_methods_extrapolate_on_the_scale(method):
     """Eight documents near 1: an expanded end beyond the replicates is extrapolated on the
     logit scale, so it stays inside [0, 1] (the normal tail on the raw scale left it)."""
     x = np.array([1.0, 1.0, 1.0, 0.999, 0.98, 1.0, 0.95, 1.0])
-    bs = st.bootstrap_table(st.Table([f"d{i}" for i in range(8)], {"p|x": x}), 200, 1, 0.99, method)
-    e = bs.evaluate(lambda g: g("p|x"), scale=st.Scale(0.0, 1.0))
+    bs = bootstrap_table(Table([f"d{i}" for i in range(8)], {"p|x": x}), 200, 1, 0.99, method)
+    e = bs.evaluate(lambda g: g("p|x"), scale=Scale(0.0, 1.0))
     assert 0.0 <= e.ci_low <= e.estimate <= e.ci_high <= 1.0
 
 
@@ -151,7 +154,7 @@ def test_p_values_invert_the_interval_on_the_scale():
     rng = np.random.default_rng(4)
     x = rng.beta(8, 1, 16)
     bs = _boot({"p|x": x}, 2).at_level(0.90)
-    e = bs.evaluate(lambda g: g("p|x"), scale=st.Scale(0.0, 1.0))
+    e = bs.evaluate(lambda g: g("p|x"), scale=Scale(0.0, 1.0))
     for v in np.linspace(e.ci_low - 0.05, min(e.ci_high + 0.05, 1.0), 25):
         assert (bs.p_value(e, "greater", v) < 0.05) == (e.ci_low > v) or abs(v - e.ci_low) < 1e-3
     assert bs.p_value(e, "less", 1.0) < 0.05 and bs.p_value(e, "greater", 0.0) < 0.05

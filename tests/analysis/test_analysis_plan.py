@@ -10,7 +10,7 @@ import kvcouple
 from kvcouple import _core
 from kvcouple.analysis import PlanError, analyze, load_plan
 from kvcouple.analysis.plan import register_plan
-from kvcouple.analysis.stats import bootstrap_p_value, holm
+from kvcouple.analysis.pvalues import bootstrap_p_value, holm
 from kvcouple.cli import main
 from kvcouple.synth.trace_store import write_synthetic_trace_store
 

@@ -10,7 +10,10 @@ import pytest
 
 from kvcouple import _core
 from kvcouple.analysis import stats as st
+from kvcouple.analysis.bootstrap import Bootstrap, bootstrap_table
 from kvcouple.analysis.distributions import t_ppf
+from kvcouple.analysis.estimates import Table
+from kvcouple.analysis.intervals import DEFAULT_CI_METHOD, STUDENTIZED_MIN_DOCS
 
 N_DOCS = 16
 STUDIES = 300
@@ -19,9 +22,9 @@ STUDIES = 300
 COVERAGE_TOL = 3 * math.sqrt(0.95 * 0.05 / STUDIES)
 
 
-def _bootstrap(cols: dict[str, np.ndarray], seed: int, n_boot: int = 999) -> st.Bootstrap:
-    table = st.Table([f"d{i}" for i in range(len(next(iter(cols.values()))))], dict(cols))
-    return st.bootstrap_table(table, n_boot, seed, 0.95, "studentized")
+def _bootstrap(cols: dict[str, np.ndarray], seed: int, n_boot: int = 999) -> Bootstrap:
+    table = Table([f"d{i}" for i in range(len(next(iter(cols.values()))))], dict(cols))
+    return bootstrap_table(table, n_boot, seed, 0.95, "studentized")
 
 
 def test_counts_are_the_resamples_of_the_means():
@@ -169,12 +172,12 @@ def test_gap_rows_use_the_ratio_set_for_the_share():
 
 def test_the_default_is_studentized_and_few_documents_get_expanded_bca():
     rng = np.random.default_rng(9)
-    n = st.STUDENTIZED_MIN_DOCS
+    n = STUDENTIZED_MIN_DOCS
     for docs, method in ((n, "studentized"), (n - 1, "expanded-bca"), (2, "expanded-bca")):
         x = rng.normal(size=docs)
-        bs = st.bootstrap_table(st.Table([f"d{i}" for i in range(docs)], {"p|x": x}), 999, 0, 0.95)
+        bs = bootstrap_table(Table([f"d{i}" for i in range(docs)], {"p|x": x}), 999, 0, 0.95)
         e = bs.evaluate(lambda g: g("p|x"))
-        assert st.DEFAULT_CI_METHOD == "studentized" and e.method == method
+        assert DEFAULT_CI_METHOD == "studentized" and e.method == method
         assert np.isfinite(e.ci_low) and e.ci_low < e.estimate < e.ci_high
 
 

@@ -36,10 +36,10 @@ from kvcouple.testing.tiny_models import (  # noqa: E402
 )
 from kvcouple.torch_coupling import apply_decoding  # noqa: E402
 from kvcouple.tracer import TraceSettings, trace, trace_document  # noqa: E402
-from kvcouple.tracer.model import facts  # noqa: E402
+from kvcouple.tracer.model import facts, layer_windows  # noqa: E402
 from kvcouple.tracer.prefill import prefill, select  # noqa: E402
 from kvcouple.tracer.prompts import Prompt  # noqa: E402
-from kvcouple.tracer.support import UnsupportedModelError, check_support, layer_windows  # noqa: E402
+from kvcouple.tracer.support import UnsupportedModelError, check_support  # noqa: E402
 
 pytestmark = pytest.mark.torch
 

@@ -29,7 +29,7 @@ is constant over the documents gets its point as interval and ``Estimate.constan
 
 The words of an interval (methods, :class:`Scale`, :class:`Estimate`) are in
 :mod:`kvcouple.analysis.intervals`, the p-values and Holm's correction in
-:mod:`kvcouple.analysis.pvalues`; all are importable from here as before.
+:mod:`kvcouple.analysis.pvalues`.
 """
 
 from __future__ import annotations
@@ -54,30 +54,13 @@ from kvcouple.analysis.intervals import (
     beside_range,
     normal_scores,
 )
-from kvcouple.analysis.pvalues import bootstrap_p_value, holm, studentized_p_value
+from kvcouple.analysis.pvalues import bootstrap_p_value, studentized_p_value
 from kvcouple.analysis.studentized import DeltaMethod, fieller_set, studentized_estimate
 
 if TYPE_CHECKING:
     from kvcouple.analysis.estimates import Table
 
-# Defined here, or in intervals.py and pvalues.py and importable from here as before.
-__all__ = [
-    "CI_METHODS",
-    "DEFAULT_CI_METHOD",
-    "STUDENTIZED_MIN_DOCS",
-    "UNBOUNDED",
-    "Bootstrap",
-    "Estimate",
-    "Getter",
-    "Scale",
-    "StatFn",
-    "bootstrap_p_value",
-    "bootstrap_table",
-    "holm",
-    "jackknife_means",
-    "normal_scores",
-    "studentized_p_value",
-]
+__all__ = ["Bootstrap", "bootstrap_table", "jackknife_means"]
 
 
 @dataclass

@@ -9,9 +9,9 @@ from pathlib import Path
 from typing import Any
 
 from kvcouple import cliargs
-from kvcouple.analysis.bootstrap import CI_METHODS, DEFAULT_CI_METHOD
 from kvcouple.analysis.engine import DEFAULT_N_BOOT
 from kvcouple.analysis.estimates import ESTIMATORS
+from kvcouple.analysis.intervals import CI_METHODS, DEFAULT_CI_METHOD
 from kvcouple.errors import StoreError, debug_requested
 from kvcouple.textsafe import terminal
 

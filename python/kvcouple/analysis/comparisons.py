@@ -9,7 +9,10 @@ from typing import Any
 import numpy as np
 
 from kvcouple.analysis import stats as st
+from kvcouple.analysis.bootstrap import bootstrap_table
+from kvcouple.analysis.estimates import Table
 from kvcouple.analysis.plan import Plan, PlanError
+from kvcouple.analysis.pvalues import holm
 from kvcouple.analysis.results import AnalysisResult, ModelResult
 
 __all__ = ["pool_gaps", "run_tests"]
@@ -23,7 +26,7 @@ def pool_gaps(models: list[ModelResult], cfg: dict[str, Any]) -> dict[str, list[
     common = [p for p in models[0].policies if all(p in m.policies for m in models)]
     ids = sorted({d.doc_id for m in models for d in m.docs})
     row = {d: i for i, d in enumerate(ids)}
-    joint = st.Table(ids)
+    joint = Table(ids)
     for m in models:
         assert m.table is not None
         at = np.array([row[d] for d in m.table.doc_ids])
@@ -31,7 +34,7 @@ def pool_gaps(models: list[ModelResult], cfg: dict[str, Any]) -> dict[str, list[
             full = np.full(len(ids), np.nan)
             full[at] = col
             joint.cols[f"{m.model}::{name}"] = full
-    bs = st.bootstrap_table(joint, cfg["n_boot"], cfg["seed"], cfg["ci_level"], cfg["ci_method"])
+    bs = bootstrap_table(joint, cfg["n_boot"], cfg["seed"], cfg["ci_level"], cfg["ci_method"])
     rows: list[dict[str, Any]] = []
     for a, b in st.policy_pairs(common, cfg["reference"]):
         fns = st.pooled_gap_fns(a, b, [(f"{m.model}::", m.horizon) for m in models])
@@ -92,7 +95,7 @@ def run_tests(result: AnalysisResult, plan: Plan) -> list[dict[str, Any]]:
             )
     raw = [r["p_value"] for r in rows]
     if plan.correction == "holm":
-        adj = st.holm(raw)
+        adj = holm(raw)
     elif plan.correction == "bonferroni":
         adj = [min(1.0, p * len(raw)) for p in raw]
     else:

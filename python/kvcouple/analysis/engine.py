@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 
 from kvcouple.analysis import stats as st
+from kvcouple.analysis.bootstrap import bootstrap_table
 from kvcouple.analysis.comparisons import pool_gaps, run_tests
 from kvcouple.analysis.estimates import ESTIMATORS, observation_window
 from kvcouple.analysis.plan import DEFAULTS, Plan, PlanError, load_plan, registration_status
@@ -505,7 +506,7 @@ def _model_result(
         f"--n-boot {n_boot} ({columns.layout.width} quantities)",
         8 * 4 * n_boot * columns.layout.width,
     )
-    bs = st.bootstrap_table(table, n_boot, cfg["seed"], cfg["ci_level"], cfg["ci_method"])
+    bs = bootstrap_table(table, n_boot, cfg["seed"], cfg["ci_level"], cfg["ci_method"])
     tables = st.summarise(bs, reader.policies, T, L + 1, cfg["reference"])
     return ModelResult(
         label, reader.path, reader.policies, T, L, store.obs_window, docs, tables, bs, table,

@@ -53,8 +53,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kvcouple.analysis.bootstrap import CI_METHODS, DEFAULT_CI_METHOD
 from kvcouple.analysis.estimates import ESTIMATORS
+from kvcouple.analysis.intervals import CI_METHODS, DEFAULT_CI_METHOD
 from kvcouple.analysis.quantities import current_name
 from kvcouple.analysis.stats import SUMMARY_DEFINITIONS
 from kvcouple.document_split import split_documents

@@ -6,7 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvcouple.analysis import stats as st
+from kvcouple.analysis.bootstrap import Bootstrap
+from kvcouple.analysis.estimates import Table
 from kvcouple.analysis.tasks import DocResult
 
 __all__ = ["AnalysisResult", "ModelResult"]
@@ -24,8 +25,8 @@ class ModelResult:
     obs_window: int  # L_w used for the window/tail split
     docs: list[DocResult]
     tables: dict[str, list[dict[str, Any]]]
-    bootstrap: st.Bootstrap | None = None
-    table: st.Table | None = None
+    bootstrap: Bootstrap | None = None
+    table: Table | None = None
     # The scoreboard's rows (kvcouple.analysis.scoreboard), pooled as the documents came back.
     scoreboard: list[dict[str, Any]] | None = None
 

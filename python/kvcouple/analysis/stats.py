@@ -9,8 +9,9 @@ seeded, independent of thread count) resamples every column at once, so every st
 difference and attribution term gets its CI from the same resampled documents and paired
 comparisons stay paired.
 
-The bootstrap itself, its intervals and p-values are in :mod:`kvcouple.analysis.bootstrap`
-(importable from here as before).
+The bootstrap itself is in :mod:`kvcouple.analysis.bootstrap`, its intervals in
+:mod:`kvcouple.analysis.intervals` and :mod:`kvcouple.analysis.studentized`, p-values in
+:mod:`kvcouple.analysis.pvalues`.
 """
 
 from __future__ import annotations
@@ -25,8 +26,6 @@ import numpy as np
 from kvcouple import decomposition as dc
 from kvcouple.analysis import quantities
 from kvcouple.analysis.bootstrap import (
-    CI_METHODS,
-    DEFAULT_CI_METHOD,
     STUDENTIZED_MIN_DOCS,
     UNBOUNDED,
     Bootstrap,
@@ -34,51 +33,26 @@ from kvcouple.analysis.bootstrap import (
     Getter,
     Scale,
     StatFn,
-    bootstrap_p_value,
-    bootstrap_table,
-    holm,
-    jackknife_means,
     normal_scores,
-    studentized_p_value,
 )
-from kvcouple.analysis.estimates import Table
-from kvcouple.analysis.units import build_table
 from kvcouple.deprecation import module_getattr
 
-# Defined here, or in kvcouple.analysis.bootstrap and importable from here as before.
 __all__ = [
-    "CI_METHODS",
-    "DEFAULT_CI_METHOD",
     "DISCRETE",
     "GAP_TERMS",
     "NOT_INTERPRETABLE",
     "PERCENTILE_TERMS",
     "SUMMARY_DEFINITIONS",
-    "STUDENTIZED_MIN_DOCS",
-    "UNBOUNDED",
-    "Bootstrap",
-    "Estimate",
-    "Scale",
-    "Getter",
-    "StatFn",
-    "Table",
-    "bootstrap_p_value",
-    "bootstrap_table",
-    "build_table",
     "curve_fns",
     "difference",
     "gap_estimates",
     "gap_fns",
     "gap_rows",
-    "holm",
-    "jackknife_means",
-    "normal_scores",
     "policy_pairs",
     "pooled_gap_fns",
     "quantity_fn",
     "quantity_range",
     "quantity_scale",
-    "studentized_p_value",
     "summarise",
     "survival_band",
 ]

@@ -62,8 +62,8 @@ from kvcouple.policies.errors import PolicyError, PolicyParameterError, UnknownP
 if TYPE_CHECKING:
     import torch
 
-# Defined here, or in the modules of the interface's parts (context, decode, errors) and
-# importable from here as before.
+# The interface a plug-in policy is written against, in one place (docs/policies.md: plug-in
+# authors import every name from here): defined here or in its parts (context, decode, errors).
 __all__ = [
     "POLICIES",
     "query_needs",
