@@ -4,7 +4,9 @@ with a :class:`DeprecationWarning` (CHANGELOG.md lists them)."""
 
 from __future__ import annotations
 
+import importlib
 import warnings
+from collections.abc import Callable
 from typing import Any
 
 # Old name -> the registered name.
@@ -68,5 +70,24 @@ def module_getattr(module: str, renamed: dict[str, str], namespace: dict[str, An
             raise AttributeError(f"module {module!r} has no attribute {name!r}")
         warn_renamed(name, new, module)
         return namespace[new]
+
+    return __getattr__
+
+
+def moved_getattr(
+    module: str, moved: dict[str, str], fallback: Callable[[str], Any] | None = None
+) -> Any:
+    """A module's ``__getattr__`` that reads each name of ``moved`` (name -> the module that
+    has it now) from its new home, with a :class:`DeprecationWarning`; other names go to
+    ``fallback`` (another such ``__getattr__``), else raise AttributeError."""
+
+    def __getattr__(name: str) -> Any:
+        home = moved.get(name)
+        if home is None:
+            if fallback is not None:
+                return fallback(name)
+            raise AttributeError(f"module {module!r} has no attribute {name!r}")
+        warn_renamed(f"{module}.{name}", f"{home}.{name}", module)
+        return getattr(importlib.import_module(home), name)
 
     return __getattr__

@@ -56,11 +56,14 @@ from kvcouple.analysis.intervals import (
 )
 from kvcouple.analysis.pvalues import bootstrap_p_value, studentized_p_value
 from kvcouple.analysis.studentized import DeltaMethod, fieller_set, studentized_estimate
+from kvcouple.deprecation import moved_getattr
 
 if TYPE_CHECKING:
     from kvcouple.analysis.estimates import Table
 
 __all__ = ["Bootstrap", "bootstrap_table", "jackknife_means"]
+# Read from where it lives now, for one release.
+__getattr__ = moved_getattr(__name__, {"holm": "kvcouple.analysis.pvalues"})
 
 
 @dataclass

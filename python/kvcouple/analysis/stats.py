@@ -35,7 +35,7 @@ from kvcouple.analysis.bootstrap import (
     StatFn,
     normal_scores,
 )
-from kvcouple.deprecation import module_getattr
+from kvcouple.deprecation import module_getattr, moved_getattr
 
 __all__ = [
     "DISCRETE",
@@ -62,7 +62,19 @@ SUMMARY_DEFINITIONS: dict[str, str] = {
     q.name: f"{q.definition} ({q.unit})" for q in quantities.SUMMARY
 }
 # QUANTITIES named both this map and the registry (kvcouple.analysis.quantities.QUANTITIES).
-__getattr__ = module_getattr(__name__, {"QUANTITIES": "SUMMARY_DEFINITIONS"}, globals())
+# Former names: renamed, or read from where they live now (the bootstrap's), for one release.
+_MOVED = {
+    **dict.fromkeys(("CI_METHODS", "DEFAULT_CI_METHOD"), "kvcouple.analysis.intervals"),
+    **dict.fromkeys(
+        ("bootstrap_p_value", "holm", "studentized_p_value"), "kvcouple.analysis.pvalues"
+    ),
+    **dict.fromkeys(("bootstrap_table", "jackknife_means"), "kvcouple.analysis.bootstrap"),
+    "Table": "kvcouple.analysis.estimates",
+    "build_table": "kvcouple.analysis.units",
+}
+__getattr__ = moved_getattr(
+    __name__, _MOVED, module_getattr(__name__, {"QUANTITIES": "SUMMARY_DEFINITIONS"}, globals())
+)
 # The registry says each quantity's interval: integer-valued ones get percentile intervals;
 # gap terms that are ratios get the test-inversion set (percentile under other methods).
 DISCRETE = tuple(q.name for q in quantities.SUMMARY if q.interval == "percentile")
