@@ -38,14 +38,27 @@ fn f16_to_f64_arith(h: u16) -> f64 {
     }
 }
 
-/// All 65536 halves as f32. NaN and infinities map to finite values (the rebiased bits):
-/// callers test [`f16_nonfinite`] on the bits first.
+/// A NaN or infinite half as f32, bit for bit as F16C's `vcvtph2ps` widens it: sign kept,
+/// exponent all ones, mantissa shifted up, a NaN made quiet.
+fn f16_nonfinite_to_f32(h: u16) -> f32 {
+    let (sign, mantissa) = (((h & 0x8000) as u32) << 16, ((h & 0x03ff) as u32) << 13);
+    let quiet = if mantissa != 0 { 0x0040_0000 } else { 0 };
+    f32::from_bits(sign | 0x7f80_0000 | mantissa | quiet)
+}
+
+/// All 65536 halves as f32; NaN stays NaN and infinities infinite, so that every check
+/// downstream sees them (a finite stand-in would be a silently wrong number).
 fn f16_table() -> &'static [f32; 65536] {
     static TABLE: std::sync::OnceLock<Box<[f32; 65536]>> = std::sync::OnceLock::new();
     TABLE.get_or_init(|| {
         let mut t = Box::new([0f32; 65536]);
         for (h, v) in t.iter_mut().enumerate() {
-            *v = f16_to_f64_arith(h as u16) as f32; // exact: halves are a subset of f32
+            let h = h as u16;
+            *v = if f16_nonfinite(h) {
+                f16_nonfinite_to_f32(h)
+            } else {
+                f16_to_f64_arith(h) as f32 // exact: halves are a subset of f32
+            };
         }
         t
     })
@@ -347,7 +360,16 @@ mod tests {
         let mag = h & 0x7fff;
         let normal = f32::from_bits((mag << 13) + 0x3800_0000); // exponent bias 15 -> 127
         let sub = (mag & 0x03ff) as f32 * f32::from_bits(0x3380_0000); // 2^-24
-        let v = if mag < 0x0400 { sub } else { normal };
+        let special = f32::from_bits(
+            0x7f80_0000 | ((mag & 0x03ff) << 13) | ((mag & 0x03ff != 0) as u32) << 22,
+        );
+        let v = if mag < 0x0400 {
+            sub
+        } else if mag >= 0x7c00 {
+            special
+        } else {
+            normal
+        };
         f32::from_bits(v.to_bits() | ((h & 0x8000) << 16))
     }
 
@@ -374,12 +396,30 @@ mod tests {
                 assert_eq!(f16_to_f64(h), f16_to_f64_arith(h), "{h:#x}");
             }
         }
-        let all: Vec<u16> = (0..=u16::MAX).filter(|&h| !f16_nonfinite(h)).collect();
+        let all: Vec<u16> = (0..=u16::MAX).collect();
         let mut out = vec![0.0; all.len()];
         widen_f16(&all, &mut out);
         for (&h, &v) in all.iter().zip(&out) {
-            assert_eq!(v.to_bits(), f16_to_f64_arith(h).to_bits(), "half {h:#06x}");
+            assert_eq!(v.to_bits(), f16_to_f64(h).to_bits(), "half {h:#06x}");
+            if !f16_nonfinite(h) {
+                assert_eq!(v.to_bits(), f16_to_f64_arith(h).to_bits(), "half {h:#06x}");
+            }
         }
+    }
+
+    #[test]
+    fn nan_and_infinite_halves_stay_nan_and_infinite() {
+        assert_eq!(f16_to_f64(0x7c00), f64::INFINITY);
+        assert_eq!(f16_to_f64(0xfc00), f64::NEG_INFINITY);
+        for h in [0x7e00u16, 0x7c01, 0xfe00, 0x7fff] {
+            assert!(f16_to_f64(h).is_nan(), "{h:#06x}");
+            assert!(f16_to_f32(h).is_nan(), "{h:#06x}");
+        }
+        let mut out = [0.0; 3];
+        widen_f16(&[0x3c00, 0x7e00, 0x7c00], &mut out);
+        assert_eq!(out[0], 1.0);
+        assert!(out[1].is_nan());
+        assert_eq!(out[2], f64::INFINITY);
     }
 
     #[test]
