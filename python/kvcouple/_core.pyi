@@ -111,6 +111,17 @@ def store_chunks_tv(
     decode_only: bool = False,
 ) -> tuple[npt.NDArray[np.float64], tuple[str, str, str] | None]: ...
 
+# --- store_write.rs ---
+def store_encode_shard(
+    data: npt.NDArray[np.uint8],
+    itemsize: int,
+    shard: list[int] | tuple[int, ...],
+    inner: list[int] | tuple[int, ...],
+    present: int,
+    *,
+    level: int = 1,
+) -> bytes: ...
+
 # --- units.rs ---
 def estimate_units(
     hazard: npt.NDArray[np.float64],

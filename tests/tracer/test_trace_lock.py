@@ -2,7 +2,9 @@
 second trace of a store being written (or of the same shard) is refused naming the first,
 two ``--shard`` traces run together, ``analyze`` during a live trace says the store is being
 written, and the lock a kill -9 leaves is taken over by the rerun, whose store equals an
-uninterrupted run's. The lock itself: ``tests/store/test_store_lock.py``."""
+uninterrupted run's. Each on a store of one object per document and on a sharded one (many
+documents per Zarr shard: a kill loses the shard held in memory, ``--shard`` parts are whole
+Zarr shards). The lock itself: ``tests/store/test_store_lock.py``."""
 
 from __future__ import annotations
 
@@ -26,6 +28,7 @@ import xarray as xr  # noqa: E402
 
 from kvcouple.cli import main as cli_main  # noqa: E402
 from kvcouple.store.lock import LOCK_DIR  # noqa: E402
+from kvcouple.store.parts import part_documents  # noqa: E402
 from kvcouple.testing.tiny_models import tiny_model  # noqa: E402
 
 pytestmark = pytest.mark.torch
@@ -57,8 +60,18 @@ sys.exit(main(sys.argv[4:]))
 """
 
 
+# 4 documents: one stored object per document; 48: a sharded store, 3 documents a shard
+# (kvcouple.store.writer.docs_per_shard), whose --shard parts are whole shards.
+DOCS = {4: 1, 48: 3}
+
+
+@pytest.fixture(params=sorted(DOCS), ids=lambda n: f"{n}docs")
+def n_docs(request) -> int:
+    return request.param
+
+
 @pytest.fixture
-def trace_args(tmp_path) -> list[str]:
+def trace_args(tmp_path, n_docs) -> list[str]:
     model_dir = tmp_path / "tiny"
     tiny_model("llama", seed=3, vocab_size=VOCAB).save_pretrained(model_dir)
     rng = np.random.default_rng(5)
@@ -67,7 +80,7 @@ def trace_args(tmp_path) -> list[str]:
         "".join(
             json.dumps({"id": f"d{i}", "input_ids": [int(t) for t in rng.integers(1, VOCAB, 9)]})
             + "\n"
-            for i in range(4)
+            for i in range(n_docs)
         )
     )
     return [
@@ -111,12 +124,24 @@ class _Blocked:
             self.proc.communicate()
 
 
+def _same_store(store: Path, ref: Path, n_docs: int) -> None:
+    """The stores are identical, and sharded as the document count says."""
+    run = xr.open_zarr(store).load()
+    assert run.identical(xr.open_zarr(ref).load())
+    per_shard = DOCS[n_docs]
+    assert (run.hazard.encoding.get("shards") or (1,))[0] == per_shard
+    shard_files = [f for f in os.listdir(store / "hazard") if f[0].isdigit()]
+    assert len(shard_files) == -(-n_docs // per_shard)
+
+
 def test_second_trace_refused_analyze_says_being_written_kill_9_taken_over(
-    tmp_path, trace_args, capsys
+    tmp_path, trace_args, n_docs, capsys
 ):
     store, ref = tmp_path / "run.zarr", tmp_path / "ref.zarr"
     out = ["--out", str(store)]
-    first = _Blocked(tmp_path, [*trace_args, *out], block=2)
+    # Held in its third shard (sharded: the first two written, the third's first documents
+    # held in memory and lost to the kill).
+    first = _Blocked(tmp_path, [*trace_args, *out], block=2 * DOCS[n_docs] + 1)
     try:
         first.wait_ready()
         held = json.loads((store / LOCK_DIR / "all.json").read_text())
@@ -145,17 +170,24 @@ def test_second_trace_refused_analyze_says_being_written_kill_9_taken_over(
     assert cli_main([*trace_args, *out]) == 0
     assert not (store / LOCK_DIR).exists()
     assert cli_main([*trace_args, "--out", str(ref)]) == 0
-    assert xr.open_zarr(store).load().identical(xr.open_zarr(ref).load())
+    _same_store(store, ref, n_docs)
 
 
 def test_two_shard_traces_run_together_and_a_second_of_a_shard_is_refused(
-    tmp_path, trace_args, capsys
+    tmp_path, trace_args, n_docs, capsys
 ):
     store, ref = tmp_path / "run.zarr", tmp_path / "ref.zarr"
     out = ["--out", str(store)]
-    # Shard 0/2 writes documents 0 and 2, shard 1/2 documents 1 and 3: both held mid-run.
+    # Shard i/2 writes the documents of every other Zarr shard (4 documents: 0 and 2 | 1 and
+    # 3): both held mid-run, at the first document of their second Zarr shard.
+    per_shard = DOCS[n_docs]
     shards = [
-        _Blocked(tmp_path, [*trace_args, *out, "--shard", f"{i}/2"], block=2 + i) for i in (0, 1)
+        _Blocked(
+            tmp_path,
+            [*trace_args, *out, "--shard", f"{i}/2"],
+            block=part_documents(n_docs, (i, 2), per_shard)[per_shard],
+        )
+        for i in (0, 1)
     ]
     try:
         for s in shards:
@@ -176,4 +208,4 @@ def test_two_shard_traces_run_together_and_a_second_of_a_shard_is_refused(
             s.kill()
     assert not (store / LOCK_DIR).exists()
     assert cli_main([*trace_args, "--out", str(ref)]) == 0
-    assert xr.open_zarr(store).load().identical(xr.open_zarr(ref).load())
+    _same_store(store, ref, n_docs)

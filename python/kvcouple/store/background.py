@@ -233,6 +233,7 @@ class BackgroundWriter:
         while True:
             item = self._queue.get()
             if item is _STOP:
+                self._flush()
                 return
             if self._error is not None:
                 continue  # after a failure: drop the rest (nothing half-marked completed)
@@ -252,6 +253,23 @@ class BackgroundWriter:
                     self.stats.bytes += size
                 self.stats.write_seconds += end - start
                 self.stats._writes.append((start, end))
+
+    def _flush(self) -> None:
+        """Write the shards the store writer still holds (sharded stores; also after a
+        failed write: the documents held before it are whole)."""
+        flush = getattr(self.writer, "flush", None)
+        if flush is None:
+            return
+        start = time.perf_counter()
+        try:
+            flush()
+        except BaseException as e:
+            if self._error is None:
+                self._error = e
+        end = time.perf_counter()
+        with self._lock:
+            self.stats.write_seconds += end - start
+            self.stats._writes.append((start, end))
 
 
 def queue_bound(batch_sizes: list[int]) -> int:

@@ -38,6 +38,7 @@ from typing import Any, Literal
 
 from kvcouple.errors import StoreError
 from kvcouple.store.geometry import is_url
+from kvcouple.store.parts import parts_overlap
 
 LOCK_DIR = ".kvcouple-lock"
 LOCK_FORMAT = "kvcouple writer lock 1"
@@ -56,11 +57,6 @@ class StoreBeingWrittenError(StoreError):
 def part_name(index: int, count: int) -> str:
     """The part a writer of ``--shard index/count`` writes: ``all`` for the whole store."""
     return "all" if count == 1 else f"shard-{index}-of-{count}"
-
-
-def _overlap(a: tuple[int, int], b: tuple[int, int], n_docs: int) -> bool:
-    """Whether shards ``a`` and ``b`` (index, count) share a document of ``range(n_docs)``."""
-    return any(d % a[1] == a[0] and d % b[1] == b[0] for d in range(n_docs))
 
 
 def _host() -> str:
@@ -352,9 +348,11 @@ def acquire(
     shard: tuple[int, int],
     n_docs: int,
     storage_options: dict[str, Any] | None = None,
+    docs_per_shard: int = 1,
 ) -> tuple[_Files, WriterLock, bytes]:
     """Take the lock on ``shard`` of ``store`` (which exists), taking over stale locks.
-    Raises :class:`StoreLockError` naming a live writer of any overlapping part."""
+    Raises :class:`StoreLockError` naming a live writer of any overlapping part (parts as
+    :mod:`kvcouple.store.parts` assigns documents, ``docs_per_shard`` to a stored object)."""
     files = _Files(store, storage_options)
     shown = str(store)
     mine = WriterLock.mine(shard)
@@ -380,7 +378,7 @@ def acquire(
         if held is None:
             continue
         other = WriterLock.from_json(held, part)
-        if not _overlap(other.shard, mine.shard, n_docs):
+        if not parts_overlap(other.shard, mine.shard, n_docs, docs_per_shard):
             continue
         status = other.status()
         if status == "stale":
@@ -397,6 +395,7 @@ def writer_lock(
     shard: tuple[int, int],
     n_docs: int,
     storage_options: dict[str, Any] | None = None,
+    docs_per_shard: int = 1,
 ) -> Iterator[WriterLock]:
     """Hold the writer lock of ``shard`` (``(i, N)``; ``(0, 1)``: the whole store) of
     ``store`` while the block runs; released on leaving it, also by an exception.
@@ -407,7 +406,7 @@ def writer_lock(
         A live process (or one on another host) writes the same part, or a part sharing
         documents with it; the message names it and what to do.
     """
-    files, mine, data = acquire(store, shard, n_docs, storage_options)
+    files, mine, data = acquire(store, shard, n_docs, storage_options, docs_per_shard)
     try:
         yield mine
     finally:

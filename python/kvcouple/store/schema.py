@@ -1,5 +1,9 @@
 """The trace-store layout (SPEC section 8): one xarray Dataset in a Zarr store per run.
 
+Schema version 5: a store of many documents may be written with Zarr v3 sharding, many
+documents per stored object, each document and policy still its own chunk inside
+(:func:`kvcouple.store.writer.docs_per_shard`), and ``--shard i/N`` writers own whole Zarr
+shards (:mod:`kvcouple.store.parts`); version 4 stores read as before.
 Schema version 4: the store may keep its text (:data:`TEXT_VARIABLES`: the prompts' token ids
 and the bytes of every token id, so that text is shown without the model; attribute
 ``text_decoder``); version 3 stores, which keep no text, read as before.
@@ -66,13 +70,17 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-SCHEMA_VERSION = 4
-# Versions this kvcouple reads: 2 has the same layout without chunk checksums; 3 has no text.
-READABLE_VERSIONS = (2, 3, 4)
+SCHEMA_VERSION = 5
+# Versions this kvcouple reads: 2 has the same layout without chunk checksums; 3 has no text;
+# 4 keeps one stored object per document (and policy) of every variable.
+READABLE_VERSIONS = (2, 3, 4, 5)
 # The first version whose writer puts a checksum on every chunk.
 CHECKSUMS_SINCE = 3
 # The first version that may keep the text (TEXT_VARIABLES), where the tracer had a tokenizer.
 TEXT_SINCE = 4
+# The first version whose writer may shard (kvcouple.store.writer.docs_per_shard) and whose
+# --shard i/N parts are whole Zarr shards (kvcouple.store.parts).
+SHARDS_SINCE = 5
 
 # Sentinels for unobserved entries (after a stop, past the horizon, no branch).
 NO_TOKEN = -1

@@ -3,15 +3,28 @@
 Several processes (``--shard i/N``) may fill one store: creation is atomic (built in a
 temporary folder, then renamed into place), every document is its own chunk along ``doc``,
 and a document counts as done only once its ``completed`` flag is written, last.
+
+**Sharding.** With zarr-python 3, a store of many documents keeps ``docs_per_shard``
+consecutive documents of a variable in one stored object (a Zarr v3 shard; inside it each
+document and policy is still its own chunk, readable alone): files per store grow with
+documents / shard size instead of ~17 per document and policy (:func:`docs_per_shard`). The
+writer holds a shard's documents in memory and writes the shard whole once every document it
+expects there is in (:meth:`TraceStoreWriter.expect`), the ``completed`` flags last; what is
+left at the end (a stopped or failed run) is written by :meth:`TraceStoreWriter.flush`. A
+process killed before a shard is written loses that shard's new documents, and the resumed run
+writes them again. Writers of ``--shard i/N`` own whole Zarr shards (:mod:`kvcouple.store.parts`),
+so no two processes ever write the same object.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 import tempfile
 import warnings
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -39,6 +52,12 @@ def _zarr() -> Any:
 
 # Aim for chunks of a few MB to tens of MB (SPEC section 8).
 _TARGET_CHUNK_BYTES = 16 * 2**20
+# Sharding: a shard of a variable holds at most this many bytes (uncompressed) and documents,
+# and a store has at least _MIN_SHARDS of them, so that a killed run loses at most a sixteenth
+# of its work and the Dask tracer and --shard i/N have whole shards to share out.
+_SHARD_BYTES = 8 * 2**20
+MAX_DOCS_PER_SHARD = 256
+_MIN_SHARDS = 16
 
 # What a mismatch of some run keys means, in the user's terms ({old}: the store's, {new}: this
 # run's); other keys get a generic message.
@@ -238,6 +257,36 @@ def _zarr3() -> bool:
     return hasattr(_zarr(), "create_array")
 
 
+def docs_per_shard(layout: StoreLayout) -> int:
+    """Documents per stored object of the store ``layout`` describes: 1 (no sharding) with
+    zarr-python 2 and for ``record="full"`` (a document's distributions are megabytes: files
+    are not the cost there), else as many as keep each variable's shard under
+    :data:`_SHARD_BYTES` (uncompressed), at most :data:`MAX_DOCS_PER_SHARD` and at most a
+    sixteenth of the documents. A function of the layout alone, so every process of a run
+    (planner, ``--shard`` writers, Dask workers) finds the same number."""
+    if layout.record.kind == "full" or not _zarr3():
+        return 1
+    sizes = layout.sizes()
+    largest = max(
+        np.dtype(v.dtype).itemsize * math.prod(sizes[d] for d in v.dims[1:])
+        for v in variables(layout.record).values()
+        if v.dims[0] == "doc"
+    )
+    most = min(MAX_DOCS_PER_SHARD, len(layout.doc_ids) // _MIN_SHARDS, _SHARD_BYTES // largest)
+    return max(1, most)
+
+
+def _shards(
+    dims: tuple[str, ...], chunks: tuple[int, ...], sizes: dict[str, int], per_shard: int
+) -> tuple[int, ...] | None:
+    """A variable's shard shape: ``per_shard`` documents and every policy, the other axes as
+    its chunks; None where it is not sharded (one document per object, or no ``doc`` axis)."""
+    if per_shard == 1 or not dims or dims[0] != "doc":
+        return None
+    rest = [sizes[d] if d == "policy" else c for d, c in zip(dims[1:], chunks[1:], strict=True)]
+    return (per_shard, *rest)
+
+
 # Chunk keys as in Zarr format 2 (``hazard/1.0.0.0``) in format 3 too: one file per chunk in
 # the variable's folder, the same names whichever zarr-python wrote the store.
 _KEYS_V2 = {"name": "v2", "separator": "."}
@@ -275,9 +324,10 @@ def _create_array(
     dtype: str,
     dims: tuple[str, ...],
     compress: bool = True,
+    shards: tuple[int, ...] | None = None,
 ) -> Any:
     """Create one checksummed array with xarray's dimension names: Zarr format 3 with
-    zarr-python 3, format 2 with zarr-python 2."""
+    zarr-python 3 (sharded where ``shards`` is given), format 2 with zarr-python 2."""
     shape = data_or_shape.shape if isinstance(data_or_shape, np.ndarray) else data_or_shape
     if _zarr3():
         # Labels as variable-length strings (the Zarr v3 "string" type): numpy's fixed-width
@@ -287,6 +337,7 @@ def _create_array(
             name,
             shape=shape,
             chunks=chunks,
+            shards=shards,
             dtype=kind,
             dimension_names=list(dims),
             chunk_key_encoding=_KEYS_V2,
@@ -339,16 +390,18 @@ def _build(
     run's ``text`` where it has one (schema version 4)."""
     group = _open_group(tmp, "w")
     sizes = layout.sizes()
+    per_shard = docs_per_shard(layout)
     for name, (dims, dtype, _) in variables(layout.record).items():
         shape = tuple(sizes[d] for d in dims)
         itemsize = np.dtype(dtype).itemsize
         chunks = _chunks(dims, sizes, itemsize)
+        shards = _shards(dims, chunks, sizes, per_shard)
         if name == "completed":
             # Written in full now: zarr 2 returns unwritten chunks of an array without
             # a fill value as uninitialised memory, and this flag must read False.
-            _create_array(group, name, np.zeros(shape, bool), chunks, dtype, dims)
+            _create_array(group, name, np.zeros(shape, bool), chunks, dtype, dims, True, shards)
         else:
-            _create_array(group, name, shape, chunks, dtype, dims)
+            _create_array(group, name, shape, chunks, dtype, dims, True, shards)
     coords = {
         "doc": np.arange(sizes["doc"], dtype=np.int32),
         "policy": np.array(layout.policies, dtype=f"<U{max(map(len, layout.policies))}"),
@@ -366,7 +419,9 @@ def _build(
         for name, values in text.arrays(layout.vocab_size).items():
             dims = TEXT_VARIABLES[name].dims
             chunks = (1, *values.shape[1:]) if dims[0] == "doc" else values.shape
-            _create_array(group, name, values, chunks, TEXT_VARIABLES[name].dtype, dims)
+            shards = _shards(dims, chunks, {}, per_shard)
+            dtype = TEXT_VARIABLES[name].dtype
+            _create_array(group, name, values, chunks, dtype, dims, True, shards)
     # The plan registry is born with the store (kvcouple.store.registry); written after
     # consolidating, which warns about files that are not zarr nodes.
     group.attrs.update({**attrs, registry.MARKER_ATTR: registry.REGISTRY_NAME})
@@ -437,6 +492,13 @@ class TraceStoreWriter:
         self.layout = layout
         self._group = group
         self._vars = variables(layout.record)
+        shards = getattr(group["completed"], "shards", None)
+        #: Documents per stored object (1: the store is not sharded).
+        self.docs_per_shard = int(shards[0]) if shards else 1
+        # Sharded stores: what is on disk, what this run writes, the shards held in memory.
+        self._on_disk: np.ndarray | None = None
+        self._expected: set[int] | None = None
+        self._held: dict[int, _HeldShard] = {}
 
     @classmethod
     def open(
@@ -500,7 +562,15 @@ class TraceStoreWriter:
                 f"version {SCHEMA_VERSION}. Write to a new store."
             )
         check_resume(store, existing, full_attrs)
-        return cls(store, layout, group)
+        writer = cls(store, layout, group)
+        if writer.docs_per_shard != docs_per_shard(layout):
+            # The planner shares documents out by whole shards of the size this kvcouple
+            # makes; another size would let two writers share a stored object.
+            raise StoreError(
+                f"cannot resume {store}: it holds {writer.docs_per_shard} documents per stored "
+                f"object, this kvcouple writes {docs_per_shard(layout)}; write to a new --out"
+            )
+        return writer
 
     @classmethod
     def _create(
@@ -524,9 +594,16 @@ class TraceStoreWriter:
         """Boolean array over docs: which documents are fully written."""
         return np.asarray(self._group["completed"][...], dtype=bool)
 
+    def expect(self, docs: Iterable[int]) -> None:
+        """The documents this run will write (sharded stores: a shard is written once those of
+        its documents are in; by default every document the store lacks)."""
+        self._expected = {int(d) for d in docs}
+
     def write_doc(self, doc: int, arrays: dict[str, np.ndarray]) -> None:
         """Write every variable of one document (arrays without the leading ``doc`` axis),
-        then mark it completed. Missing variables are an error: nothing is half-written."""
+        then mark it completed. Missing variables are an error: nothing is half-written.
+        In a sharded store the document is held with its shard, which is written whole once
+        complete (or by :meth:`flush`)."""
         missing = [n for n in self._vars if n not in arrays and n not in ("completed",)]
         if missing:
             raise StoreError(f"write_doc({doc}) is missing variables: {', '.join(missing)}")
@@ -542,9 +619,131 @@ class TraceStoreWriter:
                     f"write_doc({doc}): {name} has shape {value.shape}, expected {want} {dims[1:]}"
                 )
             values[name] = value.astype(dtype, copy=False)
+        if self.docs_per_shard > 1:
+            self._hold(doc, values)
+            return
         # Every chunk is written, even one equal to the fill value (an all-zero hazard of the
         # full policy): readers tell a damaged store by its missing chunks.
         with _write_empty_chunks():
             for name, value in values.items():
                 self._group[name][doc] = value
             self._group["completed"][doc] = True
+
+    def flush(self) -> None:
+        """Write every shard held, also those still missing documents (a run that stops or
+        fails keeps what it traced). Nothing to do where the store is not sharded."""
+        for k in sorted(self._held):
+            self._write_shard(k)
+
+    def close(self) -> None:
+        self.flush()
+
+    def __enter__(self) -> TraceStoreWriter:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.flush()
+
+    def _done(self) -> np.ndarray:
+        if self._on_disk is None:
+            self._on_disk = self.completed()
+        return self._on_disk
+
+    def _region(self, k: int) -> range:
+        n = len(self.layout.doc_ids)
+        return range(k * self.docs_per_shard, min(n, (k + 1) * self.docs_per_shard))
+
+    def _hold(self, doc: int, values: dict[str, np.ndarray]) -> None:
+        k = doc // self.docs_per_shard
+        region = self._region(k)
+        held = self._held.get(k)
+        if held is None:
+            held = _HeldShard(
+                {
+                    name: np.full((len(region), *v.shape), self._vars[name].fill, v.dtype)
+                    for name, v in values.items()
+                }
+            )
+            self._held[k] = held
+        for name, value in values.items():
+            held.arrays[name][doc - region.start] = value
+        held.docs.add(doc)
+        done = self._done()
+        want = [
+            d for d in region if not done[d] and (self._expected is None or d in self._expected)
+        ]
+        if all(d in held.docs for d in want):
+            self._write_shard(k)
+
+    def _write_shard(self, k: int) -> None:
+        """Write shard ``k`` whole: the documents held, the ones already on disk read back
+        (a resumed shard), the others as fill values; the ``completed`` flags last."""
+        held = self._held.pop(k)
+        region = self._region(k)
+        sel = slice(region.start, region.stop)
+        done = self._done()
+        before = [d - region.start for d in region if done[d] and d not in held.docs]
+        if before:
+            for name, arr in held.arrays.items():
+                arr[before] = np.asarray(self._group[name][sel])[before]
+        flags = done[sel].copy()
+        flags[[d - region.start for d in held.docs]] = True
+        with _write_empty_chunks():
+            for name, values in [*held.arrays.items(), ("completed", flags)]:
+                if not self._write_shard_file(name, k, values):
+                    self._group[name][sel] = values
+        done[sel] = flags
+
+    def _write_shard_file(self, name: str, k: int, values: np.ndarray) -> bool:
+        """Write shard ``k`` of ``name`` whole through the Rust encoder (a local store, the
+        layout :func:`_codecs` makes, one shard per document region): written aside, then
+        renamed into place, so a reader or a kill never finds half a shard. False where
+        zarr-python must write it (object storage, another layout)."""
+        arr = self._group[name]
+        if not isinstance(self.path, Path) or not _encodable(arr):
+            return False
+        from kvcouple import _core
+
+        shard = tuple(int(c) for c in arr.shards)
+        padded = np.full(shard, self._vars[name].fill, dtype=arr.dtype.newbyteorder("<"))
+        padded[: len(values)] = values
+        data = _core.store_encode_shard(
+            padded.reshape(-1).view(np.uint8), padded.itemsize, shard, arr.chunks, len(values)
+        )
+        coords = (k,) + (0,) * (arr.ndim - 1)
+        target = self.path / arr.path / arr.metadata.encode_chunk_key(coords)
+        aside = target.with_name(f".{target.name}.{os.getpid()}.tmp")
+        aside.write_bytes(data)
+        os.replace(aside, target)
+        return True
+
+
+def _encodable(arr: Any) -> bool:
+    """Whether ``arr`` is sharded with one shard across its axes after ``doc`` and the codecs
+    the Rust shard encoder writes (``kvcouple._core.store_encode_shard``)."""
+    shards = getattr(arr, "shards", None)
+    if shards is None or tuple(shards[1:]) != tuple(arr.shape[1:]):
+        return False
+    codecs = arr.metadata.codecs
+    if len(codecs) != 1 or codecs[0].to_dict().get("name") != "sharding_indexed":
+        return False
+    config = codecs[0].to_dict()["configuration"]
+    inner = [dict(c) for c in config["codecs"]]
+    index = [dict(c) for c in config["index_codecs"]]
+    little: tuple[dict[str, str], ...] = ({}, {"endian": "little"})
+    return (
+        [c["name"] for c in inner] == ["bytes", "zstd", "crc32c"]
+        and inner[0].get("configuration", {}) in little
+        and inner[1]["configuration"] == {"level": 1, "checksum": False}
+        and [c["name"] for c in index] == ["bytes", "crc32c"]
+        and index[0].get("configuration", {}) in little
+        and config["index_location"] == "end"
+    )
+
+
+@dataclass
+class _HeldShard:
+    """A shard's documents held in memory until it is written: each variable's region."""
+
+    arrays: dict[str, np.ndarray]
+    docs: set[int] = field(default_factory=set)

@@ -294,11 +294,14 @@ def write_synthetic_trace_store(
     )
     check_memory(f"one synthetic document ({layout.record} record)", 2 * doc_bytes)
     writer = TraceStoreWriter.open(path, layout, attrs)
-    with writer_lock(path, (0, 1), len(starts)):  # one writer at a time (kvcouple.store.lock)
+    # One writer at a time (kvcouple.store.lock); the shards it holds are written on the way
+    # out, also when stopped early or by an error.
+    with writer_lock(path, (0, 1), len(starts)), writer:
         done = writer.completed()
         todo = [d for d in range(len(starts)) if not done[d]]
         if stop_after is not None:
             todo = todo[:stop_after]
+        writer.expect(todo)
         for d in tqdm(todo, unit="doc", desc="kvcouple synth trace-store", disable=not progress):
             out = empty_arrays(layout.record, layout.sizes(), float_dtype="float64")
             for pol, (_name, base) in enumerate(emitters.items()):

@@ -13,9 +13,10 @@ on workers, their memory, futures with retries, progress events) is
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -68,6 +69,7 @@ class _Setup:
     attrs: dict[str, Any]
     shape: ModelShape
     completed: np.ndarray
+    docs_per_shard: int
 
 
 def _setup_task(
@@ -91,37 +93,73 @@ def _setup_task(
         model, prompts, policies, settings, seed, model_id, model_revision
     )
     writer = TraceStoreWriter.open(out, layout, attrs, text)
-    return _Setup(settings, layout, attrs, ModelShape.of_model(model), writer.completed())
+    shape = ModelShape.of_model(model)
+    return _Setup(settings, layout, attrs, shape, writer.completed(), writer.docs_per_shard)
+
+
+@dataclass(frozen=True)
+class _Batch:
+    """One document batch of a task: its index in the plan (progress events name it), its
+    documents, those of them the run writes, and their footprints."""
+
+    index: int
+    docs: list[BatchDocument]
+    write: list[int]
+    footprints: list[DocumentFootprint]
 
 
 def _batch_task(
     spec: WorkerModel,
-    docs: list[BatchDocument],
-    write: list[int],
-    footprints: list[DocumentFootprint],
+    batches: list[_Batch],
     policies: list[Policy],
     out: str,
     layout: StoreLayout,
     attrs: dict[str, Any],
     seed: int,
     topic: str,
-    index: int,
 ) -> tuple[list[Written], str, int]:
-    """One document batch on a worker: traced whole, the documents of ``write`` the store
-    still lacks written. A retried task finds in the store what its lost attempt finished
-    before the worker died (or before the client had its result): those are reported all the
-    same, not rewritten, so the run's summary counts every document once. Returns the
-    documents of ``write``, the worker and the models it has loaded in this run."""
+    """Document batches on a worker (one, or consecutive ones sharing a Zarr shard: a shard
+    is written by one task, whole): each traced whole, the documents of its ``write`` the
+    store still lacks written. A retried task finds in the store what its lost attempt
+    finished before the worker died (or before the client had its result): those are reported
+    all the same, not rewritten, so the run's summary counts every document once. Returns the
+    documents written, the worker and the models it has loaded in this run."""
     writer = TraceStoreWriter.open(out, layout, attrs)
     done = writer.completed()
     model = WORKER_MODELS.get(spec)
     refresh(model)
-    check_fits(footprints, model)
-    policy = iter(range(len(policies)))
-    on_policy = lambda: report(topic, [index, next(policy)])  # noqa: E731
-    kept = [d for d in write if done[d]]
-    written = write_batch(model, docs, write, policies, writer, seed, on_policy, kept=kept)
+    check_fits([f for b in batches for f in b.footprints], model)
+    writer.expect([d for b in batches for d in b.write if not done[d]])
+    written: list[Written] = []
+    with writer:  # the shards it holds are written on the way out, also after an error
+        for b in batches:
+            policy = iter(range(len(policies)))
+            on_policy = functools.partial(_report_policy, topic, b.index, policy)
+            kept = [d for d in b.write if done[d]]
+            written += write_batch(
+                model, b.docs, b.write, policies, writer, seed, on_policy, kept=kept
+            )
     return written, worker_address(), WORKER_MODELS.loads
+
+
+def _report_policy(topic: str, index: int, policy: Iterator[int]) -> None:
+    report(topic, [index, next(policy)])
+
+
+def _shard_groups(batches: list[list[int]], docs_per_shard: int) -> list[list[int]]:
+    """The plan's batches (by index) grouped into tasks: consecutive batches that share a Zarr
+    shard go together, so that no two tasks write the same stored object."""
+    groups: list[list[int]] = []
+    shards: set[int] = set()
+    for i, batch in enumerate(batches):
+        mine = {d // docs_per_shard for d in batch}
+        if groups and mine & shards:
+            groups[-1].append(i)
+            shards |= mine
+        else:
+            groups.append([i])
+            shards = mine
+    return groups
 
 
 def trace_on_cluster(
@@ -157,7 +195,11 @@ def trace_on_cluster(
     ).result()  # fmt: skip
     # The client holds the lock of its part while the workers write it (kvcouple.store.lock),
     # where it sees the store (not a folder only the workers share: docs/store.md).
-    lock = writer_lock(where, shard, len(prompts)) if visible(where) else contextlib.nullcontext()
+    lock = (
+        writer_lock(where, shard, len(prompts), docs_per_shard=setup.docs_per_shard)
+        if visible(where)
+        else contextlib.nullcontext()
+    )
     with lock:
         return _run_on_cluster(
             client, spec, prompts, pols, setup, where, out, seed=seed, shard=shard,
@@ -185,7 +227,9 @@ def _run_on_cluster(
     settings = setup.settings
     infos: dict[str, WorkerInfo] = client.run(worker_info, spec, setup.shape.weight_bytes)
     budget = Budget.cluster(setup.shape, infos, memory)
-    run = plan_run(setup.shape, prompts, pols, settings, budget, shard)
+    run = plan_run(
+        setup.shape, prompts, pols, settings, budget, shard, docs_per_shard=setup.docs_per_shard
+    )
     todo = [d for d in run.documents if not setup.completed[d]]
     summary = RunSummary(out, len(prompts), skipped=len(run.documents) - len(todo))
     if max_docs is not None:
@@ -193,15 +237,18 @@ def _run_on_cluster(
     chosen = set(todo)
     topic = f"kvcouple-trace-{os.getpid()}-{time.time_ns()}"
     tasks, weight = [], {}
-    for i, batch in enumerate(run.batches):
-        write = [d for d in batch if d in chosen]
-        if write:
-            docs = batch_documents(prompts, settings, run.footprints, batch)
-            footprints = [run.footprints[d] for d in batch]
-            args = (spec, docs, write, footprints, pols, where, setup.layout, setup.attrs, seed,
-                    topic, i)  # fmt: skip
-            tasks.append((f"{topic}-batch-{i}", args))
-            weight[i] = len(write)
+    for group in _shard_groups(run.batches, setup.docs_per_shard):
+        batches = []
+        for i in group:
+            batch = run.batches[i]
+            write = [d for d in batch if d in chosen]
+            if write:
+                docs = batch_documents(prompts, settings, run.footprints, batch)
+                batches.append(_Batch(i, docs, write, [run.footprints[d] for d in batch]))
+                weight[i] = len(write)
+        if batches:
+            args = (spec, batches, pols, where, setup.layout, setup.attrs, seed, topic)
+            tasks.append((f"{topic}-batch-{group[0]}", args))
     counted: set[tuple[int, int]] = set()  # (batch, policy): a retried task counts once
     total = sum(weight.values()) * len(pols)
     bar = tqdm(total=total, unit="doc-policy", disable=not progress, desc="kvcouple trace")

@@ -22,6 +22,8 @@ from kvcouple.errors import InvalidInputError
 from kvcouple.policies import Policy, parse_policy
 from kvcouple.store import StoreLayout
 from kvcouple.store.background import format_host
+from kvcouple.store.parts import part_documents
+from kvcouple.store.writer import docs_per_shard as store_docs_per_shard
 from kvcouple.tracer.distributed import WorkerInfo, format_workers, run_budget
 from kvcouple.tracer.memory import (
     DocumentFootprint,
@@ -70,10 +72,10 @@ def parse_shard(text: str) -> tuple[int, int]:
     return i, n
 
 
-def shard_documents(documents: int, shard: tuple[int, int]) -> list[int]:
-    """The indices of the shard ``(i, n)``'s documents: those ``i`` modulo ``n``."""
-    index, count = shard
-    return [d for d in range(documents) if d % count == index]
+def shard_documents(documents: int, shard: tuple[int, int], docs_per_shard: int = 1) -> list[int]:
+    """The indices of the shard ``(i, n)``'s documents: whole Zarr shards of ``docs_per_shard``
+    documents, those whose index is ``i`` modulo ``n`` (:mod:`kvcouple.store.parts`)."""
+    return part_documents(documents, shard, docs_per_shard)
 
 
 def _pack_padding(footprints: Mapping[int, DocumentFootprint], members: list[int]) -> int:
@@ -179,6 +181,7 @@ class RunPlan:
     batches: list[list[int]]
     layout: StoreLayout
     host: HostFootprint | None
+    docs_per_shard: int = 1
 
     @property
     def refused(self) -> list[str]:
@@ -222,12 +225,28 @@ def plan_run(
     shard: tuple[int, int] = (0, 1),
     *,
     refuse: bool = True,
+    docs_per_shard: int | None = None,
 ) -> RunPlan:
     """Plan the shard's documents of a run. ``refuse``: a document that does not fit raises
     :class:`~kvcouple.tracer.memory.FootprintTooLargeError` (else its plan says so, for the dry
     run).
-    The records are planned on this host unless the budget is a cluster's."""
-    mine = shard_documents(len(prompts), shard)
+    The records are planned on this host unless the budget is a cluster's. The shard's
+    documents are whole Zarr shards of the store the run writes (:mod:`kvcouple.store.parts`):
+    ``docs_per_shard`` where the store says it (a Dask run's workers opened it), else as this
+    process would create it."""
+    per_shard = docs_per_shard or store_docs_per_shard(
+        StoreLayout(
+            [p.id for p in prompts],
+            [p.spec() for p in policies],
+            settings.horizon,
+            settings.window,
+            settings.branches,
+            settings.replicates,
+            shape.vocab,
+            settings.record,
+        )  # fmt: skip
+    )
+    mine = shard_documents(len(prompts), shard, per_shard)
     documents = [(prompts[d].id, len(prompts[d].input_ids)) for d in mine]
     found = document_footprints(
         shape, documents, policies, run_sizes(settings), settings.branch_batch,
@@ -243,4 +262,4 @@ def plan_run(
     )  # fmt: skip
     on_cluster = budget.workers is not None
     host = None if on_cluster or not fits else host_footprint(layout, [len(b) for b in batches])
-    return RunPlan(shape, budget, mine, footprints, batches, layout, host)
+    return RunPlan(shape, budget, mine, footprints, batches, layout, host, per_shard)

@@ -164,12 +164,13 @@ def trace(
         raise FootprintTooLargeError(f"refusing to trace: {host_refusal(run.host)}")
     writer = TraceStoreWriter.open(out, layout, attrs, store_text(tokenizer, prompts, layout))
     # One writer of this part at a time (kvcouple.store.lock): held until the last write.
-    with writer_lock(out, shard, len(prompts)):
+    with writer_lock(out, shard, len(prompts), docs_per_shard=writer.docs_per_shard):
         done = writer.completed()
         todo = [d for d in run.documents if not done[d]]
         summary = RunSummary(out, len(prompts), skipped=len(run.documents) - len(todo))
         if max_docs is not None:
             todo = todo[:max_docs]
+        writer.expect(todo)
         # Written behind the tracing (store.background): a batch writes while the next traces.
         bound = queue_bound([len(b) for b in run.batches])
         with BackgroundWriter(writer, bound) as background:

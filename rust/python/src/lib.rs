@@ -9,6 +9,7 @@ mod kernels;
 mod object_fetcher;
 mod stats;
 mod store;
+mod store_write;
 mod synth;
 mod units;
 
@@ -21,6 +22,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     units::register(m)?;
     stats::register(m)?;
     store::register(m)?;
+    store_write::register(m)?;
     object_fetcher::register(m)?;
     Ok(())
 }

@@ -28,6 +28,7 @@ pub mod chunks;
 mod direct;
 pub mod fetched;
 pub mod local;
+pub mod shard_write;
 pub mod source;
 
 /// Why a read failed, with the chunk key where there is one.
