@@ -84,12 +84,19 @@ class EngineReads:
         check needs the document's ``prompt_length``: it is read in the same batch."""
         doc = int(doc)
         wanted, extra = self._with_prompt_length(names, [doc])
-        got, supported = self._read_direct(wanted, [doc])
+        got, supported, problem = self._read_direct(wanted, [doc])
         blocks = None if got is None else got[0]
         if not supported and zarr_major() >= 3:
             blocks = self._read_concurrently(wanted, doc)
         if blocks is None:
-            return {n: self.validation.read_doc(n, doc) for n in names}
+            # zarr-python reads an absent inner chunk of a shard as its fill value: the
+            # engine's word stands (an absent object, zarr-python's check names alike).
+            if problem is not None and problem[0] == "missing" and self._sharded(wanted):
+                raise self._damage_error(problem, doc)
+            read = {n: self.validation.read_doc(n, doc) for n in names}
+            if problem is not None:  # damage zarr-python's reads do not see
+                raise self._damage_error(problem, doc)
+            return read
         self._check_summary(doc, blocks, extra)
         return blocks
 
@@ -105,7 +112,7 @@ class EngineReads:
         if is_url(self.path) or not docs:
             return None
         wanted, extra = self._with_prompt_length(names, docs)
-        got, _ = self._read_direct(wanted, docs)
+        got, _, _ = self._read_direct(wanted, docs)
         if got is None:
             return None
         try:
@@ -139,33 +146,44 @@ class EngineReads:
         for n, block in blocks.items():
             validation.check_values(n, block, (doc,) + (0,) * block.ndim, blocks)
 
+    def _sharded(self, names: tuple[str, ...]) -> bool:
+        """Whether any of ``names`` is sharded (a stored object holds several chunks)."""
+        geometry = self.geometry
+        return any(geometry.storage_grid(n) != geometry.decode_grid(n) for n in names)
+
     def _read_direct(
         self, names: tuple[str, ...], docs: list[int]
-    ) -> tuple[list[dict[str, np.ndarray]] | None, bool]:
-        """``([name[doc] of every name, for each doc], True)`` read and decoded by the Rust
-        engine (``kvcouple._core.store_decode_chunks``: every chunk in parallel, the GIL
-        released, checksums verified); ``(None, True)`` if a chunk is missing or damaged (the
-        caller names it); ``(None, False)`` where the engine cannot read these variables so:
-        several documents per chunk, sharded or another codec (then never again for this
-        reader). On object storage one document at a time."""
+    ) -> tuple[list[dict[str, np.ndarray]] | None, bool, tuple[str, str, str] | None]:
+        """``([name[doc] of every name, for each doc], True, None)`` read and decoded by the
+        Rust engine (``kvcouple._core.store_decode_chunks``: every chunk in parallel, the GIL
+        released, checksums verified); ``(None, True, problem)`` if a chunk is missing or
+        damaged (the caller names it; ``problem``: the engine's ``(kind, key, message)``);
+        ``(None, False, None)`` where the engine cannot read these variables so: several
+        documents per chunk, another codec, or shards on object storage (then never again
+        for this reader). A sharded variable is read where its inner chunks hold one document
+        each: each shard object is read once per call and the inner chunks asked of it
+        decoded. On object storage one document at a time."""
         from kvcouple import _core
 
         geometry = self.geometry
         remote = is_url(self.path)
         if remote and len(docs) != 1:
-            return None, False  # fetched a document at a time (read_summary's prefetch)
+            return None, False, None  # fetched a document at a time (read_summary's prefetch)
         if (
             self.switch.off
             or self.no_direct
-            or any(geometry.storage_grid(n)[0] != 1 for n in names)
+            or any(geometry.decode_grid(n)[0] != 1 for n in names)
             or remote
-            and self.object_storage.object_fetcher() is None
+            # Shards hold many documents: fetched whole for one, they cost more than
+            # zarr-python's ranged reads of just its inner chunks.
+            and (self._sharded(names) or self.object_storage.object_fetcher() is None)
         ):
             self.no_direct = True
-            return None, False
+            return None, False, None
         metas = [self.metadata_document(n) for n in names]
         arrays = [geometry.array(n) for n in names]
-        grids = [geometry.storage_grid(n) for n in names]
+        grids = [geometry.decode_grid(n) for n in names]
+        shards = [geometry.storage_grid(n) for n in names]
         per_doc = [
             [
                 (i, cell, where)
@@ -178,17 +196,25 @@ class EngineReads:
         ]
         cells = [c for doc_cells in per_doc for c in doc_cells]
         which = [i for i, _, _ in cells]
-        keys = [geometry.chunk_key(names[i], cell) for i, cell, _ in cells]
+        stored_at = [_stored_at(cell, grids[i], shards[i]) for i, cell, _ in cells]
+        keys = [
+            geometry.chunk_key(names[i], obj)
+            for (i, _, _), (obj, _) in zip(cells, stored_at, strict=True)
+        ]
+        inner = [k for _, k in stored_at]
         if remote:
             _, got = self.object_storage.summary_objects(names, docs[0])
             decoded, problem = _core.store_decode_chunks(metas, which, keys, chunks=got)
         else:
-            decoded, problem = _core.store_decode_chunks(metas, which, keys, root=self.path)
+            sharded = any(k >= 0 for k in inner)
+            decoded, problem = _core.store_decode_chunks(
+                metas, which, keys, root=self.path, inner=inner if sharded else None
+            )
         if problem is not None:
             if problem[0] == "unsupported":
                 self.no_direct = True
-                return None, False
-            return None, True
+                return None, False, None
+            return None, True, problem
         # Stored little endian (the layout the engine reads); edge chunks are padded.
         stored = [np.dtype(a.dtype).newbyteorder("<") for a in arrays]
         raws = iter(decoded)
@@ -197,10 +223,30 @@ class EngineReads:
             blocks = {n: np.empty(a.shape[1:], a.dtype) for n, a in zip(names, arrays, strict=True)}
             for (i, _, where), raw in zip(doc_cells, raws, strict=False):
                 chunk = np.frombuffer(raw, stored[i]).reshape(grids[i])[0]
-                inner = tuple(slice(0, w.stop - w.start) for w in where[1:])
-                blocks[names[i]][where[1:]] = chunk[inner]
+                inner_sel = tuple(slice(0, w.stop - w.start) for w in where[1:])
+                blocks[names[i]][where[1:]] = chunk[inner_sel]
             out.append(blocks)
-        return out, True
+        return out, True, None
+
+    def _damage_error(self, problem: tuple[str, str, str], doc: int | None) -> StoreError:
+        """The engine's ``(kind, key, message)`` of a missing or damaged chunk as the reader
+        words it, naming the variable, the chunk (inside a shard: the shard and the inner
+        chunk) and document ``doc`` (None: several or unknown)."""
+        validation = self.validation
+        what, key, message = problem
+        name = key.rsplit("/", 1)[0].split("/")[-1] if "/" in key else key
+        label = f" (document {validation.doc_ids[doc]!r})" if doc is not None else ""
+        if what == "missing":
+            return StoreError(
+                f"{self.path}: chunk {key} of variable {name!r}{label} is missing; the store is "
+                f"damaged. Re-trace that document, or pass --allow-incomplete to analyse the others."
+            )
+        if what == "checksum":
+            return validation.checksum_error(name, key, label, message)
+        return StoreError(
+            f"{self.path}: chunk {key} of variable {name!r}{label} cannot be decoded ({message}); "
+            f"the store is damaged."
+        )
 
     def _read_concurrently(self, names: tuple[str, ...], doc: int) -> dict[str, np.ndarray] | None:
         """``name[doc]`` of every name at once, or None if any chunk is missing or fails to
@@ -299,37 +345,26 @@ class EngineReads:
                     file=sys.stderr,
                 )
             return None
-        name = key.rsplit("/", 1)[0].split("/")[-1] if "/" in key else key
         docs = {int(sel[0]) for sel in sels if not isinstance(sel[0], slice)}
-        label = f" (document {validation.doc_ids[docs.pop()]!r})" if len(docs) == 1 else ""
-        if what == "missing":
-            raise StoreError(
-                f"{self.path}: chunk {key} of variable {name!r}{label} is missing; the store is "
-                f"damaged. Re-trace that document, or pass --allow-incomplete to analyse the others."
-            )
-        if what == "checksum":
-            raise validation.checksum_error(name, key, label, message)
-        if what == "value":
-            # "entry;i0,...,iN;value" or "sum;i0,...,-1;sum" (the engine's row check).
-            kind_, at, value = message.split(";")
-            pos = tuple(int(i) for i in at.split(","))
-            if kind_ == "sum":
-                tol = validation.row_tolerance(name)
-                raise validation.value_error(
-                    name,
-                    pos[:-1],
-                    "a row",
-                    f"rows summing to 1 within {tol:.2g} (this row sums to {float(value):.6g})",
-                )
+        if what != "value":
+            raise self._damage_error(problem, docs.pop() if len(docs) == 1 else None)
+        # "entry;i0,...,iN;value" or "sum;i0,...,-1;sum" (the engine's row check).
+        name = key.rsplit("/", 1)[0].split("/")[-1] if "/" in key else key
+        kind_, at, value = message.split(";")
+        pos = tuple(int(i) for i in at.split(","))
+        if kind_ == "sum":
+            tol = validation.row_tolerance(name)
             raise validation.value_error(
                 name,
-                pos,
-                repr(float(value)),
-                "finite and >= 0 in a recorded row (an unrecorded row is all NaN)",
+                pos[:-1],
+                "a row",
+                f"rows summing to 1 within {tol:.2g} (this row sums to {float(value):.6g})",
             )
-        raise StoreError(
-            f"{self.path}: chunk {key} of variable {name!r}{label} cannot be decoded ({message}); "
-            f"the store is damaged."
+        raise validation.value_error(
+            name,
+            pos,
+            repr(float(value)),
+            "finite and >= 0 in a recorded row (an unrecorded row is all NaN)",
         )
 
     def _remote_tv(
@@ -410,3 +445,19 @@ class EngineReads:
         if raw is None:
             raise StoreError(f"{self.path}: the metadata of variable {name!r} is missing")
         return raw.decode()
+
+
+def _stored_at(
+    cell: tuple[int, ...], grid: tuple[int, ...], shard: tuple[int, ...]
+) -> tuple[tuple[int, ...], int]:
+    """Where chunk ``cell`` (coordinates on the decode grid ``grid``) is stored: the
+    coordinates of its object on the storage grid ``shard``, and its linear (C-order) index
+    among the shard's inner chunks (-1 where the array is not sharded)."""
+    if grid == shard:
+        return cell, -1
+    per = [s // g for s, g in zip(shard, grid, strict=True)]
+    obj = tuple(c // p for c, p in zip(cell, per, strict=True))
+    linear = 0
+    for c, o, p in zip(cell, obj, per, strict=True):
+        linear = linear * p + (c - o * p)
+    return obj, linear

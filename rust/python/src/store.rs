@@ -204,11 +204,15 @@ fn fetched<'a>(
 
 /// Whole chunks of small variables, decoded as stored: chunk `i` has key `keys[i]` and the
 /// metadata document `metas[which[i]]`; its bytes are the file `root/keys[i]` of a local
-/// store, or `chunks[i]` (fetched; None where absent). Returns `(decoded, problem)`: every
-/// chunk's little-endian bytes, or an empty list and `(kind, key, message)` as for
-/// `store_blocks_tv`. Read and decoded in parallel with the GIL released.
+/// store, or `chunks[i]` (fetched; None where absent). Where its array is sharded, `keys[i]`
+/// is the shard's and `inner[i]` the inner chunk's linear (C-order) index within it (-1 for
+/// an unsharded array; `inner` None: none is sharded); each shard is read once per call.
+/// Returns `(decoded, problem)`: every chunk's little-endian bytes, or an empty list and
+/// `(kind, key, message)` as for `store_blocks_tv` (inside a shard, the key is the shard's and
+/// the inner chunk is named in the message, or after the key where it is absent). Read and
+/// decoded in parallel with the GIL released.
 #[pyfunction]
-#[pyo3(signature = (metas, which, keys, *, root=None, chunks=None))]
+#[pyo3(signature = (metas, which, keys, *, root=None, chunks=None, inner=None))]
 pub fn store_decode_chunks<'py>(
     py: Python<'py>,
     metas: Vec<String>,
@@ -216,12 +220,34 @@ pub fn store_decode_chunks<'py>(
     keys: Vec<String>,
     root: Option<String>,
     chunks: Option<Vec<Option<PyBackedBytes>>>,
+    inner: Option<Vec<i64>>,
 ) -> PyResult<(Vec<Bound<'py, PyBytes>>, Option<ProblemTuple>)> {
     if which.len() != keys.len() || which.iter().any(|&w| w >= metas.len()) {
         return Err(ShapeError::new_err(
             "which must name a metadata document for every key",
         ));
     }
+    let inner: Vec<Option<u64>> = match inner {
+        None => vec![None; keys.len()],
+        Some(inner) if inner.len() != keys.len() => {
+            return Err(ShapeError::new_err(format!(
+                "inner must give one index per key ({} keys, {} indices)",
+                keys.len(),
+                inner.len()
+            )))
+        }
+        Some(inner) => inner
+            .into_iter()
+            .map(|i| match i {
+                -1 => Ok(None),
+                i => u64::try_from(i).map(Some).map_err(|_| {
+                    InvalidInputError::new_err(format!(
+                        "inner chunk index {i}: give an index >= 0, or -1 for an unsharded array"
+                    ))
+                }),
+            })
+            .collect::<PyResult<_>>()?,
+    };
     let files;
     let objects;
     let source: &dyn ChunkSource = match (&root, &chunks) {
@@ -243,9 +269,11 @@ pub fn store_decode_chunks<'py>(
         let items: Vec<Chunk> = keys
             .iter()
             .zip(&which)
-            .map(|(key, &w)| Chunk {
+            .zip(&inner)
+            .map(|((key, &w), &inner)| Chunk {
                 key,
                 meta: &metas[w],
+                inner,
             })
             .collect();
         decode_chunks(source, &items)

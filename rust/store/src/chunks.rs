@@ -5,7 +5,11 @@
 //! caller views the bytes with the variable's dtype.
 //!
 //! Only the layout kvcouple writes is read here ([`crate::direct`]: `bytes` -> `zstd`
-//! (-> `crc32c`), little endian); anything else is [`Problem::Unsupported`].
+//! (-> `crc32c`), little endian), as chunk objects or as the inner chunks of shards
+//! (`sharding_indexed`, its index `bytes` (-> `crc32c`)); anything else is
+//! [`Problem::Unsupported`]. A shard is read once per call however many of its inner chunks
+//! are asked for, and its index verified; a problem inside it names the shard's key and the
+//! inner chunk.
 
 use std::collections::HashMap;
 
@@ -14,60 +18,136 @@ use zarrs::metadata::ArrayMetadata;
 
 use kvcouple_core::parallel;
 
-use crate::direct::{self, Layout};
+use crate::direct::{self, Layout, Sharded};
 use crate::source::ChunkSource;
 use crate::Problem;
 
-/// One chunk to decode: its key (relative to the store's root) and its variable's metadata
-/// document (`zarr.json` or `.zarray`, as stored).
+/// One chunk to decode: its key (relative to the store's root), its variable's metadata
+/// document (`zarr.json` or `.zarray`, as stored) and, where the variable is sharded, the
+/// inner chunk's linear (C-order) index within its shard (`key` is then the shard's).
 pub struct Chunk<'a> {
     pub key: &'a str,
     pub meta: &'a str,
+    pub inner: Option<u64>,
+}
+
+/// A variable's direct layout: whole chunk objects, or inner chunks of shards.
+#[derive(Clone)]
+enum Stored {
+    Chunks(Layout),
+    Shards(Sharded),
 }
 
 /// The variable's layout, or unsupported.
-fn layout_of(key: &str, meta: &str) -> Result<Layout, Problem> {
+fn layout_of(key: &str, meta: &str) -> Result<Stored, Problem> {
     let unsupported = |why: String| Problem::Unsupported {
         message: format!("chunk {key}: {why}"),
     };
     let parsed: ArrayMetadata =
         serde_json::from_str(meta).map_err(|e| unsupported(e.to_string()))?;
     direct::layout_any(&parsed)
-        .ok_or_else(|| unsupported("not one zstd(+crc32c) chunk of fixed-size values".into()))
+        .map(Stored::Chunks)
+        .or_else(|| direct::sharded_any(&parsed).map(Stored::Shards))
+        .ok_or_else(|| {
+            unsupported(
+                "not one zstd(+crc32c) chunk of fixed-size values, nor shards of such chunks"
+                    .into(),
+            )
+        })
 }
 
 /// Every chunk's decoded bytes, in order; the first problem (in chunk order) otherwise.
 pub fn decode_chunks(source: &dyn ChunkSource, chunks: &[Chunk]) -> Result<Vec<Vec<u8>>, Problem> {
     // A call holds many documents' chunks of a few variables: each metadata document is
     // parsed once.
-    let mut parsed: HashMap<&str, Layout> = HashMap::new();
-    let mut layouts: Vec<Layout> = Vec::with_capacity(chunks.len());
-    for c in chunks {
-        let layout = match parsed.get(c.meta) {
-            Some(layout) => layout.clone(),
+    let mut parsed: HashMap<&str, Stored> = HashMap::new();
+    // The chunks by object: a shard's inner chunks are decoded from one read of it.
+    let mut groups: Vec<(Stored, Vec<usize>)> = Vec::new();
+    let mut group_of: HashMap<(&str, &str), usize> = HashMap::new();
+    for (i, c) in chunks.iter().enumerate() {
+        let stored = match parsed.get(c.meta) {
+            Some(stored) => stored.clone(),
             None => {
-                let layout = layout_of(c.key, c.meta)?;
-                parsed.insert(c.meta, layout.clone());
-                layout
+                let stored = layout_of(c.key, c.meta)?;
+                parsed.insert(c.meta, stored.clone());
+                stored
             }
         };
-        layouts.push(layout);
+        match (&stored, c.inner) {
+            (Stored::Chunks(_), None) => {}
+            (Stored::Shards(s), Some(inner)) if inner < s.per_shard => {}
+            (Stored::Chunks(_), Some(inner)) => {
+                return Err(Problem::Unsupported {
+                    message: format!(
+                        "chunk {}: inner chunk {inner} asked of an array that is not sharded",
+                        c.key
+                    ),
+                })
+            }
+            (Stored::Shards(s), inner) => {
+                return Err(Problem::Unsupported {
+                    message: format!(
+                        "chunk {}: a sharded array's chunk needs its inner chunk's index \
+                         (< {}), not {inner:?}",
+                        c.key, s.per_shard
+                    ),
+                })
+            }
+        }
+        let g = *group_of.entry((c.key, c.meta)).or_insert_with(|| {
+            groups.push((stored, Vec::new()));
+            groups.len() - 1
+        });
+        groups[g].1.push(i);
     }
-    let decoded: Vec<Result<Vec<u8>, Problem>> = parallel::install(|| {
-        chunks
+    let decoded: Vec<Vec<Result<Vec<u8>, Problem>>> = parallel::install(|| {
+        groups
             .par_iter()
-            .zip(&layouts)
-            .map(|(c, layout)| decode_one(source, c, layout))
+            .map(|(stored, members)| decode_group(source, chunks, stored, members))
             .collect()
     });
-    decoded.into_iter().collect()
+    let mut out: Vec<Option<Result<Vec<u8>, Problem>>> = vec![None; chunks.len()];
+    for ((_, members), results) in groups.iter().zip(decoded) {
+        for (&i, result) in members.iter().zip(results) {
+            out[i] = Some(result);
+        }
+    }
+    out.into_iter()
+        .map(|r| r.expect("every chunk is in one group"))
+        .collect()
 }
 
-fn decode_one(source: &dyn ChunkSource, c: &Chunk, layout: &Layout) -> Result<Vec<u8>, Problem> {
-    let want = layout.chunk.iter().product::<u64>() as usize * layout.itemsize;
+/// The decoded bytes of the chunks `members` of `chunks`, all of one object.
+fn decode_group(
+    source: &dyn ChunkSource,
+    chunks: &[Chunk],
+    stored: &Stored,
+    members: &[usize],
+) -> Vec<Result<Vec<u8>, Problem>> {
+    let key = chunks[members[0]].key;
     let mut buffers = direct::take();
-    let result = buffers.decode(source, c.key, want, layout.crc32c);
-    let out = result.map(|()| bytemuck::cast_slice::<u64, u8>(&buffers.decoded)[..want].to_vec());
+    let out = match stored {
+        Stored::Chunks(layout) => {
+            let want = layout.chunk.iter().product::<u64>() as usize * layout.itemsize;
+            let one = buffers
+                .decode(source, key, want, layout.crc32c)
+                .map(|()| bytemuck::cast_slice::<u64, u8>(&buffers.decoded)[..want].to_vec());
+            vec![one; members.len()]
+        }
+        Stored::Shards(shard) => {
+            let inners: Vec<u64> = members
+                .iter()
+                .map(|&i| {
+                    chunks[i]
+                        .inner
+                        .expect("checked: a sharded chunk has its index")
+                })
+                .collect();
+            buffers
+                .decode_shard(source, key, shard, &inners)
+                .unwrap_or_else(|whole| vec![Err(whole); members.len()])
+        }
+    };
     direct::give(buffers);
     out
 }
@@ -98,7 +178,14 @@ mod tests {
         stored: &[(&str, Option<&[u8]>)],
     ) -> Result<Vec<Vec<u8>>, Problem> {
         let source = FetchedObjects::new(stored.iter().copied());
-        let chunks: Vec<Chunk> = keys.iter().map(|key| Chunk { key, meta }).collect();
+        let chunks: Vec<Chunk> = keys
+            .iter()
+            .map(|key| Chunk {
+                key,
+                meta,
+                inner: None,
+            })
+            .collect();
         decode_chunks(&source, &chunks)
     }
 
@@ -138,5 +225,341 @@ mod tests {
             let err = decode(&meta, &["t/c/0/0"], &[("t/c/0/0", Some(b""))]);
             assert!(matches!(err, Err(Problem::Unsupported { .. })));
         }
+    }
+
+    // Shards of 2 documents x 2 policies, an inner chunk per (document, policy) of 3 int32s:
+    // what zarr-python 3 writes with shards=(2, 2, 3), chunks=(1, 1, 3).
+    const SHARDED: &str = r#"{"zarr_format": 3, "node_type": "array", "shape": [4, 2, 3],
+        "data_type": "int32", "fill_value": 0,
+        "chunk_key_encoding": {"name": "v2", "configuration": {"separator": "."}},
+        "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": [2, 2, 3]}},
+        "codecs": [{"name": "sharding_indexed", "configuration": {
+            "chunk_shape": [1, 1, 3],
+            "codecs": [{"name": "bytes", "configuration": {"endian": "little"}},
+                       {"name": "zstd", "configuration": {"level": 1, "checksum": false}},
+                       {"name": "crc32c"}],
+            "index_codecs": [{"name": "bytes", "configuration": {"endian": "little"}},
+                             {"name": "crc32c"}],
+            "index_location": "end"}}],
+        "dimension_names": ["doc", "policy", "rep"]}"#;
+
+    /// A shard object of the inner chunks `inner` (None: absent), its index at the end (or
+    /// the start), as zarr-python writes it.
+    fn shard(inner: &[Option<Vec<u8>>], at_end: bool) -> Vec<u8> {
+        let index_len = inner.len() as u64 * 16 + 4;
+        let mut data = Vec::new();
+        let mut entries = Vec::new();
+        let base = if at_end { 0 } else { index_len };
+        for chunk in inner {
+            let (offset, nbytes) = match chunk {
+                Some(bytes) => {
+                    let at = base + data.len() as u64;
+                    data.extend_from_slice(bytes);
+                    (at, bytes.len() as u64)
+                }
+                None => (u64::MAX, u64::MAX),
+            };
+            entries.extend_from_slice(&offset.to_le_bytes());
+            entries.extend_from_slice(&nbytes.to_le_bytes());
+        }
+        entries.extend_from_slice(&crc32c::crc32c(&entries).to_le_bytes());
+        if at_end {
+            [data, entries].concat()
+        } else {
+            [entries, data].concat()
+        }
+    }
+
+    /// Shard `i` of the test array: inner chunk j holds [10 i + j, -j, 7].
+    fn shard_values(i: i32) -> Vec<Option<Vec<u8>>> {
+        (0..4).map(|j| Some(stored(&[10 * i + j, -j, 7]))).collect()
+    }
+
+    /// Decode (shard key, inner index) of `SHARDED`-like `meta` from the objects `stored`.
+    fn decode_inner(
+        meta: &str,
+        asked: &[(&str, u64)],
+        stored: &[(&str, Option<&[u8]>)],
+    ) -> Result<Vec<Vec<i32>>, Problem> {
+        let source = FetchedObjects::new(stored.iter().copied());
+        let chunks: Vec<Chunk> = asked
+            .iter()
+            .map(|&(key, inner)| Chunk {
+                key,
+                meta,
+                inner: Some(inner),
+            })
+            .collect();
+        let got = decode_chunks(&source, &chunks)?;
+        Ok(got
+            .iter()
+            .map(|v| {
+                v.chunks_exact(4)
+                    .map(|w| i32::from_le_bytes([w[0], w[1], w[2], w[3]]))
+                    .collect()
+            })
+            .collect())
+    }
+
+    #[test]
+    fn inner_chunks_of_shards_decode_in_order() {
+        for at_end in [true, false] {
+            let meta = if at_end {
+                SHARDED.to_string()
+            } else {
+                SHARDED.replace(r#""index_location": "end""#, r#""index_location": "start""#)
+            };
+            let (s0, s1) = (
+                shard(&shard_values(0), at_end),
+                shard(&shard_values(1), at_end),
+            );
+            let objects = [("h/0.0.0", Some(&s0[..])), ("h/1.0.0", Some(&s1[..]))];
+            let asked = [
+                ("h/1.0.0", 3),
+                ("h/0.0.0", 0),
+                ("h/1.0.0", 0),
+                ("h/0.0.0", 2),
+            ];
+            let got = decode_inner(&meta, &asked, &objects).unwrap();
+            assert_eq!(
+                got,
+                vec![
+                    vec![13, -3, 7],
+                    vec![0, 0, 7],
+                    vec![10, 0, 7],
+                    vec![2, -2, 7]
+                ],
+                "index at the end: {at_end}"
+            );
+        }
+        // Several objects, and several inner chunks of one, are read once each (here: the
+        // shard read by a source that counts).
+        let s0 = shard(&shard_values(0), true);
+        let counting = Counting::new(&s0);
+        let chunks: Vec<Chunk> = (0..4)
+            .map(|j| Chunk {
+                key: "h/0.0.0",
+                meta: SHARDED,
+                inner: Some(j),
+            })
+            .collect();
+        assert_eq!(decode_chunks(&counting, &chunks).unwrap().len(), 4);
+        assert_eq!(counting.reads.load(std::sync::atomic::Ordering::Relaxed), 1);
+    }
+
+    /// A source of one object ("h/0.0.0") that counts its reads.
+    struct Counting<'a> {
+        object: &'a [u8],
+        reads: std::sync::atomic::AtomicUsize,
+    }
+
+    impl<'a> Counting<'a> {
+        fn new(object: &'a [u8]) -> Self {
+            Self {
+                object,
+                reads: Default::default(),
+            }
+        }
+    }
+
+    impl ChunkSource for Counting<'_> {
+        fn stored<'a>(&'a self, key: &str, _: &'a mut Vec<u8>) -> Result<&'a [u8], Problem> {
+            assert_eq!(key, "h/0.0.0");
+            self.reads
+                .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            Ok(self.object)
+        }
+    }
+
+    #[test]
+    fn a_damaged_inner_chunk_is_named_by_shard_and_index() {
+        let mut inner = shard_values(1);
+        let chunk = inner[2].as_mut().unwrap();
+        chunk[2] ^= 0x10;
+        let s1 = shard(&inner, true);
+        let objects = [("h/1.0.0", Some(&s1[..]))];
+        // Inner chunks 0 and 1 are intact; 2 is the first problem in the order asked.
+        let ok = decode_inner(SHARDED, &[("h/1.0.0", 0), ("h/1.0.0", 1)], &objects).unwrap();
+        assert_eq!(ok[1], vec![11, -1, 7]);
+        let err = decode_inner(SHARDED, &[("h/1.0.0", 3), ("h/1.0.0", 2)], &objects);
+        let Err(Problem::Checksum { key, message }) = err else {
+            panic!("{err:?}")
+        };
+        assert_eq!(key, "h/1.0.0");
+        assert!(message.starts_with("inner chunk 2: crc32c"), "{message}");
+    }
+
+    #[test]
+    fn absent_shards_and_inner_chunks_are_missing() {
+        let mut inner = shard_values(0);
+        inner[1] = None;
+        let s0 = shard(&inner, true);
+        let objects = [("h/0.0.0", Some(&s0[..])), ("h/1.0.0", None)];
+        let err = decode_inner(SHARDED, &[("h/0.0.0", 0), ("h/0.0.0", 1)], &objects);
+        assert_eq!(
+            err,
+            Err(Problem::Missing {
+                key: "h/0.0.0 (inner chunk 1)".into()
+            })
+        );
+        let err = decode_inner(SHARDED, &[("h/0.0.0", 0), ("h/1.0.0", 1)], &objects);
+        assert_eq!(
+            err,
+            Err(Problem::Missing {
+                key: "h/1.0.0".into()
+            })
+        );
+        // One offset absent but not the other is damage, not absence.
+        let mut half = s0.clone();
+        let at = s0.len() - 4 - 4 * 16 + 16; // inner chunk 1's offset
+        half[at..at + 8].copy_from_slice(&5u64.to_le_bytes());
+        let crc = crc32c::crc32c(&half[s0.len() - 68..s0.len() - 4]);
+        let end = half.len();
+        half[end - 4..].copy_from_slice(&crc.to_le_bytes());
+        let err = decode_inner(SHARDED, &[("h/0.0.0", 1)], &[("h/0.0.0", Some(&half[..]))]);
+        assert!(
+            matches!(err, Err(Problem::Decode { ref message, .. }) if message.contains("inner chunk 1")),
+            "{err:?}"
+        );
+    }
+
+    #[test]
+    fn a_bad_index_checksum_is_refused() {
+        let mut s0 = shard(&shard_values(0), true);
+        let at = s0.len() - 20; // inside the last entry
+        s0[at] ^= 1;
+        let err = decode_inner(SHARDED, &[("h/0.0.0", 0)], &[("h/0.0.0", Some(&s0[..]))]);
+        let Err(Problem::Checksum { key, message }) = err else {
+            panic!("{err:?}")
+        };
+        assert_eq!(key, "h/0.0.0");
+        assert!(message.contains("shard index"), "{message}");
+    }
+
+    #[test]
+    fn truncated_shards_are_refused() {
+        let s0 = shard(&shard_values(0), true);
+        // Shorter than its index.
+        let err = decode_inner(SHARDED, &[("h/0.0.0", 0)], &[("h/0.0.0", Some(&s0[..40]))]);
+        assert!(
+            matches!(err, Err(Problem::Decode { ref key, .. }) if key == "h/0.0.0"),
+            "{err:?}"
+        );
+        // The index intact, the chunks before it cut short: the last one now runs into it.
+        let cut = [&s0[..s0.len() - 68 - 5], &s0[s0.len() - 68..]].concat();
+        let ok = decode_inner(SHARDED, &[("h/0.0.0", 0)], &[("h/0.0.0", Some(&cut[..]))]);
+        assert_eq!(ok.unwrap(), vec![vec![0, 0, 7]]);
+        let err = decode_inner(SHARDED, &[("h/0.0.0", 3)], &[("h/0.0.0", Some(&cut[..]))]);
+        assert!(
+            matches!(err, Err(Problem::Decode { ref message, .. }) if message.contains("inner chunk 3")),
+            "{err:?}"
+        );
+        let err = decode_inner(SHARDED, &[("h/0.0.0", 0)], &[("h/0.0.0", Some(&[][..]))]);
+        assert!(matches!(err, Err(Problem::Decode { .. })), "{err:?}");
+    }
+
+    /// `object` with inner chunk `j`'s index entry set to (offset, nbytes), its checksum
+    /// made valid again (the damage an index checksum cannot see: a hostile writer).
+    fn with_entry(object: &[u8], j: usize, offset: u64, nbytes: u64) -> Vec<u8> {
+        let mut out = object.to_vec();
+        let start = out.len() - 68;
+        out[start + 16 * j..start + 16 * j + 8].copy_from_slice(&offset.to_le_bytes());
+        out[start + 16 * j + 8..start + 16 * j + 16].copy_from_slice(&nbytes.to_le_bytes());
+        let crc = crc32c::crc32c(&out[start..start + 64]);
+        let end = out.len();
+        out[end - 4..].copy_from_slice(&crc.to_le_bytes());
+        out
+    }
+
+    #[test]
+    fn offsets_out_of_range_are_refused_without_panic() {
+        let s0 = shard(&shard_values(0), true);
+        let len = s0.len() as u64;
+        for (offset, nbytes) in [
+            (len, 4),           // beyond the object
+            (len - 70, 10),     // into the index
+            (u64::MAX - 3, 10), // overflows
+            (3, u64::MAX - 1),  // overflows
+            (0, u64::MAX),      // one half absent
+        ] {
+            let bad = with_entry(&s0, 2, offset, nbytes);
+            let err = decode_inner(SHARDED, &[("h/0.0.0", 2)], &[("h/0.0.0", Some(&bad[..]))]);
+            assert!(
+                matches!(err, Err(Problem::Decode { ref key, ref message })
+                    if key == "h/0.0.0" && message.contains("inner chunk 2")),
+                "{offset} {nbytes}: {err:?}"
+            );
+        }
+        // An empty range is in range, but no inner chunk: it does not decode.
+        let bad = with_entry(&s0, 2, 0, 0);
+        let err = decode_inner(SHARDED, &[("h/0.0.0", 2)], &[("h/0.0.0", Some(&bad[..]))]);
+        assert!(matches!(err, Err(Problem::Decode { .. })), "{err:?}");
+    }
+
+    #[test]
+    fn sharded_layouts_are_read_or_unsupported() {
+        let s0 = shard(&shard_values(0), true);
+        let objects = [("h/0.0.0", Some(&s0[..]))];
+        // An inner index is needed for a sharded array, and in range; none for another.
+        for (meta, inner) in [(SHARDED, None), (SHARDED, Some(4)), (META, Some(0))] {
+            let source = FetchedObjects::new(objects.iter().copied());
+            let chunk = Chunk {
+                key: "h/0.0.0",
+                meta,
+                inner,
+            };
+            let err = decode_chunks(&source, &[chunk]);
+            assert!(matches!(err, Err(Problem::Unsupported { .. })), "{err:?}");
+        }
+        let gzip_inside = SHARDED.replace(
+            r#"{"name": "zstd", "configuration": {"level": 1, "checksum": false}}"#,
+            r#"{"name": "gzip", "configuration": {"level": 1}}"#,
+        );
+        let index_zstd = SHARDED.replace(
+            r#"{"name": "crc32c"}],
+            "index_location""#,
+            r#"{"name": "zstd", "configuration": {"level": 1, "checksum": false}}],
+            "index_location""#,
+        );
+        let uneven = SHARDED.replace(
+            r#""chunk_shape": [1, 1, 3],"#,
+            r#""chunk_shape": [1, 1, 2],"#,
+        );
+        let middle = SHARDED.replace(r#""end""#, r#""middle""#);
+        for meta in [gzip_inside, index_zstd, uneven, middle] {
+            assert_ne!(meta, SHARDED);
+            let err = decode_inner(&meta, &[("h/0.0.0", 0)], &objects);
+            assert!(
+                matches!(err, Err(Problem::Unsupported { .. })),
+                "{meta}: {err:?}"
+            );
+        }
+        // Without crc32c on the index (and the index at the end by default).
+        let plain_index = SHARDED
+            .replace(
+                r#",
+                             {"name": "crc32c"}],"#,
+                "],",
+            )
+            .replace(
+                r#",
+            "index_location": "end""#,
+                "",
+            );
+        assert_ne!(plain_index, SHARDED);
+        let mut object = s0[..s0.len() - 4].to_vec();
+        let got = decode_inner(
+            &plain_index,
+            &[("h/0.0.0", 1)],
+            &[("h/0.0.0", Some(&object[..]))],
+        );
+        assert_eq!(got.unwrap(), vec![vec![1, -1, 7]]);
+        object.truncate(3);
+        let err = decode_inner(
+            &plain_index,
+            &[("h/0.0.0", 1)],
+            &[("h/0.0.0", Some(&object[..]))],
+        );
+        assert!(matches!(err, Err(Problem::Decode { .. })), "{err:?}");
     }
 }

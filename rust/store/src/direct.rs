@@ -3,9 +3,14 @@
 //! with a zstd compressor and no filters. Such a chunk is read into a reused buffer, its
 //! checksum verified, and decompressed straight into a reused, aligned buffer that the
 //! kernels read in place: no fresh allocation per block (fresh multi-MB buffers cost a page
-//! fault per 4 KiB), no copy from zarrs' output into aligned rows. Anything else (sharding,
-//! other codecs, blocks that are not whole chunks) goes through zarrs
+//! fault per 4 KiB), no copy from zarrs' output into aligned rows. Anything else (other
+//! codecs, blocks that are not whole chunks) goes through zarrs
 //! ([`crate::local::LocalVariable`]). Where the stored bytes come from is a [`ChunkSource`].
+//!
+//! The small variables may also be sharded (Zarr v3 `sharding_indexed`, [`Sharded`]): a shard
+//! object holds many inner chunks of that layout and an index of their places; a shard is
+//! read once, its index verified, and the inner chunks asked for decoded as above
+//! ([`Buffers::decode_shard`]).
 
 use std::sync::Mutex;
 
@@ -24,34 +29,39 @@ pub(crate) struct Layout {
     pub crc32c: bool,
 }
 
+/// A codec's name (one without configuration may be written as its name alone: "crc32c").
+fn codec_name(c: &Value) -> Option<&str> {
+    c.as_str().or_else(|| c.get("name").and_then(Value::as_str))
+}
+
+fn codec_config(c: &Value) -> Value {
+    c.get("configuration").cloned().unwrap_or(Value::Null)
+}
+
+/// `bytes` with little (or no) endianness.
+fn is_little_bytes(c: &Value) -> bool {
+    let config = codec_config(c);
+    let endian = config.get("endian").and_then(Value::as_str);
+    codec_name(c) == Some("bytes") && matches!(endian, None | Some("little"))
+}
+
+/// The standard crc32c codec: no configuration, the checksum a 4-byte suffix.
+fn is_crc32c(c: &Value) -> bool {
+    codec_name(c) == Some("crc32c") && codec_config(c).as_object().is_none_or(|m| m.is_empty())
+}
+
+/// Whether `codecs` are `bytes` (little endian) -> `zstd` (-> `crc32c`: Some(true)).
 fn v3_codecs(codecs: &[Value]) -> Option<bool> {
-    // A codec without configuration may be written as its name alone ("crc32c").
-    let name = |c: &Value| {
-        c.as_str()
-            .or_else(|| c.get("name").and_then(Value::as_str))
-            .map(str::to_owned)
-    };
-    let config = |c: &Value| c.get("configuration").cloned().unwrap_or(Value::Null);
     let (bytes, zstd, rest) = match codecs {
         [b, z, rest @ ..] => (b, z, rest),
         _ => return None,
     };
-    let endian = config(bytes)
-        .get("endian")
-        .and_then(Value::as_str)
-        .map(str::to_owned);
-    if name(bytes)? != "bytes" || !matches!(endian.as_deref(), None | Some("little")) {
-        return None;
-    }
-    if name(zstd)? != "zstd" {
+    if !is_little_bytes(bytes) || codec_name(zstd)? != "zstd" {
         return None;
     }
     match rest {
         [] => Some(false),
-        // The standard crc32c codec has no configuration: the checksum is a 4-byte suffix.
-        [c] if name(c)? == "crc32c" && config(c).as_object().is_none_or(|m| m.is_empty()) => {
-            Some(true)
-        }
+        [c] if is_crc32c(c) => Some(true),
         _ => None,
     }
 }
@@ -134,6 +144,195 @@ fn layout_with(meta: &ArrayMetadata, itemsize_of: fn(&str) -> Option<usize>) -> 
     })
 }
 
+/// A sharded array (Zarr v3 `sharding_indexed`, the only codec) whose inner chunks are the
+/// direct layout, and whose index is `bytes` (little endian) (-> `crc32c`), at the shard's end
+/// or start: `per_shard` entries of (offset, nbytes), u64 little endian, offsets from the
+/// shard's start, both `u64::MAX` for an absent inner chunk.
+#[derive(Debug, Clone, PartialEq)]
+pub(crate) struct Sharded {
+    /// The inner chunks' layout (`inner.chunk`: the inner chunk shape).
+    pub inner: Layout,
+    /// An inner chunk's decoded size in bytes.
+    pub inner_bytes: usize,
+    /// Inner chunks per shard: the index's entries, in C order of the inner chunk grid.
+    pub per_shard: u64,
+    pub index_at_end: bool,
+    pub index_crc32c: bool,
+}
+
+/// The sharded direct layout of an array of any fixed-size number or bool, or None.
+pub(crate) fn sharded_any(meta: &ArrayMetadata) -> Option<Sharded> {
+    if cfg!(not(target_endian = "little")) || !matches!(meta, ArrayMetadata::V3(_)) {
+        return None;
+    }
+    let json = serde_json::to_value(meta).ok()?;
+    let grid = json.get("chunk_grid")?;
+    if grid.get("name")?.as_str()? != "regular" {
+        return None;
+    }
+    let shard = u64s(grid.get("configuration")?.get("chunk_shape")?)?;
+    let itemsize = any_itemsize(json.get("data_type")?.as_str()?)?;
+    let transformers = json.get("storage_transformers");
+    if transformers
+        .and_then(Value::as_array)
+        .is_some_and(|t| !t.is_empty())
+    {
+        return None;
+    }
+    // Sharding alone: codecs around it (a transpose, a checksum of the whole shard) are
+    // zarrs' to read.
+    let [sharding] = json.get("codecs")?.as_array()?.as_slice() else {
+        return None;
+    };
+    if codec_name(sharding)? != "sharding_indexed" {
+        return None;
+    }
+    let config = codec_config(sharding);
+    let chunk = u64s(config.get("chunk_shape")?)?;
+    if chunk.len() != shard.len() || chunk.contains(&0) {
+        return None;
+    }
+    let mut per_shard: u64 = 1;
+    for (s, c) in shard.iter().zip(&chunk) {
+        if s % c != 0 {
+            return None;
+        }
+        per_shard = per_shard.checked_mul(s / c)?;
+    }
+    // The index and an inner chunk must be addressable (their sizes computable) here.
+    usize::try_from(per_shard).ok()?.checked_mul(16)?;
+    let inner_bytes = chunk
+        .iter()
+        .try_fold(itemsize, |n, &c| n.checked_mul(usize::try_from(c).ok()?))?;
+    let crc32c = v3_codecs(config.get("codecs")?.as_array()?)?;
+    let index_crc32c = match config.get("index_codecs")?.as_array()?.as_slice() {
+        [b] if is_little_bytes(b) => false,
+        [b, c] if is_little_bytes(b) && is_crc32c(c) => true,
+        _ => return None,
+    };
+    let index_at_end = match config.get("index_location").and_then(Value::as_str) {
+        None | Some("end") => true,
+        Some("start") => false,
+        Some(_) => return None,
+    };
+    Some(Sharded {
+        inner: Layout {
+            chunk,
+            itemsize,
+            crc32c,
+        },
+        inner_bytes,
+        per_shard,
+        index_at_end,
+        index_crc32c,
+    })
+}
+
+fn u64s(v: &Value) -> Option<Vec<u64>> {
+    v.as_array()?.iter().map(Value::as_u64).collect()
+}
+
+impl Sharded {
+    /// The index's size in bytes (its checksum included).
+    fn index_len(&self) -> usize {
+        // Checked to fit when the layout was read.
+        self.per_shard as usize * 16 + if self.index_crc32c { 4 } else { 0 }
+    }
+
+    /// The index entries of the shard object `object` (key `key`), its checksum verified, and
+    /// the range of the object the inner chunks may lie in.
+    fn index<'a>(
+        &self,
+        key: &str,
+        object: &'a [u8],
+    ) -> Result<(&'a [u8], std::ops::Range<usize>), Problem> {
+        let len = self.index_len();
+        if object.len() < len {
+            return Err(Problem::Decode {
+                key: key.to_string(),
+                message: format!(
+                    "{} bytes, shorter than the shard's index ({len} bytes)",
+                    object.len()
+                ),
+            });
+        }
+        let (index, data) = if self.index_at_end {
+            let split = object.len() - len;
+            (&object[split..], 0..split)
+        } else {
+            (&object[..len], len..object.len())
+        };
+        let entries = &index[..self.per_shard as usize * 16];
+        if self.index_crc32c {
+            let stored = u32::from_le_bytes(index[len - 4..].try_into().expect("4 bytes"));
+            let computed = crc32c::crc32c(entries);
+            if stored != computed {
+                return Err(Problem::Checksum {
+                    key: key.to_string(),
+                    message: format!(
+                        "the shard index: crc32c checksum {computed:#010x} of its bytes, \
+                         {stored:#010x} stored"
+                    ),
+                });
+            }
+        }
+        Ok((entries, data))
+    }
+}
+
+/// Inner chunk `inner`'s place in a shard: its byte range, None where it is absent.
+fn inner_range(
+    key: &str,
+    entries: &[u8],
+    data: &std::ops::Range<usize>,
+    inner: u64,
+) -> Result<Option<std::ops::Range<usize>>, Problem> {
+    let entry = usize::try_from(inner)
+        .ok()
+        .and_then(|i| entries.get(i.checked_mul(16)?..i.checked_mul(16)? + 16));
+    let Some(entry) = entry else {
+        return Err(Problem::Unsupported {
+            message: format!(
+                "chunk {key}: inner chunk {inner} asked of a shard of {} inner chunks",
+                entries.len() / 16
+            ),
+        });
+    };
+    let word = |i: usize| u64::from_le_bytes(entry[i..i + 8].try_into().expect("8 bytes"));
+    let (offset, nbytes) = (word(0), word(8));
+    if offset == u64::MAX && nbytes == u64::MAX {
+        return Ok(None);
+    }
+    let range = usize::try_from(offset)
+        .ok()
+        .zip(usize::try_from(nbytes).ok())
+        .and_then(|(o, n)| Some(o..o.checked_add(n)?))
+        .filter(|r| data.start <= r.start && r.end <= data.end);
+    range.map(Some).ok_or_else(|| Problem::Decode {
+        key: key.to_string(),
+        message: format!(
+            "inner chunk {inner}: the shard's index puts it at bytes {offset}..+{nbytes}, \
+             outside the chunks' {}..{} of the shard",
+            data.start, data.end
+        ),
+    })
+}
+
+/// `p` of inner chunk `inner` of its shard, the inner chunk named in its message.
+fn of_inner(p: Problem, inner: u64) -> Problem {
+    match p {
+        Problem::Checksum { key, message } => Problem::Checksum {
+            key,
+            message: format!("inner chunk {inner}: {message}"),
+        },
+        Problem::Decode { key, message } => Problem::Decode {
+            key,
+            message: format!("inner chunk {inner}: {message}"),
+        },
+        other => other,
+    }
+}
+
 /// One thread's buffers: the chunk file as read (local stores), and its decoded values (8-byte aligned,
 /// so that every stored float format can be viewed in place).
 #[derive(Default)]
@@ -177,6 +376,40 @@ impl Buffers {
         let out = source
             .stored(key, &mut file)
             .and_then(|bytes| self.decode_stored(bytes, key, want, crc32c));
+        self.file = file;
+        out
+    }
+
+    /// The inner chunks `inners` (linear indices, each < `shard.per_shard`) of the shard
+    /// object `key` of `source`, each decoded and checked as [`Self::decode`] does, in order.
+    /// The outer error is the shard's (absent object, damaged index); an inner chunk's
+    /// problem names the shard's key and the inner chunk (an absent one: "`key` (inner chunk
+    /// i)", as [`Problem::Missing`] has no message).
+    pub fn decode_shard(
+        &mut self,
+        source: &dyn ChunkSource,
+        key: &str,
+        shard: &Sharded,
+        inners: &[u64],
+    ) -> Result<Vec<Result<Vec<u8>, Problem>>, Problem> {
+        let want = shard.inner_bytes;
+        let mut file = std::mem::take(&mut self.file);
+        let out = source.stored(key, &mut file).and_then(|object| {
+            let (entries, data) = shard.index(key, object)?;
+            Ok(inners
+                .iter()
+                .map(|&inner| {
+                    let Some(range) = inner_range(key, entries, &data, inner)? else {
+                        return Err(Problem::Missing {
+                            key: format!("{key} (inner chunk {inner})"),
+                        });
+                    };
+                    self.decode_stored(&object[range], key, want, shard.inner.crc32c)
+                        .map_err(|p| of_inner(p, inner))?;
+                    Ok(bytemuck::cast_slice::<u64, u8>(&self.decoded)[..want].to_vec())
+                })
+                .collect())
+        });
         self.file = file;
         out
     }
