@@ -160,6 +160,30 @@ def test_two_workers_equal_one_process_local_and_s3(
     assert_same_store(tmp_path / "ref.zarr", url)
 
 
+def test_two_workers_write_a_sharded_store_equal_to_one_process(
+    model_and_prompts, client, tmp_path
+):
+    """48 documents: 3 a Zarr shard. Tasks are whole shards (batches of 2 documents that share
+    a shard run as one task), so the two workers never write the same stored object."""
+    import dataclasses
+
+    import xarray as xr
+
+    from kvcouple.tracer.cluster import _shard_groups
+
+    model, prompts = model_and_prompts
+    many = [dataclasses.replace(prompts[i % len(prompts)], id=f"doc{i}") for i in range(48)]
+    ref = trace(model, many, POLICIES, SMALL, tmp_path / "ref.zarr", **KW)
+    run = trace(model, many, POLICIES, SMALL, tmp_path / "dask.zarr", client=client, **KW)
+    assert run.traced == ref.traced == list(range(48))
+    assert sorted(run.model_loads.values()) == [1, 1], run.model_loads
+    assert_same_store(tmp_path / "ref.zarr", tmp_path / "dask.zarr")
+    assert xr.open_zarr(tmp_path / "dask.zarr").hazard.encoding["shards"][0] == 3
+    # The grouping itself: batches sharing a shard go together, others apart.
+    assert _shard_groups([[0, 1], [2, 3], [4, 5], [6, 7]], 3) == [[0, 1, 2], [3]]
+    assert _shard_groups([[0, 1], [2], [3, 4]], 1) == [[0], [1], [2]]
+
+
 class KillAfterDocument(WorkerPlugin):
     """On the workers: the worker that writes document ``doc`` is killed (SIGKILL) right after
     that document's ``completed`` flag, once in the cluster's life (``marker``): the rest of
