@@ -29,14 +29,16 @@ given (``--model-store``), on the model's own rows.
 
     python benchmarks/bench_analysis.py --sizes 1.5 8 --dir /tmp/kvbench
 
-``--docs N`` instead measures the across-document statistics at scale: a summary store of N
-documents x 2 policies (T=64, R=8, K=2, branches to the horizon; 64 documents simulated, the
-others hard links to their chunk files, so writing it takes a minute), analysed with the
-default settings (2000 resamples, studentized intervals), against the engine's read of the same
-store (every document's summary variables decoded and checked, nothing computed). Printed: the
-analysis time and peak RSS, and the read's.
+``--docs N [N ...]`` instead measures stores of many documents: for each N a summary store of
+N documents x 2 policies (T=64, R=8, K=2, branches to the horizon), every document simulated
+and written by ``kvcouple synth trace-store``'s writer (the tracer's: sharded, schema version
+5), then analysed with the default settings (2000 resamples, studentized intervals) against the
+engine's read of the same store (every document's summary variables decoded and checked,
+nothing computed: the read floor). Printed per N: files, bytes on disk (file-system blocks)
+over bytes of data, write units (document, policy) per second, the read's and the analysis's
+seconds, their ratio and peak RSS.
 
-    python benchmarks/bench_analysis.py --docs 100000 --dir /tmp/kvbench
+    python benchmarks/bench_analysis.py --docs 10000 100000 --dir /tmp/kvbench
 """
 
 from __future__ import annotations
@@ -186,16 +188,8 @@ def run_analysis(store: str, threads: int) -> dict[str, float]:
     }
 
 
-SUMMARY_TEMPLATES = 64  # documents simulated for --docs; the others link to their chunks
-
-
-def make_summary_store(path: Path, docs: int) -> Path:
-    """A summary store of ``docs`` documents x 2 policies (T=64, R=8, K=2, L=T): the first
-    :data:`SUMMARY_TEMPLATES` simulated (synthetic Markov pairs, each document its own start
-    state and stream), every later document hard links to the chunk files of one of them (its
-    values repeat with that period; the analysis reads and computes every document)."""
-    from kvcouple.synth.trace_store import write_synthetic_trace_store
-
+def summary_pairs() -> dict[str, dict[str, object]]:
+    """Two synthetic Markov pairs (vocabulary 6) standing for two policies."""
     rng = np.random.default_rng(0)
     vocab = 6
     P = rng.dirichlet(np.ones(vocab), size=vocab)
@@ -203,31 +197,45 @@ def make_summary_store(path: Path, docs: int) -> Path:
     def towards(w: float) -> np.ndarray:
         return (1 - w) * P + w * rng.dirichlet(np.ones(vocab) * 0.3, size=vocab)
 
-    pairs = {
+    return {
         "snapkv:retain=0.5": {"P": P, "Q": towards(0.15), "start": 0},
         "recent:retain=0.5": {"P": P, "Q": towards(0.3), "start": 0},
     }
-    starts = [d % vocab for d in range(docs)]
-    path = write_synthetic_trace_store(
-        path, pairs, horizon=64, window=64, branches=2, replicates=8, docs=starts,
-        stop_after=min(docs, SUMMARY_TEMPLATES), seed=1,
+
+
+def write_summary_store(store: str, threads: int) -> dict[str, float]:
+    """A summary store of ``docs`` documents x 2 policies (T=64, R=8, K=2, L=T), every
+    document simulated (its own start state and stream) and written by the synthetic writer
+    (``kvcouple synth trace-store``: the tracer's store writer)."""
+    from kvcouple.synth.trace_store import write_synthetic_trace_store
+
+    docs = int(Path(store).name.split("_")[1].split(".")[0])
+    t, cpu = time.perf_counter(), _cpu_seconds()
+    write_synthetic_trace_store(
+        store, summary_pairs(), horizon=64, window=64, branches=2, replicates=8,
+        docs=[d % 6 for d in range(docs)], seed=1,
     )  # fmt: skip
-    for var in sorted(p for p in path.iterdir() if p.is_dir()):
-        files = [f.name for f in var.iterdir() if f.name[0].isdigit()]
-        by_doc: dict[int, list[str]] = {}
-        for name in files:
-            head, _, rest = name.partition(".")
-            by_doc.setdefault(int(head), []).append(rest)
-        if len(by_doc) < SUMMARY_TEMPLATES:
-            continue  # not chunked one document per chunk (coordinates)
-        for d in range(SUMMARY_TEMPLATES, docs):
-            t = d % SUMMARY_TEMPLATES
-            for rest in by_doc[t]:
-                src = var / (f"{t}.{rest}" if rest else f"{t}")
-                dst = var / (f"{d}.{rest}" if rest else f"{d}")
-                dst.unlink(missing_ok=True)  # `completed` holds every document's flag
-                os.link(src, dst)
-    return path
+    seconds = time.perf_counter() - t
+    return {
+        "seconds": seconds,
+        "cpu_seconds": _cpu_seconds() - cpu,
+        "units_per_second": 2 * docs / seconds,
+        "peak_rss_mb": _peak_rss_mb(),
+    }
+
+
+def store_footprint(store: Path) -> dict[str, float]:
+    """Files, bytes on disk (file-system blocks) and bytes of data (every array's values)."""
+    import zarr
+
+    files, on_disk = 0, 0
+    for root, _, names in os.walk(store):
+        for name in names:
+            files += 1
+            on_disk += os.stat(os.path.join(root, name)).st_blocks * 512
+    group = zarr.open_group(str(store), mode="r")
+    data = sum(a.nbytes for _, a in group.arrays())
+    return {"files": files, "bytes_on_disk": on_disk, "bytes_of_data": data}
 
 
 def run_summary_analysis(store: str, threads: int) -> dict[str, float]:
@@ -269,25 +277,31 @@ def engine_summary_read(store: str, threads: int) -> dict[str, float]:
 
 
 def summary_scale(a: argparse.Namespace) -> None:
-    """``--docs``: the analysis of a large summary store against the engine's read of it."""
-    store = Path(a.dir) / f"summary_{a.docs}.zarr"
-    if not store.exists():
-        t = time.perf_counter()
-        make_summary_store(store, a.docs)
-        print(f"# wrote {store} ({a.docs} documents) in {time.perf_counter() - t:.0f} s")
-    read = _subprocess("summary-read", str(store), a.threads)
-    analysis = _subprocess("summary-analyze", str(store), a.threads)
-    print(f"| {a.docs} documents x 2 policies (T=64, R=8, K=2) | seconds | CPU seconds | "
-          "peak RSS (MB) |")  # fmt: skip
-    print("|---|---|---|---|")
-    for name, r in (("engine read (summaries)", read), ("analysis (defaults)", analysis)):
-        print(f"| {name} | {r['seconds']:.1f} | {r['cpu_seconds']:.1f} | "
-              f"{r['peak_rss_mb']:.0f} |")  # fmt: skip
+    """``--docs``: summary stores of each size written, then analysed against the engine's
+    read of the same store (the read floor)."""
+    print("| documents x 2 policies (T=64, R=8, K=2) | files | bytes on disk / of data | "
+          "write (units/s) | write peak RSS (MB) | engine read (s) | analysis (s) | "
+          "analysis / read | read peak RSS (MB) | analysis peak RSS (MB) |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for docs in a.docs:
+        store = Path(a.dir) / f"summary_{docs}.zarr"
+        if store.exists():
+            shutil.rmtree(store)
+        write = _subprocess("summary-write", str(store), a.threads)
+        size = store_footprint(store)
+        read = _subprocess("summary-read", str(store), a.threads)
+        analysis = _subprocess("summary-analyze", str(store), a.threads)
+        print(f"| {docs} | {size['files']} | {size['bytes_on_disk'] / size['bytes_of_data']:.2f} "
+              f"| {write['units_per_second']:.0f} | {write['peak_rss_mb']:.0f} "
+              f"| {read['seconds']:.1f} | {analysis['seconds']:.1f} "
+              f"| {analysis['seconds'] / read['seconds']:.2f} | {read['peak_rss_mb']:.0f} "
+              f"| {analysis['peak_rss_mb']:.0f} |", flush=True)  # fmt: skip
 
 
 MODES = {
     "summary-analyze": run_summary_analysis,
     "summary-read": engine_summary_read,
+    "summary-write": write_summary_store,
     "cli": run_cli,
     "analyze": run_analysis,
     "engine": lambda s, _t: engine_pass(s, decode_only=False),
@@ -587,8 +601,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--model-store", default=None, help="a traced full store for --codecs")
     ap.add_argument("--keep", action="store_true", help="keep the generated stores")
     ap.add_argument(
-        "--docs", type=int, default=0, help="only the summary-store scale test, this many docs"
-    )
+        "--docs", type=int, nargs="+", default=[],
+        help="only the summary-store scale test, stores of these many documents",
+    )  # fmt: skip
     ap.add_argument("--_run", nargs=2, default=None, help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
     if a._run:

@@ -258,6 +258,10 @@ class EngineReads:
         arrays = [self.geometry.array(n) for n in names]
         keys = self.geometry.doc_keys(names, doc)
         store = arrays[0].store_path.store
+        whole = (slice(doc, doc + 1),)
+        if any(self.geometry.missing_inner(n, whole + (slice(None),) * (a.ndim - 1))
+               for n, a in zip(names, arrays, strict=True)):  # fmt: skip
+            return None  # read as fill values by zarr-python: the caller names it
 
         async def both() -> tuple[list[bool], list[Any]]:
             there = await asyncio.gather(*(store.exists(k) for k in keys))

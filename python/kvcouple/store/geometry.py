@@ -12,7 +12,12 @@ import os
 from collections.abc import Iterator
 from typing import Any
 
+import numpy as np
+
 from kvcouple.errors import StoreError
+
+# An absent inner chunk's offset and size in a shard's index.
+_ABSENT = 2**64 - 1
 
 
 def is_url(path: str) -> bool:
@@ -153,6 +158,54 @@ class StoreGeometry:
                 n, (slice(doc, doc + 1),) + (slice(None),) * (self.array(n).ndim - 1)
             )
         ]
+
+    def missing_inner(self, name: str, sel: tuple[slice, ...]) -> list[tuple[str, bool]]:
+        """The inner chunks of a selection of a sharded array that their shard's index marks
+        absent, or places outside the shard: ``("<shard key> (inner chunk i)", outside)``
+        (local stores whose shards keep their index at the end, the layout kvcouple writes;
+        [] otherwise). zarr-python reads both as the fill value, which a reader must not take
+        for data."""
+        arr = self.array(name)
+        shards = getattr(arr, "shards", None)
+        if not shards or is_url(self.path):
+            return []
+        codec = arr.metadata.codecs[0].to_dict()
+        if codec.get("configuration", {}).get("index_location") != "end":
+            return []
+        per = tuple(int(s) // int(c) for s, c in zip(shards, arr.chunks, strict=True))
+        count = int(np.prod(per))
+        indexes: dict[str, tuple[np.ndarray, int] | None] = {}
+        out = []
+        for cell, _ in self.cells(name, sel, self.decode_grid(name)):
+            key = self.chunk_key(name, tuple(c // p for c, p in zip(cell, per, strict=True)))
+            if key not in indexes:
+                indexes[key] = self._shard_index(key, count)
+            found = indexes[key]
+            if found is None:
+                continue  # an absent shard: missing() names it
+            index, body = found
+            inner = int(np.ravel_multi_index(tuple(c % p for c, p in zip(cell, per)), per))
+            offset, size = int(index[inner, 0]), int(index[inner, 1])
+            if offset == _ABSENT and size == _ABSENT:
+                out.append((f"{key} (inner chunk {inner})", False))
+            elif offset + size > body:
+                out.append((f"{key} (inner chunk {inner})", True))
+        return out
+
+    def _shard_index(self, key: str, count: int) -> tuple[np.ndarray, int] | None:
+        """The (offset, size) index at the end of a local shard and the bytes before it (the
+        index's checksum is verified by whichever decoder reads the shard), or None where the
+        shard is absent or too short to hold an index."""
+        try:
+            with open(os.path.join(self.path, key), "rb") as f:
+                body = f.seek(0, os.SEEK_END) - (16 * count + 4)
+                if body < 0:
+                    return None
+                f.seek(body)
+                raw = f.read(16 * count)
+        except OSError:
+            return None
+        return np.frombuffer(raw, "<u8").reshape(count, 2), body
 
     def missing(self, keys: list[str]) -> list[str]:
         """The keys of ``keys`` that are absent from the store (asked concurrently)."""

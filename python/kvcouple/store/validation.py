@@ -311,6 +311,14 @@ class StoreValidation:
         as_slices = tuple(slice(s, s + 1) if isinstance(s, int | np.integer) else s for s in full)
         label = self.doc_label(name, full)
         absent = geometry.missing(geometry.keys(name, as_slices))
+        for inner, outside in [] if absent else geometry.missing_inner(name, as_slices):
+            if outside:
+                raise StoreError(
+                    f"{self.path}: chunk {inner} of variable {name!r}{label} cannot be decoded: "
+                    "the shard's index points outside the shard; the store is damaged. "
+                    "Re-trace that document, or pass --allow-incomplete to analyse the others."
+                )
+            absent.append(inner)
         if absent:
             raise StoreError(
                 f"{self.path}: chunk {absent[0]} of variable {name!r}{label} is missing; the "
@@ -439,6 +447,7 @@ class StoreValidation:
                     if heavy and not data:
                         sel = (slice(d, d + 1),) + (slice(None),) * (len(dims) - 1)
                         absent = geometry.missing(geometry.keys(name, sel))
+                        absent = absent or [k for k, _ in geometry.missing_inner(name, sel)]
                         if absent:
                             problems.append(
                                 f"{self.path}: chunk {absent[0]} of variable {name!r} "

@@ -396,6 +396,10 @@ def _build(
         itemsize = np.dtype(dtype).itemsize
         chunks = _chunks(dims, sizes, itemsize)
         shards = _shards(dims, chunks, sizes, per_shard)
+        if name == "completed" and shards is not None:
+            # The flags are read whole by every run and reader: one chunk a shard's documents
+            # (not sharded), not an inner chunk each.
+            chunks, shards = shards, None
         if name == "completed":
             # Written in full now: zarr 2 returns unwritten chunks of an array without
             # a fill value as uninitialised memory, and this flag must read False.
@@ -492,13 +496,15 @@ class TraceStoreWriter:
         self.layout = layout
         self._group = group
         self._vars = variables(layout.record)
-        shards = getattr(group["completed"], "shards", None)
+        shards = getattr(group["tokens"], "shards", None)
         #: Documents per stored object (1: the store is not sharded).
         self.docs_per_shard = int(shards[0]) if shards else 1
         # Sharded stores: what is on disk, what this run writes, the shards held in memory.
         self._on_disk: np.ndarray | None = None
         self._expected: set[int] | None = None
         self._held: dict[int, _HeldShard] = {}
+        self._arrays: dict[str, Any] = {}
+        self._direct: dict[str, bool] = {}
 
     @classmethod
     def open(
@@ -592,7 +598,9 @@ class TraceStoreWriter:
 
     def completed(self) -> np.ndarray:
         """Boolean array over docs: which documents are fully written."""
-        return np.asarray(self._group["completed"][...], dtype=bool)
+        flags = np.asarray(self._array("completed")[...], dtype=bool)
+        self._on_disk = flags.copy()
+        return flags
 
     def expect(self, docs: Iterable[int]) -> None:
         """The documents this run will write (sharded stores: a shard is written once those of
@@ -626,8 +634,8 @@ class TraceStoreWriter:
         # full policy): readers tell a damaged store by its missing chunks.
         with _write_empty_chunks():
             for name, value in values.items():
-                self._group[name][doc] = value
-            self._group["completed"][doc] = True
+                self._array(name)[doc] = value
+            self._array("completed")[doc] = True
 
     def flush(self) -> None:
         """Write every shard held, also those still missing documents (a run that stops or
@@ -643,6 +651,14 @@ class TraceStoreWriter:
 
     def __exit__(self, *exc: object) -> None:
         self.flush()
+
+    def _array(self, name: str) -> Any:
+        """The Zarr array ``name``, opened once (zarr-python reads its metadata on every
+        group lookup)."""
+        arr = self._arrays.get(name)
+        if arr is None:
+            arr = self._arrays[name] = self._group[name]
+        return arr
 
     def _done(self) -> np.ndarray:
         if self._on_disk is None:
@@ -685,13 +701,13 @@ class TraceStoreWriter:
         before = [d - region.start for d in region if done[d] and d not in held.docs]
         if before:
             for name, arr in held.arrays.items():
-                arr[before] = np.asarray(self._group[name][sel])[before]
+                arr[before] = np.asarray(self._array(name)[sel])[before]
         flags = done[sel].copy()
         flags[[d - region.start for d in held.docs]] = True
         with _write_empty_chunks():
             for name, values in [*held.arrays.items(), ("completed", flags)]:
                 if not self._write_shard_file(name, k, values):
-                    self._group[name][sel] = values
+                    self._array(name)[sel] = values
         done[sel] = flags
 
     def _write_shard_file(self, name: str, k: int, values: np.ndarray) -> bool:
@@ -699,8 +715,10 @@ class TraceStoreWriter:
         layout :func:`_codecs` makes, one shard per document region): written aside, then
         renamed into place, so a reader or a kill never finds half a shard. False where
         zarr-python must write it (object storage, another layout)."""
-        arr = self._group[name]
-        if not isinstance(self.path, Path) or not _encodable(arr):
+        arr = self._array(name)
+        if name not in self._direct:
+            self._direct[name] = isinstance(self.path, Path) and _encodable(arr)
+        if not self._direct[name]:
             return False
         from kvcouple import _core
 

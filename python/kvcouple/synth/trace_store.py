@@ -46,6 +46,8 @@ _BELOW_ONE = 1.0 - 2.0**-53
 MAX_DOCS = 1_000_000
 MAX_HORIZON = 2**20  # as the synthetic solvers
 MAX_BRANCHES = 2**17  # per document (the branch times are drawn in a Python loop)
+# Documents simulated in one batch: a document's records do not depend on it.
+SIMULATED_TOGETHER = 64
 
 
 @dataclass(frozen=True)
@@ -138,14 +140,68 @@ def simulate_doc_policy(
     pol: int,
 ) -> None:
     """Fill ``out[...][pol]`` with one (document, policy)'s RB-CMC replicates."""
+    starts = np.array([[pair.p_start, pair.q_start]])
+    simulate_docs_policy(pair, starts, layout, [rng], {n: a[None] for n, a in out.items()}, pol)
+
+
+class _Streams:
+    """Each document's uniforms, drawn from its own stream in the order one document
+    simulated alone draws them. ``Generator.random`` makes one float64 per 64-bit output, so
+    a stream drawn ahead in one call and consumed in order gives the same numbers as many
+    small calls; it is drawn ahead where the run's draws fit in 64 MiB (one call per document,
+    rows gathered at once), else call by call."""
+
+    AHEAD_BYTES = 2**26
+
+    def __init__(self, rngs: Sequence[np.random.Generator], most: int):
+        self.rngs = rngs
+        self.ahead: np.ndarray | None = None
+        if len(rngs) * most * 8 <= self.AHEAD_BYTES:
+            self.ahead = np.stack([rng.random(most) for rng in rngs])
+            self.cursor = np.zeros(len(rngs), np.int64)
+
+    def draw(self, doc_of: np.ndarray, width: int) -> np.ndarray:
+        """Uniforms ``(rows, width)`` for rows of documents ``doc_of`` (sorted)."""
+        if doc_of.size == 0:
+            return np.empty((0, width))
+        counts = np.bincount(doc_of, minlength=len(self.rngs))
+        if self.ahead is None:
+            u = np.empty((doc_of.size, width))
+            at = 0
+            for d in np.flatnonzero(counts).tolist():
+                c = int(counts[d])
+                u[at : at + c] = self.rngs[d].random((c, width))
+                at += c
+            return u
+        rank = np.arange(doc_of.size) - (np.cumsum(counts) - counts)[doc_of]
+        pos = (self.cursor[doc_of] + width * rank)[:, None] + np.arange(width)
+        self.cursor += width * counts
+        return self.ahead[doc_of[:, None], pos]
+
+
+def simulate_docs_policy(
+    pair: EmitterPair,
+    starts: np.ndarray,
+    layout: StoreLayout,
+    rngs: Sequence[np.random.Generator],
+    out: dict[str, np.ndarray],
+    pol: int,
+) -> None:
+    """Fill ``out[...][:, pol]`` with the RB-CMC replicates of a batch of documents under one
+    policy: ``starts[i]`` document ``i``'s (P, Q) start states, ``rngs[i]`` its random stream,
+    ``out`` arrays with a leading document axis. Every step's kernels run once for the whole
+    batch's rows; each document draws from its own stream exactly what it would alone, so a
+    document's records do not depend on the batch it is in."""
     R, T, K, L = layout.replicates, layout.horizon, layout.branches, layout.window
     record = layout.record
-    sp = np.full(R, pair.p_start, np.int64)
-    sq = np.full(R, pair.q_start, np.int64)
-    hist_p = np.zeros((R, T), np.int64)  # state before step t (for branching at t)
-    hist_q = np.zeros((R, T), np.int64)
-    alive = np.ones(R, bool)
-    hazard = np.zeros((R, T))
+    D = len(rngs)
+    sp = np.repeat(np.asarray(starts[:, 0], np.int64), R)  # row = doc * R + rep
+    sq = np.repeat(np.asarray(starts[:, 1], np.int64), R)
+    hist_p = np.zeros((D * R, T), np.int64)  # state before step t (for branching at t)
+    hist_q = np.zeros((D * R, T), np.int64)
+    alive = np.ones(D * R, bool)
+    hazard = np.zeros((D * R, T))
+    streams = _Streams(rngs, 3 * R * T + R * K + 3 * R * K * (L + 1))
     for t in range(T):
         rows = np.flatnonzero(alive)
         if rows.size == 0:
@@ -153,7 +209,7 @@ def simulate_doc_policy(
         hist_p[rows, t], hist_q[rows, t] = sp[rows], sq[rows]
         p, q = pair.p_emit[sp[rows]], pair.q_emit[sq[rows]]
         d = divergences(p, q)
-        idx = (pol, rows, t)
+        idx = (rows // R, pol, rows % R, t)
         hazard[rows, t] = d.tv
         out["hazard"][idx] = d.tv
         for name in ("kl_pq", "kl_qp", "entropy_p", "entropy_q", "top1_agree"):
@@ -164,30 +220,38 @@ def simulate_doc_policy(
         g = rows[go]
         if g.size:
             tv = d.tv[go]
-            u = rng.random((g.size, 3))
+            u = streams.draw(g // R, 3)
             u[:, 0] = np.minimum(tv + (1.0 - tv) * u[:, 0], _BELOW_ONE)  # force the overlap
             x, _, _ = couple(p[go], q[go], u)
-            out["tokens"][pol, g, t] = x
+            out["tokens"][g // R, pol, g % R, t] = x
             sp[g], sq[g] = pair.p_next[sp[g], x], pair.q_next[sq[g], x]
     # After a step with no overlap (h = 1) the path has ended: nothing can diverge any more,
     # so its later hazards are 0, as the tracer writes them (tokens stay -1, metrics NaN).
-    out["hazard"][pol][np.isnan(out["hazard"][pol])] = 0.0
+    path_hazard = out["hazard"][:, pol]
+    path_hazard[np.isnan(path_hazard)] = 0.0
     # Survival weights W_t and the branch law pi_t = W_{t-1} h_t / O.
-    w_prev = np.concatenate([np.ones((R, 1)), np.cumprod(1.0 - hazard, axis=1)[:, :-1]], axis=1)
+    w_prev = np.concatenate([np.ones((D * R, 1)), np.cumprod(1.0 - hazard, axis=1)[:, :-1]], axis=1)
     mass = w_prev * hazard
     occurrence = mass.sum(1)
-    rep_k = np.repeat(np.arange(R), K)
+    rep_k = np.repeat(np.arange(D * R), K)  # branch row = (doc * R + rep) * K + k
     has = occurrence[rep_k] > 0
     cdf = np.cumsum(mass, axis=1) / np.where(occurrence > 0, occurrence, 1.0)[:, None]
-    u = rng.random(R * K)
-    tstar = np.zeros(R * K, np.int64)  # 1-based, 0: no branch
-    for i in np.flatnonzero(has):
-        r = rep_k[i]
-        tstar[i] = min(int(np.searchsorted(cdf[r], u[i], side="right")), T - 1) + 1
-        while hazard[r, tstar[i] - 1] <= 0.0:  # rounding at the top of the cdf
-            tstar[i] -= 1
-    out["branch_step"][pol] = tstar.reshape(R, K)
-    rows = np.flatnonzero(has)
+    u = streams.draw(np.repeat(np.arange(D), R * K), 1)[:, 0]
+    tstar = np.zeros(D * R * K, np.int64)  # 1-based, 0: no branch
+    branching = np.flatnonzero(has)
+    if branching.size:
+        r = rep_k[branching]
+        # numpy's searchsorted(side="right") of each u in its row's cdf, in one pass.
+        found = (cdf[r] <= u[branching, None]).sum(axis=1)
+        at = np.minimum(found, T - 1) + 1
+        while True:  # rounding at the top of the cdf: step back to a step with h > 0
+            low = hazard[r, at - 1] <= 0.0
+            if not low.any():
+                break
+            at[low] -= 1
+        tstar[branching] = at
+    out["branch_step"][:, pol] = tstar.reshape(D, R, K)
+    rows = branching
     if rows.size == 0:
         return
     r_of, k_of = rep_k[rows], rows % K
@@ -199,11 +263,11 @@ def simulate_doc_policy(
         sel = rows[act]
         p, q = pair.p_emit[bp[act]], pair.q_emit[bq[act]]
         tv = divergences(p, q).tv
-        u = rng.random((sel.size, 3))
+        u = streams.draw(sel // (R * K), 3)
         if lag == 0:
             u[:, 0] = 0.0  # force the residual: h_{t*} > 0 since pi puts no mass elsewhere
         x, y, diverged = couple(p, q, u)
-        branch_idx = (pol, r_of[act], k_of[act], lag)
+        branch_idx = (r_of[act] // R, pol, r_of[act] % R, k_of[act], lag)
         out["branch_tv"][branch_idx] = tv
         out["branch_mismatch"][branch_idx] = diverged
         out["branch_tokens_p"][branch_idx] = x
@@ -293,6 +357,9 @@ def write_synthetic_trace_store(
         8 * math.prod(sizes[d] for d in v.dims[1:]) for v in variables(layout.record).values()
     )
     check_memory(f"one synthetic document ({layout.record} record)", 2 * doc_bytes)
+    # Documents simulated together (every step's kernels called once for the batch), within
+    # 256 MiB of float64 records.
+    batch = max(1, min(SIMULATED_TOGETHER, 2**28 // doc_bytes))
     writer = TraceStoreWriter.open(path, layout, attrs)
     # One writer at a time (kvcouple.store.lock); the shards it holds are written on the way
     # out, also when stopped early or by an error.
@@ -302,17 +369,40 @@ def write_synthetic_trace_store(
         if stop_after is not None:
             todo = todo[:stop_after]
         writer.expect(todo)
-        for d in tqdm(todo, unit="doc", desc="kvcouple synth trace-store", disable=not progress):
-            out = empty_arrays(layout.record, layout.sizes(), float_dtype="float64")
-            for pol, (_name, base) in enumerate(emitters.items()):
-                pair = base if starts[d] is None else with_starts(base, *starts[d])
-                rng = np.random.default_rng([int(seed), d, pol])
-                simulate_doc_policy(pair, layout, rng, out, pol)
-            out["prompt_length"][...] = 1
-            out["kept_length"] = np.ones(len(emitters), np.int32)
-            out["eviction_applied"][:] = True  # every synthetic Q is its own kernel
-            writer.write_doc(d, out)
+        bar = tqdm(total=len(todo), unit="doc", desc="kvcouple synth trace-store",
+                   disable=not progress)  # fmt: skip
+        with bar:
+            for i in range(0, len(todo), batch):
+                docs_now = todo[i : i + batch]
+                for d, arrays in zip(docs_now, _simulate_batch(emitters, starts, docs_now, layout,
+                                                               int(seed)), strict=True):  # fmt: skip
+                    writer.write_doc(d, arrays)
+                bar.update(len(docs_now))
     return str(path) if is_url(str(path)) else Path(path)  # type: ignore[return-value]
+
+
+def _simulate_batch(
+    emitters: Mapping[str, EmitterPair],
+    starts: Sequence[tuple[int, int] | None],
+    docs: list[int],
+    layout: StoreLayout,
+    seed: int,
+) -> list[dict[str, np.ndarray]]:
+    """Every policy's records of the documents ``docs``, each document's arrays as
+    ``write_doc`` takes them; document ``d`` under policy ``pol`` draws from its own stream
+    ``(seed, d, pol)``, so a resumed run writes exactly what an uninterrupted one would."""
+    one = empty_arrays(layout.record, layout.sizes(), float_dtype="float64")
+    out = {n: np.repeat(a[None], len(docs), axis=0) for n, a in one.items()}
+    for pol, base in enumerate(emitters.values()):
+        first = np.array(
+            [(base.p_start, base.q_start) if starts[d] is None else starts[d] for d in docs]
+        )
+        rngs = [np.random.default_rng([seed, d, pol]) for d in docs]
+        simulate_docs_policy(base, first, layout, rngs, out, pol)
+    out["prompt_length"][...] = 1
+    out["kept_length"] = np.ones((len(docs), len(emitters)), np.int32)
+    out["eviction_applied"][...] = True  # every synthetic Q is its own kernel
+    return [{n: a[i] for n, a in out.items()} for i in range(len(docs))]
 
 
 def _count(name: str, value: Any, least: int) -> int:

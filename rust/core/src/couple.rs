@@ -48,6 +48,9 @@ fn weight(kind: Weight, a: f64, b: f64) -> f64 {
     }
 }
 
+/// Rows this long or shorter are coupled with stack buffers of this size.
+const SHORT: usize = 64;
+
 struct RowPair<'a> {
     p: &'a Rows<'a>,
     q: &'a Rows<'a>,
@@ -60,12 +63,23 @@ struct RowPair<'a> {
 impl RowPair<'_> {
     /// Visit `(index, a, b)` block by block.
     #[inline(always)]
-    fn for_each_block(&self, mut f: impl FnMut(usize, &[f64], &[f64]) -> bool) {
-        let mut a = [0.0f64; BLOCK];
-        let mut b = [0.0f64; BLOCK];
+    fn for_each_block(&self, f: impl FnMut(usize, &[f64], &[f64]) -> bool) {
+        // A short row (a synthetic pair's few tokens) is one block either way: buffers of its
+        // size spare zeroing two 8 KiB arrays per call, three calls a row.
+        if self.vocab <= SHORT {
+            self.blocks::<SHORT>(f)
+        } else {
+            self.blocks::<BLOCK>(f)
+        }
+    }
+
+    #[inline(always)]
+    fn blocks<const N: usize>(&self, mut f: impl FnMut(usize, &[f64], &[f64]) -> bool) {
+        let mut a = [0.0f64; N];
+        let mut b = [0.0f64; N];
         let mut start = 0;
         while start < self.vocab {
-            let n = BLOCK.min(self.vocab - start);
+            let n = N.min(self.vocab - start);
             self.p.load(self.offset + start, &mut a[..n]);
             self.q.load(self.offset + start, &mut b[..n]);
             for i in 0..n {

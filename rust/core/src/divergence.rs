@@ -11,6 +11,7 @@
 //! Sums are two-level (8 lanes within 1024-element blocks, then blocks), all in f64.
 
 use rayon::prelude::*;
+use std::cell::RefCell;
 
 use crate::error::{KvError, KvResult};
 use crate::fastmath::{ln3_and_quotient, positive_or_tiny};
@@ -115,14 +116,16 @@ impl Lanes {
     }
 }
 
-/// Every sum over one full block (the caller zero-pads a partial last block: zeros add
-/// nothing to any sum). Kept apart from the row loop and over fixed-size arrays so that it
-/// vectorises; compiled for each [`simd::Level`], picked at run time.
+/// Every sum over the first `groups` lane groups of a block (the caller zero-pads a partial
+/// last group: zeros add nothing to any sum, and a minimum of 0 only where a row is short).
+/// Kept apart from the row loop and over fixed-size arrays so that it vectorises; compiled for
+/// each [`simd::Level`], picked at run time. Only the groups holding values are summed: a
+/// short row (a synthetic pair's vocabulary of 5) costs its length, not a block's 1024.
 /// The Hellinger term uses `(sqrt p - sqrt q)^2 = (p - q)^2 / (p + q + 2 sqrt(pq))`: one
 /// square root, no cancellation, exactly 0 for equal entries.
 #[inline(always)]
-fn block_kernel(a: &[f64; BLOCK], b: &[f64; BLOCK], l: &mut Lanes) {
-    for c in 0..BLOCK / LANES {
+fn block_kernel(a: &[f64; BLOCK], b: &[f64; BLOCK], groups: usize, l: &mut Lanes) {
+    for c in 0..groups.min(BLOCK / LANES) {
         for j in 0..LANES {
             let i = c * LANES + j;
             let (p, q) = (a[i], b[i]);
@@ -154,23 +157,23 @@ fn block_kernel(a: &[f64; BLOCK], b: &[f64; BLOCK], l: &mut Lanes) {
     }
 }
 
-fn block_kernel_generic(a: &[f64; BLOCK], b: &[f64; BLOCK], l: &mut Lanes) {
-    block_kernel(a, b, l)
+fn block_kernel_generic(a: &[f64; BLOCK], b: &[f64; BLOCK], groups: usize, l: &mut Lanes) {
+    block_kernel(a, b, groups, l)
 }
 
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma")]
-unsafe fn block_kernel_avx2(a: &[f64; BLOCK], b: &[f64; BLOCK], l: &mut Lanes) {
-    block_kernel(a, b, l)
+unsafe fn block_kernel_avx2(a: &[f64; BLOCK], b: &[f64; BLOCK], groups: usize, l: &mut Lanes) {
+    block_kernel(a, b, groups, l)
 }
 
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f,avx512dq,avx2,fma")]
-unsafe fn block_kernel_avx512(a: &[f64; BLOCK], b: &[f64; BLOCK], l: &mut Lanes) {
-    block_kernel(a, b, l)
+unsafe fn block_kernel_avx512(a: &[f64; BLOCK], b: &[f64; BLOCK], groups: usize, l: &mut Lanes) {
+    block_kernel(a, b, groups, l)
 }
 
-type BlockKernel = fn(&[f64; BLOCK], &[f64; BLOCK], &mut Lanes);
+type BlockKernel = fn(&[f64; BLOCK], &[f64; BLOCK], usize, &mut Lanes);
 
 /// The block kernel for this CPU's [`simd::level`]. Every variant sums in the same lane
 /// order, so results are bit-identical across CPUs.
@@ -178,10 +181,10 @@ fn pick_block_kernel() -> BlockKernel {
     match simd::level() {
         // SAFETY: only reached when the CPU has the features the kernel was compiled for.
         #[cfg(target_arch = "x86_64")]
-        Level::Avx512 => |a, b, l| unsafe { block_kernel_avx512(a, b, l) },
+        Level::Avx512 => |a, b, g, l| unsafe { block_kernel_avx512(a, b, g, l) },
         // SAFETY: as above.
         #[cfg(target_arch = "x86_64")]
-        Level::Avx2 => |a, b, l| unsafe { block_kernel_avx2(a, b, l) },
+        Level::Avx2 => |a, b, g, l| unsafe { block_kernel_avx2(a, b, g, l) },
         _ => block_kernel_generic,
     }
 }
@@ -226,10 +229,29 @@ fn row_sums(
     scale_p: f64,
     scale_q: f64,
 ) -> (RowSums, bool) {
+    thread_local! {
+        // A row's block buffers, reused: zeroing two fresh 8 KiB arrays per row cost more
+        // than a short row's sums. The kernel reads only the groups written below.
+        static BUFFERS: RefCell<Box<([f64; BLOCK], [f64; BLOCK])>> =
+            RefCell::new(Box::new(([0.0; BLOCK], [0.0; BLOCK])));
+    }
+    BUFFERS.with(|buffers| {
+        let (a, b) = &mut **buffers.borrow_mut();
+        row_sums_in(p, q, vocab, scale_p, scale_q, a, b)
+    })
+}
+
+fn row_sums_in(
+    p: &RowSource,
+    q: &RowSource,
+    vocab: usize,
+    scale_p: f64,
+    scale_q: f64,
+    a: &mut [f64; BLOCK],
+    b: &mut [f64; BLOCK],
+) -> (RowSums, bool) {
     static KERNEL: std::sync::OnceLock<BlockKernel> = std::sync::OnceLock::new();
     let kernel = *KERNEL.get_or_init(pick_block_kernel);
-    let mut a = [0.0f64; BLOCK];
-    let mut b = [0.0f64; BLOCK];
     let mut s = RowSums {
         min: f64::INFINITY,
         ..Default::default()
@@ -241,14 +263,15 @@ fn row_sums(
         let n = BLOCK.min(vocab - start);
         nonfinite |= p.load(start, &mut a[..n]);
         nonfinite |= q.load(start, &mut b[..n]);
-        a[n..].fill(0.0);
-        b[n..].fill(0.0);
+        let groups = n.div_ceil(LANES);
+        a[n..groups * LANES].fill(0.0);
+        b[n..groups * LANES].fill(0.0);
         if scale_p != 1.0 || scale_q != 1.0 {
             a[..n].iter_mut().for_each(|x| *x *= scale_p);
             b[..n].iter_mut().for_each(|x| *x *= scale_q);
         }
         let mut l = Lanes::zero();
-        kernel(&a, &b, &mut l);
+        kernel(a, b, groups, &mut l);
         s.pp += fold(&l.pp);
         s.pq += fold(&l.pq);
         s.qq += fold(&l.qq);
@@ -321,11 +344,20 @@ fn check_row(row: usize, s: &RowSums, nonfinite: bool, atol: f64) -> KvResult<()
 
 /// Sum of one row, with validity checks, for renormalisation.
 pub(crate) fn row_total(rows: &Rows, row: usize, vocab: usize) -> KvResult<f64> {
-    let mut buf = [0.0f64; BLOCK];
+    // A short row is one block either way: a buffer of its size spares zeroing 8 KiB.
+    if vocab <= 64 {
+        row_total_in::<64>(rows, row, vocab)
+    } else {
+        row_total_in::<BLOCK>(rows, row, vocab)
+    }
+}
+
+fn row_total_in<const N: usize>(rows: &Rows, row: usize, vocab: usize) -> KvResult<f64> {
+    let mut buf = [0.0f64; N];
     let mut total = 0.0;
     let mut start = 0;
     while start < vocab {
-        let n = BLOCK.min(vocab - start);
+        let n = N.min(vocab - start);
         if rows.load(row * vocab + start, &mut buf[..n]) {
             return Err(KvError::row(row, "contains NaN or infinity"));
         }
