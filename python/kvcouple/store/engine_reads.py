@@ -184,23 +184,36 @@ class EngineReads:
         arrays = [geometry.array(n) for n in names]
         grids = [geometry.decode_grid(n) for n in names]
         shards = [geometry.storage_grid(n) for n in names]
+        # A document's cells are document 0's moved along the first axis (one document per
+        # decoded chunk): laid out once per variable, and each stored object's key computed
+        # once per call (a shard holds many documents' chunks).
+        first = [
+            [
+                (cell[1:], where[1:])
+                for cell, where in geometry.cells(
+                    names[i], (slice(0, 1),) + (slice(None),) * (a.ndim - 1), grids[i]
+                )
+            ]
+            for i, a in enumerate(arrays)
+        ]
         per_doc = [
             [
-                (i, cell, where)
-                for i, a in enumerate(arrays)
-                for cell, where in geometry.cells(
-                    names[i], (slice(doc, doc + 1),) + (slice(None),) * (a.ndim - 1), grids[i]
-                )
+                (i, (doc, *cell), (slice(doc, doc + 1), *where))
+                for i in range(len(arrays))
+                for cell, where in first[i]
             ]
             for doc in docs
         ]
         cells = [c for doc_cells in per_doc for c in doc_cells]
         which = [i for i, _, _ in cells]
         stored_at = [_stored_at(cell, grids[i], shards[i]) for i, cell, _ in cells]
-        keys = [
-            geometry.chunk_key(names[i], obj)
-            for (i, _, _), (obj, _) in zip(cells, stored_at, strict=True)
-        ]
+        known: dict[tuple[int, tuple[int, ...]], str] = {}
+        keys = []
+        for (i, _, _), (obj, _) in zip(cells, stored_at, strict=True):
+            key = known.get((i, obj))
+            if key is None:
+                key = known[(i, obj)] = geometry.chunk_key(names[i], obj)
+            keys.append(key)
         inner = [k for _, k in stored_at]
         if remote:
             _, got = self.object_storage.summary_objects(names, docs[0])

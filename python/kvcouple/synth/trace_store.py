@@ -47,7 +47,7 @@ MAX_DOCS = 1_000_000
 MAX_HORIZON = 2**20  # as the synthetic solvers
 MAX_BRANCHES = 2**17  # per document (the branch times are drawn in a Python loop)
 # Documents simulated in one batch: a document's records do not depend on it.
-SIMULATED_TOGETHER = 64
+SIMULATED_TOGETHER = 256
 
 
 @dataclass(frozen=True)
@@ -179,6 +179,12 @@ class _Streams:
         return self.ahead[doc_of[:, None], pos]
 
 
+# The records of the path (by replicate and step; tokens last: written by the coupling) and of
+# the branches (by replicate, branch and lag), as the batch simulation fills them.
+_PATH_RECORDS = ("hazard", "kl_pq", "kl_qp", "entropy_p", "entropy_q", "top1_agree", "tokens")
+_LAG_RECORDS = ("branch_tv", "branch_mismatch", "branch_tokens_p", "branch_tokens_q")
+
+
 def simulate_docs_policy(
     pair: EmitterPair,
     starts: np.ndarray,
@@ -200,21 +206,23 @@ def simulate_docs_policy(
     hist_p = np.zeros((D * R, T), np.int64)  # state before step t (for branching at t)
     hist_q = np.zeros((D * R, T), np.int64)
     alive = np.ones(D * R, bool)
+    # The path's records by row and step (written back into ``out`` at the end: a row's
+    # values are contiguous here, scattered across the document axis there).
+    path = {n: out[n][:, pol].reshape(D * R, T).copy() for n in _PATH_RECORDS}
     hazard = np.zeros((D * R, T))
     streams = _Streams(rngs, 3 * R * T + R * K + 3 * R * K * (L + 1))
     for t in range(T):
         rows = np.flatnonzero(alive)
         if rows.size == 0:
             break
-        hist_p[rows, t], hist_q[rows, t] = sp[rows], sq[rows]
-        p, q = pair.p_emit[sp[rows]], pair.q_emit[sq[rows]]
+        at = slice(None) if rows.size == D * R else rows  # every row alive: a plain copy
+        hist_p[at, t], hist_q[at, t] = sp[at], sq[at]
+        p, q = pair.p_emit[sp[at]], pair.q_emit[sq[at]]
         d = divergences(p, q)
-        idx = (rows // R, pol, rows % R, t)
-        hazard[rows, t] = d.tv
-        out["hazard"][idx] = d.tv
-        for name in ("kl_pq", "kl_qp", "entropy_p", "entropy_q", "top1_agree"):
-            out[name][idx] = getattr(d, name)
-        _record_rows(out, "", idx, p, q, record)
+        hazard[at, t] = d.tv
+        for name in _PATH_RECORDS[:-1]:
+            path[name][at, t] = d.tv if name == "hazard" else getattr(d, name)
+        _record_rows(out, "", (rows // R, pol, rows % R, t), p, q, record)
         go = d.tv < 1.0  # a step with h = 1 has no overlap: the path ends there
         alive[rows[~go]] = False
         g = rows[go]
@@ -223,12 +231,13 @@ def simulate_docs_policy(
             u = streams.draw(g // R, 3)
             u[:, 0] = np.minimum(tv + (1.0 - tv) * u[:, 0], _BELOW_ONE)  # force the overlap
             x, _, _ = couple(p[go], q[go], u)
-            out["tokens"][g // R, pol, g % R, t] = x
+            path["tokens"][g, t] = x
             sp[g], sq[g] = pair.p_next[sp[g], x], pair.q_next[sq[g], x]
     # After a step with no overlap (h = 1) the path has ended: nothing can diverge any more,
     # so its later hazards are 0, as the tracer writes them (tokens stay -1, metrics NaN).
-    path_hazard = out["hazard"][:, pol]
-    path_hazard[np.isnan(path_hazard)] = 0.0
+    path["hazard"][np.isnan(path["hazard"])] = 0.0
+    for name, values in path.items():
+        out[name][:, pol] = values.reshape(D, R, T)
     # Survival weights W_t and the branch law pi_t = W_{t-1} h_t / O.
     w_prev = np.concatenate([np.ones((D * R, 1)), np.cumprod(1.0 - hazard, axis=1)[:, :-1]], axis=1)
     mass = w_prev * hazard
@@ -243,17 +252,19 @@ def simulate_docs_policy(
         r = rep_k[branching]
         # numpy's searchsorted(side="right") of each u in its row's cdf, in one pass.
         found = (cdf[r] <= u[branching, None]).sum(axis=1)
-        at = np.minimum(found, T - 1) + 1
+        at_step = np.minimum(found, T - 1) + 1
         while True:  # rounding at the top of the cdf: step back to a step with h > 0
-            low = hazard[r, at - 1] <= 0.0
+            low = hazard[r, at_step - 1] <= 0.0
             if not low.any():
                 break
-            at[low] -= 1
-        tstar[branching] = at
+            at_step[low] -= 1
+        tstar[branching] = at_step
     out["branch_step"][:, pol] = tstar.reshape(D, R, K)
     rows = branching
     if rows.size == 0:
         return
+    # The branches' records by branch row and lag (written back at the end).
+    lags = {n: out[n][:, pol].reshape(D * R * K, L + 1).copy() for n in _LAG_RECORDS}
     r_of, k_of = rep_k[rows], rows % K
     bp, bq = hist_p[r_of, tstar[rows] - 1], hist_q[r_of, tstar[rows] - 1]
     for lag in range(L + 1):
@@ -267,13 +278,13 @@ def simulate_docs_policy(
         if lag == 0:
             u[:, 0] = 0.0  # force the residual: h_{t*} > 0 since pi puts no mass elsewhere
         x, y, diverged = couple(p, q, u)
+        for name, values in zip(_LAG_RECORDS, (tv, diverged, x, y), strict=True):
+            lags[name][sel, lag] = values
         branch_idx = (r_of[act] // R, pol, r_of[act] % R, k_of[act], lag)
-        out["branch_tv"][branch_idx] = tv
-        out["branch_mismatch"][branch_idx] = diverged
-        out["branch_tokens_p"][branch_idx] = x
-        out["branch_tokens_q"][branch_idx] = y
         _record_rows(out, "branch_", branch_idx, p, q, record)
         bp[act], bq[act] = pair.p_next[bp[act], x], pair.q_next[bq[act], y]
+    for name, values in lags.items():
+        out[name][:, pol] = values.reshape(D, R, K, L + 1)
 
 
 def write_synthetic_trace_store(
