@@ -59,6 +59,27 @@ def test_synthetic_run_to_s3_and_back(bucket, tmp_path, capsys):
     assert "3 of 3 done" in out and "object storage" in out and "no problems" in out
 
 
+def test_a_sharded_store_on_s3_resumes_and_reads_as_on_disk(bucket, tmp_path):
+    """48 summary documents: 3 a Zarr shard (written whole by zarr-python on object storage,
+    by the Rust encoder on disk). Stopped mid-shard and resumed, the store on S3 holds what
+    the local one holds, and analyses alike."""
+    import xarray as xr
+
+    settings = {**SETTINGS, "docs": 48, "record": "summary"}
+    url = f"{bucket}/sharded.zarr"
+    write_synthetic_trace_store(url, PAIRS, stop_after=7, **settings)
+    assert TraceStoreReader(url).done == list(range(7))
+    write_synthetic_trace_store(url, PAIRS, **settings)
+    local = write_synthetic_trace_store(tmp_path / "local.zarr", PAIRS, **settings)
+    remote = xr.open_zarr(url, storage_options=None).load()
+    assert remote.hazard.encoding["shards"][0] == 3
+    assert remote.identical(xr.open_zarr(local).load())
+    a, b = analyze(url, n_boot=20), analyze(local, n_boot=20)
+    assert [d.doc_id for d in a.models[0].docs] == [d.doc_id for d in b.models[0].docs]
+    for da, db in zip(a.models[0].docs, b.models[0].docs, strict=True):
+        assert da.units["a"].values["occurrence"] == db.units["a"].values["occurrence"]
+
+
 def _all_tvs(reader, p_name, q_name):
     """Every row TV of every document of a distribution pair, by document, through the
     Rust engine (None where it could not read the store)."""
