@@ -101,7 +101,10 @@ def test_sharded_store_reads_and_analyses_as_one_object_per_document(stores, tmp
     assert len([f for f in os.listdir(plain / "hazard") if f[0].isdigit()]) == 128
     assert files(sharded) * 3 < files(plain), (files(sharded), files(plain))
     assert main(["info", str(sharded)]) == 0
-    assert "crc32c on every chunk" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "crc32c on every chunk" in out and "4 documents a stored object (Zarr shards)" in out
+    assert main(["info", str(plain)]) == 0
+    assert "one stored object per document and policy" in capsys.readouterr().out
     for store, out in ((sharded, "s"), (plain, "p")):
         assert main(["analyze", str(store), "--out", str(tmp_path / out), "--no-figures",
                      "--quiet", "--n-boot", "200"]) == 0  # fmt: skip

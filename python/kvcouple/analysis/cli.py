@@ -6,7 +6,7 @@ import argparse
 import json
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvcouple import cliargs
 from kvcouple.analysis.engine import DEFAULT_N_BOOT
@@ -14,6 +14,9 @@ from kvcouple.analysis.estimates import ESTIMATORS
 from kvcouple.analysis.intervals import CI_METHODS, DEFAULT_CI_METHOD
 from kvcouple.errors import StoreError, debug_requested
 from kvcouple.textsafe import terminal
+
+if TYPE_CHECKING:
+    from kvcouple.store.reader import TraceStoreReader
 
 
 def _analyze(args: argparse.Namespace) -> int:
@@ -116,11 +119,18 @@ def store_summary(
         "writing": reader.writing() if reader.unfinished() else None,
         "size_bytes": reader.size_bytes(),
         "checksums": reader.checksums,
+        "docs_per_shard": docs_per_object(reader),
         "text": text_status(reader),
     }
     if check:
         out["problems"] = reader.check(data=True)
     return out
+
+
+def docs_per_object(reader: TraceStoreReader) -> int:
+    """Documents per stored object of the store's path variables (a Zarr shard's documents;
+    1 where the store is not sharded)."""
+    return int(reader.geometry.storage_grid("hazard")[0])
 
 
 def human_size(n_bytes: int) -> str:
@@ -163,6 +173,12 @@ def _info(args: argparse.Namespace) -> int:
     )
     print(f"  policies  {', '.join(map(str, info['policies']))}")
     print(f"  checksums {info['checksums']}")
+    per = info["docs_per_shard"]
+    print(
+        f"  layout    {per} documents a stored object (Zarr shards)"
+        if per > 1
+        else "  layout    one stored object per document and policy"
+    )
     print(f"  text      {info['text']}")
     print(
         f"  documents {info['documents_done']} of {info['documents']} done"
