@@ -205,3 +205,25 @@ def test_synthetic_documents_do_not_depend_on_their_batch(tmp_path):
         mp.setattr(trace_store._Streams, "AHEAD_BYTES", 0)
         alone = synth(tmp_path / "alone.zarr", **kw)
     assert xr.open_zarr(together).load().identical(xr.open_zarr(alone).load())
+
+
+def test_a_shard_held_too_long_is_written_and_completed_later(stores, tmp_path):
+    """A slow run writes a shard with the documents it has once the shard was held
+    HOLD_SECONDS (here at once: every document), then again as the rest come: each document
+    is on disk, flagged, as soon as it is written, and the store equals the uninterrupted one."""
+    sharded, _ = stores
+    path = tmp_path / "slow.zarr"
+    seen: list[int] = []
+    original = writer_module.TraceStoreWriter.write_doc
+
+    def write_doc(self, doc, arrays):
+        original(self, doc, arrays)
+        seen.append(int(np.asarray(zarr.open_group(str(path), mode="r")["completed"][...]).sum()))
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(writer_module, "HOLD_SECONDS", -1.0)
+        mp.setattr(writer_module.TraceStoreWriter, "write_doc", write_doc)
+        synth(path, stop_after=10)
+    assert seen == list(range(1, 11))
+    synth(path)
+    assert xr.open_zarr(path).load().identical(xr.open_zarr(sharded).load())

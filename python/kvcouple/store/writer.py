@@ -9,10 +9,12 @@ consecutive documents of a variable in one stored object (a Zarr v3 shard; insid
 document and policy is still its own chunk, readable alone): files per store grow with
 documents / shard size instead of ~17 per document and policy (:func:`docs_per_shard`). The
 writer holds a shard's documents in memory and writes the shard whole once every document it
-expects there is in (:meth:`TraceStoreWriter.expect`), the ``completed`` flags last; what is
-left at the end (a stopped or failed run) is written by :meth:`TraceStoreWriter.flush`. A
-process killed before a shard is written loses that shard's new documents, and the resumed run
-writes them again. Writers of ``--shard i/N`` own whole Zarr shards (:mod:`kvcouple.store.parts`),
+expects there is in (:meth:`TraceStoreWriter.expect`), or once it has been held
+:data:`HOLD_SECONDS` (then again when complete, the documents written before read back), the
+``completed`` flags last; what is left at the end (a stopped or failed run) is written by
+:meth:`TraceStoreWriter.flush`. A process killed before a shard is written loses that shard's
+new documents (at most ``docs_per_shard`` of them, and about :data:`HOLD_SECONDS` of work), and
+the resumed run writes them again. Writers of ``--shard i/N`` own whole Zarr shards (:mod:`kvcouple.store.parts`),
 so no two processes ever write the same object.
 """
 
@@ -23,6 +25,7 @@ import math
 import os
 import shutil
 import tempfile
+import time
 import warnings
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -58,6 +61,9 @@ _TARGET_CHUNK_BYTES = 16 * 2**20
 _SHARD_BYTES = 8 * 2**20
 MAX_DOCS_PER_SHARD = 256
 _MIN_SHARDS = 16
+# A shard held this long is written with the documents it has (and again when complete): a
+# slow run (a real model) loses at most about this much tracing to a kill -9.
+HOLD_SECONDS = 120.0
 
 # What a mismatch of some run keys means, in the user's terms ({old}: the store's, {new}: this
 # run's); other keys get a generic message.
@@ -688,7 +694,9 @@ class TraceStoreWriter:
         want = [
             d for d in region if not done[d] and (self._expected is None or d in self._expected)
         ]
-        if all(d in held.docs for d in want):
+        # Written once complete, or after HOLD_SECONDS (a slow run: what a kill -9 loses is
+        # bounded in time too; the shard's later documents rewrite it with these read back).
+        if all(d in held.docs for d in want) or time.monotonic() - held.since > HOLD_SECONDS:
             self._write_shard(k)
 
     def _write_shard(self, k: int) -> None:
@@ -765,3 +773,4 @@ class _HeldShard:
 
     arrays: dict[str, np.ndarray]
     docs: set[int] = field(default_factory=set)
+    since: float = field(default_factory=time.monotonic)
