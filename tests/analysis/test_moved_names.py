@@ -9,11 +9,15 @@ import importlib
 import pytest
 
 from kvcouple.analysis import bootstrap, stats
+from kvcouple.store import writer
 
 MOVED = [
     (stats, name, home)
     for name, home in stats._MOVED.items()  # noqa: SLF001 (the table under test)
-] + [(bootstrap, "holm", "kvcouple.analysis.pvalues")]
+] + [
+    (bootstrap, "holm", "kvcouple.analysis.pvalues"),
+    (writer, "resume_mismatch", "kvcouple.store.resume"),
+]
 
 
 @pytest.mark.parametrize(("module", "name", "home"), MOVED, ids=lambda x: getattr(x, "__name__", x))

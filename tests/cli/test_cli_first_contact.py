@@ -24,7 +24,7 @@ from kvcouple.policies.plugins import (
     import_plugin,
     load_entry_points,
 )
-from kvcouple.store.writer import check_resume, resume_mismatch
+from kvcouple.store.resume import check_resume, resume_mismatch
 
 PLUGIN = '''
 from kvcouple.policies import ScorePolicy, register_policy

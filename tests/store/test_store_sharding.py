@@ -25,10 +25,12 @@ import zarr
 from kvcouple.analysis import analyze
 from kvcouple.cli import main
 from kvcouple.errors import StoreError
+from kvcouple.store import sharding as sharding_module
 from kvcouple.store import writer as writer_module
 from kvcouple.store.parts import part_documents, parts_overlap
 from kvcouple.store.schema import Record
-from kvcouple.store.writer import MAX_DOCS_PER_SHARD, StoreLayout, docs_per_shard
+from kvcouple.store.sharding import MAX_DOCS_PER_SHARD
+from kvcouple.store.writer import StoreLayout, docs_per_shard
 from kvcouple.synth.trace_store import write_synthetic_trace_store
 
 pytestmark = pytest.mark.skipif(
@@ -53,7 +55,7 @@ def stores(tmp_path_factory) -> tuple[Path, Path]:
     root = tmp_path_factory.mktemp("sharding")
     sharded = synth(root / "sharded.zarr")
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(writer_module, "_MIN_SHARDS", 10**9)  # one document per object
+        mp.setattr(sharding_module, "_MIN_SHARDS", 10**9)  # one document per object
         plain = synth(root / "plain.zarr")
     return sharded, plain
 
@@ -221,7 +223,7 @@ def test_a_shard_held_too_long_is_written_and_completed_later(stores, tmp_path):
         seen.append(int(np.asarray(zarr.open_group(str(path), mode="r")["completed"][...]).sum()))
 
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(writer_module, "HOLD_SECONDS", -1.0)
+        mp.setattr(sharding_module, "HOLD_SECONDS", -1.0)
         mp.setattr(writer_module.TraceStoreWriter, "write_doc", write_doc)
         synth(path, stop_after=10)
     assert seen == list(range(1, 11))

@@ -10,10 +10,10 @@ document and policy is still its own chunk, readable alone): files per store gro
 documents / shard size instead of ~17 per document and policy (:func:`docs_per_shard`). The
 writer holds a shard's documents in memory and writes the shard whole once every document it
 expects there is in (:meth:`TraceStoreWriter.expect`), or once it has been held
-:data:`HOLD_SECONDS` (then again when complete, the documents written before read back), the
+:data:`kvcouple.store.sharding.HOLD_SECONDS` (then again when complete, the documents written before read back), the
 ``completed`` flags last; what is left at the end (a stopped or failed run) is written by
 :meth:`TraceStoreWriter.flush`. A process killed before a shard is written loses that shard's
-new documents (at most ``docs_per_shard`` of them, and about :data:`HOLD_SECONDS` of work), and
+new documents (at most ``docs_per_shard`` of them, and about that long of work), and
 the resumed run writes them again. Writers of ``--shard i/N`` own whole Zarr shards (:mod:`kvcouple.store.parts`),
 so no two processes ever write the same object.
 """
@@ -21,7 +21,6 @@ so no two processes ever write the same object.
 from __future__ import annotations
 
 import json
-import math
 import os
 import shutil
 import tempfile
@@ -34,12 +33,18 @@ from typing import Any, Literal
 
 import numpy as np
 
+from kvcouple.deprecation import moved_getattr
 from kvcouple.errors import MissingExtraError, StoreError
-from kvcouple.store import registry
+from kvcouple.store import registry, sharding
 from kvcouple.store.geometry import is_url
+from kvcouple.store.resume import VocabularyMismatchError as VocabularyMismatchError
+from kvcouple.store.resume import check_resume
 from kvcouple.store.schema import RUN_KEYS as RUN_KEYS
 from kvcouple.store.schema import SCHEMA_VERSION, TEXT_VARIABLES, Record, variables
 from kvcouple.store.text import TEXT_ATTR, TextTables
+
+# Read from where it lives now, for one release.
+__getattr__ = moved_getattr(__name__, {"resume_mismatch": "kvcouple.store.resume"})
 
 
 def _zarr() -> Any:
@@ -55,129 +60,6 @@ def _zarr() -> Any:
 
 # Aim for chunks of a few MB to tens of MB (SPEC section 8).
 _TARGET_CHUNK_BYTES = 16 * 2**20
-# Sharding: a shard of a variable holds at most this many bytes (uncompressed) and documents,
-# and a store has at least _MIN_SHARDS of them, so that a killed run loses at most a sixteenth
-# of its work and the Dask tracer and --shard i/N have whole shards to share out.
-_SHARD_BYTES = 8 * 2**20
-MAX_DOCS_PER_SHARD = 256
-_MIN_SHARDS = 16
-# A shard held this long is written with the documents it has (and again when complete): a
-# slow run (a real model) loses at most about this much tracing to a kill -9.
-HOLD_SECONDS = 120.0
-
-# What a mismatch of some run keys means, in the user's terms ({old}: the store's, {new}: this
-# run's); other keys get a generic message.
-_RESUME_MESSAGES = {
-    "vocab_size": "it was traced with a vocabulary of {old} tokens but this model's logits "
-    "have {new}. Use the same model",
-    "eos_token_id": "it was traced with EOS ids {old} but this run has {new}. Use the same --eos",
-    "prompts_sha256": "its prompts (ids and token ids) differ from this run's (another prompt "
-    "file, tokenizer or chat template). Use the same prompts",
-    "attn_implementation": "it was traced with attention implementation {old!r} but this run "
-    "uses {new!r} (the kernels differ by more than float noise between implementations). "
-    "Use the same --attn",
-}
-
-
-class VocabularyMismatchError(StoreError):
-    """Resuming a store traced with another vocabulary size than the model's."""
-
-
-def check_resume(path: str | Path, existing: dict[str, Any], run: dict[str, Any]) -> None:
-    """Refuse to resume a store whose run-defining attributes (:data:`RUN_KEYS`) differ from
-    this run's: the one place resume compatibility is decided. Raises :class:`StoreError`
-    (:class:`VocabularyMismatchError` for the vocabulary) naming the first difference.
-
-    Parameters
-    ----------
-    path : pathlib.Path or str
-        The store being resumed (named in the error).
-    existing : dict
-        The store's attributes.
-    run : dict
-        This run's attributes. A key absent from both is not compared.
-
-    Returns
-    -------
-    None
-
-    Raises
-    ------
-    kvcouple.store.VocabularyMismatchError
-        The vocabulary sizes differ.
-    kvcouple.errors.StoreError
-        Any other run-defining attribute (or the policy specs) differs.
-    """
-    for key in (*RUN_KEYS, "policy_specs"):
-        if key not in run and key not in existing:
-            continue
-        old, new = existing.get(key), run.get(key)
-        if old == new:
-            continue
-        error = VocabularyMismatchError if key == "vocab_size" else StoreError
-        if key in _RESUME_MESSAGES:
-            why = _RESUME_MESSAGES[key].format(key=key, old=_as_text(old), new=_as_text(new))
-        else:
-            why = resume_mismatch(key, old, new)
-        raise error(f"cannot resume {path}: {why} or a new --out.")
-
-
-# The option that sets each run key (named in resume errors).
-_OPTIONS = {
-    "model_id": "--model",
-    "model_revision": "--revision",
-    "model_sha256": "--model (the GGUF file's content)",
-    "dtype": "--dtype",
-    "decoding": "--temperature/--top-k/--top-p",
-    "policies": "--policy",
-    "policy_specs": "--policy",
-    "horizon": "--horizon",
-    "window": "--window",
-    "branches": "--branches",
-    "replicates": "--replicates",
-    "record": "--record",
-    "seed": "--seed",
-    "doc_ids": "--prompts",
-}
-
-
-def _as_text(value: Any) -> str:
-    """A store attribute as a reader writes it: policies by their specs, ``k=v`` pairs,
-    lists joined by commas (long ones elided), no Python reprs."""
-    if isinstance(value, dict):
-        if "spec" in value:
-            return str(value["spec"])
-        return ", ".join(f"{k}={_as_text(v)}" for k, v in value.items())
-    if isinstance(value, list | tuple):
-        items = [_as_text(v) for v in value]
-        if len(items) > 6:
-            items = [*items[:3], f"... ({len(items) - 5} more) ...", *items[-2:]]
-        return " | ".join(items) if any("," in i for i in items) else ", ".join(items)
-    if value is None:
-        return "none"
-    return str(value)
-
-
-def resume_mismatch(key: str, old: Any, new: Any) -> str:
-    """Why a store cannot be resumed, in words: the setting (and its option), the store's
-    value and this run's, and for lists (policies, documents) what was added or removed."""
-    option = _OPTIONS.get(key)
-    setting = f"{key} ({option})" if option else key
-    if isinstance(old, dict) and isinstance(new, dict) and "spec" not in old:
-        keys = [k for k in {**old, **new} if old.get(k) != new.get(k)]
-        old = {k: old.get(k) for k in keys}
-        new = {k: new.get(k) for k in keys}
-    text = f"the setting {setting} differs: the store has {_as_text(old)}; this run has {_as_text(new)}"
-    if isinstance(old, list) and isinstance(new, list):
-        was, now = [_as_text(v) for v in old], [_as_text(v) for v in new]
-        gone = [v for v in was if v not in now]
-        added = [v for v in now if v not in was]
-        parts = [f"dropped: {_as_text(gone)}"] * bool(gone)
-        parts += [f"added: {_as_text(added)}"] * bool(added)
-        if not parts:
-            parts = ["the same entries in another order"]
-        text += f" ({'; '.join(parts)})"
-    return text + ". Use the same settings"
 
 
 @dataclass(frozen=True)
@@ -264,33 +146,11 @@ def _zarr3() -> bool:
 
 
 def docs_per_shard(layout: StoreLayout) -> int:
-    """Documents per stored object of the store ``layout`` describes: 1 (no sharding) with
-    zarr-python 2 and for ``record="full"`` (a document's distributions are megabytes: files
-    are not the cost there), else as many as keep each variable's shard under
-    :data:`_SHARD_BYTES` (uncompressed), at most :data:`MAX_DOCS_PER_SHARD` and at most a
-    sixteenth of the documents. A function of the layout alone, so every process of a run
-    (planner, ``--shard`` writers, Dask workers) finds the same number."""
-    if layout.record.kind == "full" or not _zarr3():
+    """Documents per stored object of the store ``layout`` describes
+    (:func:`kvcouple.store.sharding.documents_per_shard`; 1 with zarr-python 2)."""
+    if not _zarr3():
         return 1
-    sizes = layout.sizes()
-    largest = max(
-        np.dtype(v.dtype).itemsize * math.prod(sizes[d] for d in v.dims[1:])
-        for v in variables(layout.record).values()
-        if v.dims[0] == "doc"
-    )
-    most = min(MAX_DOCS_PER_SHARD, len(layout.doc_ids) // _MIN_SHARDS, _SHARD_BYTES // largest)
-    return max(1, most)
-
-
-def _shards(
-    dims: tuple[str, ...], chunks: tuple[int, ...], sizes: dict[str, int], per_shard: int
-) -> tuple[int, ...] | None:
-    """A variable's shard shape: ``per_shard`` documents and every policy, the other axes as
-    its chunks; None where it is not sharded (one document per object, or no ``doc`` axis)."""
-    if per_shard == 1 or not dims or dims[0] != "doc":
-        return None
-    rest = [sizes[d] if d == "policy" else c for d, c in zip(dims[1:], chunks[1:], strict=True)]
-    return (per_shard, *rest)
+    return sharding.documents_per_shard(layout.sizes(), len(layout.doc_ids), layout.record)
 
 
 # Chunk keys as in Zarr format 2 (``hazard/1.0.0.0``) in format 3 too: one file per chunk in
@@ -401,7 +261,7 @@ def _build(
         shape = tuple(sizes[d] for d in dims)
         itemsize = np.dtype(dtype).itemsize
         chunks = _chunks(dims, sizes, itemsize)
-        shards = _shards(dims, chunks, sizes, per_shard)
+        shards = sharding.shard_shape(dims, chunks, sizes, per_shard)
         if name == "completed" and shards is not None:
             # The flags are read whole by every run and reader: one chunk a shard's documents
             # (not sharded), not an inner chunk each.
@@ -429,7 +289,7 @@ def _build(
         for name, values in text.arrays(layout.vocab_size).items():
             dims = TEXT_VARIABLES[name].dims
             chunks = (1, *values.shape[1:]) if dims[0] == "doc" else values.shape
-            shards = _shards(dims, chunks, {}, per_shard)
+            shards = sharding.shard_shape(dims, chunks, {}, per_shard)
             dtype = TEXT_VARIABLES[name].dtype
             _create_array(group, name, values, chunks, dtype, dims, True, shards)
     # The plan registry is born with the store (kvcouple.store.registry); written after
@@ -508,7 +368,7 @@ class TraceStoreWriter:
         # Sharded stores: what is on disk, what this run writes, the shards held in memory.
         self._on_disk: np.ndarray | None = None
         self._expected: set[int] | None = None
-        self._held: dict[int, _HeldShard] = {}
+        self._held: dict[int, sharding.HeldShard] = {}
         self._arrays: dict[str, Any] = {}
         self._direct: dict[str, bool] = {}
 
@@ -680,7 +540,7 @@ class TraceStoreWriter:
         region = self._region(k)
         held = self._held.get(k)
         if held is None:
-            held = _HeldShard(
+            held = sharding.HeldShard(
                 {
                     name: np.full((len(region), *v.shape), self._vars[name].fill, v.dtype)
                     for name, v in values.items()
@@ -696,7 +556,10 @@ class TraceStoreWriter:
         ]
         # Written once complete, or after HOLD_SECONDS (a slow run: what a kill -9 loses is
         # bounded in time too; the shard's later documents rewrite it with these read back).
-        if all(d in held.docs for d in want) or time.monotonic() - held.since > HOLD_SECONDS:
+        if (
+            all(d in held.docs for d in want)
+            or time.monotonic() - held.since > sharding.HOLD_SECONDS
+        ):
             self._write_shard(k)
 
     def _write_shard(self, k: int) -> None:
@@ -725,7 +588,7 @@ class TraceStoreWriter:
         zarr-python must write it (object storage, another layout)."""
         arr = self._array(name)
         if name not in self._direct:
-            self._direct[name] = isinstance(self.path, Path) and _encodable(arr)
+            self._direct[name] = isinstance(self.path, Path) and sharding.encodable(arr)
         if not self._direct[name]:
             return False
         from kvcouple import _core
@@ -742,35 +605,3 @@ class TraceStoreWriter:
         aside.write_bytes(data)
         os.replace(aside, target)
         return True
-
-
-def _encodable(arr: Any) -> bool:
-    """Whether ``arr`` is sharded with one shard across its axes after ``doc`` and the codecs
-    the Rust shard encoder writes (``kvcouple._core.store_encode_shard``)."""
-    shards = getattr(arr, "shards", None)
-    if shards is None or tuple(shards[1:]) != tuple(arr.shape[1:]):
-        return False
-    codecs = arr.metadata.codecs
-    if len(codecs) != 1 or codecs[0].to_dict().get("name") != "sharding_indexed":
-        return False
-    config = codecs[0].to_dict()["configuration"]
-    inner = [dict(c) for c in config["codecs"]]
-    index = [dict(c) for c in config["index_codecs"]]
-    little: tuple[dict[str, str], ...] = ({}, {"endian": "little"})
-    return (
-        [c["name"] for c in inner] == ["bytes", "zstd", "crc32c"]
-        and inner[0].get("configuration", {}) in little
-        and inner[1]["configuration"] == {"level": 1, "checksum": False}
-        and [c["name"] for c in index] == ["bytes", "crc32c"]
-        and index[0].get("configuration", {}) in little
-        and config["index_location"] == "end"
-    )
-
-
-@dataclass
-class _HeldShard:
-    """A shard's documents held in memory until it is written: each variable's region."""
-
-    arrays: dict[str, np.ndarray]
-    docs: set[int] = field(default_factory=set)
-    since: float = field(default_factory=time.monotonic)

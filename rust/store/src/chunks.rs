@@ -276,6 +276,14 @@ mod tests {
     }
 
     /// Decode (shard key, inner index) of `SHARDED`-like `meta` from the objects `stored`.
+    /// The key and message of a checksum problem (any other answer fails the test).
+    fn checksum(answer: Result<Vec<Vec<i32>>, Problem>) -> (String, String) {
+        match answer {
+            Err(Problem::Checksum { key, message }) => (key, message),
+            other => panic!("{other:?}"),
+        }
+    }
+
     fn decode_inner(
         meta: &str,
         asked: &[(&str, u64)],
@@ -382,9 +390,7 @@ mod tests {
         let ok = decode_inner(SHARDED, &[("h/1.0.0", 0), ("h/1.0.0", 1)], &objects).unwrap();
         assert_eq!(ok[1], vec![11, -1, 7]);
         let err = decode_inner(SHARDED, &[("h/1.0.0", 3), ("h/1.0.0", 2)], &objects);
-        let Err(Problem::Checksum { key, message }) = err else {
-            panic!("{err:?}")
-        };
+        let (key, message) = checksum(err);
         assert_eq!(key, "h/1.0.0");
         assert!(message.starts_with("inner chunk 2: crc32c"), "{message}");
     }
@@ -429,9 +435,7 @@ mod tests {
         let at = s0.len() - 20; // inside the last entry
         s0[at] ^= 1;
         let err = decode_inner(SHARDED, &[("h/0.0.0", 0)], &[("h/0.0.0", Some(&s0[..]))]);
-        let Err(Problem::Checksum { key, message }) = err else {
-            panic!("{err:?}")
-        };
+        let (key, message) = checksum(err);
         assert_eq!(key, "h/0.0.0");
         assert!(message.contains("shard index"), "{message}");
     }

@@ -167,21 +167,26 @@ mod tests {
         Some(zstd::stream::decode_all(body).unwrap())
     }
 
+    /// Encode `values` (i32) as a shard of shape `shard` with inner chunks `inner`.
+    fn encoded(values: &[i32], shard: &[usize], inner: &[usize], present: usize) -> Vec<u8> {
+        let data = ints(values);
+        let v = ShardValues {
+            data: &data,
+            itemsize: 4,
+            shard,
+            inner,
+            present,
+            level: 1,
+        };
+        encode_shard(&v).unwrap()
+    }
+
     #[test]
     fn inner_chunks_hold_their_blocks_in_c_order() {
         // A shard of shape (3, 2, 4) of i32, inner chunks (1, 1, 4): six chunks, the last
         // document (rows 2) outside the array.
         let values: Vec<i32> = (0..24).collect();
-        let data = ints(&values);
-        let v = ShardValues {
-            data: &data,
-            itemsize: 4,
-            shard: &[3, 2, 4],
-            inner: &[1, 1, 4],
-            present: 2,
-            level: 1,
-        };
-        let shard = encode_shard(&v).unwrap();
+        let shard = encoded(&values, &[3, 2, 4], &[1, 1, 4], 2);
         for i in 0..4 {
             let want = ints(&values[4 * i..4 * i + 4]);
             assert_eq!(inner_chunk(&shard, 6, i), Some(want), "chunk {i}");
@@ -194,16 +199,7 @@ mod tests {
     fn inner_chunks_split_inner_axes() {
         // Shape (2, 4), inner (1, 2): chunk (1, 1) holds values [6, 7].
         let values: Vec<i32> = (0..8).collect();
-        let data = ints(&values);
-        let v = ShardValues {
-            data: &data,
-            itemsize: 4,
-            shard: &[2, 4],
-            inner: &[1, 2],
-            present: 2,
-            level: 1,
-        };
-        let shard = encode_shard(&v).unwrap();
+        let shard = encoded(&values, &[2, 4], &[1, 2], 2);
         assert_eq!(inner_chunk(&shard, 4, 3), Some(ints(&[6, 7])));
         assert_eq!(inner_chunk(&shard, 4, 1), Some(ints(&[2, 3])));
     }
