@@ -229,3 +229,23 @@ def test_a_shard_held_too_long_is_written_and_completed_later(stores, tmp_path):
     assert seen == list(range(1, 11))
     synth(path)
     assert xr.open_zarr(path).load().identical(xr.open_zarr(sharded).load())
+
+
+def test_resuming_a_shard_whose_finished_document_lost_its_chunk_is_refused(tmp_path):
+    """Resuming rewrites a shard with its finished documents read back; one whose inner chunk
+    the index marks absent would read as fill values and be rewritten as data: refused."""
+    import struct
+
+    import google_crc32c
+
+    path = tmp_path / "lost.zarr"
+    synth(path, stop_after=6)  # shard 1 holds documents 4 and 5, finished
+    shard_file = path / "hazard" / "1.0.0.0"
+    raw = shard_file.read_bytes()
+    start = len(raw) - 4 - 16 * 8
+    entries = list(struct.unpack("<16Q", raw[start:-4]))
+    entries[4:6] = [2**64 - 1, 2**64 - 1]  # inner chunk 2 (document 5, policy 0): absent
+    index = struct.pack("<16Q", *entries)
+    shard_file.write_bytes(raw[:start] + index + struct.pack("<I", google_crc32c.value(index)))
+    with pytest.raises(StoreError, match=r"hazard/1\.0\.0\.0 \(inner chunk 2\).*'doc0005'"):
+        synth(path)

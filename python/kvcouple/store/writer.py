@@ -36,7 +36,7 @@ import numpy as np
 from kvcouple.deprecation import moved_getattr
 from kvcouple.errors import MissingExtraError, StoreError
 from kvcouple.store import registry, sharding
-from kvcouple.store.geometry import is_url
+from kvcouple.store.geometry import StoreGeometry, is_url
 from kvcouple.store.resume import VocabularyMismatchError as VocabularyMismatchError
 from kvcouple.store.resume import check_resume
 from kvcouple.store.schema import RUN_KEYS as RUN_KEYS
@@ -371,6 +371,7 @@ class TraceStoreWriter:
         self._held: dict[int, sharding.HeldShard] = {}
         self._arrays: dict[str, Any] = {}
         self._direct: dict[str, bool] = {}
+        self._geometry: StoreGeometry | None = None
 
     @classmethod
     def open(
@@ -572,6 +573,7 @@ class TraceStoreWriter:
         before = [d - region.start for d in region if done[d] and d not in held.docs]
         if before:
             for name, arr in held.arrays.items():
+                self._check_read_back(name, [region.start + i for i in before])
                 arr[before] = np.asarray(self._array(name)[sel])[before]
         flags = done[sel].copy()
         flags[[d - region.start for d in held.docs]] = True
@@ -580,6 +582,26 @@ class TraceStoreWriter:
                 if not self._write_shard_file(name, k, values):
                     self._array(name)[sel] = values
         done[sel] = flags
+
+    def _check_read_back(self, name: str, docs: list[int]) -> None:
+        """Refuse to carry finished documents whose inner chunks a shard's index marks absent
+        (or out of the shard) into the rewritten shard: zarr-python reads them as fill
+        values, which the rewrite would make look like data (a local store; elsewhere a
+        damaged chunk raises on reading)."""
+        if not isinstance(self.path, Path):
+            return
+        if self._geometry is None:
+            self._geometry = StoreGeometry(self.path)
+        ndim = len(self._vars[name].dims)
+        for d in docs:
+            sel = (slice(d, d + 1),) + (slice(None),) * (ndim - 1)
+            absent = self._geometry.missing_inner(name, sel)
+            if absent:
+                raise StoreError(
+                    f"cannot resume {self.path}: chunk {absent[0][0]} of variable {name!r} "
+                    f"(document {self.layout.doc_ids[d]!r}, marked finished) is missing or "
+                    "damaged; the store is damaged. Write to a new --out."
+                )
 
     def _write_shard_file(self, name: str, k: int, values: np.ndarray) -> bool:
         """Write shard ``k`` of ``name`` whole through the Rust encoder (a local store, the
