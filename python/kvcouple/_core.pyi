@@ -88,6 +88,7 @@ def store_blocks_tv(
     *,
     row_tolerance: float | None = None,
     decode_only: bool = False,
+    top_delta: bool = False,
 ) -> tuple[npt.NDArray[np.float64], tuple[str, str, str] | None]: ...
 def store_decode_chunks(
     metas: list[str],
@@ -110,6 +111,7 @@ def store_chunks_tv(
     *,
     row_tolerance: float | None = None,
     decode_only: bool = False,
+    top_delta: bool = False,
 ) -> tuple[npt.NDArray[np.float64], tuple[str, str, str] | None]: ...
 
 # --- store_write.rs ---

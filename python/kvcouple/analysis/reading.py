@@ -69,14 +69,17 @@ def recompute_full(
     summary: dict[str, np.ndarray],
     tolerance: float | None,
     threads: int = 2,
+    top_delta: list[dict[int, np.ndarray]] | None = None,
 ) -> RecomputeCheck:
     """Recompute hazards (``p, q``) and branch TVs (``branch_p, branch_q``) of one document
     from the stored distributions with the Rust kernel, block by block along the decoded
-    chunks (``threads`` blocks decoded ahead, so decoding and computing overlap)."""
+    chunks (``threads`` blocks decoded ahead, so decoding and computing overlap).
+    ``top_delta``: see :func:`recompute_full_engine` (left empty where the engine cannot
+    read the store)."""
     from kvcouple import _core
 
     doc_id = reader.doc_ids[doc]
-    fused = recompute_full_engine(reader, [doc], [summary], tolerance)
+    fused = recompute_full_engine(reader, [doc], [summary], tolerance, top_delta)
     if fused is not None:
         return fused[0]
     check = RecomputeCheck()
@@ -123,15 +126,22 @@ def recompute_full_engine(
     docs: list[int],
     summaries: list[dict[str, np.ndarray]],
     tolerance: float | None,
+    top_delta: list[dict[int, np.ndarray]] | None = None,
 ) -> list[RecomputeCheck] | None:
     """The fused path of :func:`recompute_full` for documents ``docs`` (``summaries``: their
     :meth:`~kvcouple.store.reader.TraceStoreReader.read_summary`): the Rust engine decodes
     every block of every document in one call, in parallel, and returns row TVs only; one
     check per document. None where it cannot read this store (the caller reads in Python);
-    a damaged block raises :class:`StoreError` (naming its document when there is one)."""
+    a damaged block raises :class:`StoreError` (naming its document when there is one).
+
+    ``top_delta``: a list to fill with one dict per document, policy index -> the path's
+    ``q(a) - p(a)`` (``a = argmax p``) at every (replicate, step) (NaN where no row was
+    recorded), from the same decode: the scoreboard's ``delta_p``, so that full records are
+    read once."""
     checks = [RecomputeCheck() for _ in docs]
     if not docs:
         return checks
+    deltas: list[dict[int, np.ndarray]] = [{} for _ in docs]
     for where, (pn, qn, recorded_name) in PAIRS.items():
         arr = reader.array(pn)
         per_doc = [
@@ -140,9 +150,11 @@ def recompute_full_engine(
             for sel in reader.blocks(pn, docs[0], pol)
         ]
         sels: list[tuple[Any, ...]] = [(doc, pol, *sel) for doc in docs for pol, sel in per_doc]
-        tv = reader.rows_tv(pn, qn, sels)
-        if tv is None:
+        want_delta = top_delta is not None and where == "path"
+        got = reader.rows_tv(pn, qn, sels, top_delta=want_delta)
+        if got is None:
             return None
+        tv = got[:, 0] if want_delta else got
         kind = "bfloat16" if arr.dtype.name == "bfloat16" else arr.dtype.name
         tol = TOLERANCE.get(kind, 1e-3) if tolerance is None else tolerance
         itemsize = arr.dtype.itemsize
@@ -155,6 +167,11 @@ def recompute_full_engine(
             pol = sel[1]
             check.bytes_read += 2 * n * (sel[-1].stop - sel[-1].start) * itemsize
             recorded = summary[recorded_name][(pol,) + sel[2:-1]].astype(np.float64).reshape(-1)
+            if want_delta:
+                into = deltas[doc_index].setdefault(
+                    pol, np.full(summary[recorded_name][pol].shape, np.nan)
+                )
+                into[sel[2:-1]] = got[at : at + n, 1].reshape(shape)
             _refuse_recorded_nan_rows(reader, summary, tv[at : at + n], where, sel)
             _compare(
                 check,
@@ -168,6 +185,8 @@ def recompute_full_engine(
                 reader.policies[pol],
             )
             at += n
+    if top_delta is not None:
+        top_delta.extend(deltas)
     return checks
 
 

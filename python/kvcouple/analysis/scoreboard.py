@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import math
 import threading
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -66,8 +67,14 @@ class DocScores:
     dp: np.ndarray | None
 
 
+# The summary key under which the analysis task passes the path's top-token deltas that the
+# fused recomputation of a full record computed (policy index -> (replicates, steps)).
+TOP_DELTA = "path_top_delta"
+
+
 def _delta_p_full(reader: TraceStoreReader, doc: int, pol: int, seen: np.ndarray) -> np.ndarray:
-    """``q(a) - p(a)``, ``a = argmax p``, at every seen step, one replicate's rows at a time."""
+    """``q(a) - p(a)``, ``a = argmax p``, at every seen step, one replicate's rows at a time
+    (where the engine did not give them with the recomputation: a second read)."""
     out = []
     for rep in range(seen.shape[0]):
         if not seen[rep].any():
@@ -94,7 +101,7 @@ def _delta_p_topk(reader: TraceStoreReader, doc: int, pol: int, seen: np.ndarray
 
 
 def doc_scores(
-    reader: TraceStoreReader, doc: int, summary: dict[str, np.ndarray]
+    reader: TraceStoreReader, doc: int, summary: Mapping[str, Any]
 ) -> dict[str, DocScores]:
     """Every policy's :class:`DocScores` of one document, from its summary (``tokens`` and
     ``kl_pq``, read by the analysis task) and the path's ``top1_agree`` (and distributions)."""
@@ -106,12 +113,15 @@ def doc_scores(
             # Not read by the estimates, so never required: a store re-written by a tool that
             # drops chunks equal to the fill value (all False) has no same_top, and no more.
             agree_all = None
+    decoded = summary.get(TOP_DELTA)
     out = {}
     for i, pol in enumerate(reader.policies):
         kl = summary["kl_pq"][i]
         seen = (summary["tokens"][i] >= 0) & np.isfinite(kl)
         dp = None
-        if reader.record == "full":
+        if reader.record == "full" and decoded is not None and i in decoded:
+            dp = decoded[i][seen].astype(np.float32)
+        elif reader.record == "full":
             dp = _delta_p_full(reader, int(doc), i, seen)
         elif reader.record.startswith("topk"):
             dp = _delta_p_topk(reader, int(doc), i, seen)

@@ -32,7 +32,7 @@ from kvcouple.analysis.reading import (
     recompute_full_engine,
     recompute_topk,
 )
-from kvcouple.analysis.scoreboard import DocScores, doc_scores
+from kvcouple.analysis.scoreboard import TOP_DELTA, DocScores, doc_scores
 from kvcouple.errors import StoreError
 from kvcouple.scheduler import check_scheduler as check_scheduler
 from kvcouple.scheduler import connect_client as connect_client
@@ -95,7 +95,11 @@ def analyze_doc(reader: TraceStoreReader, doc: int, options: Options) -> DocResu
         units = _units(reader, [doc], [summary], options)[0]
         check = None
         if options.recompute and reader.record == "full":
-            check = recompute_full(reader, doc, summary, options.tolerance, options.io_threads)
+            deltas: list[dict[int, np.ndarray]] = []
+            check = recompute_full(
+                reader, doc, summary, options.tolerance, options.io_threads, deltas
+            )
+            summary = _with_top_delta([summary], deltas)[0]
         elif options.recompute and reader.record.startswith("topk"):
             check = recompute_topk(reader, doc, summary, options.tolerance)
         return DocResult(doc, doc_id, units, check, scores=doc_scores(reader, doc, summary))
@@ -126,10 +130,12 @@ def _analyze_together(
         units = _units(reader, docs, summaries, options)
         checks: list[RecomputeCheck | None] = [None] * len(docs)
         if options.recompute and reader.record == "full":
-            fused = recompute_full_engine(reader, docs, summaries, options.tolerance)
+            deltas: list[dict[int, np.ndarray]] = []
+            fused = recompute_full_engine(reader, docs, summaries, options.tolerance, deltas)
             if fused is None:
                 return None
             checks = list(fused)
+            summaries = _with_top_delta(summaries, deltas)
         elif options.recompute and reader.record.startswith("topk"):
             checks = [
                 recompute_topk(reader, d, s, options.tolerance)
@@ -145,6 +151,17 @@ def _analyze_together(
         DocResult(d, reader.doc_ids[d], u, c, scores=sc)
         for d, u, c, sc in zip(docs, units, checks, scores, strict=True)
     ]
+
+
+def _with_top_delta(
+    summaries: list[dict[str, np.ndarray]], deltas: list[dict[int, np.ndarray]]
+) -> list[dict[str, Any]]:
+    """The summaries with the path's top-token deltas the recomputation decoded (the
+    scoreboard's ``delta_p``: :func:`kvcouple.analysis.scoreboard.doc_scores`), where it
+    gave them."""
+    if len(deltas) != len(summaries):
+        return summaries
+    return [{**s, TOP_DELTA: d} for s, d in zip(summaries, deltas, strict=True)]
 
 
 def _agreement(reader: TraceStoreReader, docs: list[int]) -> list[np.ndarray] | None:

@@ -307,7 +307,13 @@ class EngineReads:
         ]
 
     def rows_tv(
-        self, p_name: str, q_name: str, sels: list[tuple[Any, ...]], *, decode_only: bool = False
+        self,
+        p_name: str,
+        q_name: str,
+        sels: list[tuple[Any, ...]],
+        *,
+        decode_only: bool = False,
+        top_delta: bool = False,
     ) -> np.ndarray | None:
         """TV of every row (last axis: the distribution) of the blocks ``sels`` (each an index
         or a slice per axis, the last axis whole) of ``p_name`` against ``q_name``, decoded and
@@ -318,7 +324,9 @@ class EngineReads:
         concurrently and decoded by the same engine (:meth:`_remote_tv`). None where the engine
         cannot read this store (a codec or layout it lacks, zarr-python 2 on object storage,
         ``KVCOUPLE_STORE_ENGINE=zarr``): the caller then reads with
-        :meth:`~kvcouple.store.validation.StoreValidation.read`."""
+        :meth:`~kvcouple.store.validation.StoreValidation.read`. With ``top_delta``, (rows, 2):
+        each row's TV and the scoreboard's ``q(a) - p(a)`` at ``a = argmax p`` (computed as
+        numpy does on the rows widened to float32), from the same decode."""
         if self.switch.off:
             return None
         from kvcouple import _core
@@ -336,7 +344,7 @@ class EngineReads:
                 blocks[i, ax] = (start, stop)
         # One tolerance for both: p and q share the format and the vocabulary.
         if is_url(self.path):
-            tv, problem = self._remote_tv(p_name, q_name, blocks, kind, decode_only)
+            tv, problem = self._remote_tv(p_name, q_name, blocks, kind, decode_only, top_delta)
         else:
             tv, problem = _core.store_blocks_tv(
                 self.path,
@@ -346,9 +354,10 @@ class EngineReads:
                 kind,
                 row_tolerance=validation.row_tolerance(p_name),
                 decode_only=decode_only,
+                top_delta=top_delta,
             )
         if problem is None:
-            return np.asarray(tv)
+            return np.asarray(tv).reshape(-1, 2) if top_delta else np.asarray(tv)
         what, key, message = problem
         if what == "unsupported":
             self.switch.turned_off = True
@@ -385,7 +394,13 @@ class EngineReads:
         )
 
     def _remote_tv(
-        self, p_name: str, q_name: str, blocks: np.ndarray, kind: str, decode_only: bool
+        self,
+        p_name: str,
+        q_name: str,
+        blocks: np.ndarray,
+        kind: str,
+        decode_only: bool,
+        top_delta: bool,
     ) -> tuple[np.ndarray, tuple[str, str, str] | None]:
         """:meth:`rows_tv` on object storage: the chunk objects of a window of blocks are
         fetched concurrently (zarr's async store: many requests in flight) while the Rust
@@ -432,6 +447,7 @@ class EngineReads:
                     kind,
                     row_tolerance=self.validation.row_tolerance(p_name),
                     decode_only=decode_only,
+                    top_delta=top_delta,
                 )
                 if problem is not None:
                     for f in pending:

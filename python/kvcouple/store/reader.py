@@ -236,12 +236,20 @@ class TraceStoreReader:
         return self.engine_reads.blocks(name, doc, policy, whole_last)
 
     def rows_tv(
-        self, p_name: str, q_name: str, sels: list[tuple[Any, ...]], *, decode_only: bool = False
+        self,
+        p_name: str,
+        q_name: str,
+        sels: list[tuple[Any, ...]],
+        *,
+        decode_only: bool = False,
+        top_delta: bool = False,
     ) -> np.ndarray | None:
-        """TV of every row of the blocks ``sels`` of ``p_name`` against ``q_name``, by the
-        Rust engine; None where it cannot read this store
-        (:meth:`~kvcouple.store.engine_reads.EngineReads.rows_tv`)."""
-        return self.engine_reads.rows_tv(p_name, q_name, sels, decode_only=decode_only)
+        """TV of every row of the blocks ``sels`` of ``p_name`` against ``q_name`` (with
+        ``top_delta``, each row's TV and top-token delta), by the Rust engine; None where it
+        cannot read this store (:meth:`~kvcouple.store.engine_reads.EngineReads.rows_tv`)."""
+        return self.engine_reads.rows_tv(
+            p_name, q_name, sels, decode_only=decode_only, top_delta=top_delta
+        )
 
     # -- object storage (ObjectStorageReads) --------------------------------------------------
 

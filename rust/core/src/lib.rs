@@ -17,6 +17,7 @@ pub mod fastmath;
 pub mod half;
 pub mod parallel;
 pub mod row_check;
+pub mod row_top;
 pub mod row_tv;
 pub mod rows;
 pub mod simd;

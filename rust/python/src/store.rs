@@ -8,7 +8,7 @@ use kvcouple_store::chunks::{decode_chunks, Chunk};
 use kvcouple_store::fetched::{chunks_tv, FetchedVariable};
 use kvcouple_store::local::{blocks_tv, LocalVariable};
 use kvcouple_store::source::{ChunkSource, FetchedObjects, LocalFiles};
-use kvcouple_store::Problem;
+use kvcouple_store::{BlockOutput, Problem};
 use numpy::{IntoPyArray, PyArray1, PyReadonlyArray3, PyUntypedArrayMethods};
 use pyo3::prelude::*;
 use pyo3::pybacked::PyBackedBytes;
@@ -118,9 +118,12 @@ fn tvs_or_problem(
 /// store `root`, decoded with zarrs in parallel (checksums verified); with `row_tolerance`,
 /// every row must first be a distribution summing to 1 within it. Returns `(tvs, problem)`
 /// where `problem` is None or `(kind, key, message)` (nothing is raised for store damage: the
-/// reader names it).
+/// reader names it). With `top_delta`, each row gives two values: its TV, then the scoreboard's
+/// `q(a) - p(a)` at `a = argmax p` (`decode_only`: zeros, nothing computed).
 #[pyfunction]
-#[pyo3(signature = (root, p, q, blocks, dtype, *, row_tolerance=None, decode_only=false))]
+#[pyo3(signature = (root, p, q, blocks, dtype, *, row_tolerance=None, decode_only=false,
+                    top_delta=false))]
+#[allow(clippy::too_many_arguments)]
 pub fn store_blocks_tv<'py>(
     py: Python<'py>,
     root: &str,
@@ -130,12 +133,14 @@ pub fn store_blocks_tv<'py>(
     dtype: &str,
     row_tolerance: Option<f64>,
     decode_only: bool,
+    top_delta: bool,
 ) -> PyResult<(Bound<'py, PyArray1<f64>>, Option<ProblemTuple>)> {
     let (kind, ranges) = parse_blocks(&blocks, dtype, row_tolerance)?;
+    let output = BlockOutput::from_flags(decode_only, top_delta);
     let result = run_engine(py, || {
         let pv = LocalVariable::open(root, p)?;
         let qv = LocalVariable::open(root, q)?;
-        blocks_tv(&pv, &qv, &ranges, kind, row_tolerance, decode_only)
+        blocks_tv(&pv, &qv, &ranges, kind, row_tolerance, output)
     })?;
     Ok(tvs_or_problem(py, result))
 }
@@ -147,7 +152,7 @@ pub fn store_blocks_tv<'py>(
 /// must be exactly one chunk of the layout kvcouple writes, else the problem is "unsupported".
 #[pyfunction]
 #[pyo3(signature = (p_meta, q_meta, blocks, p_keys, p_chunks, q_keys, q_chunks, dtype, *,
-                    row_tolerance=None, decode_only=false))]
+                    row_tolerance=None, decode_only=false, top_delta=false))]
 pub fn store_chunks_tv<'py>(
     py: Python<'py>,
     p_meta: &str,
@@ -160,8 +165,10 @@ pub fn store_chunks_tv<'py>(
     dtype: &str,
     row_tolerance: Option<f64>,
     decode_only: bool,
+    top_delta: bool,
 ) -> PyResult<(Bound<'py, PyArray1<f64>>, Option<ProblemTuple>)> {
     let (kind, ranges) = parse_blocks(&blocks, dtype, row_tolerance)?;
+    let output = BlockOutput::from_flags(decode_only, top_delta);
     let n = ranges.len();
     if [p_keys.len(), p_chunks.len(), q_keys.len(), q_chunks.len()] != [n, n, n, n] {
         return Err(ShapeError::new_err(
@@ -179,15 +186,7 @@ pub fn store_chunks_tv<'py>(
         );
         let (pv, qv) = (&pv, &qv);
         let tol = row_tolerance;
-        chunks_tv(
-            (pv, qv),
-            &ranges,
-            (&pk, &qk),
-            &objects,
-            kind,
-            tol,
-            decode_only,
-        )
+        chunks_tv((pv, qv), &ranges, (&pk, &qk), &objects, kind, tol, output)
     })?;
     Ok(tvs_or_problem(py, result))
 }

@@ -11,6 +11,7 @@ use rayon::prelude::*;
 
 use kvcouple_core::parallel;
 use kvcouple_core::row_check::RowViolation;
+use kvcouple_core::row_top::row_top_delta;
 use kvcouple_core::row_tv::{row_tv, row_tv_checked};
 use kvcouple_core::rows::{Dtype, Rows};
 
@@ -69,7 +70,40 @@ fn rows_of(words: &[u64], kind: Dtype, n: usize) -> Rows<'_> {
     }
 }
 
-/// What one decoded block pair gives: its row TVs, checked first with `tolerance`.
+/// What the engine gives for each row of a block pair.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum BlockOutput {
+    /// Nothing computed (the decode floor): one zero per row.
+    DecodeOnly,
+    /// The row's TV.
+    Tv,
+    /// The row's TV and the scoreboard's `q(a) - p(a)` (`a = argmax p`), two values per row:
+    /// full records are then not read a second time for the scoreboard.
+    TvTopDelta,
+}
+
+impl BlockOutput {
+    /// From the bindings' flags (`decode_only` wins).
+    pub fn from_flags(decode_only: bool, top_delta: bool) -> Self {
+        match (decode_only, top_delta) {
+            (true, _) => BlockOutput::DecodeOnly,
+            (false, false) => BlockOutput::Tv,
+            (false, true) => BlockOutput::TvTopDelta,
+        }
+    }
+
+    /// Values per row.
+    pub fn width(self) -> usize {
+        if self == BlockOutput::TvTopDelta {
+            2
+        } else {
+            1
+        }
+    }
+}
+
+/// What one decoded block pair gives (`output`): its row TVs, checked first with `tolerance`,
+/// and where asked each row's top-token delta after its TV.
 pub(crate) fn consume(
     (p, q): (KeyOf, KeyOf),
     block: &[Range<u64>],
@@ -77,18 +111,30 @@ pub(crate) fn consume(
     rows: usize,
     vocab: usize,
     tolerance: Option<f64>,
+    output: BlockOutput,
 ) -> Result<Vec<f64>, Problem> {
-    let Some(tol) = tolerance else {
-        return Ok(row_tv(pr, qr, rows, vocab).unwrap_or_default());
+    let unsupported = |e: kvcouple_core::KvError| Problem::Unsupported {
+        message: e.to_string(),
     };
-    // Checked and computed in one pass over the rows.
-    match row_tv_checked(pr, qr, rows, vocab, tol) {
-        Ok(Ok(tv)) => Ok(tv),
-        Ok(Err((side, v))) => Err(value_problem(if side == 0 { p } else { q }, block, v)),
-        Err(e) => Err(Problem::Unsupported {
-            message: e.to_string(),
-        }),
+    if output == BlockOutput::DecodeOnly {
+        return Ok(vec![0.0; rows]);
     }
+    let tv = match tolerance {
+        None => row_tv(pr, qr, rows, vocab).unwrap_or_default(),
+        // Checked and computed in one pass over the rows.
+        Some(tol) => match row_tv_checked(pr, qr, rows, vocab, tol) {
+            Ok(Ok(tv)) => tv,
+            Ok(Err((side, v))) => {
+                return Err(value_problem(if side == 0 { p } else { q }, block, v))
+            }
+            Err(e) => return Err(unsupported(e)),
+        },
+    };
+    if output == BlockOutput::Tv {
+        return Ok(tv);
+    }
+    let delta = row_top_delta(pr, qr, rows, vocab).map_err(unsupported)?;
+    Ok(tv.iter().zip(&delta).flat_map(|(&t, &d)| [t, d]).collect())
 }
 
 /// The vocabulary, where `p` and `q` have one shape and every block is a set of whole rows
@@ -138,7 +184,7 @@ pub(crate) fn direct_block_tv(
     kind: Dtype,
     vocab: usize,
     tolerance: Option<f64>,
-    decode_only: bool,
+    output: BlockOutput,
 ) -> Result<Vec<f64>, Problem> {
     let n: usize = block.iter().map(|r| (r.end - r.start) as usize).product();
     let rows = n / vocab;
@@ -148,14 +194,11 @@ pub(crate) fn direct_block_tv(
         .decode(p.source, &p.key, want, p.crc32c)
         .and_then(|()| qd.decode(q.source, &q.key, want, q.crc32c))
         .and_then(|()| {
-            if decode_only {
-                return Ok(vec![0.0; rows]);
-            }
             // The block is one chunk: every element's key is that chunk's.
             let (pk, qk) = (|_: &[u64]| p.key.to_string(), |_: &[u64]| q.key.to_string());
             let keys: (KeyOf, KeyOf) = (&pk, &qk);
             let pair = (rows_of(&pd.decoded, kind, n), rows_of(&qd.decoded, kind, n));
-            consume(keys, block, pair, rows, vocab, tolerance)
+            consume(keys, block, pair, rows, vocab, tolerance, output)
         });
     direct::give(pd);
     direct::give(qd);

@@ -15,7 +15,7 @@ use zarrs::metadata::ArrayMetadata;
 
 use kvcouple_core::rows::Dtype;
 
-use crate::blocks::{check_blocks, direct_block_tv, itemsize, per_block, DirectChunk};
+use crate::blocks::{check_blocks, direct_block_tv, itemsize, per_block, BlockOutput, DirectChunk};
 use crate::direct::{self, Layout};
 use crate::source::FetchedObjects;
 use crate::Problem;
@@ -74,7 +74,7 @@ pub fn chunks_tv(
     objects: &FetchedObjects,
     kind: Dtype,
     tolerance: Option<f64>,
-    decode_only: bool,
+    output: BlockOutput,
 ) -> Result<Vec<f64>, Problem> {
     let unsupported = |message: String| Problem::Unsupported { message };
     let vocab = check_blocks(&p.shape, &q.shape, blocks)?;
@@ -103,7 +103,7 @@ pub fn chunks_tv(
             key: q_keys[i].into(),
             crc32c: q.layout.crc32c,
         };
-        direct_block_tv((pc, qc), b, kind, vocab, tolerance, decode_only)
+        direct_block_tv((pc, qc), b, kind, vocab, tolerance, output)
     })
 }
 
@@ -146,22 +146,34 @@ mod tests {
                 ("q/1.0", Some(q1.to_vec())),
             ]
         };
+        let out =
+            |stored: &[(&str, Option<Vec<u8>>)], tolerance, blocks: &[Vec<Range<u64>>], output| {
+                let fetched = FetchedObjects::new(stored.iter().map(|(k, b)| (*k, b.as_deref())));
+                let n = blocks.len();
+                let keys = (&ps[..n], &qs[..n]);
+                chunks_tv(
+                    (&v, &v),
+                    blocks,
+                    keys,
+                    &fetched,
+                    Dtype::F16,
+                    tolerance,
+                    output,
+                )
+            };
         let tvs = |stored: &[(&str, Option<Vec<u8>>)], tolerance, blocks: &[Vec<Range<u64>>]| {
-            let fetched = FetchedObjects::new(stored.iter().map(|(k, b)| (*k, b.as_deref())));
-            let n = blocks.len();
-            let keys = (&ps[..n], &qs[..n]);
-            chunks_tv(
-                (&v, &v),
-                blocks,
-                keys,
-                &fetched,
-                Dtype::F16,
-                tolerance,
-                false,
-            )
+            out(stored, tolerance, blocks, BlockOutput::Tv)
         };
         let tv = tvs(&objects(Some(&p1), &q1), Some(1e-3), &blocks);
         assert_eq!(tv.unwrap(), vec![1.0, 0.0]);
+        // With the top-token deltas: P's first top token is 0 (q = 0 there), then q = p.
+        let both = out(
+            &objects(Some(&p1), &q1),
+            Some(1e-3),
+            &blocks,
+            BlockOutput::TvTopDelta,
+        );
+        assert_eq!(both.unwrap(), vec![1.0, -0.5, 0.0, 0.0]);
         // A missing object and a flipped byte are named by key.
         let err = tvs(&objects(None, &q1), None, &blocks);
         assert!(matches!(err, Err(Problem::Missing { ref key }) if key == "p/1.0"));

@@ -24,6 +24,7 @@
 //! - [`chunks`]: whole chunks of the small variables, decoded as stored.
 
 mod blocks;
+pub use blocks::BlockOutput;
 pub mod chunks;
 mod direct;
 pub mod fetched;

@@ -13,7 +13,8 @@ use zarrs::storage::ReadableStorageTraits;
 use kvcouple_core::rows::Dtype;
 
 use crate::blocks::{
-    check_blocks, consume, direct_block_tv, itemsize, per_block, DirectChunk, KeyOf, Owned,
+    check_blocks, consume, direct_block_tv, itemsize, per_block, BlockOutput, DirectChunk, KeyOf,
+    Owned,
 };
 use crate::direct;
 use crate::source::LocalFiles;
@@ -167,15 +168,16 @@ impl LocalVariable {
 /// axis, the vocabulary, whole). Blocks are decoded and consumed in parallel; the result holds
 /// the blocks' rows one after another, in the order given. With `tolerance`, every row of `p`
 /// and `q` is checked to be a distribution first
-/// ([`kvcouple_core::row_check`]). With `decode_only` nothing
-/// is computed or checked (every row is 0): the decode floor, measured on the same code path.
+/// ([`kvcouple_core::row_check`]). `output` says what each row gives: its TV, its TV and
+/// top-token delta, or (`DecodeOnly`) nothing computed or checked, every row 0: the decode
+/// floor, measured on the same code path.
 pub fn blocks_tv(
     p: &LocalVariable,
     q: &LocalVariable,
     blocks: &[Vec<Range<u64>>],
     kind: Dtype,
     tolerance: Option<f64>,
-    decode_only: bool,
+    output: BlockOutput,
 ) -> Result<Vec<f64>, Problem> {
     let vocab = check_blocks(p.shape(), q.shape(), blocks)?;
     // One block per task: the codecs inside a task run serially, the tasks fill the cores.
@@ -188,7 +190,7 @@ pub fn blocks_tv(
     let size = itemsize(kind);
     per_block(blocks, |_, b| {
         if let (Some(pc), Some(qc)) = (p.direct_chunk(b, size), q.direct_chunk(b, size)) {
-            return direct_block_tv((pc, qc), b, kind, vocab, tolerance, decode_only);
+            return direct_block_tv((pc, qc), b, kind, vocab, tolerance, output);
         }
         let subset = ArraySubset::new_with_ranges(b);
         let rows = subset.num_elements_usize() / vocab;
@@ -204,11 +206,16 @@ pub fn blocks_tv(
                 ),
             });
         }
-        if decode_only {
-            return Ok(vec![0.0; rows]);
-        }
         let (pr, qr) = (Owned::new(&pb, kind), Owned::new(&qb, kind));
-        consume(keys, b, (pr.rows(), qr.rows()), rows, vocab, tolerance)
+        consume(
+            keys,
+            b,
+            (pr.rows(), qr.rows()),
+            rows,
+            vocab,
+            tolerance,
+            output,
+        )
     })
 }
 
