@@ -16,9 +16,13 @@ use crate::parallel;
 
 use super::bootstrap::{bootstrap_counts_into, check_table};
 
-/// Replicates per task: their draw counts (`BLOCK x docs`) and accumulators are the task's
+/// Replicates per task: their draw counts (`REPS x docs`) and accumulators are the task's
 /// memory, and every pass over the table serves all of them.
-const BLOCK: usize = 16;
+const REPS: usize = 128;
+
+/// Documents per tile: a tile's rows (`TILE x width`) and the replicates' counts of them are
+/// multiplied as one matrix product, the counts (`REPS x TILE`) by the rows.
+const TILE: usize = 512;
 
 /// Means over the `n_boot` resamples (the draws of [`super::bootstrap::bootstrap_means`] with
 /// the same `seed`) of the products `(x_j - c_j)(x_l - c_l)` of the columns of `values`
@@ -68,10 +72,12 @@ pub fn bootstrap_moments(
 /// `fill(d, row)` writes for document `d` (`width` values; NaN: left out of that column's
 /// mean). Returns `n_boot x width`, row-major; a mean without any entry is NaN.
 ///
-/// Replicates go in blocks of [`BLOCK`]: a block's draw counts (documents x replicates) are
-/// made once, then one pass over the documents adds each row, weighted by its counts, to every
-/// replicate of the block. Memory per task is the block's counts and accumulators, whatever
-/// `n_boot`; rows without NaN take a loop the compiler vectorizes.
+/// Replicates go in blocks of [`REPS`] (one task each): a block's draw counts are made once,
+/// then the documents go by tiles of [`TILE`], and each tile's rows are added to every
+/// replicate of the block, weighted by its counts, as one register-blocked matrix product
+/// (`matrixmultiply`'s dgemm; a second one counts the draws of NaN entries where a tile has
+/// any). Memory per task is the block's counts, one tile and the accumulators, whatever
+/// `n_boot`; each replicate's sums are taken in the same order whatever the thread count.
 pub(crate) fn blocked_means<F>(
     docs: usize,
     width: usize,
@@ -83,58 +89,101 @@ where
     F: Fn(usize, &mut [f64]) + Sync,
 {
     let mut out = vec![0.0; n_boot * width];
+    if width == 0 {
+        return out;
+    }
     parallel::install(|| {
-        out.par_chunks_mut(BLOCK * width)
+        out.par_chunks_mut(REPS * width)
             .enumerate()
-            .for_each(|(block, out)| {
-                let reps = out.len() / width;
-                let mut counts = vec![0u32; docs * reps]; // document-major
-                let mut row = vec![0u32; docs];
-                for r in 0..reps {
-                    row.iter_mut().for_each(|c| *c = 0);
-                    bootstrap_counts_into(seed, block * BLOCK + r, &mut row);
-                    for (d, &c) in row.iter().enumerate() {
-                        counts[d * reps + r] = c;
-                    }
-                }
-                let mut left_out = vec![0.0f64; reps * width]; // draws of NaN entries
-                let mut values = vec![0.0f64; width];
-                for d in 0..docs {
-                    let w_doc = &counts[d * reps..(d + 1) * reps];
-                    if w_doc.iter().all(|&w| w == 0) {
-                        continue;
-                    }
-                    fill(d, &mut values);
-                    let clean = values.iter().all(|v| !v.is_nan());
-                    for (r, &w) in w_doc.iter().enumerate() {
-                        if w == 0 {
-                            continue;
-                        }
-                        let w = w as f64;
-                        let acc = &mut out[r * width..(r + 1) * width];
-                        if clean {
-                            for (a, &v) in acc.iter_mut().zip(&values) {
-                                *a += w * v;
-                            }
-                            continue;
-                        }
-                        let gone = &mut left_out[r * width..(r + 1) * width];
-                        for ((a, n), &v) in acc.iter_mut().zip(gone.iter_mut()).zip(&values) {
-                            if v.is_nan() {
-                                *n += w;
-                            } else {
-                                *a += w * v;
-                            }
-                        }
-                    }
-                }
-                for (a, &n) in out.iter_mut().zip(&left_out) {
-                    let drawn = docs as f64 - n;
-                    *a = if drawn > 0.0 { *a / drawn } else { f64::NAN };
-                }
-            })
+            .for_each(|(block, out)| block_means(docs, width, seed, block, out, &fill))
     });
     out
+}
+
+/// One block of replicates of [`blocked_means`]: `out` holds its `reps x width` means.
+fn block_means<F>(docs: usize, width: usize, seed: u64, block: usize, out: &mut [f64], fill: &F)
+where
+    F: Fn(usize, &mut [f64]),
+{
+    let reps = out.len() / width;
+    let mut counts = vec![0u32; reps * docs]; // replicate-major
+    for (r, row) in counts.chunks_mut(docs).enumerate() {
+        bootstrap_counts_into(seed, block * REPS + r, row);
+    }
+    let mut weights = vec![0.0f64; reps * TILE]; // the tile's counts, reps x tile
+    let mut rows = vec![0.0f64; TILE * width]; // the tile's rows, NaN as 0
+    let mut missing = vec![0.0f64; TILE * width]; // 1 where the entry is NaN
+    let mut left_out = vec![0.0f64; reps * width]; // draws of NaN entries
+    for start in (0..docs).step_by(TILE) {
+        let n = TILE.min(docs - start);
+        let mut any_nan = false;
+        for (i, d) in (start..start + n).enumerate() {
+            let row = &mut rows[i * width..(i + 1) * width];
+            fill(d, row);
+            let gone = &mut missing[i * width..(i + 1) * width];
+            for (v, m) in row.iter_mut().zip(gone.iter_mut()) {
+                let nan = v.is_nan();
+                any_nan |= nan;
+                *m = if nan { 1.0 } else { 0.0 };
+                if nan {
+                    *v = 0.0;
+                }
+            }
+        }
+        for (r, w) in weights.chunks_mut(n).take(reps).enumerate() {
+            let drawn = &counts[r * docs + start..r * docs + start + n];
+            for (w, &c) in w.iter_mut().zip(drawn) {
+                *w = c as f64;
+            }
+        }
+        gemm_add(
+            reps,
+            n,
+            width,
+            &weights[..reps * n],
+            &rows[..n * width],
+            out,
+        );
+        if any_nan {
+            gemm_add(
+                reps,
+                n,
+                width,
+                &weights[..reps * n],
+                &missing[..n * width],
+                &mut left_out,
+            );
+        }
+    }
+    for (a, &gone) in out.iter_mut().zip(&left_out) {
+        let drawn = docs as f64 - gone;
+        *a = if drawn > 0.0 { *a / drawn } else { f64::NAN };
+    }
+}
+
+/// `c += a b` for row-major `a` (`m x k`), `b` (`k x n`) and `c` (`m x n`).
+fn gemm_add(m: usize, k: usize, n: usize, a: &[f64], b: &[f64], c: &mut [f64]) {
+    assert!(a.len() == m * k && b.len() == k * n && c.len() == m * n);
+    // SAFETY: the slices hold exactly the m x k, k x n and m x n row-major matrices the
+    // strides describe (asserted above), and `c` does not alias `a` or `b` (it is `&mut`).
+    unsafe {
+        matrixmultiply::dgemm(
+            m,
+            k,
+            n,
+            1.0,
+            a.as_ptr(),
+            k as isize,
+            1,
+            b.as_ptr(),
+            n as isize,
+            1,
+            1.0,
+            c.as_mut_ptr(),
+            n as isize,
+            1,
+        );
+    }
 }
 
 #[cfg(test)]
@@ -190,6 +239,34 @@ mod tests {
             (s + w * values[d * cols] * values[d * cols], n + w)
         });
         assert!((c[2] - num / den).abs() < 1e-12);
+    }
+
+    #[test]
+    fn means_across_tiles_and_blocks_are_their_definition() {
+        // Documents over several tiles (the last partial), replicates over several blocks,
+        // NaN entries in some tiles only.
+        let (docs, cols, n_boot) = (TILE * 2 + 37, 3usize, REPS * 2 + 5);
+        let mut values = table(docs, cols);
+        for d in (0..docs).step_by(97) {
+            values[d * cols + d % cols] = f64::NAN;
+        }
+        let pairs = [(0, 0), (0, 1), (1, 2), (2, 2)];
+        let c = bootstrap_moments(&values, docs, cols, &[3.0; 3], &pairs, n_boot, 11).unwrap();
+        let counts = bootstrap_counts(docs, n_boot, 11).unwrap();
+        for b in 0..n_boot {
+            for (q, &(j, l)) in pairs.iter().enumerate() {
+                let (mut num, mut den) = (0.0, 0.0);
+                for d in 0..docs {
+                    let v = (values[d * cols + j] - 3.0) * (values[d * cols + l] - 3.0);
+                    if v.is_finite() {
+                        num += counts[b * docs + d] as f64 * v;
+                        den += counts[b * docs + d] as f64;
+                    }
+                }
+                let got = c[b * pairs.len() + q];
+                assert!((got - num / den).abs() < 1e-12, "{b} {q}: {got} {}", num / den);
+            }
+        }
     }
 
     #[test]
