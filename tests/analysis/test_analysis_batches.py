@@ -84,17 +84,17 @@ def test_a_batch_equals_one_task_per_document(store, monkeypatch):
     tvs = _counting(monkeypatch, "store_blocks_tv")
     batch = analyze_docs(TraceStoreReader(store), docs, options)
     _assert_same(batch, one_by_one)
-    # The batch took the batched path: one summary read, one read of the scoreboard's
+    # The batch took the batched path: one read of the summaries with the scoreboard's
     # top1_agree and one call per pair of variables (path, branches)
     # for every document, not one per document.
-    per_doc = len(reader.policies)  # top1_agree: a chunk per (document, policy)
-    assert len(decodes) == 2 and decodes[1] == DOCS * per_doc and len(tvs) == 2, (decodes, tvs)
+    assert len(decodes) == 1 and len(tvs) == 2, (decodes, tvs)
     assert tvs == [DOCS * len(PAIRS)] * 2
 
 
 def test_analyze_in_batches_equals_analyze_document_by_document(store, monkeypatch):
     batched = analyze(store, n_boot=50, seed=2)
     monkeypatch.setattr(tasks, "LOCAL_BATCH", 1)
+    monkeypatch.setattr(tasks, "SUMMARY_BATCH", 1)
     single = analyze(store, n_boot=50, seed=2)
     (b,), (s,) = batched.models, single.models
     _assert_same(b.docs, s.docs)

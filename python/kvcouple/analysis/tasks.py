@@ -124,7 +124,12 @@ def _analyze_together(
     reader: TraceStoreReader, docs: list[int], options: Options
 ) -> list[DocResult] | None:
     try:
-        summaries = reader.read_summaries(docs, SUMMARY_READ)
+        # The scoreboard's top1_agree in the same engine call; where that cannot be (a store
+        # re-written without its all-False chunks has none), read apart (_agreement).
+        summaries = reader.read_summaries(docs, (*SUMMARY_READ, AGREEMENT))
+        agreed = summaries is not None
+        if summaries is None:
+            summaries = reader.read_summaries(docs, SUMMARY_READ)
         if summaries is None:
             return None
         units = _units(reader, docs, summaries, options)
@@ -141,9 +146,9 @@ def _analyze_together(
                 recompute_topk(reader, d, s, options.tolerance)
                 for d, s in zip(docs, summaries, strict=True)
             ]
-        agree = _agreement(reader, docs)
+        agree = None if agreed else _agreement(reader, docs)
         if agree is not None:
-            summaries = [{**s, "top1_agree": a} for s, a in zip(summaries, agree, strict=True)]
+            summaries = [{**s, AGREEMENT: a} for s, a in zip(summaries, agree, strict=True)]
         scores = [doc_scores(reader, d, s) for d, s in zip(docs, summaries, strict=True)]
     except StoreError:
         return None
@@ -169,10 +174,10 @@ def _agreement(reader: TraceStoreReader, docs: list[int]) -> list[np.ndarray] | 
     the engine cannot, or a chunk is missing (each document is then read on its own, and a
     missing one only loses its same_top)."""
     try:
-        got = reader.read_summaries(docs, ("top1_agree",))
+        got = reader.read_summaries(docs, (AGREEMENT,))
     except StoreError:
         return None
-    return None if got is None else [g["top1_agree"] for g in got]
+    return None if got is None else [g[AGREEMENT] for g in got]
 
 
 def _units(
@@ -210,16 +215,28 @@ def _limit_worker_threads(threads: int | None = None, dask_worker: Any = None) -
 
 # Documents per local task (analyze_docs): enough blocks per engine call to fill the cores and
 # to share the per-call costs; few enough that the batches in flight keep every core busy.
+# Summary records are small (a few kB a document): their batches are larger, so that the
+# per-call costs (one engine call, one value check per variable) are shared by more.
 LOCAL_BATCH = 8
+SUMMARY_BATCH = 64
+
+# The scoreboard's path variable read with the summaries (same_top).
+AGREEMENT = "top1_agree"
+
+
+def _batch_size(reader: TraceStoreReader) -> int:
+    return SUMMARY_BATCH if reader.record == "summary" else LOCAL_BATCH
 
 
 def _batches(
-    tasks: list[tuple[TraceStoreReader, int]], size: int
+    tasks: list[tuple[TraceStoreReader, int]], size: int | Callable[[TraceStoreReader], int]
 ) -> list[tuple[TraceStoreReader, list[int]]]:
-    """Consecutive tasks of one store, ``size`` documents at most per batch, in task order."""
+    """Consecutive tasks of one store, ``size`` documents at most per batch (or
+    ``size(store)``), in task order."""
     out: list[tuple[TraceStoreReader, list[int]]] = []
     for reader, doc in tasks:
-        if out and out[-1][0] is reader and len(out[-1][1]) < size:
+        cap = size(reader) if callable(size) else size
+        if out and out[-1][0] is reader and len(out[-1][1]) < cap:
             out[-1][1].append(doc)
         else:
             out.append((reader, [doc]))
@@ -264,13 +281,14 @@ def run_docs(
                 return r
 
             with ThreadPoolExecutor(max(1, threads_per_batch)) as pool:
-                return [r for rs in pool.map(one, _batches(tasks, LOCAL_BATCH)) for r in rs]
+                return [r for rs in pool.map(one, _batches(tasks, _batch_size)) for r in rs]
         from distributed import as_completed
 
         client.run(_limit_worker_threads, worker_threads)
         # Batches too, but small enough that every worker thread gets several.
         threads = max(1, sum(client.nthreads().values()))
-        batches = _batches(tasks, max(1, min(LOCAL_BATCH, len(tasks) // (4 * threads))))
+        spread = len(tasks) // (4 * threads)
+        batches = _batches(tasks, lambda r: max(1, min(_batch_size(r), spread)))
         futures = client.map(
             analyze_docs,
             [b[0] for b in batches],

@@ -112,15 +112,46 @@ class EngineReads:
         if is_url(self.path) or not docs:
             return None
         wanted, extra = self._with_prompt_length(names, docs)
-        got, _, _ = self._read_direct(wanted, docs)
-        if got is None:
+        stacks, _, _ = self._read_stacked(wanted, docs)
+        if stacks is None:
             return None
+        got = [{n: stacks[n][k, ...] for n in wanted} for k in range(len(docs))]
+        if self._batch_checked(docs, stacks, got, extra):
+            return got
         try:
             for doc, blocks in zip(docs, got, strict=True):
                 self._check_summary(doc, blocks, extra)
         except StoreError:
             return None
         return got
+
+    def _batch_checked(
+        self,
+        docs: list[int],
+        stacks: dict[str, np.ndarray],
+        got: list[dict[str, np.ndarray]],
+        extra: bool,
+    ) -> bool:
+        """Every document's values checked at once, variable by variable
+        (:meth:`~kvcouple.store.validation.StoreValidation.batch_allowed`): True where all are
+        allowed (then, as :meth:`_check_summary` does, the prompt lengths are kept and an
+        ``extra`` ``prompt_length`` dropped); False where any may not be, and the caller
+        checks document by document, naming the first problem."""
+        validation = self.validation
+        prompts = stacks.get("prompt_length")
+        if prompts is None and all(d in validation.prompt_lengths for d in docs):
+            prompts = np.array([validation.prompt_lengths[d] for d in docs], np.int64)
+        flat = None if prompts is None else prompts.reshape(len(docs), -1)[:, 0]
+        for name, values in stacks.items():
+            if not validation.batch_allowed(name, values, stacks, flat):
+                return False
+        if "prompt_length" in stacks:
+            for doc, length in zip(docs, stacks["prompt_length"].reshape(-1), strict=True):
+                validation.prompt_lengths[doc] = int(length)
+            if extra:
+                for blocks in got:
+                    blocks.pop("prompt_length")
+        return True
 
     def _with_prompt_length(
         self, names: tuple[str, ...], docs: list[int]
@@ -154,7 +185,17 @@ class EngineReads:
     def _read_direct(
         self, names: tuple[str, ...], docs: list[int]
     ) -> tuple[list[dict[str, np.ndarray]] | None, bool, tuple[str, str, str] | None]:
-        """``([name[doc] of every name, for each doc], True, None)`` read and decoded by the
+        """:meth:`_read_stacked`, as one dict of arrays per document (views of the stacks)."""
+        stacks, supported, problem = self._read_stacked(names, docs)
+        if stacks is None:
+            return None, supported, problem
+        return [{n: stacks[n][k, ...] for n in names} for k in range(len(docs))], True, None
+
+    def _read_stacked(
+        self, names: tuple[str, ...], docs: list[int]
+    ) -> tuple[dict[str, np.ndarray] | None, bool, tuple[str, str, str] | None]:
+        """``({name: name[docs]}, True, None)`` (each variable's documents stacked along its
+        first axis, in the order of ``docs``) read and decoded by the
         Rust engine (``kvcouple._core.store_decode_chunks``: every chunk in parallel, the GIL
         released, checksums verified); ``(None, True, problem)`` if a chunk is missing or
         damaged (the caller names it; ``problem``: the engine's ``(kind, key, message)``);
@@ -196,25 +237,34 @@ class EngineReads:
             ]
             for i, a in enumerate(arrays)
         ]
-        per_doc = [
-            [
-                (i, (doc, *cell), (slice(doc, doc + 1), *where))
-                for i in range(len(arrays))
-                for cell, where in first[i]
-            ]
-            for doc in docs
+        # Where each document's chunk of a variable is stored: document 0's, moved along the
+        # first axis (on the storage grid; inside a shard, its inner chunk's index).
+        at0 = [
+            [(cell, where, _stored_at((0, *cell), grids[i], shards[i])) for cell, where in cs]
+            for i, cs in enumerate(first)
         ]
-        cells = [c for doc_cells in per_doc for c in doc_cells]
-        which = [i for i, _, _ in cells]
-        stored_at = [_stored_at(cell, grids[i], shards[i]) for i, cell, _ in cells]
-        known: dict[tuple[int, tuple[int, ...]], str] = {}
-        keys = []
-        for (i, _, _), (obj, _) in zip(cells, stored_at, strict=True):
-            key = known.get((i, obj))
-            if key is None:
-                key = known[(i, obj)] = geometry.chunk_key(names[i], obj)
-            keys.append(key)
-        inner = [k for _, k in stored_at]
+        per_shard = [s[0] // g[0] for s, g in zip(shards, grids, strict=True)]
+        inner_step = [
+            int(np.prod([s // g for s, g in zip(sh[1:], gr[1:], strict=True)], dtype=np.int64))
+            for sh, gr in zip(shards, grids, strict=True)
+        ]
+        # Cell by cell, every document's chunk (the engine reads each stored object once).
+        at = np.asarray(docs, np.int64)
+        which: list[int] = []
+        keys: list[str] = []
+        inner: list[int] = []
+        for i, cells_i in enumerate(at0):
+            for _, _, (obj0, lin0) in cells_i:
+                rest = tuple(obj0[1:])
+                if lin0 < 0:
+                    objs, lins = at, np.full(len(docs), -1, np.int64)
+                else:
+                    objs = at // per_shard[i]
+                    lins = lin0 + (at % per_shard[i]) * inner_step[i]
+                named = {int(o): geometry.chunk_key(names[i], (int(o), *rest)) for o in set(objs)}
+                which += [i] * len(docs)
+                keys += [named[int(o)] for o in objs]
+                inner += lins.tolist()
         if remote:
             _, got = self.object_storage.summary_objects(names, docs[0])
             decoded, problem = _core.store_decode_chunks(metas, which, keys, chunks=got)
@@ -230,16 +280,19 @@ class EngineReads:
             return None, True, problem
         # Stored little endian (the layout the engine reads); edge chunks are padded.
         stored = [np.dtype(a.dtype).newbyteorder("<") for a in arrays]
-        raws = iter(decoded)
-        out: list[dict[str, np.ndarray]] = []
-        for doc_cells in per_doc:
-            blocks = {n: np.empty(a.shape[1:], a.dtype) for n, a in zip(names, arrays, strict=True)}
-            for (i, _, where), raw in zip(doc_cells, raws, strict=False):
-                chunk = np.frombuffer(raw, stored[i]).reshape(grids[i])[0]
-                inner_sel = tuple(slice(0, w.stop - w.start) for w in where[1:])
-                blocks[names[i]][where[1:]] = chunk[inner_sel]
-            out.append(blocks)
-        return out, True, None
+        stacks: dict[str, np.ndarray] = {}
+        cell = 0
+        n = len(docs)
+        for i, (name, a) in enumerate(zip(names, arrays, strict=True)):
+            stack = np.empty((n, *a.shape[1:]), a.dtype)
+            for _, where, _ in at0[i]:
+                raws = decoded[cell * n : (cell + 1) * n]
+                chunks = np.frombuffer(b"".join(raws), stored[i]).reshape((n, *grids[i][1:]))
+                inner_sel = tuple(slice(0, w.stop - w.start) for w in where)
+                stack[(slice(None), *where)] = chunks[(slice(None), *inner_sel)]
+                cell += 1
+            stacks[name] = stack
+        return stacks, True, None
 
     def _damage_error(self, problem: tuple[str, str, str], doc: int | None) -> StoreError:
         """The engine's ``(kind, key, message)`` of a missing or damaged chunk as the reader

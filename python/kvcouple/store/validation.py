@@ -28,6 +28,7 @@ from kvcouple.store.schema import (
     READABLE_VERSIONS,
     RULES,
     SCHEMA_VERSION,
+    UNRECORDED_MARK,
     Record,
     Variable,
     disallowed,
@@ -424,6 +425,44 @@ class StoreValidation:
         at = np.unravel_index(int(np.flatnonzero(bad.reshape(-1))[0]), block.shape)
         pos = lead + tuple(int(i) + int(o) for i, o in zip(at, offset, strict=True))
         raise self.value_error(name, pos, repr(block[at].item()), allowed)
+
+    def batch_allowed(
+        self,
+        name: str,
+        values: np.ndarray,
+        marks: Mapping[str, np.ndarray],
+        prompts: np.ndarray | None = None,
+    ) -> bool:
+        """Whether :meth:`check_values` would pass every document of a batch, checked at once:
+        ``values`` holds one document's whole variable per entry of its first axis, ``marks``
+        the same documents' mark variables stacked alike (where NaN is allowed), ``prompts``
+        their ``prompt_length`` (it bounds ``kept_length``). True: every value is allowed.
+        False: one might not be; the caller then checks document by document, which names the
+        first problem (this only says where no problem is, quickly)."""
+        rule = RULES.get(name)
+        if rule is None or values.size == 0:
+            return True
+        if rule == "distribution":
+            return False  # row-wise, with its own messages: always by document
+        if rule in ("unit", "nonneg", "divergence") and values.dtype.kind == "f":
+            nan = np.isnan(values)
+            if nan.any():
+                mark = UNRECORDED_MARK.get(name)
+                marked = marks.get(mark) if mark is not None else None
+                if marked is None or values.shape[: marked.ndim] != marked.shape:
+                    return False
+                lead = nan.reshape(marked.shape + (-1,)).any(-1)
+                if (lead & (marked != -1)).any():
+                    return False
+        bad, _ = disallowed(rule, values, self.dims, self.attrs.get("vocab_size"))
+        if bad.any():
+            return False
+        if rule == "kept":
+            if prompts is None or prompts.shape != values.shape[:1]:
+                return False
+            limit = prompts.reshape((-1,) + (1,) * (values.ndim - 1))
+            return not bool((values > limit).any())
+        return True
 
     def read_doc(self, name: str, doc: int) -> np.ndarray:
         """Every value of one document of ``name`` (its first axis is ``doc``), checked."""
