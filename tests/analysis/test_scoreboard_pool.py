@@ -104,6 +104,13 @@ def test_the_pool_does_not_depend_on_arrival_order(monkeypatch, cap):
     for slot in rng.permutation(len(docs)):
         pool.put(int(slot), docs[slot])
     assert pool.rows("m") == in_order
+    # In batches of any size, in any order: the same rows.
+    batched = sb.ScoreboardPool(["a", "b"], len(docs))
+    order = [int(i) for i in rng.permutation(len(docs))]
+    for start, size in ((0, 7), (7, 1), (8, 30), (38, 22)):
+        part = order[start : start + size]
+        batched.put_many(part, [docs[i] for i in part])
+    assert batched.rows("m") == in_order
     # Means and standard errors over documents, and the RMS, are exact in both modes.
     kl = {(r["policy"], r["quantity"], r["statistic"]): r for r in in_order}
     means = [d["a"].kl.mean() for d in docs if d["a"].kl.size]

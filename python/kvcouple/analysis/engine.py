@@ -417,12 +417,11 @@ class _StoreFold:
         self.scoreboard = ScoreboardPool(reader.policies, len(selected))
 
     def fold(self, results: list[DocResult]) -> list[DocResult]:
+        scored = [(self.slot[r.doc], r.scores) for r in results if r.scores]
+        self.scoreboard.put_many([slot for slot, _ in scored], [s for _, s in scored])
         for r in results:
-            slot = self.slot[r.doc]
             if r.units is not None:
-                r.units = self.columns.put(slot, r.units)
-            if r.scores:
-                self.scoreboard.put(slot, r.scores)
+                r.units = self.columns.put(self.slot[r.doc], r.units)
             r.scores = None
         return results
 

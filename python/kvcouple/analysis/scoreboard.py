@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import math
 import threading
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -253,13 +253,21 @@ class _Pool:
         # Only quantities with percentiles keep their steps (same_top has a mean only).
         self.pooled = PooledSteps() if len(STATISTICS[quantity]) > 1 else None
 
-    def put(self, slot: int, values: np.ndarray) -> None:
-        if values.size:
-            self.doc_mean[slot] = float(values.mean())
-            self.steps[slot] = values.size
-            self.square_sum[slot] = float(np.sum(values**2))
-            if self.pooled is not None:
-                self.pooled.add(values)
+    def put(self, slots: Sequence[int], values: Sequence[np.ndarray]) -> None:
+        """Documents ``slots``' steps (``values[i]`` for slot ``slots[i]``), folded at once:
+        each document's sums are its own segment's (the same whatever the batch)."""
+        sizes = np.array([v.size for v in values], np.int64)
+        seen = sizes > 0
+        if not seen.any():
+            return
+        flat = np.concatenate([np.asarray(v, np.float64).reshape(-1) for v in values])
+        starts = (np.cumsum(sizes) - sizes)[seen]
+        at = np.asarray(slots, np.int64)[seen]
+        self.doc_mean[at] = np.add.reduceat(flat, starts) / sizes[seen]
+        self.steps[at] = sizes[seen]
+        self.square_sum[at] = np.add.reduceat(flat * flat, starts)
+        if self.pooled is not None:
+            self.pooled.add(flat)
 
     def rows(self) -> list[dict[str, Any]]:
         """The mean over documents (+- se), then the pooled steps' percentiles (and the RMS
@@ -310,16 +318,29 @@ class ScoreboardPool:
         self.documents = 0
 
     def put(self, slot: int, scores: dict[str, DocScores]) -> None:
+        self.put_many([slot], [scores])
+
+    def put_many(self, slots: Sequence[int], scores: Sequence[dict[str, DocScores]]) -> None:
+        """Several documents' scores (``scores[i]`` of slot ``slots[i]``) in one fold per
+        pool: the result is the same as one :meth:`put` each, in any order or batching."""
+        if not slots:
+            return
         with self.lock:
-            self.documents += 1
-            for pol, s in scores.items():
+            self.documents += len(slots)
+            for pol in self.policies:
                 pools, missing = self.pools[pol], self.missing[pol]
-                pools["kl_pq"].put(slot, s.kl)
-                for q, v in (("delta_p", s.dp), ("same_top", s.agree)):
-                    if v is None:
+                here = [(slot, s[pol]) for slot, s in zip(slots, scores, strict=True) if pol in s]
+                if not here:
+                    continue
+                at = [slot for slot, _ in here]
+                pools["kl_pq"].put(at, [d.kl for _, d in here])
+                for q in ("delta_p", "same_top"):
+                    got = [(slot, d.dp if q == "delta_p" else d.agree) for slot, d in here]
+                    if any(v is None for _, v in got):
                         missing[q] = True
-                    else:
-                        pools[q].put(slot, np.asarray(v, np.float64))
+                    kept = [(slot, v) for slot, v in got if v is not None]
+                    if kept:
+                        pools[q].put([slot for slot, _ in kept], [v for _, v in kept])
 
     def rows(self, model: str) -> list[dict[str, Any]]:
         out = []
