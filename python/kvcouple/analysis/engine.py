@@ -20,7 +20,7 @@ import numpy as np
 from kvcouple.analysis import stats as st
 from kvcouple.analysis.bootstrap import bootstrap_table
 from kvcouple.analysis.comparisons import pool_gaps, run_tests
-from kvcouple.analysis.estimates import ESTIMATORS, observation_window
+from kvcouple.analysis.estimates import ESTIMATORS, BatchUnits, observation_window
 from kvcouple.analysis.plan import DEFAULTS, Plan, PlanError, load_plan, registration_status
 from kvcouple.analysis.results import AnalysisResult, ModelResult
 from kvcouple.analysis.scoreboard import ScoreboardPool
@@ -419,10 +419,19 @@ class _StoreFold:
     def fold(self, results: list[DocResult]) -> list[DocResult]:
         scored = [(self.slot[r.doc], r.scores) for r in results if r.scores]
         self.scoreboard.put_many([slot for slot, _ in scored], [s for _, s in scored])
+        # Units of one engine batch go in at once; others (built elsewhere) one by one.
+        batches: dict[int, list[DocResult]] = {}
         for r in results:
-            if r.units is not None:
+            if isinstance(r.units, BatchUnits):
+                batches.setdefault(id(r.units.batch), []).append(r)
+            elif r.units is not None:
                 r.units = self.columns.put(self.slot[r.doc], r.units)
             r.scores = None
+        for group in batches.values():
+            units = [r.units for r in group if isinstance(r.units, BatchUnits)]
+            views = self.columns.put_batch([self.slot[r.doc] for r in group], units)
+            for r, view in zip(group, views, strict=True):
+                r.units = view
         return results
 
 

@@ -23,6 +23,7 @@ The estimates are computed in Rust for a batch of documents per call
 
 from __future__ import annotations
 
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -62,6 +63,66 @@ class UnitEstimate:
     tail_observed: bool
 
 
+@dataclass
+class UnitBatch:
+    """A batch's estimates as the engine returns them: unit ``u = d * P + k`` is document
+    ``d``'s policy ``k`` (``P`` policies). The table takes them as arrays
+    (:meth:`kvcouple.analysis.units.UnitColumns.put_batch`); :meth:`unit` builds one
+    :class:`UnitEstimate` where a caller wants it."""
+
+    policies: list[str]
+    values: np.ndarray  # (units, SCALARS)
+    stderr: np.ndarray  # (units, SCALARS)
+    survival: np.ndarray  # (units, T + 1)
+    pmf: np.ndarray  # (units, T)
+    tv_lag_num: np.ndarray  # (units, L + 1)
+    tv_lag_den: np.ndarray  # (units, L + 1)
+    median_tau: np.ndarray  # (units,)
+    tail_observed: bool
+
+    @property
+    def docs(self) -> int:
+        return len(self.median_tau) // max(1, len(self.policies))
+
+    def unit(self, d: int, k: int) -> UnitEstimate:
+        u = d * len(self.policies) + k
+        return UnitEstimate(
+            dict(zip(SCALARS, self.values[u].tolist(), strict=True)),
+            dict(zip(SCALARS, self.stderr[u].tolist(), strict=True)),
+            self.survival[u],
+            self.pmf[u],
+            self.tv_lag_num[u],
+            self.tv_lag_den[u],
+            float(self.median_tau[u]),
+            self.tail_observed,
+        )
+
+
+class BatchUnits(Mapping[str, UnitEstimate]):
+    """Document ``d`` of a :class:`UnitBatch` (policy -> :class:`UnitEstimate`), built on
+    demand."""
+
+    __slots__ = ("batch", "d")
+
+    def __init__(self, batch: UnitBatch, d: int) -> None:
+        self.batch = batch
+        self.d = d
+
+    def __getitem__(self, policy: str) -> UnitEstimate:
+        if policy not in self.batch.policies:
+            raise KeyError(policy)
+        return self.batch.unit(self.d, self.batch.policies.index(policy))
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.batch.policies)
+
+    def __len__(self) -> int:
+        return len(self.batch.policies)
+
+    def __repr__(self) -> str:
+        return f"BatchUnits({dict(self)!r})"
+
+
 def observation_window(stored: int, window: int | str | None) -> int:
     """The observation window L_w (lags of the window/tail split) as an int: ``window`` as the
     analysis settings give it (``None`` or ``"stored"``: the store's L; else lags, at most L).
@@ -86,7 +147,7 @@ def estimate_units(
     *,
     obs_window: int,
     estimator: str = "indicator",
-) -> list[dict[str, UnitEstimate]]:
+) -> list[BatchUnits]:
     """Every policy's estimates of each document from its summary fields (``hazard[policy,
     rep, step]``, ``branch_step[policy, rep, branch]``, ``branch_mismatch`` and
     ``branch_tv[policy, rep, branch, lag]`` as stored), for a batch of documents in one Rust
@@ -123,24 +184,18 @@ def estimate_units(
         raise StoreError(
             _damage(where(doc_ids[unit // P], policies[unit % P]), kind, i, j, value, T)
         )
-    values, stderr = out["values"], out["stderr"]
-    docs = []
-    for d in range(len(summaries)):
-        units = {}
-        for k, pol in enumerate(policies):
-            u = d * P + k
-            units[pol] = UnitEstimate(
-                dict(zip(SCALARS, values[u].tolist(), strict=True)),
-                dict(zip(SCALARS, stderr[u].tolist(), strict=True)),
-                out["survival"][u],
-                out["pmf"][u],
-                out["tv_lag_num"][u],
-                out["tv_lag_den"][u],
-                float(out["median_tau"][u]),
-                L >= T - 1,
-            )
-        docs.append(units)
-    return docs
+    batch = UnitBatch(
+        list(policies),
+        out["values"],
+        out["stderr"],
+        out["survival"],
+        out["pmf"],
+        out["tv_lag_num"],
+        out["tv_lag_den"],
+        out["median_tau"],
+        L >= T - 1,
+    )
+    return [BatchUnits(batch, d) for d in range(len(summaries))]
 
 
 def estimate_unit(

@@ -24,7 +24,12 @@ from typing import Any
 
 import numpy as np
 
-from kvcouple.analysis.estimates import UnitEstimate, estimate_units, observation_window
+from kvcouple.analysis.estimates import (
+    BatchUnits,
+    UnitEstimate,
+    estimate_units,
+    observation_window,
+)
 from kvcouple.analysis.reading import (
     SUMMARY_READ,
     RecomputeCheck,
@@ -185,7 +190,7 @@ def _units(
     docs: list[int],
     summaries: list[dict[str, np.ndarray]],
     options: Options,
-) -> list[dict[str, UnitEstimate]]:
+) -> list[BatchUnits]:
     """Every policy's RB-CMC units of a batch of documents from their summaries (one Rust
     call)."""
     return estimate_units(

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kvcouple.analysis.estimates import SCALARS, Table, UnitEstimate
+from kvcouple.analysis.estimates import SCALARS, BatchUnits, Table, UnitBatch, UnitEstimate
 
 __all__ = ["TableLayout", "UnitColumns", "UnitView", "build_table"]
 
@@ -101,6 +101,36 @@ class TableLayout:
                 u.tv_lag_den[late].sum(),
             )
 
+    def fill_batch(self, rows: np.ndarray, batch: UnitBatch, docs: np.ndarray) -> None:
+        """:meth:`fill` of documents ``docs`` of ``batch`` into ``rows`` (one row each, as
+        many as ``docs``) at once: the same doubles, column block by column block."""
+        T, n, P = self.horizon, len(SCALARS), len(batch.policies)
+        early = slice(1, self.split + 1)
+        late = slice(self.split + 1, self.obs_window + 1)
+        if batch.tv_lag_num.shape[1] != self.lags or batch.survival.shape[1] != T + 1:
+            raise ValueError(
+                f"units of {batch.survival.shape[1] - 1} steps and {batch.tv_lag_num.shape[1]} "
+                f"lags in a table of {T} steps and {self.lags} lags"
+            )
+        for k, pol in enumerate(self.policies):
+            u = docs * P + batch.policies.index(pol)
+            at = k * self.per_policy
+            rows[:, at : at + n] = batch.values[u]
+            at += n
+            rows[:, at : at + T + 1] = batch.survival[u]
+            at += T + 1
+            rows[:, at : at + T] = batch.pmf[u]
+            at += T
+            num, den = batch.tv_lag_num[u], batch.tv_lag_den[u]
+            rows[:, at : at + 2 * self.lags : 2] = num
+            rows[:, at + 1 : at + 2 * self.lags : 2] = den
+            at += 2 * self.lags
+            # Row by row as fill sums them (numpy's row reduction: the same doubles).
+            rows[:, at] = num[:, early].sum(axis=1)
+            rows[:, at + 1] = den[:, early].sum(axis=1)
+            rows[:, at + 2] = num[:, late].sum(axis=1)
+            rows[:, at + 3] = den[:, late].sum(axis=1)
+
     def unit(
         self, row: np.ndarray, k: int, stderr: np.ndarray, median_tau: float, tail: bool
     ) -> UnitEstimate:
@@ -142,6 +172,28 @@ class UnitColumns:
             self.tail_observed[slot, k] = u.tail_observed
         self.filled[slot] = True
         return UnitView(self, slot)
+
+    def put_batch(self, slots: list[int], units: list[BatchUnits]) -> list[UnitView]:
+        """:meth:`put` of several documents of one :class:`UnitBatch` (``units[i]`` into slot
+        ``slots[i]``) at once."""
+        if not units:
+            return []
+        batch = units[0].batch
+        if any(u.batch is not batch for u in units):
+            raise ValueError("put_batch takes the documents of one batch")
+        at = np.asarray(slots, np.int64)
+        docs = np.array([u.d for u in units], np.int64)
+        rows = np.empty((len(at), self.layout.width))
+        self.layout.fill_batch(rows, batch, docs)
+        self.matrix[at] = rows
+        P = len(batch.policies)
+        for k, pol in enumerate(self.layout.policies):
+            u = docs * P + batch.policies.index(pol)
+            self.stderr[at, k] = batch.stderr[u]
+            self.median_tau[at, k] = batch.median_tau[u]
+            self.tail_observed[at, k] = batch.tail_observed
+        self.filled[at] = True
+        return [UnitView(self, int(slot)) for slot in at]
 
     def unit(self, slot: int, policy: str) -> UnitEstimate:
         k = self.layout.policies.index(policy)

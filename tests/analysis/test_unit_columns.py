@@ -1,0 +1,64 @@
+"""The table the bootstrap resamples, filled a batch at a time from the engine's arrays
+(``UnitColumns.put_batch``), holds exactly the doubles filled one document at a time from
+:class:`UnitEstimate` objects (``TableLayout.fill``), and rebuilds the same units."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from kvcouple.analysis.estimates import SCALARS, BatchUnits, UnitBatch
+from kvcouple.analysis.units import TableLayout, UnitColumns
+
+
+def _batch(rng, docs, policies, T, lags):
+    units = docs * len(policies)
+    return UnitBatch(
+        list(policies),
+        rng.random((units, len(SCALARS))) * 10,
+        rng.random((units, len(SCALARS))),
+        np.sort(rng.random((units, T + 1)))[:, ::-1].copy(),
+        rng.random((units, T)) / T,
+        rng.random((units, lags)) * 3,
+        rng.random((units, lags)),
+        np.where(rng.random(units) < 0.2, np.nan, rng.integers(1, T, units)),
+        True,
+    )
+
+
+@pytest.mark.parametrize(("T", "lags", "window"), [(8, 8, 7), (64, 65, 64), (64, 17, 12)])
+def test_a_batch_fills_the_rows_one_document_would(T, lags, window):
+    rng = np.random.default_rng(T + lags)
+    # The table's policy order differs from the batch's: columns go by the table's.
+    batch = _batch(rng, 9, ["b", "a"], T, lags)
+    layout = TableLayout.of(["a", "b"], T, lags, window)
+    views = [BatchUnits(batch, d) for d in range(9)]
+    slots = [4, 0, 8, 2, 6, 1, 7, 3, 5]
+    batched = UnitColumns(layout, 9)
+    batched.put_batch(slots[:5], views[:5])
+    batched.put_batch(slots[5:], views[5:])
+    single = UnitColumns(layout, 9)
+    for slot, view in zip(slots, views, strict=True):
+        single.put(slot, view)
+    np.testing.assert_array_equal(batched.matrix, single.matrix)
+    np.testing.assert_array_equal(batched.stderr, single.stderr)
+    np.testing.assert_array_equal(batched.median_tau, single.median_tau)
+    np.testing.assert_array_equal(batched.tail_observed, single.tail_observed)
+    assert batched.filled.all()
+    # The rebuilt units are the batch's.
+    for slot, view in zip(slots, views, strict=True):
+        for pol in ("a", "b"):
+            got, want = batched.unit(slot, pol), view[pol]
+            assert got.values == want.values and got.stderr == want.stderr
+            np.testing.assert_array_equal(got.survival, want.survival)
+            np.testing.assert_array_equal(got.tv_lag_den, want.tv_lag_den)
+
+
+def test_a_batch_of_another_shape_or_two_batches_are_refused():
+    rng = np.random.default_rng(1)
+    layout = TableLayout.of(["a"], 8, 8, 7)
+    with pytest.raises(ValueError, match="steps"):
+        UnitColumns(layout, 2).put_batch([0], [BatchUnits(_batch(rng, 1, ["a"], 6, 8), 0)])
+    one, two = _batch(rng, 1, ["a"], 8, 8), _batch(rng, 1, ["a"], 8, 8)
+    with pytest.raises(ValueError, match="one batch"):
+        UnitColumns(layout, 2).put_batch([0, 1], [BatchUnits(one, 0), BatchUnits(two, 0)])
