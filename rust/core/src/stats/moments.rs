@@ -106,10 +106,7 @@ where
     F: Fn(usize, &mut [f64]),
 {
     let reps = out.len() / width;
-    let mut counts = vec![0u32; reps * docs]; // replicate-major
-    for (r, row) in counts.chunks_mut(docs).enumerate() {
-        bootstrap_counts_into(seed, block * REPS + r, row);
-    }
+    let counts = Counts::draw(seed, block * REPS, reps, docs, u16::MAX as u32);
     let mut weights = vec![0.0f64; reps * TILE]; // the tile's counts, reps x tile
     let mut rows = vec![0.0f64; TILE * width]; // the tile's rows, NaN as 0
     let mut missing = vec![0.0f64; TILE * width]; // 1 where the entry is NaN
@@ -131,10 +128,7 @@ where
             }
         }
         for (r, w) in weights.chunks_mut(n).take(reps).enumerate() {
-            let drawn = &counts[r * docs + start..r * docs + start + n];
-            for (w, &c) in w.iter_mut().zip(drawn) {
-                *w = c as f64;
-            }
+            counts.weights(r * docs + start, w);
         }
         gemm_add(
             reps,
@@ -158,6 +152,49 @@ where
     for (a, &gone) in out.iter_mut().zip(&left_out) {
         let drawn = docs as f64 - gone;
         *a = if drawn > 0.0 { *a / drawn } else { f64::NAN };
+    }
+}
+
+/// A block's draw counts, replicate-major (`reps x docs`): two bytes a count, the block's
+/// memory at 100k documents 25 MB; four where a count passes `narrow` (a document drawn
+/// 65,536 times in one resample: possible, never seen).
+enum Counts {
+    Narrow(Vec<u16>),
+    Wide(Vec<u32>),
+}
+
+impl Counts {
+    fn draw(seed: u64, first: usize, reps: usize, docs: usize, narrow: u32) -> Self {
+        let mut row = vec![0u32; docs];
+        let mut out = vec![0u16; reps * docs];
+        for (r, kept) in out.chunks_mut(docs).enumerate() {
+            row.iter_mut().for_each(|c| *c = 0);
+            bootstrap_counts_into(seed, first + r, &mut row);
+            if row.iter().any(|&c| c > narrow) {
+                let mut wide = vec![0u32; reps * docs];
+                for (r, kept) in wide.chunks_mut(docs).enumerate() {
+                    bootstrap_counts_into(seed, first + r, kept);
+                }
+                return Counts::Wide(wide);
+            }
+            for (k, &c) in kept.iter_mut().zip(&row) {
+                *k = c as u16; // c <= narrow <= u16::MAX
+            }
+        }
+        Counts::Narrow(out)
+    }
+
+    /// The counts from `at` on (replicate-major position), as weights.
+    fn weights(&self, at: usize, out: &mut [f64]) {
+        let n = out.len();
+        match self {
+            Counts::Narrow(c) => out.iter_mut().zip(&c[at..at + n]).for_each(|(w, &c)| {
+                *w = c as f64;
+            }),
+            Counts::Wide(c) => out.iter_mut().zip(&c[at..at + n]).for_each(|(w, &c)| {
+                *w = c as f64;
+            }),
+        }
     }
 }
 
@@ -264,9 +301,28 @@ mod tests {
                     }
                 }
                 let got = c[b * pairs.len() + q];
-                assert!((got - num / den).abs() < 1e-12, "{b} {q}: {got} {}", num / den);
+                assert!(
+                    (got - num / den).abs() < 1e-12,
+                    "{b} {q}: {got} {}",
+                    num / den
+                );
             }
         }
+    }
+
+    #[test]
+    fn wide_counts_are_the_narrow_ones() {
+        let (docs, reps) = (300usize, 5usize);
+        let narrow = Counts::draw(4, 7, reps, docs, u16::MAX as u32);
+        let wide = Counts::draw(4, 7, reps, docs, 1); // every block with a 2 goes wide
+        assert!(matches!(narrow, Counts::Narrow(_)) && matches!(wide, Counts::Wide(_)));
+        let (mut a, mut b) = (vec![0.0; reps * docs], vec![0.0; reps * docs]);
+        narrow.weights(0, &mut a);
+        wide.weights(0, &mut b);
+        assert_eq!(a, b);
+        let want = bootstrap_counts(docs, 7 + reps, 4).unwrap();
+        let want: Vec<f64> = want[7 * docs..].iter().map(|&c| c as f64).collect();
+        assert_eq!(a, want);
     }
 
     #[test]
