@@ -355,7 +355,7 @@ def sizes_table(a: argparse.Namespace) -> list[tuple[float, int, dict[str, dict]
     from make_synthetic_store import make_store, store_bytes
 
     fixed = fixed_cost(a)
-    print(f"fixed cost: kvcouple analyze on a one-document store {fixed:.2f} s (goal <= 1)")
+    print(f"fixed cost: kvcouple analyze on a one-document store {fixed:.2f} s (goal <= 0.5)")
     rows = []
     for gb in a.sizes:
         store = Path(a.dir) / f"full_{gb:g}gb.zarr"
