@@ -11,14 +11,16 @@ Intervals (``ci_method``; docs/statistics.md has the coverage study that chose t
   (Hesterberg's small-sample expansion), which makes the interval exact for the mean of normal
   documents; plain percentile and BCa intervals are too narrow with few documents (coverage
   about 0.92 at 16 documents for a nominal 0.95);
-- ``studentized`` (bootstrap-t) on the quantity's scale (:class:`Scale`): for a quantity with
-  a finite range ``[low, high]`` the logit of ``(theta - low) / (high - low)``, so that the
-  interval lies inside the range by construction; ``psi - t*_q se_psi`` mapped back, ``t*``
-  the replicates of ``(psi* - psi) / se_psi*``. Standard errors are the delta method's
+- ``studentized`` (symmetric bootstrap-t) on the quantity's scale (:class:`Scale`): for a
+  quantity with a finite range ``[low, high]`` the logit of ``(theta - low) / (high - low)``,
+  so that the interval lies inside the range by construction; ``psi -+ c se_psi`` mapped
+  back, ``c`` the level quantile of ``|t*|``, ``t*`` the replicates of
+  ``(psi* - psi) / se_psi*`` (symmetric: the equal-tailed ends followed the chance skew of
+  16 documents, docs/statistics.md). Standard errors are the delta method's
   (``sqrt(grad' S grad / (n - 1))``, ``S`` the covariance of the columns the statistic reads:
   for a mean exactly the jackknife's ``s / sqrt(n)``), inside each resample from its moments
   (:func:`kvcouple._core.bootstrap_moments`: memory independent of resamples x documents).
-  A ratio of two statistics gets the confidence set of the studentized test of
+  A ratio of two statistics gets the confidence set of the (symmetric) studentized test of
   ``num - s den = 0`` over ``s`` (Fieller's construction with bootstrap-t critical values,
   :meth:`Bootstrap.ratio`). These live in :mod:`kvcouple.analysis.studentized`.
 

@@ -35,6 +35,7 @@ from kvcouple.analysis.bootstrap import (
     StatFn,
     normal_scores,
 )
+from kvcouple.analysis.studentized import studentized_estimate, sup_t_band
 from kvcouple.deprecation import module_getattr, moved_getattr
 
 __all__ = [
@@ -214,39 +215,25 @@ def policy_pairs(policies: list[str], reference: str | None) -> list[tuple[str, 
 
 def survival_band(bs: Bootstrap, a: str, b: str, horizon: int) -> list[dict[str, Any]]:
     """Paired survival difference ``S^b_t - S^a_t`` (t = 1..T) with pointwise CIs and a
-    simultaneous band, both inside [-1, 1]: on the difference's scale ``psi`` (the logit of
-    ``(D + 1) / 2``), ``psi_t +- c sd_t`` mapped back, with ``c`` the ``level`` quantile over
-    replicates of ``max_t |psi*_t - psi_t| / sd_t`` (a sup-t band: it covers the whole curve
-    at once), widened like the pointwise intervals by ``sqrt(n/(n-1)) t_{n-1} / z`` under
-    ``expanded-bca`` and ``studentized``."""
+    simultaneous band, both inside [-1, 1], made on the difference's scale ``psi`` (the logit
+    of ``(D + 1) / 2``). ``studentized`` (the default): a studentized sup-t band,
+    ``psi_t -+ c se_psi_t`` with ``c`` the ``level`` quantile over resamples of
+    ``max_t |t*_t|`` (:func:`kvcouple.analysis.studentized.sup_t_band`). Other methods: ``c``
+    the quantile of ``max_t |psi*_t - psi_t| / sd_t`` (``sd_t`` the replicates' standard
+    deviation), widened by ``sqrt(n/(n-1)) t_{n-1} / z`` under ``expanded-bca``. Either band
+    covers the whole curve at once."""
     fns = [(lambda g, t=t: g(f"{b}|S|{t}") - g(f"{a}|S|{t}")) for t in range(1, horizon + 1)]
     scale = Scale(-1.0, 1.0)  # a difference of probabilities: the band is made on its scale
-    ests = bs.evaluate_many(fns, scales=[scale] * len(fns))
-    point = scale.forward(np.array([e.estimate for e in ests]))
-    with np.errstate(invalid="ignore"):
-        boot = scale.forward(np.column_stack([e.boot for e in ests]))
-        finite = np.where(np.isfinite(boot), boot, np.nan)
-        sd = np.nanstd(finite, axis=0, ddof=1)
-    varying = np.isfinite(sd) & (sd > 0) & np.isfinite(point)
-    if varying.any():
-        # A replicate at +-1 (every drawn document at an end) lies beyond any band: inf.
-        with np.errstate(invalid="ignore"):
-            dev = np.abs(boot[:, varying] - point[varying]) / sd[varying]
-        c = float(np.quantile(np.nanmax(np.where(np.isnan(dev), -np.inf, dev), axis=1), bs.level))
+    if bs.method == "studentized":
+        point, boot, se, se_boot = bs.studentized_parts(fns)
+        ests = [
+            studentized_estimate(point[i], boot[:, i], se[i], se_boot[:, i], bs.level, scale)
+            for i in range(len(fns))
+        ]
+        lows, highs, c = sup_t_band(point, boot, se, se_boot, bs.level, scale)
     else:
-        c = 0.0
-    # The band is not studentized: a sup over T steps of each replicate's own jackknife
-    # errors over-covered (0.98 at 16 documents); the expanded band covered 0.94-0.95.
-    if bs.method in ("expanded-bca", "studentized"):
-        # The same small-sample expansion as the pointwise intervals (t_{n-1} over normal).
-        c *= (
-            normal_scores(bs.level, "expanded-bca", bs.n_docs)[1]
-            / normal_scores(bs.level, "percentile", bs.n_docs)[1]
-        )
-    with np.errstate(invalid="ignore"):  # c may be infinite where sd is 0
-        half = np.where(varying, c * np.nan_to_num(sd), 0.0)
-        lows = np.where(varying, scale.back(point - half), [e.estimate for e in ests])
-        highs = np.where(varying, scale.back(point + half), [e.estimate for e in ests])
+        ests = bs.evaluate_many(fns, scales=[scale] * len(fns))
+        lows, highs, c = _replicate_band(bs, ests, scale)
     return [
         {
             "policy_a": a,
@@ -261,6 +248,37 @@ def survival_band(bs: Bootstrap, a: str, b: str, horizon: int) -> list[dict[str,
         }
         for t, e, lo, hi in zip(range(1, horizon + 1), ests, lows, highs, strict=True)
     ]
+
+
+def _replicate_band(
+    bs: Bootstrap, ests: list[Estimate], scale: Scale
+) -> tuple[np.ndarray, np.ndarray, float]:
+    """The band of the percentile and BCa methods: a sup-t band over the replicates' standard
+    deviations on ``scale`` (not studentized), widened under ``expanded-bca``."""
+    point = scale.forward(np.array([e.estimate for e in ests]))
+    with np.errstate(invalid="ignore"):
+        boot = scale.forward(np.column_stack([e.boot for e in ests]))
+        finite = np.where(np.isfinite(boot), boot, np.nan)
+        sd = np.nanstd(finite, axis=0, ddof=1)
+    varying = np.isfinite(sd) & (sd > 0) & np.isfinite(point)
+    if varying.any():
+        # A replicate at +-1 (every drawn document at an end) lies beyond any band: inf.
+        with np.errstate(invalid="ignore"):
+            dev = np.abs(boot[:, varying] - point[varying]) / sd[varying]
+        c = float(np.quantile(np.nanmax(np.where(np.isnan(dev), -np.inf, dev), axis=1), bs.level))
+    else:
+        c = 0.0
+    if bs.method == "expanded-bca":
+        # The same small-sample expansion as the pointwise intervals (t_{n-1} over normal).
+        c *= (
+            normal_scores(bs.level, "expanded-bca", bs.n_docs)[1]
+            / normal_scores(bs.level, "percentile", bs.n_docs)[1]
+        )
+    with np.errstate(invalid="ignore"):  # c may be infinite where sd is 0
+        half = np.where(varying, c * np.nan_to_num(sd), 0.0)
+        lows = np.where(varying, scale.back(point - half), [e.estimate for e in ests])
+        highs = np.where(varying, scale.back(point + half), [e.estimate for e in ests])
+    return lows, highs, c
 
 
 def gap_scales(horizon: int) -> dict[str, Scale]:
