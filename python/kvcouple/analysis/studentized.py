@@ -10,6 +10,7 @@ critical values, :func:`fieller_set`), and the studentized simultaneous band of 
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Sequence
 from dataclasses import replace
 from typing import Protocol
@@ -36,6 +37,51 @@ class Resamples(Protocol):
     def columns(self, f: StatFn) -> list[int]: ...
 
 
+# Bytes of table columns gathered at once by the moments below (memory independent of the
+# number of columns asked for).
+GATHER_BYTES = 64 << 20
+
+
+def _column_blocks(rows: int, count: int) -> list[slice]:
+    """Blocks of ``count`` gathered columns of ``rows`` doubles, each within GATHER_BYTES."""
+    width = max(1, GATHER_BYTES // (8 * max(rows, 1)))
+    return [slice(i, min(i + width, count)) for i in range(0, count, width)]
+
+
+def _cross_means(
+    data: np.ndarray, center: np.ndarray, pairs: Sequence[tuple[int, int]]
+) -> np.ndarray:
+    """``nanmean((x_j - c_j)(x_l - c_l))`` over the documents for each pair (NaN where no
+    product is finite), block by block of pairs; each pair's column is summed as numpy sums
+    one column (the same doubles as one call per pair)."""
+    out = np.full(len(pairs), np.nan)
+    if not pairs:
+        return out
+    j = np.fromiter((p[0] for p in pairs), np.int64, len(pairs))
+    k = np.fromiter((p[1] for p in pairs), np.int64, len(pairs))
+    with np.errstate(invalid="ignore"), warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # an all-NaN pair: NaN, as asked
+        for b in _column_blocks(data.shape[0], len(pairs)):
+            prod = np.ascontiguousarray(
+                ((data[:, j[b]] - center[j[b]]) * (data[:, k[b]] - center[k[b]])).T
+            )
+            out[b] = np.where(np.isfinite(prod).any(1), np.nanmean(prod, axis=1), np.nan)
+    return out
+
+
+def _spreads(data: np.ndarray, cols: Sequence[int]) -> np.ndarray:
+    """``nanstd`` of each column of ``cols`` (0 where it has no finite entry), block by block,
+    each column summed as numpy sums one column."""
+    out = np.zeros(len(cols))
+    at = np.asarray(cols, np.int64)
+    with np.errstate(invalid="ignore"), warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        for b in _column_blocks(data.shape[0], len(cols)):
+            block = np.ascontiguousarray(data[:, at[b]].T)
+            out[b] = np.where(np.isfinite(block).any(1), np.nanstd(block, axis=1), 0.0)
+    return out
+
+
 class DeltaMethod:
     """Delta-method standard errors of statistics of column means, of the table and inside
     every resample: ``se^2 = grad' S grad / (n - 1)`` with ``S`` the covariance (divisor n) of
@@ -58,12 +104,7 @@ class DeltaMethod:
         self.pair = {p: q for q, p in enumerate(pairs)}
         self.center = np.where(np.isfinite(bs.point), bs.point, 0.0)
         data = bs.data
-        with np.errstate(invalid="ignore"):
-            self.cross = np.array(
-                [np.nanmean((data[:, j] - self.center[j]) * (data[:, k] - self.center[k]))
-                 if np.isfinite(data[:, j] * data[:, k]).any() else np.nan
-                 for j, k in pairs]
-            )  # fmt: skip
+        self.cross = _cross_means(data, self.center, pairs)
         arr = np.asarray(pairs, np.int64).reshape(-1, 2)
         n_boot = bs.reps.shape[0]
         self.cross_boot = (
@@ -73,11 +114,11 @@ class DeltaMethod:
             if pairs
             else np.zeros((n_boot, 0))
         )
-        # Central differences' steps: a millionth of each column's scale (column by column:
-        # no temporary the size of the table).
-        with np.errstate(invalid="ignore"):
-            sd = np.array([np.nanstd(data[:, j]) if np.isfinite(data[:, j]).any() else 0.0
-                           for j in range(data.shape[1])])  # fmt: skip
+        # Central differences' steps: a millionth of each column's scale (of the columns the
+        # statistics read; the others are never stepped).
+        used = sorted({j for c in self.cols for j in c})
+        sd = np.zeros(data.shape[1])
+        sd[used] = _spreads(data, used)
         self.step = 1e-6 * (np.abs(self.center) + sd + 1e-6)
 
     def gradient(self, f: StatFn, cols: list[int], means: np.ndarray) -> np.ndarray:
