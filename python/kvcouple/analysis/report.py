@@ -45,6 +45,18 @@ def _output(out: Path, name: str) -> Path:
     return path
 
 
+def _write_json(path: Path, payload: dict[str, Any]) -> None:
+    """``payload`` as JSON, one top-level key per line (readable at a glance) and each value
+    compact: the C encoder (an indented dump takes Python's, ~10x slower: seconds for the
+    per-document table of 10k documents). Non-finite floats are written as null."""
+    with path.open("w") as f:
+        f.write("{")
+        for i, (key, value) in enumerate(payload.items()):
+            f.write(",\n" if i else "\n")
+            f.write(f"{json.dumps(str(key))}: {json.dumps(json_safe(value), default=str)}")
+        f.write("\n}\n")
+
+
 def write_report(
     result: AnalysisResult,
     out: str | os.PathLike[str],
@@ -110,7 +122,7 @@ def write_report(
         },
         **tables,
     }
-    _output(out, "results.json").write_text(json.dumps(json_safe(payload), indent=1, default=str))
+    _write_json(_output(out, "results.json"), payload)
     images: dict[str, bytes] = {}
     if figures:
         try:

@@ -22,10 +22,19 @@ from __future__ import annotations
 
 import html
 import math
+from collections.abc import Mapping
 from typing import Any
 
+import numpy as np
+
 from kvcouple.analysis.labels import number, policy_labels
-from kvcouple.analysis.text_view import DocumentView, Token, document_view, shade_index
+from kvcouple.analysis.text_view import (
+    VIEW_READ,
+    DocumentView,
+    Token,
+    document_view,
+    shade_index,
+)
 from kvcouple.errors import StoreError
 from kvcouple.store.reader import TraceStoreReader
 from kvcouple.store.text import open_text, text_status
@@ -37,6 +46,7 @@ SHARED_TOKENS = 48
 SIDE_TOKENS = 48
 PROMPT_CHARS = 2000
 MAX_VIEWS = 200
+PREFETCH = 64  # documents' view variables per engine call
 
 # The Markdown report's sentence that report.html replaces by the views.
 MARKER = (
@@ -212,13 +222,27 @@ class _Store:
         self.docs = [d for d in m.docs if d.units is not None]
         self.position = {doc_id: i for i, doc_id in enumerate(self.reader.doc_ids)}
         self.views: dict[tuple[int, str], DocumentView] = {}
+        self.summaries: dict[int, Mapping[str, np.ndarray]] = {}
+
+    def prefetch(self, doc_ids: list[str]) -> None:
+        """The views' variables of these documents, a batch per engine call (where the engine
+        cannot, or a document is damaged, each view reads its own and names the damage)."""
+        docs = [self.position[d] for d in doc_ids if self.position[d] not in self.summaries]
+        for i in range(0, len(docs), PREFETCH):
+            batch = docs[i : i + PREFETCH]
+            try:
+                got = self.reader.read_summaries(batch, VIEW_READ)
+            except StoreError:
+                got = None
+            if got is not None:
+                self.summaries.update(zip(batch, got, strict=True))
 
     def view(self, doc_id: str, pol: str) -> DocumentView:
         key = (self.position[doc_id], pol)
         if key not in self.views:
             self.views[key] = document_view(
                 self.reader, key[0], self.m.policies.index(pol), 0, text=self.text,
-                status=self.status,
+                status=self.status, summary=self.summaries.get(key[0]),
             )  # fmt: skip
         return self.views[key]
 
@@ -285,6 +309,7 @@ def _model_html(result: Any, m: Any, tables: dict[str, list[dict[str, Any]]], in
     store = _Store(result, m, tables)
     where = f" ({visible(terminal(m.model))})" if len(result.models) > 1 else ""
     anchors = {d.doc_id: f"kv-view-{index}-{i}" for i, d in enumerate(store.docs[:MAX_VIEWS])}
+    store.prefetch(list(anchors))
     intro = (
         f"<p>The text: {html.escape(store.status)}. Each view is replicate 0 of a document: the "
         "continuation P and Q shared, the first divergence (&#9654;), then each side's "

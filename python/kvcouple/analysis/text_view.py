@@ -12,7 +12,7 @@ synthetic store, a run without a tokenizer) is shown by token ids, and says so.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -135,6 +135,15 @@ def _tokens(ids: np.ndarray, tvs: np.ndarray, first: int, texts: list[str] | Non
     return out
 
 
+# What a view reads of its document (every policy and replicate: one engine call serves a
+# batch of documents' views), with the marks that say where NaN is allowed (branch_mismatch)
+# so that the batch's values are checked at once.
+VIEW_READ = (
+    "tokens", "hazard", "branch_step", "branch_mismatch", "branch_tokens_p", "branch_tokens_q",
+    "branch_tv", "prompt_length",
+)  # fmt: skip
+
+
 def document_view(
     reader: TraceStoreReader,
     doc: int,
@@ -143,6 +152,7 @@ def document_view(
     *,
     text: StoreText | None = None,
     status: str | None = None,
+    summary: Mapping[str, np.ndarray] | None = None,
 ) -> DocumentView:
     """One (document, policy, replicate) of an open store, as text where the store keeps it.
 
@@ -157,6 +167,10 @@ def document_view(
         open_text`); read here otherwise.
     status : str, optional
         :func:`kvcouple.store.text.text_status`, likewise.
+    summary : mapping, optional
+        The document's :data:`VIEW_READ` variables, where the caller read them already (a
+        batch of documents at once: :meth:`~kvcouple.store.reader.TraceStoreReader.
+        read_summaries`); read here otherwise.
 
     Returns
     -------
@@ -172,15 +186,21 @@ def document_view(
         text = open_text(reader)
     status = status or text_status(reader)
     sel = (int(doc), int(policy), int(rep))
-    tokens = reader.read("tokens", sel)
-    hazard = reader.read("hazard", sel)
-    steps = reader.read("branch_step", sel)
-    tok_p, tok_q = reader.read("branch_tokens_p", sel), reader.read("branch_tokens_q", sel)
-    tv = reader.read("branch_tv", sel)
+
+    def read(name: str) -> np.ndarray:
+        if summary is not None and name in summary:
+            return np.asarray(summary[name][sel[1:]])
+        return reader.read(name, sel)
+
+    tokens, hazard, steps = read("tokens"), read("hazard"), read("branch_step")
+    tok_p, tok_q = read("branch_tokens_p"), read("branch_tokens_q")
+    tv = read("branch_tv")
     prompt, n_prompt = "", 0
     if text is not None:
         ids = text.prompt_ids(doc)
         prompt, n_prompt = text.decode(ids), len(ids)
+    elif summary is not None and "prompt_length" in summary:
+        n_prompt = int(summary["prompt_length"])
     else:
         n_prompt = int(reader.read("prompt_length", (int(doc),)))
     view = DocumentView(
