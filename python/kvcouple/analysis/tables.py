@@ -9,10 +9,13 @@ import math
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from kvcouple.analysis.estimates import SCALARS
 from kvcouple.analysis.reading import TOLERANCE
 from kvcouple.analysis.results import AnalysisResult
 from kvcouple.analysis.scoreboard import scoreboard_rows
+from kvcouple.analysis.units import UnitView
 
 
 def table_meta(result: AnalysisResult) -> dict[str, Any]:
@@ -45,21 +48,7 @@ def tidy_tables(result: AnalysisResult) -> dict[str, list[dict[str, Any]]]:
     for m in result.models:
         for name in ("summary", "curves", "differences", "gap_attribution", "survival_differences"):
             out[name] += [{"model": m.model, **row, **meta} for row in m.tables.get(name, [])]
-        for d in m.docs:
-            assert d.units is not None
-            for pol, u in d.units.items():
-                row: dict[str, Any] = {"model": m.model, "doc_id": d.doc_id, "policy": pol}
-                for k in SCALARS:
-                    # One unit per column name: the sharp interval is a fraction of T here as
-                    # in summary.csv; the other scalars are counts (tokens) in both files.
-                    fraction = k in ("interval_lower", "interval_upper")
-                    scale = m.horizon if fraction else 1
-                    name = f"{k}_fraction" if fraction else k  # the registry's name for /T
-                    row[name] = u.values[k] / scale
-                    row[f"{name}_se"] = u.stderr[k] / scale
-                row["median_tau"] = u.median_tau
-                row["tail_observed"] = u.tail_observed
-                out["per_document"].append({**row, **meta})
+        out["per_document"] += _per_document(m, meta)
         board = (
             m.scoreboard
             if m.scoreboard is not None
@@ -85,6 +74,58 @@ def tidy_tables(result: AnalysisResult) -> dict[str, list[dict[str, Any]]]:
     out["tests"] = [{**r, **meta} for r in result.tests]
     out["skipped"] = [{**r, **meta} for r in result.skipped]
     return out
+
+
+def _scalar_columns(horizon: int) -> tuple[list[str], np.ndarray]:
+    """The per-document table's scalar columns (each then its ``_se``) and each scalar's
+    divisor: one unit per column name, the sharp interval a fraction of T here as in
+    summary.csv (the registry's ``_fraction`` name), the other scalars counts (tokens)."""
+    fractions = ("interval_lower", "interval_upper")
+    names = [f"{k}_fraction" if k in fractions else k for k in SCALARS]
+    scale = np.array([float(horizon) if k in fractions else 1.0 for k in SCALARS])
+    return [c for n in names for c in (n, f"{n}_se")], scale
+
+
+def _per_document(m: Any, meta: dict[str, Any]) -> list[dict[str, Any]]:
+    """One row per (document, policy) of model ``m``: its scalars and their standard errors,
+    median tau and whether the tail was observed. Read as columns from the table the units
+    live in (:class:`~kvcouple.analysis.units.UnitView`), else unit by unit."""
+    columns, scale = _scalar_columns(m.horizon)
+    docs = [d for d in m.docs if d.units is not None]
+    views = [d.units for d in docs if isinstance(d.units, UnitView)]
+    table = views[0].columns if views else None
+    if len(views) != len(docs) or any(v.columns is not table for v in views):
+        table = None
+    per_policy: dict[str, tuple[list[list[Any]], list[Any], list[Any]]] = {}
+    for pol in m.policies:
+        if table is not None:
+            slots = [v.slot for v in views]
+            values, stderr = table.scalar_rows(slots, pol)
+            k = table.layout.policies.index(pol)
+            median = table.median_tau[slots, k].tolist()
+            tail = table.tail_observed[slots, k].tolist()
+        else:
+            units = [d.units[pol] for d in docs]  # type: ignore[index]
+            values = np.array([[u.values[k] for k in SCALARS] for u in units]).reshape(
+                -1, len(SCALARS)
+            )
+            stderr = np.array([[u.stderr[k] for k in SCALARS] for u in units]).reshape(
+                -1, len(SCALARS)
+            )
+            median = [u.median_tau for u in units]
+            tail = [u.tail_observed for u in units]
+        both = np.empty((len(docs), 2 * len(SCALARS)))
+        both[:, 0::2], both[:, 1::2] = values / scale, stderr / scale
+        per_policy[pol] = (both.tolist(), median, tail)
+    keys = ["model", "doc_id", "policy", *columns, "median_tau", "tail_observed", *meta]
+    rest = list(meta.values())
+    rows = []
+    for i, d in enumerate(docs):
+        for pol in m.policies:
+            cells, medians, tails = per_policy[pol]
+            row = [m.model, d.doc_id, pol, *cells[i], medians[i], tails[i], *rest]
+            rows.append(dict(zip(keys, row, strict=True)))
+    return rows
 
 
 # Columns of the tables that can be empty: an empty table is written as its header alone, so
@@ -115,17 +156,33 @@ def write_csv(path: Path, rows: list[dict[str, Any]], columns: list[str] | None 
     if not keys and columns is not None:
         keys = columns + [k for k in _META_KEYS if k not in columns]
     with path.open("w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=keys)
-        w.writeheader()
-        w.writerows(rows)
+        if rows and all(len(r) == len(keys) for r in rows) and all(list(r) == keys for r in rows):
+            # Every row has the columns in order (a large table, as a rule): as lists.
+            w = csv.writer(f)
+            w.writerow(keys)
+            w.writerows(r.values() for r in rows)
+            return
+        dw = csv.DictWriter(f, fieldnames=keys)
+        dw.writeheader()
+        dw.writerows(rows)
 
 
 def json_safe(v: Any) -> Any:
     """``v`` with every non-finite float (nested in dicts and lists) replaced by None."""
-    if isinstance(v, float) and not math.isfinite(v):
-        return None
+    if isinstance(v, float):
+        return v if math.isfinite(v) else None
     if isinstance(v, dict):
-        return {k: json_safe(x) for k, x in v.items()}
+        return {k: _safe(x) for k, x in v.items()}
     if isinstance(v, list):
-        return [json_safe(x) for x in v]
+        return [_safe(x) for x in v]
     return v
+
+
+def _safe(x: Any) -> Any:
+    # json_safe, with the common leaves (finite floats, strings, ints) returned at once.
+    t = type(x)
+    if t is float:
+        return x if x - x == 0.0 else None  # inf - inf and nan - nan are nan
+    if t is str or t is int or t is bool or x is None:
+        return x
+    return json_safe(x)

@@ -195,6 +195,14 @@ class UnitColumns:
         self.filled[at] = True
         return [UnitView(self, int(slot)) for slot in at]
 
+    def scalar_rows(self, slots: list[int], policy: str) -> tuple[np.ndarray, np.ndarray]:
+        """Policy ``policy``'s scalars (:data:`SCALARS` order) and their standard errors for
+        the documents in ``slots``: ``(len(slots), len(SCALARS))`` each, as :meth:`unit`
+        gives them one document at a time."""
+        k = self.layout.policies.index(policy)
+        at = k * self.layout.per_policy
+        return self.matrix[slots, at : at + len(SCALARS)], self.stderr[slots, k]
+
     def unit(self, slot: int, policy: str) -> UnitEstimate:
         k = self.layout.policies.index(policy)
         return self.layout.unit(
