@@ -177,9 +177,11 @@ class DeltaMethod:
 
 
 def _t_ends(tstar: np.ndarray, level: float) -> tuple[float, float]:
-    """The order statistics of the sorted finite ``t*`` at the two tails of ``level``:
-    ``t*_(floor((m+1) a))`` and ``t*_(ceil((m+1)(1-a)))``, ``a = (1 - level)/2`` (so that the
-    p-values below invert the interval); beyond the replicates: infinite."""
+    """The order statistics of the sorted ``t*`` (here ``t*`` and ``-t*`` together, so the
+    two ends are ``-c`` and ``c``) at the two tails of ``level``: ``t*_(floor((m+1) a))`` and
+    ``t*_(ceil((m+1)(1-a)))``, ``a = (1 - level)/2`` (so that the p-values of
+    :func:`kvcouple.analysis.pvalues.studentized_p_value` invert the interval); beyond the
+    replicates: infinite."""
     m = tstar.size
     a = (1.0 - level) / 2.0
     j = math.floor((m + 1) * a + 1e-9)
@@ -211,8 +213,7 @@ def studentized_estimate(
     goes, ``t* = +-inf``; one whose draws are all alike inside the range (``se* = 0``) is
     studentized by the table's ``se_psi``; one whose statistic is undefined is left out. A
     statistic constant over the documents (``se = 0``, or at an end of its range) gets the
-    point as interval, ``constant``. The interval always contains the point (``t*_low <= 0
-    <= t*_high``)."""
+    point as interval, ``constant``. The interval always contains the point (``c >= 0``)."""
     nan = math.nan
     if not (math.isfinite(point) and math.isfinite(se)):
         return Estimate(point, nan, nan, boot, method="studentized", se=se, scale=scale)
