@@ -259,15 +259,16 @@ def run_summary_analysis(store: str, threads: int) -> dict[str, float]:
 
 def engine_summary_read(store: str, threads: int) -> dict[str, float]:
     """The engine's read of every document's summary variables (decoded and checked, in
-    batches of 64 documents), nothing computed."""
+    the analysis's batches: 256 documents, a shard's), nothing computed."""
     from kvcouple.analysis.reading import SUMMARY_READ
+    from kvcouple.analysis.tasks import SUMMARY_BATCH
     from kvcouple.store.reader import TraceStoreReader
 
     r = TraceStoreReader(store)
     t, cpu = time.perf_counter(), _cpu_seconds()
     done = r.done
-    for i in range(0, len(done), 64):
-        got = r.read_summaries(done[i : i + 64], SUMMARY_READ)
+    for i in range(0, len(done), SUMMARY_BATCH):
+        got = r.read_summaries(done[i : i + SUMMARY_BATCH], SUMMARY_READ)
         assert got is not None, "the engine cannot read this store"
     return {
         "seconds": time.perf_counter() - t,
