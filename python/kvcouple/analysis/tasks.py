@@ -221,7 +221,8 @@ def _limit_worker_threads(threads: int | None = None, dask_worker: Any = None) -
 # Documents per local task (analyze_docs): enough blocks per engine call to fill the cores and
 # to share the per-call costs; few enough that the batches in flight keep every core busy.
 # Summary records are small (a few kB a document): their batches are larger, so that the
-# per-call costs (one engine call, one value check per variable) are shared by more; 256 is a whole shard of a large store.
+# per-call costs (one engine call, one value check per variable) are shared by more; 256
+# documents are a whole shard of a large store.
 LOCAL_BATCH = 8
 SUMMARY_BATCH = 256
 
