@@ -39,7 +39,7 @@ class Resamples(Protocol):
 
 # Bytes of table columns gathered at once by the moments below (memory independent of the
 # number of columns asked for).
-GATHER_BYTES = 64 << 20
+GATHER_BYTES = 8 << 20
 
 
 def _column_blocks(rows: int, count: int) -> list[slice]:
