@@ -96,3 +96,20 @@ def test_per_document_rows_from_the_table_equal_rows_unit_by_unit(tmp_path):
     assert {r["policy"] for r in from_table} == {"a", "b"}
     assert all(0 <= r["interval_lower_fraction"] <= r["interval_upper_fraction"] <= 1
                for r in from_table)  # fmt: skip
+
+
+def test_rows_made_when_iterated_behave_as_a_list():
+    from kvcouple.analysis.tables import Rows
+
+    def make(n, tag):
+        return Rows(["i", "tag"], n, lambda: ({"i": i, "tag": tag} for i in range(n)))
+
+    rows = Rows.chain([make(3, "a"), make(2, "b")])
+    want = [{"i": 0, "tag": "a"}, {"i": 1, "tag": "a"}, {"i": 2, "tag": "a"},
+            {"i": 0, "tag": "b"}, {"i": 1, "tag": "b"}]  # fmt: skip
+    assert len(rows) == 5 and list(rows) == want and list(rows) == want  # passes repeat
+    assert rows == want and rows[3] == want[3] and rows[-1] == want[-1] and rows[1:3] == want[1:3]
+    with pytest.raises(IndexError):
+        rows[5]
+    with pytest.raises(ValueError, match="same columns"):
+        Rows.chain([make(1, "a"), Rows(["i"], 1, lambda: iter([{"i": 0}]))])

@@ -21,6 +21,7 @@ and the figures from :mod:`kvcouple.analysis.figures`.
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import warnings
@@ -32,7 +33,14 @@ from kvcouple.analysis.report_html import html_page
 from kvcouple.analysis.report_sections import markdown_report
 from kvcouple.analysis.report_words import report_title
 from kvcouple.analysis.results import AnalysisResult
-from kvcouple.analysis.tables import EMPTY_COLUMNS, json_safe, table_meta, tidy_tables, write_csv
+from kvcouple.analysis.tables import (
+    EMPTY_COLUMNS,
+    Rows,
+    json_safe,
+    table_meta,
+    tidy_tables,
+    write_csv,
+)
 from kvcouple.analysis.text_html import with_text
 from kvcouple.errors import InvalidInputError, MissingExtraError, require
 
@@ -45,16 +53,34 @@ def _output(out: Path, name: str) -> Path:
     return path
 
 
+JSON_BLOCK = 4096  # rows of a large table encoded at a time
+
+
 def _write_json(path: Path, payload: dict[str, Any]) -> None:
     """``payload`` as JSON, one top-level key per line (readable at a glance) and each value
     compact: the C encoder (an indented dump takes Python's, ~10x slower: seconds for the
-    per-document table of 10k documents). Non-finite floats are written as null."""
+    per-document table of 10k documents). A table is written a block of rows at a time, so
+    the text of 100k documents' rows is never held whole. Non-finite floats are null."""
     with path.open("w") as f:
         f.write("{")
         for i, (key, value) in enumerate(payload.items()):
             f.write(",\n" if i else "\n")
-            f.write(f"{json.dumps(str(key))}: {json.dumps(json_safe(value), default=str)}")
+            f.write(f"{json.dumps(str(key))}: ")
+            if isinstance(value, Rows):
+                f.write("[")
+                rows = iter(value)
+                first = True
+                while block := list(itertools.islice(rows, JSON_BLOCK)):
+                    f.write(("" if first else ",") + _dumps(block)[1:-1])
+                    first = False
+                f.write("]")
+            else:
+                f.write(_dumps(value))
         f.write("\n}\n")
+
+
+def _dumps(value: Any) -> str:
+    return json.dumps(json_safe(value), default=str)
 
 
 def write_report(

@@ -5,9 +5,11 @@ the preregistration stamp (:func:`table_meta`)."""
 from __future__ import annotations
 
 import csv
+import itertools
 import math
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, overload
 
 import numpy as np
 
@@ -45,10 +47,11 @@ def tidy_tables(result: AnalysisResult) -> dict[str, list[dict[str, Any]]]:
             "scoreboard",
         )
     }
+    per_document: list[Rows] = []
     for m in result.models:
         for name in ("summary", "curves", "differences", "gap_attribution", "survival_differences"):
             out[name] += [{"model": m.model, **row, **meta} for row in m.tables.get(name, [])]
-        out["per_document"] += _per_document(m, meta)
+        per_document.append(_per_document(m, meta))
         board = (
             m.scoreboard
             if m.scoreboard is not None
@@ -68,6 +71,7 @@ def tidy_tables(result: AnalysisResult) -> dict[str, list[dict[str, Any]]]:
                     **meta,
                 }
             )
+    out["per_document"] = Rows.chain(per_document)  # type: ignore[assignment]
     for name, rows in result.pooled.items():  # across models: "model" names the pool
         out[name] += [{**row, **meta} for row in rows]
     out["recompute_check"] = [{**r, **meta} for r in result.checks()]
@@ -86,46 +90,94 @@ def _scalar_columns(horizon: int) -> tuple[list[str], np.ndarray]:
     return [c for n in names for c in (n, f"{n}_se")], scale
 
 
-def _per_document(m: Any, meta: dict[str, Any]) -> list[dict[str, Any]]:
+def _per_document(m: Any, meta: dict[str, Any]) -> Rows:
     """One row per (document, policy) of model ``m``: its scalars and their standard errors,
     median tau and whether the tail was observed. Read as columns from the table the units
-    live in (:class:`~kvcouple.analysis.units.UnitView`), else unit by unit."""
+    live in (:class:`~kvcouple.analysis.units.UnitView`), else unit by unit; the rows are
+    made when iterated (:class:`Rows`)."""
     columns, scale = _scalar_columns(m.horizon)
     docs = [d for d in m.docs if d.units is not None]
     views = [d.units for d in docs if isinstance(d.units, UnitView)]
     table = views[0].columns if views else None
     if len(views) != len(docs) or any(v.columns is not table for v in views):
         table = None
-    per_policy: dict[str, tuple[list[list[Any]], list[Any], list[Any]]] = {}
+    per_policy: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
     for pol in m.policies:
         if table is not None:
             slots = [v.slot for v in views]
             values, stderr = table.scalar_rows(slots, pol)
             k = table.layout.policies.index(pol)
-            median = table.median_tau[slots, k].tolist()
-            tail = table.tail_observed[slots, k].tolist()
+            median = table.median_tau[slots, k]
+            tail = table.tail_observed[slots, k]
         else:
             units = [d.units[pol] for d in docs]  # type: ignore[index]
-            values = np.array([[u.values[k] for k in SCALARS] for u in units]).reshape(
-                -1, len(SCALARS)
-            )
-            stderr = np.array([[u.stderr[k] for k in SCALARS] for u in units]).reshape(
-                -1, len(SCALARS)
-            )
-            median = [u.median_tau for u in units]
-            tail = [u.tail_observed for u in units]
+            n = len(SCALARS)
+            values = np.array([[u.values[k] for k in SCALARS] for u in units]).reshape(-1, n)
+            stderr = np.array([[u.stderr[k] for k in SCALARS] for u in units]).reshape(-1, n)
+            median = np.array([u.median_tau for u in units], np.float64)
+            tail = np.array([u.tail_observed for u in units], bool)
         both = np.empty((len(docs), 2 * len(SCALARS)))
         both[:, 0::2], both[:, 1::2] = values / scale, stderr / scale
-        per_policy[pol] = (both.tolist(), median, tail)
+        per_policy.append((both, median, tail))
     keys = ["model", "doc_id", "policy", *columns, "median_tau", "tail_observed", *meta]
     rest = list(meta.values())
-    rows = []
-    for i, d in enumerate(docs):
-        for pol in m.policies:
-            cells, medians, tails = per_policy[pol]
-            row = [m.model, d.doc_id, pol, *cells[i], medians[i], tails[i], *rest]
-            rows.append(dict(zip(keys, row, strict=True)))
-    return rows
+    ids = [d.doc_id for d in docs]
+
+    def rows() -> Iterator[dict[str, Any]]:
+        for i, doc_id in enumerate(ids):
+            for pol, (both, median, tail) in zip(m.policies, per_policy, strict=True):
+                row = [m.model, doc_id, pol, *both[i].tolist(), float(median[i]), bool(tail[i])]
+                yield dict(zip(keys, row + rest, strict=True))
+
+    return Rows(keys, len(ids) * len(m.policies), rows)
+
+
+class Rows(Sequence[dict[str, Any]]):
+    """A table's rows made when iterated, from arrays the analysis holds (the per-document
+    table: as dicts, ~2 kB a row, 100k documents x 2 policies would hold ~400 MB). Every row
+    has the columns ``keys`` in order; each pass over it builds the rows again."""
+
+    def __init__(self, keys: list[str], length: int, make: Callable[[], Iterator[dict[str, Any]]]):
+        self.keys, self.length, self.make = list(keys), int(length), make
+
+    @staticmethod
+    def chain(parts: list[Rows]) -> Rows:
+        """The rows of ``parts`` (which share their columns) one after another."""
+        keys = parts[0].keys if parts else []
+        if any(part.keys != keys for part in parts):
+            raise ValueError("chained rows must have the same columns")
+
+        def rows() -> Iterator[dict[str, Any]]:
+            for part in parts:
+                yield from part
+
+        return Rows(keys, sum(len(p) for p in parts), rows)
+
+    def __len__(self) -> int:
+        return self.length
+
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        return self.make()
+
+    @overload
+    def __getitem__(self, i: int) -> dict[str, Any]: ...
+    @overload
+    def __getitem__(self, i: slice) -> list[dict[str, Any]]: ...
+    def __getitem__(self, i: int | slice) -> dict[str, Any] | list[dict[str, Any]]:
+        if isinstance(i, slice):
+            return list(self)[i]
+        n = self.length
+        if not -n <= i < n:
+            raise IndexError(i)
+        return next(itertools.islice(iter(self), i % n, None))
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, Rows | list):
+            return len(self) == len(other) and all(a == b for a, b in zip(self, other))
+        return NotImplemented
+
+    def __repr__(self) -> str:
+        return f"Rows({self.length} rows x {len(self.keys)} columns)"
 
 
 # Columns of the tables that can be empty: an empty table is written as its header alone, so
@@ -148,8 +200,15 @@ EMPTY_COLUMNS: dict[str, list[str]] = {
 }  # fmt: skip
 
 
-def write_csv(path: Path, rows: list[dict[str, Any]], columns: list[str] | None = None) -> None:
+def write_csv(path: Path, rows: Sequence[dict[str, Any]], columns: list[str] | None = None) -> None:
     """``rows`` as CSV; an empty table is its header alone (``columns`` and the meta keys)."""
+    if isinstance(rows, Rows) and rows.keys:
+        # Columns known, every row in their order: streamed, never held.
+        with path.open("w", newline="") as f:
+            w = csv.writer(f)
+            w.writerow(rows.keys)
+            w.writerows(row.values() for row in rows)
+        return
     keys: list[str] = []
     for r in rows:
         keys += [k for k in r if k not in keys]
