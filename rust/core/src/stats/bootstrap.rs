@@ -77,6 +77,19 @@ pub(crate) fn bootstrap_counts_into(seed: u64, b: usize, row: &mut [u32]) {
     }
 }
 
+/// Adds replicate `b`'s draw counts to `row` in two bytes a count; false (the row then
+/// partly counted) where a count would pass `limit` (at most `u16::MAX`).
+pub(crate) fn bootstrap_counts_narrow(seed: u64, b: usize, row: &mut [u16], limit: u16) -> bool {
+    for d in draws(seed, b, row.len()) {
+        let c = &mut row[d];
+        if *c >= limit {
+            return false;
+        }
+        *c += 1;
+    }
+    true
+}
+
 /// A `docs x cols` table to resample has at least one of each.
 pub(crate) fn check_table(docs: usize, cols: usize) -> KvResult<()> {
     if docs == 0 || cols == 0 {

@@ -14,7 +14,7 @@ use rayon::prelude::*;
 use crate::error::{KvError, KvResult};
 use crate::parallel;
 
-use super::bootstrap::{bootstrap_counts_into, check_table};
+use super::bootstrap::{bootstrap_counts_into, bootstrap_counts_narrow, check_table};
 
 /// Replicates per task: their draw counts (`REPS x docs`) and accumulators are the task's
 /// memory, and every pass over the table serves all of them.
@@ -106,7 +106,7 @@ where
     F: Fn(usize, &mut [f64]),
 {
     let reps = out.len() / width;
-    let counts = Counts::draw(seed, block * REPS, reps, docs, u16::MAX as u32);
+    let counts = Counts::draw(seed, block * REPS, reps, docs, u16::MAX);
     let mut weights = vec![0.0f64; reps * TILE]; // the tile's counts, reps x tile
     let mut rows = vec![0.0f64; TILE * width]; // the tile's rows, NaN as 0
     let mut missing = vec![0.0f64; TILE * width]; // 1 where the entry is NaN
@@ -164,21 +164,15 @@ enum Counts {
 }
 
 impl Counts {
-    fn draw(seed: u64, first: usize, reps: usize, docs: usize, narrow: u32) -> Self {
-        let mut row = vec![0u32; docs];
+    fn draw(seed: u64, first: usize, reps: usize, docs: usize, narrow: u16) -> Self {
         let mut out = vec![0u16; reps * docs];
         for (r, kept) in out.chunks_mut(docs).enumerate() {
-            row.iter_mut().for_each(|c| *c = 0);
-            bootstrap_counts_into(seed, first + r, &mut row);
-            if row.iter().any(|&c| c > narrow) {
+            if !bootstrap_counts_narrow(seed, first + r, kept, narrow) {
                 let mut wide = vec![0u32; reps * docs];
                 for (r, kept) in wide.chunks_mut(docs).enumerate() {
                     bootstrap_counts_into(seed, first + r, kept);
                 }
                 return Counts::Wide(wide);
-            }
-            for (k, &c) in kept.iter_mut().zip(&row) {
-                *k = c as u16; // c <= narrow <= u16::MAX
             }
         }
         Counts::Narrow(out)
@@ -313,7 +307,7 @@ mod tests {
     #[test]
     fn wide_counts_are_the_narrow_ones() {
         let (docs, reps) = (300usize, 5usize);
-        let narrow = Counts::draw(4, 7, reps, docs, u16::MAX as u32);
+        let narrow = Counts::draw(4, 7, reps, docs, u16::MAX);
         let wide = Counts::draw(4, 7, reps, docs, 1); // every block with a 2 goes wide
         assert!(matches!(narrow, Counts::Narrow(_)) && matches!(wide, Counts::Wide(_)));
         let (mut a, mut b) = (vec![0.0; reps * docs], vec![0.0; reps * docs]);
