@@ -47,7 +47,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import shutil
 import subprocess
 import sys
@@ -58,24 +57,15 @@ from pathlib import Path
 import numpy as np
 
 HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
 
-
-def _peak_rss_mb() -> float:
-    """Peak resident memory of this process image (VmHWM: ru_maxrss would carry over the
-    parent's peak across fork and exec)."""
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) / 1024.0
-    except OSError:
-        pass
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
-
-
-def _cpu_seconds() -> float:
-    r = resource.getrusage(resource.RUSAGE_SELF)
-    return r.ru_utime + r.ru_stime
+from measure import cpu_seconds, peak_rss_mb  # noqa: E402  (the benchmarks folder)
+from summary_stores import (  # noqa: E402
+    engine_summary_read,
+    run_summary_analysis,
+    store_footprint,
+    write_summary_store,
+)
 
 
 def _bytes_codecs(meta_file: Path) -> list[object]:
@@ -107,7 +97,7 @@ def raw_decode(store: str, threads: int) -> dict[str, float]:
         for f in meta_file.parent.iterdir():
             if not f.name.startswith(".") and f.name != "zarr.json":
                 jobs.append((f, codecs))
-    t, cpu = time.perf_counter(), _cpu_seconds()
+    t, cpu = time.perf_counter(), cpu_seconds()
 
     def one(job: tuple[Path, list[object]]) -> int:
         data = job[0].read_bytes()
@@ -119,9 +109,9 @@ def raw_decode(store: str, threads: int) -> dict[str, float]:
         decoded = sum(pool.map(one, jobs))
     return {
         "seconds": time.perf_counter() - t,
-        "cpu_seconds": _cpu_seconds() - cpu,
+        "cpu_seconds": cpu_seconds() - cpu,
         "decoded_bytes": decoded,
-        "peak_rss_mb": _peak_rss_mb(),
+        "peak_rss_mb": peak_rss_mb(),
     }
 
 
@@ -131,7 +121,7 @@ def engine_pass(store: str, decode_only: bool) -> dict[str, float]:
     from kvcouple.store.reader import TraceStoreReader
 
     r = TraceStoreReader(store)
-    t, cpu = time.perf_counter(), _cpu_seconds()
+    t, cpu = time.perf_counter(), cpu_seconds()
     decoded = 0
     for pn, qn in (("p", "q"), ("branch_p", "branch_q")):
         sels = [
@@ -145,9 +135,9 @@ def engine_pass(store: str, decode_only: bool) -> dict[str, float]:
         decoded += 2 * rows.size * r.array(pn).shape[-1] * r.array(pn).dtype.itemsize
     return {
         "seconds": time.perf_counter() - t,
-        "cpu_seconds": _cpu_seconds() - cpu,
+        "cpu_seconds": cpu_seconds() - cpu,
         "decoded_bytes": decoded,
-        "peak_rss_mb": _peak_rss_mb(),
+        "peak_rss_mb": peak_rss_mb(),
     }
 
 
@@ -181,9 +171,9 @@ def run_analysis(store: str, threads: int) -> dict[str, float]:
 
     from kvcouple.analysis import analyze
 
-    t, cpu = time.perf_counter(), _cpu_seconds()
+    t, cpu = time.perf_counter(), cpu_seconds()
     result = analyze(store, n_boot=200, io_threads=threads)
-    seconds, cpu = time.perf_counter() - t, _cpu_seconds() - cpu
+    seconds, cpu = time.perf_counter() - t, cpu_seconds() - cpu
     checks = [d.check for d in result.models[0].docs]
     return {
         "seconds": seconds,
@@ -191,96 +181,7 @@ def run_analysis(store: str, threads: int) -> dict[str, float]:
         "decoded_bytes": sum(c.bytes_read for c in checks),
         "rows_checked": sum(c.rows_checked for c in checks),
         "disagreements": len(result.checks()),
-        "peak_rss_mb": _peak_rss_mb(),
-    }
-
-
-def summary_pairs() -> dict[str, dict[str, object]]:
-    """Two synthetic Markov pairs (vocabulary 6) standing for two policies."""
-    rng = np.random.default_rng(0)
-    vocab = 6
-    P = rng.dirichlet(np.ones(vocab), size=vocab)
-
-    def towards(w: float) -> np.ndarray:
-        return (1 - w) * P + w * rng.dirichlet(np.ones(vocab) * 0.3, size=vocab)
-
-    return {
-        "snapkv:retain=0.5": {"P": P, "Q": towards(0.15), "start": 0},
-        "recent:retain=0.5": {"P": P, "Q": towards(0.3), "start": 0},
-    }
-
-
-def write_summary_store(store: str, threads: int) -> dict[str, float]:
-    """A summary store of ``docs`` documents x 2 policies (T=64, R=8, K=2, L=T), every
-    document simulated (its own start state and stream) and written by the synthetic writer
-    (``kvcouple synth trace-store``: the tracer's store writer)."""
-    from kvcouple.synth.trace_store import write_synthetic_trace_store
-
-    docs = int(Path(store).name.split("_")[1].split(".")[0])
-    t, cpu = time.perf_counter(), _cpu_seconds()
-    write_synthetic_trace_store(
-        store, summary_pairs(), horizon=64, window=64, branches=2, replicates=8,
-        docs=[d % 6 for d in range(docs)], seed=1,
-    )  # fmt: skip
-    seconds = time.perf_counter() - t
-    return {
-        "seconds": seconds,
-        "cpu_seconds": _cpu_seconds() - cpu,
-        "units_per_second": 2 * docs / seconds,
-        "peak_rss_mb": _peak_rss_mb(),
-    }
-
-
-def store_footprint(store: Path) -> dict[str, float]:
-    """Files, bytes on disk (file-system blocks) and bytes of data (every array's values)."""
-    import zarr
-
-    files, on_disk = 0, 0
-    for root, _, names in os.walk(store):
-        for name in names:
-            files += 1
-            on_disk += os.stat(os.path.join(root, name)).st_blocks * 512
-    group = zarr.open_group(str(store), mode="r")
-    data = sum(a.nbytes for _, a in group.arrays())
-    return {"files": files, "bytes_on_disk": on_disk, "bytes_of_data": data}
-
-
-def run_summary_analysis(store: str, threads: int) -> dict[str, float]:
-    """:func:`kvcouple.analysis.analyze` with its defaults (2000 resamples, studentized)."""
-    import xarray  # noqa: F401  (imports are start-up cost, not throughput)
-    import zarr  # noqa: F401
-
-    from kvcouple.analysis import analyze
-
-    t, cpu = time.perf_counter(), _cpu_seconds()
-    result = analyze(store, recompute=False)
-    seconds = time.perf_counter() - t
-    return {
-        "seconds": seconds,
-        "cpu_seconds": _cpu_seconds() - cpu,
-        "documents": len(result.models[0].docs),
-        "peak_rss_mb": _peak_rss_mb(),
-    }
-
-
-def engine_summary_read(store: str, threads: int) -> dict[str, float]:
-    """The engine's read of every document's summary variables (decoded and checked, in
-    the analysis's batches: 256 documents, a shard's), nothing computed."""
-    from kvcouple.analysis.reading import SUMMARY_READ
-    from kvcouple.analysis.tasks import SUMMARY_BATCH
-    from kvcouple.store.reader import TraceStoreReader
-
-    r = TraceStoreReader(store)
-    t, cpu = time.perf_counter(), _cpu_seconds()
-    done = r.done
-    for i in range(0, len(done), SUMMARY_BATCH):
-        got = r.read_summaries(done[i : i + SUMMARY_BATCH], SUMMARY_READ)
-        assert got is not None, "the engine cannot read this store"
-    return {
-        "seconds": time.perf_counter() - t,
-        "cpu_seconds": _cpu_seconds() - cpu,
-        "documents": len(done),
-        "peak_rss_mb": _peak_rss_mb(),
+        "peak_rss_mb": peak_rss_mb(),
     }
 
 
@@ -348,7 +249,6 @@ def _best_of(modes: list[str], store: str, threads: int, repeats: int) -> dict[s
 def fixed_cost(a: argparse.Namespace) -> float:
     """Seconds of ``kvcouple analyze`` on a one-document store: start-up, imports, validation
     and outputs, with next to nothing to read."""
-    sys.path.insert(0, str(HERE))
     from make_synthetic_store import make_store
 
     store = Path(a.dir) / "one_doc.zarr"
@@ -358,7 +258,6 @@ def fixed_cost(a: argparse.Namespace) -> float:
 
 
 def sizes_table(a: argparse.Namespace) -> list[tuple[float, int, dict[str, dict]]]:
-    sys.path.insert(0, str(HERE))
     from make_synthetic_store import make_store, store_bytes
 
     fixed = fixed_cost(a)
@@ -418,7 +317,6 @@ def s3_vs_local(a: argparse.Namespace) -> None:
     disk. The distributions' chunk objects (``p``, ``q``, ``branch_p``, ``branch_q``: nearly
     all the bytes) are fetched concurrently and decoded by the Rust engine; the engine's
     requests and bytes per second are over the whole S3 analysis (one request per object)."""
-    sys.path.insert(0, str(HERE))
     from kvcouple.testing.s3 import ServerUnavailable, local_s3
     from make_synthetic_store import make_store, store_bytes
 
@@ -534,8 +432,6 @@ def kernels_in_memory(a: argparse.Namespace) -> None:
     import torch
 
     import kvcouple
-
-    sys.path.insert(0, str(HERE))
     from make_synthetic_store import _distributions
 
     p, q = _distributions(torch.Generator().manual_seed(1), a.rows)
@@ -583,7 +479,6 @@ def codec_table(rows: np.ndarray, label: str) -> None:
 def codecs(a: argparse.Namespace) -> None:
     import torch
 
-    sys.path.insert(0, str(HERE))
     from make_synthetic_store import _distributions
 
     p, _ = _distributions(torch.Generator().manual_seed(2), 128)
