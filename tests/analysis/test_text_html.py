@@ -84,18 +84,13 @@ def test_a_report_of_100_documents_stays_light(tmp_path):
 def test_views_from_a_batch_read_equal_views_read_alone(tmp_path):
     """The report reads its views' variables a batch of documents per engine call; each view
     is the one read alone (a synthetic store of 40 documents: sharded)."""
-    import numpy as np
 
     from kvcouple.analysis.text_view import VIEW_READ, document_view
     from kvcouple.store.reader import TraceStoreReader
     from kvcouple.synth.trace_store import write_synthetic_trace_store
+    from synth_helpers import two_policy_pairs
 
-    rng = np.random.default_rng(3)
-    P = rng.dirichlet(np.ones(5), 5)
-    pairs = {
-        "a": {"P": P, "Q": 0.5 * P + 0.5 * rng.dirichlet(np.ones(5), 5), "start": 0},
-        "b": {"P": P, "Q": 0.1 * P + 0.9 * rng.dirichlet(np.ones(5), 5), "start": 1},
-    }
+    pairs = two_policy_pairs(3, (0.5, 0.9))
     path = write_synthetic_trace_store(
         tmp_path / "s.zarr", pairs, horizon=8, window=4, branches=2, replicates=3, docs=40
     )

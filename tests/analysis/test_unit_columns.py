@@ -72,13 +72,9 @@ def test_per_document_rows_from_the_table_equal_rows_unit_by_unit(tmp_path):
     from kvcouple.analysis import analyze
     from kvcouple.analysis.tables import _per_document, table_meta
     from kvcouple.synth.trace_store import write_synthetic_trace_store
+    from synth_helpers import two_policy_pairs
 
-    rng = np.random.default_rng(8)
-    P = rng.dirichlet(np.ones(5), 5)
-    pairs = {
-        "a": {"P": P, "Q": 0.5 * P + 0.5 * rng.dirichlet(np.ones(5), 5), "start": 0},
-        "b": {"P": P, "Q": 0.9 * P + 0.1 * rng.dirichlet(np.ones(5), 5), "start": 1},
-    }
+    pairs = two_policy_pairs(8, (0.5, 0.1))
     path = write_synthetic_trace_store(
         tmp_path / "s.zarr", pairs, horizon=8, window=3, branches=2, replicates=4, docs=6
     )

@@ -215,12 +215,6 @@ def write_csv(path: Path, rows: Sequence[dict[str, Any]], columns: list[str] | N
     if not keys and columns is not None:
         keys = columns + [k for k in _META_KEYS if k not in columns]
     with path.open("w", newline="") as f:
-        if rows and all(len(r) == len(keys) for r in rows) and all(list(r) == keys for r in rows):
-            # Every row has the columns in order (a large table, as a rule): as lists.
-            w = csv.writer(f)
-            w.writerow(keys)
-            w.writerows(r.values() for r in rows)
-            return
         dw = csv.DictWriter(f, fieldnames=keys)
         dw.writeheader()
         dw.writerows(rows)

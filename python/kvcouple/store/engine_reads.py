@@ -115,7 +115,7 @@ class EngineReads:
         stacks, _, _ = self._read_stacked(wanted, docs)
         if stacks is None:
             return None
-        got = [{n: stacks[n][k, ...] for n in wanted} for k in range(len(docs))]
+        got = _by_document(stacks, len(docs))
         if self._batch_checked(docs, stacks, got, extra):
             return got
         try:
@@ -189,7 +189,7 @@ class EngineReads:
         stacks, supported, problem = self._read_stacked(names, docs)
         if stacks is None:
             return None, supported, problem
-        return [{n: stacks[n][k, ...] for n in names} for k in range(len(docs))], True, None
+        return _by_document(stacks, len(docs)), True, None
 
     def _read_stacked(
         self, names: tuple[str, ...], docs: list[int]
@@ -531,6 +531,12 @@ class EngineReads:
         if raw is None:
             raise StoreError(f"{self.path}: the metadata of variable {name!r} is missing")
         return raw.decode()
+
+
+def _by_document(stacks: dict[str, np.ndarray], docs: int) -> list[dict[str, np.ndarray]]:
+    """One dict per document of its arrays: views of the stacks (0-d arrays, not scalars,
+    where a variable holds one value a document)."""
+    return [{n: v[k, ...] for n, v in stacks.items()} for k in range(docs)]
 
 
 def _stored_at(
