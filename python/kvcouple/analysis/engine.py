@@ -301,7 +301,7 @@ def analyze(
         the_plan.name if the_plan else None,
         skipped=skipped,
         preregistration=preregistration,
-        settings=_settings_record(cfg, recompute, tolerance, paths, readers),
+        settings=_settings_record(cfg, recompute, tolerance, paths, readers, models),
     )
     _compare(result, cfg, the_plan)
     return result
@@ -470,8 +470,11 @@ def _settings_record(
     tolerance: float | None,
     paths: list[str | os.PathLike[str]],
     readers: list[TraceStoreReader],
+    models: list[ModelResult],
 ) -> dict[str, Any]:
-    """Every number-changing setting used, with the recomputation settings and the stores."""
+    """Every number-changing setting used, with the recomputation settings and the stores,
+    and how each store's resamples were drawn (``bootstrap_draws``: ``documents``, or
+    ``gaussian limit`` from GAUSSIAN_MIN_DOCS documents)."""
     return {
         **{k: cfg[k] for k in SEALED},
         "ci": cfg["ci_level"],
@@ -480,6 +483,10 @@ def _settings_record(
         "stores": [str(p) for p in paths],
         # What protected each store's chunks ("no checksums" for stores before schema 3).
         "store_checksums": {reader.path: reader.checksums for reader in readers},
+        "bootstrap_draws": {
+            m.store: "gaussian limit" if m.bootstrap and m.bootstrap.gaussian else "documents"
+            for m in models
+        },
     }
 
 

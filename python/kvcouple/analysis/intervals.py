@@ -24,6 +24,12 @@ DEFAULT_CI_METHOD = "studentized"
 # Resamples of fewer documents take too few distinct values to studentize (with 2, every
 # resample that can be studentized has t* = 0): below this, studentized means expanded-bca.
 STUDENTIZED_MIN_DOCS = 8
+# From this many documents the studentized interval's resamples are drawn from their Gaussian
+# limit (:func:`kvcouple.analysis.bootstrap.gaussian_means`): the bootstrap-t's correction of
+# the normal interval is of order 1/n for a symmetric interval, below Monte Carlo noise here,
+# while resampling costs resamples x documents x columns (docs/statistics.md, "Many
+# documents").
+GAUSSIAN_MIN_DOCS = 5000
 
 
 @dataclass(frozen=True)

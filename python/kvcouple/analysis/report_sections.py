@@ -12,6 +12,7 @@ from collections.abc import Callable
 from typing import Any
 
 from kvcouple.analysis.figures import FIGURES, early_late_split
+from kvcouple.analysis.intervals import GAUSSIAN_MIN_DOCS
 from kvcouple.analysis.quantities import labelled
 from kvcouple.analysis.report_words import (
     GAP_INTRO,
@@ -159,6 +160,19 @@ def _check_sections(tables: dict[str, list[dict[str, Any]]]) -> list[str]:
     return lines
 
 
+def _draws(result: AnalysisResult) -> str:
+    """How the bootstrap's replicates were drawn, in words (``bootstrap_draws``)."""
+    draws = result.settings.get("bootstrap_draws", {})
+    gaussian = [terminal(s) for s, how in draws.items() if how == "gaussian limit"]
+    if not gaussian:
+        return "document resamples"
+    which = "" if len(gaussian) == len(draws) else f" for {', '.join(gaussian)}"
+    return (
+        f"draws from the document bootstrap's Gaussian limit{which} (studentized, "
+        f"{GAUSSIAN_MIN_DOCS:,} documents or more; docs/statistics.md)"
+    )
+
+
 def _settings_section(result: AnalysisResult, level: str) -> list[str]:
     """The run's stamp, estimator, bootstrap and stores."""
     stamp = (
@@ -174,7 +188,7 @@ def _settings_section(result: AnalysisResult, level: str) -> list[str]:
         *stamp,
         f"- documents: {result.doc_set}; estimator: {result.estimator} "
         f"({'mismatch indicators, Rao-Blackwellised' if result.estimator == 'indicator' else 'branch-aligned TVs'})",
-        f"- bootstrap: {result.settings.get('n_boot')} document resamples, seed "
+        f"- bootstrap: {result.settings.get('n_boot')} {_draws(result)}, seed "
         f"{result.settings.get('seed')}, {level} "
         f"{result.settings.get('ci_method', 'percentile')} intervals",
         "- stores: "

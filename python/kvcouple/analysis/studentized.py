@@ -33,6 +33,7 @@ class Resamples(Protocol):
     n_docs: int
     data: np.ndarray | None  # (n_docs, cols)
     seed: int
+    gaussian: bool  # reps drawn from their Gaussian limit: no resample's own moments
 
     def columns(self, f: StatFn) -> list[int]: ...
 
@@ -107,11 +108,12 @@ class DeltaMethod:
         self.cross = _cross_means(data, self.center, pairs)
         arr = np.asarray(pairs, np.int64).reshape(-1, 2)
         n_boot = bs.reps.shape[0]
+        # Draws from the Gaussian limit have the table's covariance (covariance() below).
         self.cross_boot = (
             _core.bootstrap_moments(
                 np.ascontiguousarray(data, np.float64), self.center, arr, n_boot, int(bs.seed)
             )
-            if pairs
+            if pairs and not bs.gaussian
             else np.zeros((n_boot, 0))
         )
         # Central differences' steps: a millionth of each column's scale (of the columns the
@@ -143,9 +145,10 @@ class DeltaMethod:
         return np.stack(out, axis=-1) if out else np.zeros(means.shape[:-1] + (0,))
 
     def covariance(self, j: int, k: int, boot: bool) -> np.ndarray | float:
-        """Covariance (divisor n) of columns j and k: of the table, or of every resample."""
+        """Covariance (divisor n) of columns j and k: of the table, or of every resample (the
+        table's where the resamples are draws from their Gaussian limit)."""
         q = self.pair[(min(j, k), max(j, k))]
-        if not boot:
+        if not boot or self.bs.gaussian:
             return float(self.cross[q])
         reps = self.bs.reps
         return self.cross_boot[:, q] - (reps[:, j] - self.center[j]) * (reps[:, k] - self.center[k])
