@@ -103,3 +103,24 @@ def test_views_from_a_batch_read_equal_views_read_alone(tmp_path):
             got = document_view(reader, doc, pol, rep, summary=summary)
             assert got == document_view(reader, doc, pol, rep)
             assert got.branches and got.prompt_tokens > 0
+
+
+def test_the_html_table_of_many_documents_holds_the_first_and_points_to_the_csv(
+    tmp_path, monkeypatch
+):
+    """Beyond MAX_TABLE_DOCS documents the page's table holds the first ones and says where
+    every document is; per_document.csv still has them all."""
+    from kvcouple.analysis import analyze, text_html, write_report
+    from text_helpers import synthetic_text_store
+
+    monkeypatch.setattr(text_html, "MAX_TABLE_DOCS", 7)
+    store = synthetic_text_store(tmp_path / "s.zarr", docs=12)
+    out = write_report(analyze(store, n_boot=20, seed=0), tmp_path / "r", figures=False)
+    page = (out / "report.html").read_text()
+    table = page.split('<table class="sortable">', 1)[1].split("</table>", 1)[0]
+    assert table.count("<tr>") == 1 + 7 * 3
+    assert (
+        "The first 7 of 12 documents' estimates (every document's are in per_document.csv)" in page
+    )
+    rows = (out / "per_document.csv").read_text().strip().splitlines()
+    assert len(rows) == 1 + 12 * 3

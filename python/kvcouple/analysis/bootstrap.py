@@ -58,13 +58,19 @@ from kvcouple.analysis.intervals import (
     normal_scores,
 )
 from kvcouple.analysis.pvalues import bootstrap_p_value, studentized_p_value
-from kvcouple.analysis.studentized import DeltaMethod, fieller_set, studentized_estimate
+from kvcouple.analysis.studentized import (
+    DeltaMethod,
+    TableMoments,
+    column_means,
+    fieller_set,
+    studentized_estimate,
+)
 from kvcouple.deprecation import moved_getattr
 
 if TYPE_CHECKING:
     from kvcouple.analysis.estimates import Table
 
-__all__ = ["Bootstrap", "bootstrap_table", "gaussian_means", "jackknife_means"]
+__all__ = ["Bootstrap", "TableMoments", "bootstrap_table", "gaussian_means", "jackknife_means"]
 # Read from where it lives now, for one release.
 __getattr__ = moved_getattr(__name__, {"holm": "kvcouple.analysis.pvalues"})
 
@@ -83,9 +89,14 @@ class Bootstrap:
     method: str = DEFAULT_CI_METHOD
     data: np.ndarray | None = None  # (n_docs, cols) the table
     seed: int = 0  # the resamples' seed (their moments come from the same draws)
-    # The resamples are draws from their Gaussian limit (gaussian_means), not resamples of the
-    # documents: inside each, the table's covariance stands for the resample's.
-    gaussian: bool = False
+    # Set where the resamples are draws from their Gaussian limit (gaussian_means), not
+    # resamples of the documents: inside each, the table's covariance stands for the
+    # resample's, and the table's moments come from this one pass.
+    moments: TableMoments | None = None
+
+    @property
+    def gaussian(self) -> bool:
+        return self.moments is not None
 
     def __post_init__(self) -> None:
         self._index = {n: i for i, n in enumerate(self.names)}
@@ -287,34 +298,22 @@ def jackknife_means(mat: np.ndarray) -> np.ndarray:
         return np.where(loo_count > 0, loo_sum / np.where(loo_count > 0, loo_count, 1), np.nan)
 
 
-# Bytes of table rows centred at once by gaussian_means.
-ROW_BLOCK_BYTES = 8 << 20
-
-
-def gaussian_means(mat: np.ndarray, point: np.ndarray, n_boot: int, seed: int) -> np.ndarray:
+def gaussian_means(
+    mat: np.ndarray, point: np.ndarray, n_boot: int, seed: int, moments: TableMoments | None = None
+) -> np.ndarray:
     """``n_boot`` draws of the column means from their Gaussian limit ``N(point, V)``: the
     distribution a resample's means tend to as documents grow (the Gaussian multiplier
     bootstrap's, exactly). ``V`` is the covariance of the means with NaN entries left out as
     the resamples leave them out, ``V_jk = sum_i (x_ij - m_j)(x_ik - m_k) / (n_j n_k)`` over
-    the documents where both are finite (``n_j``: column j's finite entries). Memory is the
-    columns squared plus one block of rows, whatever the documents; a column that does not
-    vary (or has no finite entry) is its point in every draw, exactly."""
-    rows, cols = mat.shape
-    center = np.where(np.isfinite(point), point, 0.0)
-    gram, count = np.zeros((cols, cols)), np.zeros(cols)
-    step = max(1, ROW_BLOCK_BYTES // (8 * max(cols, 1)))
-    for start in range(0, rows, step):
-        x = mat[start : start + step] - center
-        finite = np.isfinite(x)
-        if not finite.all():
-            x = np.where(finite, x, 0.0)
-        count += finite.sum(0)
-        gram += x.T @ x
-    varies = (np.diag(gram) > 0) & np.isfinite(point)
+    the documents where both are finite (``n_j``: column j's finite entries;
+    :class:`TableMoments`). A column that does not vary (or has no finite entry) is its point
+    in every draw, exactly."""
+    m = moments if moments is not None else TableMoments.of(mat)
+    varies = (np.diag(m.gram) > 0) & np.isfinite(point)
     reps = np.tile(point, (int(n_boot), 1))
     if varies.any():
-        n = count[varies]
-        cov = gram[np.ix_(varies, varies)] / np.outer(n, n)
+        n = m.count[varies]
+        cov = m.gram[np.ix_(varies, varies)] / np.outer(n, n)
         lam, vec = np.linalg.eigh(cov)
         root = vec * np.sqrt(np.clip(lam, 0.0, None))
         z = np.random.default_rng(int(seed)).standard_normal((int(n_boot), int(varies.sum())))
@@ -343,16 +342,19 @@ def bootstrap_table(
     if method not in CI_METHODS:
         raise ValueError(f"ci_method must be one of {CI_METHODS}, got {method!r}")
     names, mat = table.matrix()
-    with np.errstate(invalid="ignore"):
-        point = np.array([np.nanmean(c) if np.isfinite(c).any() else np.nan for c in mat.T])
     mat = np.ascontiguousarray(mat, np.float64)
     n = mat.shape[0]
     if gaussian is None:
         gaussian = n >= intervals.GAUSSIAN_MIN_DOCS
     gaussian = bool(gaussian) and method == "studentized" and n >= STUDENTIZED_MIN_DOCS
+    moments = None
     if gaussian:
-        reps = gaussian_means(mat, point, int(n_boot), int(seed))
+        # The same passes give the means and the cross moments the standard errors read.
+        moments = TableMoments.of(mat)
+        point = moments.point
+        reps = gaussian_means(mat, point, int(n_boot), int(seed), moments)
     else:
+        point = column_means(mat)[0]
         reps = _core.bootstrap_means(mat, int(n_boot), int(seed))
     if n < 2:  # one document: no jackknife
         return Bootstrap(names, point, reps, level, 1, None, "percentile")
@@ -361,5 +363,5 @@ def bootstrap_table(
     # The table and the seed let any interval method be asked for later (the resamples'
     # moments and the jackknife are made when an interval needs them).
     return Bootstrap(
-        names, point, reps, level, len(table.doc_ids), None, method, mat, int(seed), gaussian
+        names, point, reps, level, len(table.doc_ids), None, method, mat, int(seed), moments
     )

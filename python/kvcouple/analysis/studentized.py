@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 import warnings
 from collections.abc import Sequence
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Protocol
 
 import numpy as np
@@ -33,7 +33,9 @@ class Resamples(Protocol):
     n_docs: int
     data: np.ndarray | None  # (n_docs, cols)
     seed: int
-    gaussian: bool  # reps drawn from their Gaussian limit: no resample's own moments
+    # Set where reps are draws from their Gaussian limit: the table's moments of that pass
+    # (no resample has moments of its own).
+    moments: TableMoments | None
 
     def columns(self, f: StatFn) -> list[int]: ...
 
@@ -70,6 +72,29 @@ def _cross_means(
     return out
 
 
+def _pair_moments(
+    data: np.ndarray,
+    center: np.ndarray,
+    pairs: Sequence[tuple[int, int]],
+    moments: TableMoments | None,
+) -> np.ndarray:
+    """:func:`_cross_means` of ``pairs``; where the table's moments are given, a pair of
+    columns without NaN entries is read off their Gram matrix (``gram_jk / n``) instead."""
+    if moments is None or not pairs:
+        return _cross_means(data, center, pairs)
+    complete = moments.complete(data.shape[0])
+    out = np.empty(len(pairs))
+    rest = []
+    for q, (j, k) in enumerate(pairs):
+        if complete[j] and complete[k]:
+            out[q] = moments.gram[j, k] / data.shape[0]
+        else:
+            rest.append(q)
+    if rest:
+        out[rest] = _cross_means(data, center, [pairs[q] for q in rest])
+    return out
+
+
 def _spreads(data: np.ndarray, cols: Sequence[int]) -> np.ndarray:
     """``nanstd`` of each column of ``cols`` (0 where it has no finite entry), block by block,
     each column summed as numpy sums one column."""
@@ -81,6 +106,52 @@ def _spreads(data: np.ndarray, cols: Sequence[int]) -> np.ndarray:
             block = np.ascontiguousarray(data[:, at[b]].T)
             out[b] = np.where(np.isfinite(block).any(1), np.nanstd(block, axis=1), 0.0)
     return out
+
+
+def _row_blocks(mat: np.ndarray) -> list[slice]:
+    """Blocks of rows of ``mat``, each within GATHER_BYTES."""
+    rows, cols = mat.shape
+    step = max(1, GATHER_BYTES // (8 * max(cols, 1)))
+    return [slice(i, min(i + step, rows)) for i in range(0, rows, step)]
+
+
+def column_means(mat: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Each column's mean over its finite entries (NaN where it has none) and their count, in
+    one pass over blocks of rows (the bootstrap's point estimates)."""
+    total, count = np.zeros(mat.shape[1]), np.zeros(mat.shape[1])
+    for b in _row_blocks(mat):
+        finite = np.isfinite(mat[b])
+        total += np.where(finite, mat[b], 0.0).sum(0)
+        count += finite.sum(0)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        return np.where(count > 0, total / np.maximum(count, 1), np.nan), count
+
+
+@dataclass
+class TableMoments:
+    """Two passes over the table's rows (in GATHER_BYTES blocks, memory independent of the
+    documents): each column's mean over its finite entries, their count, and the Gram matrix
+    of the centred columns with NaN entries as 0 (``gram[j, k] = sum_i (x_ij - m_j)(x_ik -
+    m_k)`` over the documents where both are finite)."""
+
+    point: np.ndarray  # (cols,) NaN where a column has no finite entry
+    count: np.ndarray  # (cols,)
+    gram: np.ndarray  # (cols, cols)
+
+    @classmethod
+    def of(cls, mat: np.ndarray) -> TableMoments:
+        point, count = column_means(mat)
+        center = np.where(count > 0, point, 0.0)
+        gram = np.zeros((mat.shape[1], mat.shape[1]))
+        for b in _row_blocks(mat):
+            x = mat[b] - center
+            x[~np.isfinite(x)] = 0.0
+            gram += x.T @ x
+        return cls(point, count, gram)
+
+    def complete(self, rows: int) -> np.ndarray:
+        """Columns with every entry finite."""
+        return self.count == rows
 
 
 class DeltaMethod:
@@ -105,7 +176,7 @@ class DeltaMethod:
         self.pair = {p: q for q, p in enumerate(pairs)}
         self.center = np.where(np.isfinite(bs.point), bs.point, 0.0)
         data = bs.data
-        self.cross = _cross_means(data, self.center, pairs)
+        self.cross = _pair_moments(data, self.center, pairs, bs.moments)
         arr = np.asarray(pairs, np.int64).reshape(-1, 2)
         n_boot = bs.reps.shape[0]
         # Draws from the Gaussian limit have the table's covariance (covariance() below).
@@ -113,14 +184,18 @@ class DeltaMethod:
             _core.bootstrap_moments(
                 np.ascontiguousarray(data, np.float64), self.center, arr, n_boot, int(bs.seed)
             )
-            if pairs and not bs.gaussian
+            if pairs and bs.moments is None
             else np.zeros((n_boot, 0))
         )
         # Central differences' steps: a millionth of each column's scale (of the columns the
         # statistics read; the others are never stepped).
         used = sorted({j for c in self.cols for j in c})
         sd = np.zeros(data.shape[1])
-        sd[used] = _spreads(data, used)
+        if bs.moments is not None:  # nanstd from the same pass: sqrt(gram_jj / n_j)
+            m = bs.moments
+            sd[used] = np.sqrt(np.diag(m.gram)[used] / np.maximum(m.count[used], 1))
+        else:
+            sd[used] = _spreads(data, used)
         self.step = 1e-6 * (np.abs(self.center) + sd + 1e-6)
 
     def gradient(self, f: StatFn, cols: list[int], means: np.ndarray) -> np.ndarray:
@@ -148,7 +223,7 @@ class DeltaMethod:
         """Covariance (divisor n) of columns j and k: of the table, or of every resample (the
         table's where the resamples are draws from their Gaussian limit)."""
         q = self.pair[(min(j, k), max(j, k))]
-        if not boot or self.bs.gaussian:
+        if not boot or self.bs.moments is not None:
             return float(self.cross[q])
         reps = self.bs.reps
         return self.cross_boot[:, q] - (reps[:, j] - self.center[j]) * (reps[:, k] - self.center[k])

@@ -46,6 +46,9 @@ SHARED_TOKENS = 48
 SIDE_TOKENS = 48
 PROMPT_CHARS = 2000
 MAX_VIEWS = 200
+# Documents in the HTML per-document table: a page a browser sorts at once; beyond, the table
+# holds the first ones and says where every document is (per_document.csv).
+MAX_TABLE_DOCS = 2000
 PREFETCH = 64  # documents' view variables per engine call
 
 # The Markdown report's sentence that report.html replaces by the views.
@@ -269,8 +272,15 @@ class _Store:
     def table(self, anchors: dict[str, str], where: str) -> list[str]:
         """Every document's estimates, per policy, each document linked to its view."""
         more = len(self.docs) > MAX_VIEWS
+        shown = self.docs[:MAX_TABLE_DOCS]
+        head = (
+            "Every document's estimates"
+            if len(shown) == len(self.docs)
+            else f"The first {len(shown):,} of {len(self.docs):,} documents' estimates (every "
+            "document's are in per_document.csv)"
+        )
         out = [
-            f"<h3>Every document{where}</h3><p>Every document's estimates, per policy (means "
+            f"<h3>Every document{where}</h3><p>{head}, per policy (means "
             "over its replicates; KLD and same top p on its overlap paths). Click a column head "
             "to sort; follow a document to its view"
             + (f" (views are written for the first {MAX_VIEWS} documents; kvcouple show "
@@ -280,7 +290,7 @@ class _Store:
             + "".join(f"<th>{html.escape(h)}</th>" for _, h in COLUMNS)
             + "</tr></thead><tbody>"
         ]  # fmt: skip
-        for d in self.docs:
+        for d in shown:
             name = visible(terminal(d.doc_id))
             link = f'<a href="#{anchors[d.doc_id]}">{name}</a>' if d.doc_id in anchors else name
             for pol in self.m.policies:
