@@ -144,3 +144,26 @@ def test_batches_keep_task_order_and_their_store(store):
         (True, [3]),
     ]
     assert [(i, d) for info, docs in got for d in docs for i in [info]] == tasks_
+
+
+def test_a_summary_batch_scoreboard_is_the_documents_scoreboard(tmp_path):
+    """Summary records: the analysis folds a batch's scoreboard steps straight from the
+    engine's stacks (ScoreBatch); its scoreboard equals the one pooled from every document's
+    own doc_scores."""
+    from kvcouple.analysis.scoreboard import BatchScores, scoreboard_rows
+
+    path = write_synthetic_trace_store(
+        tmp_path / "s.zarr", PAIRS, horizon=7, branches=2, replicates=6, docs=DOCS, seed=3
+    )
+    reader = TraceStoreReader(path)
+    options = Options(window=reader.window)
+    batched = analyze_docs(reader, list(range(DOCS)), options)
+    assert all(isinstance(r.scores, BatchScores) for r in batched)
+    alone = [analyze_doc(reader, d, options) for d in range(DOCS)]
+    assert not any(isinstance(r.scores, BatchScores) for r in alone)
+    want = scoreboard_rows("m", reader.policies, alone)
+    assert scoreboard_rows("m", reader.policies, batched) == want
+    result = analyze(path, n_boot=50)
+    assert result.models[0].scoreboard == scoreboard_rows(
+        result.models[0].model, reader.policies, alone
+    )

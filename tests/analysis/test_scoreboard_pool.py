@@ -125,3 +125,45 @@ def test_the_pool_does_not_depend_on_arrival_order(monkeypatch, cap):
     resolution = 0.0 if cap > dp.size else sb.HISTOGRAM_RESOLUTION
     assert kl[("b", "delta_p", "median")]["relative_error"] == resolution
     assert kl[("b", "delta_p", "max")]["relative_error"] == 0.0
+
+
+def test_a_batch_from_its_stacks_folds_as_its_documents_do():
+    """ScoreBatch (a summary batch's steps straight from the engine's stacks) gives each
+    document the same DocScores as doc_scores, and put_batch the same rows as put_many of
+    the documents one by one (unseen steps, -1 tokens and NaN KL left out)."""
+    from kvcouple.store.engine_reads import SummaryBatch
+
+    rng = np.random.default_rng(9)
+    docs, P, R, T = 11, 2, 3, 7
+    tokens = rng.integers(-1, 5, (docs, P, R, T))
+    kl = rng.lognormal(-5.0, 2.0, (docs, P, R, T)).astype(np.float32)
+    kl[rng.random(kl.shape) < 0.1] = np.nan
+    tokens[4] = -1  # a document with no path step at all
+    agree = rng.random((docs, P, R, T)) < 0.7
+    stacks = {"tokens": tokens, "kl_pq": kl, "top1_agree": agree}
+    summaries = SummaryBatch(stacks, docs)
+
+    class Reader:  # what doc_scores reads of a summary store's reader
+        policies = ["a", "b"]
+        record = "summary"
+
+    one_by_one = [sb.doc_scores(Reader(), d, s) for d, s in enumerate(summaries)]
+    batch = sb.ScoreBatch(Reader.policies, stacks)
+    for d, want in enumerate(one_by_one):
+        got = sb.BatchScores(batch, d)
+        assert list(got) == ["a", "b"]
+        for pol in ("a", "b"):
+            np.testing.assert_array_equal(got[pol].kl, want[pol].kl)
+            np.testing.assert_array_equal(got[pol].agree, want[pol].agree)
+            assert got[pol].dp is None and want[pol].dp is None
+    slots = list(rng.permutation(docs + 5)[:docs])
+    a, b = (
+        sb.ScoreboardPool(Reader.policies, docs + 5),
+        sb.ScoreboardPool(Reader.policies, docs + 5),
+    )
+    a.put_many(slots, one_by_one)
+    b.put_batch(slots, batch)
+    rows_a, rows_b = a.rows("m"), b.rows("m")
+    assert rows_a == rows_b and any(r["quantity"] == "same_top" for r in rows_b)
+    with pytest.raises(ValueError, match="slots for a batch"):
+        b.put_batch(slots[:-1], batch)

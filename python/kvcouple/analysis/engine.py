@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 import os
+from collections.abc import Mapping
 from dataclasses import replace
 from typing import Any
 
@@ -23,7 +24,7 @@ from kvcouple.analysis.comparisons import pool_gaps, run_tests
 from kvcouple.analysis.estimates import ESTIMATORS, BatchUnits, observation_window
 from kvcouple.analysis.plan import DEFAULTS, Plan, PlanError, load_plan, registration_status
 from kvcouple.analysis.results import AnalysisResult, ModelResult
-from kvcouple.analysis.scoreboard import ScoreboardPool
+from kvcouple.analysis.scoreboard import BatchScores, DocScores, ScoreboardPool
 from kvcouple.analysis.tasks import (
     DocResult,
     Options,
@@ -417,7 +418,22 @@ class _StoreFold:
         self.scoreboard = ScoreboardPool(reader.policies, len(selected))
 
     def fold(self, results: list[DocResult]) -> list[DocResult]:
-        scored = [(self.slot[r.doc], r.scores) for r in results if r.scores]
+        # A batch's scores go in at once where the batch came back whole; others one by one.
+        scored: list[tuple[int, Mapping[str, DocScores]]] = []
+        score_batches: dict[int, list[tuple[int, BatchScores]]] = {}
+        for r in results:
+            if isinstance(r.scores, BatchScores):
+                score_batches.setdefault(id(r.scores.batch), []).append(
+                    (self.slot[r.doc], r.scores)
+                )
+            elif r.scores:
+                scored.append((self.slot[r.doc], r.scores))
+        for whole in score_batches.values():
+            batch = whole[0][1].batch
+            if [v.d for _, v in whole] == list(range(batch.docs)):
+                self.scoreboard.put_batch([slot for slot, _ in whole], batch)
+            else:
+                scored += whole
         self.scoreboard.put_many([slot for slot, _ in scored], [s for _, s in scored])
         # Units of one engine batch go in at once; others (built elsewhere) one by one.
         batches: dict[int, list[DocResult]] = {}

@@ -30,6 +30,7 @@ import numpy as np
 
 from kvcouple import _core
 from kvcouple.errors import StoreError
+from kvcouple.store.engine_reads import SummaryBatch
 
 ESTIMATORS = ("indicator", "tv")
 NOISE_OCCURRENCE = 1e-6  # below this a replicate without branches is not an error
@@ -160,6 +161,9 @@ def estimate_units(
         return []
 
     def stacked(name: str, dtype: type) -> np.ndarray:
+        if isinstance(summaries, SummaryBatch) and name in summaries.stacks:
+            v = summaries.stacks[name]  # the engine's stack: (docs, policies, ...)
+            return np.ascontiguousarray(v.reshape(-1, *v.shape[2:]), dtype)
         parts = [np.asarray(s[name]) for s in summaries]
         return np.ascontiguousarray(np.concatenate(parts), dtype)  # (docs x policies, ...)
 

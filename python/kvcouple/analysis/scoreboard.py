@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import math
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -35,8 +35,10 @@ from kvcouple.errors import StoreError
 from kvcouple.store.reader import TraceStoreReader
 
 __all__ = [
+    "BatchScores",
     "DocScores",
     "PooledSteps",
+    "ScoreBatch",
     "ScoreboardPool",
     "STATISTICS",
     "doc_scores",
@@ -131,6 +133,56 @@ def doc_scores(
             None if dp is None else dp.astype(np.float64),
         )
     return out
+
+
+class ScoreBatch:
+    """A batch of documents' path steps from their stacked summaries (``tokens``, ``kl_pq``
+    and ``top1_agree``, documents along the first axis) of a record without distributions
+    (no Δp): per policy, every document's steps in batch order and each document's count. The
+    values are :func:`doc_scores`' of each document, without a per-document pass."""
+
+    def __init__(self, policies: list[str], stacks: Mapping[str, np.ndarray]) -> None:
+        kl, tokens = stacks["kl_pq"], stacks["tokens"]
+        agree = stacks.get("top1_agree")
+        seen = (tokens >= 0) & np.isfinite(kl)  # (docs, policies, replicates, steps)
+        self.policies = list(policies)
+        self.docs = int(kl.shape[0])
+        self.sizes = seen.reshape(self.docs, len(self.policies), -1).sum(2)  # (docs, policies)
+        self.offsets = np.cumsum(self.sizes, axis=0) - self.sizes
+        self.kl = [kl[:, i][seen[:, i]].astype(np.float64) for i in range(len(self.policies))]
+        self.agree = (
+            None
+            if agree is None
+            else [agree[:, i][seen[:, i]].astype(bool) for i in range(len(self.policies))]
+        )
+
+    def doc(self, d: int) -> dict[str, DocScores]:
+        """Document ``d``'s :class:`DocScores` (views of the batch's steps)."""
+        out = {}
+        for i, pol in enumerate(self.policies):
+            at = slice(int(self.offsets[d, i]), int(self.offsets[d, i] + self.sizes[d, i]))
+            agree = None if self.agree is None else self.agree[i][at]
+            out[pol] = DocScores(self.kl[i][at], agree, None)
+        return out
+
+
+class BatchScores(Mapping[str, DocScores]):
+    """Document ``d`` of a :class:`ScoreBatch` (policy -> :class:`DocScores`)."""
+
+    __slots__ = ("batch", "d")
+
+    def __init__(self, batch: ScoreBatch, d: int) -> None:
+        self.batch = batch
+        self.d = d
+
+    def __getitem__(self, policy: str) -> DocScores:
+        return self.batch.doc(self.d)[policy]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.batch.policies)
+
+    def __len__(self) -> int:
+        return len(self.batch.policies)
 
 
 # The pooled steps of one (policy, quantity) are kept exactly up to this many; beyond, as a
@@ -257,10 +309,19 @@ class _Pool:
         """Documents ``slots``' steps (``values[i]`` for slot ``slots[i]``), folded at once:
         each document's sums are its own segment's (the same whatever the batch)."""
         sizes = np.array([v.size for v in values], np.int64)
+        if not sizes.any():
+            return
+        flat = np.concatenate([np.asarray(v, np.float64).reshape(-1) for v in values])
+        self.put_flat(slots, flat, sizes)
+
+    def put_flat(self, slots: Sequence[int], flat: np.ndarray, sizes: np.ndarray) -> None:
+        """:meth:`put` of the documents' steps laid end to end (``sizes[i]`` of slot
+        ``slots[i]``, in order)."""
+        sizes = np.asarray(sizes, np.int64)
         seen = sizes > 0
         if not seen.any():
             return
-        flat = np.concatenate([np.asarray(v, np.float64).reshape(-1) for v in values])
+        flat = np.asarray(flat, np.float64)
         starts = (np.cumsum(sizes) - sizes)[seen]
         at = np.asarray(slots, np.int64)[seen]
         self.doc_mean[at] = np.add.reduceat(flat, starts) / sizes[seen]
@@ -317,10 +378,10 @@ class ScoreboardPool:
         self.lock = threading.Lock()
         self.documents = 0
 
-    def put(self, slot: int, scores: dict[str, DocScores]) -> None:
+    def put(self, slot: int, scores: Mapping[str, DocScores]) -> None:
         self.put_many([slot], [scores])
 
-    def put_many(self, slots: Sequence[int], scores: Sequence[dict[str, DocScores]]) -> None:
+    def put_many(self, slots: Sequence[int], scores: Sequence[Mapping[str, DocScores]]) -> None:
         """Several documents' scores (``scores[i]`` of slot ``slots[i]``) in one fold per
         pool: the result is the same as one :meth:`put` each, in any order or batching."""
         if not slots:
@@ -341,6 +402,22 @@ class ScoreboardPool:
                     kept = [(slot, v) for slot, v in got if v is not None]
                     if kept:
                         pools[q].put([slot for slot, _ in kept], [v for _, v in kept])
+
+    def put_batch(self, slots: Sequence[int], batch: ScoreBatch) -> None:
+        """Every document of ``batch`` (document ``d`` in slot ``slots[d]``): the same as
+        :meth:`put_many` of their :class:`BatchScores`, without a per-document pass."""
+        if len(slots) != batch.docs:
+            raise ValueError(f"{len(slots)} slots for a batch of {batch.docs} documents")
+        with self.lock:
+            self.documents += batch.docs
+            for i, pol in enumerate(self.policies):
+                pools, missing = self.pools[pol], self.missing[pol]
+                pools["kl_pq"].put_flat(slots, batch.kl[i], batch.sizes[:, i])
+                missing["delta_p"] = True  # a record without distributions
+                if batch.agree is None:
+                    missing["same_top"] = True
+                else:
+                    pools["same_top"].put_flat(slots, batch.agree[i], batch.sizes[:, i])
 
     def rows(self, model: str) -> list[dict[str, Any]]:
         out = []

@@ -37,10 +37,17 @@ from kvcouple.analysis.reading import (
     recompute_full_engine,
     recompute_topk,
 )
-from kvcouple.analysis.scoreboard import TOP_DELTA, DocScores, doc_scores
+from kvcouple.analysis.scoreboard import (
+    TOP_DELTA,
+    BatchScores,
+    DocScores,
+    ScoreBatch,
+    doc_scores,
+)
 from kvcouple.errors import StoreError
 from kvcouple.scheduler import check_scheduler as check_scheduler
 from kvcouple.scheduler import connect_client as connect_client
+from kvcouple.store.engine_reads import SummaryBatch
 from kvcouple.store.reader import TraceStoreReader
 
 
@@ -82,9 +89,10 @@ class DocResult:
     units: Mapping[str, UnitEstimate] | None
     check: RecomputeCheck | None
     error: str | None = None
-    # The path's scoreboard values per policy (kvcouple.analysis.scoreboard); analyze folds
-    # them into the store's scoreboard (ModelResult.scoreboard) and drops them.
-    scores: dict[str, DocScores] | None = None
+    # The path's scoreboard values per policy (kvcouple.analysis.scoreboard; a batch's:
+    # BatchScores views); analyze folds them into the store's scoreboard
+    # (ModelResult.scoreboard) and drops them.
+    scores: Mapping[str, DocScores] | None = None
 
 
 # Folds a batch of one store's results into the caller's accumulators (run_docs).
@@ -131,7 +139,9 @@ def _analyze_together(
     try:
         # The scoreboard's top1_agree in the same engine call; where that cannot be (a store
         # re-written without its all-False chunks has none), read apart (_agreement).
-        summaries = reader.read_summaries(docs, (*SUMMARY_READ, AGREEMENT))
+        summaries: list[dict[str, Any]] | None = reader.read_summaries(
+            docs, (*SUMMARY_READ, AGREEMENT)
+        )
         agreed = summaries is not None
         if summaries is None:
             summaries = reader.read_summaries(docs, SUMMARY_READ)
@@ -154,7 +164,13 @@ def _analyze_together(
         agree = None if agreed else _agreement(reader, docs)
         if agree is not None:
             summaries = [{**s, AGREEMENT: a} for s, a in zip(summaries, agree, strict=True)]
-        scores = [doc_scores(reader, d, s) for d, s in zip(docs, summaries, strict=True)]
+        scores: list[Mapping[str, DocScores]]
+        if agreed and reader.record == "summary" and isinstance(summaries, SummaryBatch):
+            # No distributions to read: the batch's steps straight from its stacks.
+            batch = ScoreBatch(reader.policies, summaries.stacks)
+            scores = [BatchScores(batch, k) for k in range(len(docs))]
+        else:
+            scores = [doc_scores(reader, d, s) for d, s in zip(docs, summaries, strict=True)]
     except StoreError:
         return None
     return [

@@ -100,9 +100,7 @@ class EngineReads:
         self._check_summary(doc, blocks, extra)
         return blocks
 
-    def read_summaries(
-        self, docs: list[int], names: tuple[str, ...]
-    ) -> list[dict[str, np.ndarray]] | None:
+    def read_summaries(self, docs: list[int], names: tuple[str, ...]) -> SummaryBatch | None:
         """:meth:`read_summary` of several documents of a local store in one engine call
         (every chunk of every document decoded in parallel, the per-call costs paid once), in
         the order of ``docs``. None where the engine cannot read them so, or where any chunk
@@ -533,10 +531,18 @@ class EngineReads:
         return raw.decode()
 
 
-def _by_document(stacks: dict[str, np.ndarray], docs: int) -> list[dict[str, np.ndarray]]:
-    """One dict per document of its arrays: views of the stacks (0-d arrays, not scalars,
-    where a variable holds one value a document)."""
-    return [{n: v[k, ...] for n, v in stacks.items()} for k in range(docs)]
+class SummaryBatch(list[dict[str, np.ndarray]]):
+    """One dict per document of its arrays (views of ``stacks``: 0-d arrays, not scalars,
+    where a variable holds one value a document), and the stacks themselves (each variable's
+    documents along its first axis) for callers that work on a whole batch at once."""
+
+    def __init__(self, stacks: dict[str, np.ndarray], docs: int) -> None:
+        super().__init__({n: v[k, ...] for n, v in stacks.items()} for k in range(docs))
+        self.stacks = stacks
+
+
+def _by_document(stacks: dict[str, np.ndarray], docs: int) -> SummaryBatch:
+    return SummaryBatch(stacks, docs)
 
 
 def _stored_at(

@@ -31,7 +31,7 @@ from typing import Any, Generic, TypeVar, overload
 import numpy as np
 
 from kvcouple.errors import StoreError
-from kvcouple.store.engine_reads import EngineReads, EngineSwitch
+from kvcouple.store.engine_reads import EngineReads, EngineSwitch, SummaryBatch
 from kvcouple.store.geometry import StoreGeometry
 from kvcouple.store.lock import StoreBeingWrittenError, writing_note
 from kvcouple.store.object_storage import ObjectStorageReads
@@ -221,9 +221,7 @@ class TraceStoreReader:
         (:meth:`~kvcouple.store.engine_reads.EngineReads.read_summary`)."""
         return self.engine_reads.read_summary(doc, names)
 
-    def read_summaries(
-        self, docs: list[int], names: tuple[str, ...]
-    ) -> list[dict[str, np.ndarray]] | None:
+    def read_summaries(self, docs: list[int], names: tuple[str, ...]) -> SummaryBatch | None:
         """:meth:`read_summary` of several documents of a local store in one engine call, or
         None (:meth:`~kvcouple.store.engine_reads.EngineReads.read_summaries`)."""
         return self.engine_reads.read_summaries(docs, names)
