@@ -59,6 +59,9 @@ def bootstrap_means(
     values: npt.NDArray[np.float64], n_boot: int, seed: int
 ) -> npt.NDArray[np.float64]: ...
 def bootstrap_counts(docs: int, n_boot: int, seed: int) -> npt.NDArray[np.uint32]: ...
+def count_float_keys(
+    values: npt.NDArray[np.float32], counts: npt.NDArray[np.int64], bits: int
+) -> None: ...
 def bootstrap_moments(
     values: npt.NDArray[np.float64],
     centers: npt.NDArray[np.float64],

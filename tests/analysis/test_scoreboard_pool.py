@@ -167,3 +167,27 @@ def test_a_batch_from_its_stacks_folds_as_its_documents_do():
     assert rows_a == rows_b and any(r["quantity"] == "same_top" for r in rows_b)
     with pytest.raises(ValueError, match="slots for a batch"):
         b.put_batch(slots[:-1], batch)
+
+
+def test_the_rust_histogram_counts_as_numpy_bincount_of_the_sortable_keys():
+    """_core.count_float_keys (the pooled steps' histogram) against numpy: keys that keep the
+    values' order (negative values' bits inverted, others' sign bit set), top bits binned;
+    counts add in place; a bin array that does not fit the bits is refused."""
+    from kvcouple import _core
+    from kvcouple.errors import ShapeError
+
+    rng = np.random.default_rng(2)
+    v = np.concatenate([_steps(rng, 5000), -_steps(rng, 3000), [np.inf, -np.inf, 0.0, -0.0]])
+    v = v.astype(np.float32)
+    bits = v.view(np.uint32)
+    keys = np.where(bits >> 31, ~bits, bits | np.uint32(1 << 31))
+    by_key = v[np.argsort(keys)].astype(np.float64)
+    assert np.all(np.diff(by_key) >= 0)  # the keys keep the values' order
+    want = np.bincount(keys >> np.uint32(32 - 12), minlength=1 << 12)
+    counts = np.zeros(1 << 12, np.int64)
+    _core.count_float_keys(v, counts, 12)
+    np.testing.assert_array_equal(counts, want)
+    _core.count_float_keys(v[:10], counts, 12)
+    assert counts.sum() == v.size + 10
+    with pytest.raises(ShapeError, match="bins for 12 bits"):
+        _core.count_float_keys(v, np.zeros(100, np.int64), 12)

@@ -31,6 +31,7 @@ from typing import Any
 
 import numpy as np
 
+from kvcouple import _core
 from kvcouple.errors import StoreError
 from kvcouple.store.reader import TraceStoreReader
 
@@ -196,12 +197,6 @@ HISTOGRAM_RESOLUTION = 2.0 ** -(HISTOGRAM_BITS - 9)  # bits left for the mantiss
 _SMALLEST_NORMAL = float(np.finfo(np.float32).tiny)
 
 
-def _sortable_keys(values: np.ndarray) -> np.ndarray:
-    """float32 bit patterns mapped to unsigned keys in the order of the values."""
-    bits = np.ascontiguousarray(values, np.float32).view(np.uint32)
-    return np.where(bits >> 31, ~bits, bits | np.uint32(1 << 31))
-
-
 def _key_value(key: int) -> float:
     bits = key & 0x7FFFFFFF if key >> 31 else ~key & 0xFFFFFFFF
     return float(np.array([bits], np.uint32).view(np.float32)[0])
@@ -246,10 +241,10 @@ class PooledSteps:
         """Count the pending values (a block at a time: one pass over the bins per block)."""
         if self.counts is None or not self.pending:
             return
-        keys = _sortable_keys(np.concatenate(self.pending))
-        self.counts += np.bincount(
-            keys >> np.uint32(32 - HISTOGRAM_BITS), minlength=self.counts.size
-        )
+        for part in self.pending:  # Rust: the bins of the values' bit patterns, in place
+            _core.count_float_keys(
+                np.ascontiguousarray(part, np.float32), self.counts, HISTOGRAM_BITS
+            )
         self.pending, self.pending_size = [], 0
 
     def percentile(self, pct: float) -> float:

@@ -1,10 +1,10 @@
 //! Wrappers of the analysis kernels (`kvcouple-core::stats`): bootstrap of column means,
 //! their intervals, jackknife standard errors.
 
-use kvcouple_core::stats::{bootstrap, intervals, jackknife, moments};
+use kvcouple_core::stats::{bootstrap, histogram, intervals, jackknife, moments};
 use numpy::{
     IntoPyArray, PyArray1, PyArray2, PyArrayMethods, PyReadonlyArray1, PyReadonlyArray2,
-    PyUntypedArrayMethods,
+    PyReadwriteArray1, PyUntypedArrayMethods,
 };
 use pyo3::prelude::*;
 
@@ -150,7 +150,27 @@ pub fn jackknife_se<'py>(
     Ok(out.into_pyarray(py))
 }
 
+/// Add to `counts` (2^`bits` int64 bins, in place) the float32 `values` counted in the bins of
+/// their order-preserving bit patterns' top `bits` bits (the scoreboard's histogram).
+#[pyfunction]
+#[pyo3(signature = (values, counts, bits))]
+pub fn count_float_keys<'py>(
+    py: Python<'py>,
+    values: PyReadonlyArray1<'py, f32>,
+    mut counts: PyReadwriteArray1<'py, i64>,
+    bits: u32,
+) -> PyResult<()> {
+    let values = values
+        .as_slice()
+        .map_err(|_| ShapeError::new_err("values must be contiguous"))?;
+    let counts = counts
+        .as_slice_mut()
+        .map_err(|_| ShapeError::new_err("counts must be contiguous"))?;
+    py.detach(|| guard(|| histogram::count_keys(values, counts, bits)))
+}
+
 pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_function(wrap_pyfunction!(count_float_keys, m)?)?;
     m.add_function(wrap_pyfunction!(bootstrap_means, m)?)?;
     m.add_function(wrap_pyfunction!(bootstrap_counts, m)?)?;
     m.add_function(wrap_pyfunction!(bootstrap_moments, m)?)?;
