@@ -241,6 +241,8 @@ def _limit_worker_threads(threads: int | None = None, dask_worker: Any = None) -
 # documents are a whole shard of a large store.
 LOCAL_BATCH = 8
 SUMMARY_BATCH = 256
+# Summary batches in flight beyond io_threads, locally (run_docs).
+SUMMARY_EXTRA_IN_FLIGHT = 1
 
 # The scoreboard's path variable read with the summaries (same_top).
 AGREEMENT = "top1_agree"
@@ -302,7 +304,11 @@ def run_docs(
                 bar.update(len(batch[1]))
                 return r
 
-            with ThreadPoolExecutor(max(1, threads_per_batch)) as pool:
+            # Summary records: one batch more in flight, whose Python part fills the core the
+            # engine's read leaves idle (its own Python holds the GIL part of the time).
+            summary = all(reader.record == "summary" for reader in each)
+            in_flight = max(1, threads_per_batch) + (SUMMARY_EXTRA_IN_FLIGHT if summary else 0)
+            with ThreadPoolExecutor(in_flight) as pool:
                 return [r for rs in pool.map(one, _batches(tasks, _batch_size)) for r in rs]
         from distributed import as_completed
 
