@@ -23,7 +23,7 @@ The estimates are computed in Rust for a batch of documents per call
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -142,7 +142,7 @@ def observation_window(stored: int, window: int | str | None) -> int:
 
 
 def estimate_units(
-    summaries: list[dict[str, np.ndarray]],
+    summaries: Sequence[dict[str, np.ndarray]],
     doc_ids: list[str],
     policies: list[str],
     *,

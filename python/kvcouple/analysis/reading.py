@@ -8,6 +8,7 @@ compares what was recorded with what the stored distributions give.
 from __future__ import annotations
 
 import itertools
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -124,7 +125,7 @@ def recompute_full(
 def recompute_full_engine(
     reader: TraceStoreReader,
     docs: list[int],
-    summaries: list[dict[str, np.ndarray]],
+    summaries: Sequence[dict[str, np.ndarray]],
     tolerance: float | None,
     top_delta: list[dict[int, np.ndarray]] | None = None,
 ) -> list[RecomputeCheck] | None:

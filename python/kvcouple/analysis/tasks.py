@@ -18,7 +18,7 @@ Every worker's pool is set to that worker's ``nthreads`` (``kvcouple.set_num_thr
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -139,7 +139,7 @@ def _analyze_together(
     try:
         # The scoreboard's top1_agree in the same engine call; where that cannot be (a store
         # re-written without its all-False chunks has none), read apart (_agreement).
-        summaries: list[dict[str, Any]] | None = reader.read_summaries(
+        summaries: Sequence[dict[str, Any]] | None = reader.read_summaries(
             docs, (*SUMMARY_READ, AGREEMENT)
         )
         agreed = summaries is not None
@@ -173,15 +173,16 @@ def _analyze_together(
             scores = [doc_scores(reader, d, s) for d, s in zip(docs, summaries, strict=True)]
     except StoreError:
         return None
+    ids = reader.doc_ids
     return [
-        DocResult(d, reader.doc_ids[d], u, c, scores=sc)
+        DocResult(d, ids[d], u, c, scores=sc)
         for d, u, c, sc in zip(docs, units, checks, scores, strict=True)
     ]
 
 
 def _with_top_delta(
-    summaries: list[dict[str, np.ndarray]], deltas: list[dict[int, np.ndarray]]
-) -> list[dict[str, Any]]:
+    summaries: Sequence[dict[str, np.ndarray]], deltas: list[dict[int, np.ndarray]]
+) -> Sequence[dict[str, Any]]:
     """The summaries with the path's top-token deltas the recomputation decoded (the
     scoreboard's ``delta_p``: :func:`kvcouple.analysis.scoreboard.doc_scores`), where it
     gave them."""
@@ -204,7 +205,7 @@ def _agreement(reader: TraceStoreReader, docs: list[int]) -> list[np.ndarray] | 
 def _units(
     reader: TraceStoreReader,
     docs: list[int],
-    summaries: list[dict[str, np.ndarray]],
+    summaries: Sequence[dict[str, np.ndarray]],
     options: Options,
 ) -> list[BatchUnits]:
     """Every policy's RB-CMC units of a batch of documents from their summaries (one Rust
@@ -258,8 +259,11 @@ def _batches(
     """Consecutive tasks of one store, ``size`` documents at most per batch (or
     ``size(store)``), in task order."""
     out: list[tuple[TraceStoreReader, list[int]]] = []
+    caps: dict[int, int] = {}  # each store's size, asked once
     for reader, doc in tasks:
-        cap = size(reader) if callable(size) else size
+        cap = caps.get(id(reader))
+        if cap is None:
+            cap = caps[id(reader)] = size(reader) if callable(size) else size
         if out and out[-1][0] is reader and len(out[-1][1]) < cap:
             out[-1][1].append(doc)
         else:

@@ -16,9 +16,10 @@ import itertools
 import os
 import sys
 import threading
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import Any, overload
 
 import numpy as np
 
@@ -127,7 +128,7 @@ class EngineReads:
         self,
         docs: list[int],
         stacks: dict[str, np.ndarray],
-        got: list[dict[str, np.ndarray]],
+        got: SummaryBatch,
         extra: bool,
     ) -> bool:
         """Every document's values checked at once, variable by variable
@@ -147,8 +148,7 @@ class EngineReads:
             for doc, length in zip(docs, stacks["prompt_length"].reshape(-1), strict=True):
                 validation.prompt_lengths[doc] = int(length)
             if extra:
-                for blocks in got:
-                    blocks.pop("prompt_length")
+                got.drop("prompt_length")
         return True
 
     def _with_prompt_length(
@@ -182,7 +182,7 @@ class EngineReads:
 
     def _read_direct(
         self, names: tuple[str, ...], docs: list[int]
-    ) -> tuple[list[dict[str, np.ndarray]] | None, bool, tuple[str, str, str] | None]:
+    ) -> tuple[SummaryBatch | None, bool, tuple[str, str, str] | None]:
         """:meth:`_read_stacked`, as one dict of arrays per document (views of the stacks)."""
         stacks, supported, problem = self._read_stacked(names, docs)
         if stacks is None:
@@ -531,14 +531,38 @@ class EngineReads:
         return raw.decode()
 
 
-class SummaryBatch(list[dict[str, np.ndarray]]):
+class SummaryBatch(Sequence[dict[str, np.ndarray]]):
     """One dict per document of its arrays (views of ``stacks``: 0-d arrays, not scalars,
-    where a variable holds one value a document), and the stacks themselves (each variable's
-    documents along its first axis) for callers that work on a whole batch at once."""
+    where a variable holds one value a document; each made when first asked for, then kept,
+    so that changes to it stay), and the stacks themselves (each variable's documents along
+    its first axis) for callers that work on a whole batch at once."""
 
     def __init__(self, stacks: dict[str, np.ndarray], docs: int) -> None:
-        super().__init__({n: v[k, ...] for n, v in stacks.items()} for k in range(docs))
         self.stacks = stacks
+        self._docs: list[dict[str, np.ndarray] | None] = [None] * docs
+
+    def __len__(self) -> int:
+        return len(self._docs)
+
+    @overload
+    def __getitem__(self, k: int) -> dict[str, np.ndarray]: ...
+    @overload
+    def __getitem__(self, k: slice) -> list[dict[str, np.ndarray]]: ...
+    def __getitem__(self, k: int | slice) -> Any:
+        if isinstance(k, slice):
+            return [self[i] for i in range(*k.indices(len(self)))]
+        k = range(len(self))[k]  # negative indices; IndexError past the end
+        got = self._docs[k]
+        if got is None:
+            got = self._docs[k] = {n: v[k, ...] for n, v in self.stacks.items()}
+        return got
+
+    def drop(self, name: str) -> None:
+        """Forget variable ``name`` (read only for a check) in the stacks and every dict."""
+        self.stacks.pop(name, None)
+        for got in self._docs:
+            if got is not None:
+                got.pop(name, None)
 
 
 def _by_document(stacks: dict[str, np.ndarray], docs: int) -> SummaryBatch:

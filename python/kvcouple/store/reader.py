@@ -115,11 +115,10 @@ class TraceStoreReader:
         return [int(i) for i in np.flatnonzero(self.completed_flags)]
 
     def unfinished(self) -> list[int]:
-        return [
-            i
-            for i in range(self.dims["doc"])
-            if not self.completed_flags[i] and i not in self.flag_errors
-        ]
+        """Indices of the documents neither finished nor flagged damaged."""
+        errors = self.flag_errors
+        not_done = np.flatnonzero(~np.asarray(self.completed_flags, bool))
+        return [int(i) for i in not_done if int(i) not in errors]
 
     def require_complete(self) -> None:
         """Raise unless every document is finished and its flag readable."""
