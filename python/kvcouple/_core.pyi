@@ -101,6 +101,7 @@ def store_decode_chunks(
     root: str | None = None,
     chunks: list[bytes | None] | None = None,
     inner: list[int] | None = None,
+    group: int | None = None,
 ) -> tuple[list[bytes], tuple[str, str, str] | None]: ...
 def store_chunks_tv(
     p_meta: str,

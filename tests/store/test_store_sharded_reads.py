@@ -292,6 +292,25 @@ def test_inner_indices_are_checked(store):
     )
 
 
+def test_grouped_chunks_come_back_joined_in_runs(store):
+    """``group=n``: every n consecutive chunks' bytes as one object (a cell of a batch of
+    documents), the same bytes as joining them; a group that does not divide the keys is
+    refused."""
+    meta = (store / "hazard" / "zarr.json").read_text()
+    keys = ["hazard/0.0.0.0", "hazard/2.0.0.0", "hazard/0.0.0.0", "hazard/1.0.0.0"]
+    args = ([meta], [0] * 4, keys)
+    kw = {"root": str(store), "inner": [3, 1, 0, 2]}
+    single, problem = _core.store_decode_chunks(*args, **kw)
+    assert problem is None and len(single) == 4
+    for n in (1, 2, 4):
+        joined, problem = _core.store_decode_chunks(*args, **kw, group=n)
+        assert problem is None
+        assert joined == [b"".join(single[i : i + n]) for i in range(0, 4, n)]
+    for bad in (0, 3):
+        with pytest.raises(ShapeError, match="group must divide"):
+            _core.store_decode_chunks(*args, **kw, group=bad)
+
+
 def test_shards_on_object_storage_are_left_to_zarr_python(store, monkeypatch):
     # A shard holds many documents: fetched whole for one, it would cost more than
     # zarr-python's ranged reads of that document's inner chunks.

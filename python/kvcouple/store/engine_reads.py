@@ -263,13 +263,15 @@ class EngineReads:
                 which += [i] * len(docs)
                 keys += [named[int(o)] for o in objs]
                 inner += lins.tolist()
+        # Each cell's documents come back as one run of bytes (group): one object per cell.
+        n = len(docs)
         if remote:
             _, got = self.object_storage.summary_objects(names, docs[0])
-            decoded, problem = _core.store_decode_chunks(metas, which, keys, chunks=got)
+            decoded, problem = _core.store_decode_chunks(metas, which, keys, chunks=got, group=n)
         else:
             sharded = any(k >= 0 for k in inner)
             decoded, problem = _core.store_decode_chunks(
-                metas, which, keys, root=self.path, inner=inner if sharded else None
+                metas, which, keys, root=self.path, inner=inner if sharded else None, group=n
             )
         if problem is not None:
             if problem[0] == "unsupported":
@@ -280,12 +282,10 @@ class EngineReads:
         stored = [np.dtype(a.dtype).newbyteorder("<") for a in arrays]
         stacks: dict[str, np.ndarray] = {}
         cell = 0
-        n = len(docs)
         for i, (name, a) in enumerate(zip(names, arrays, strict=True)):
             stack = np.empty((n, *a.shape[1:]), a.dtype)
             for _, where, _ in at0[i]:
-                raws = decoded[cell * n : (cell + 1) * n]
-                chunks = np.frombuffer(b"".join(raws), stored[i]).reshape((n, *grids[i][1:]))
+                chunks = np.frombuffer(decoded[cell], stored[i]).reshape((n, *grids[i][1:]))
                 inner_sel = tuple(slice(0, w.stop - w.start) for w in where)
                 stack[(slice(None), *where)] = chunks[(slice(None), *inner_sel)]
                 cell += 1

@@ -209,9 +209,12 @@ fn fetched<'a>(
 /// Returns `(decoded, problem)`: every chunk's little-endian bytes, or an empty list and
 /// `(kind, key, message)` as for `store_blocks_tv` (inside a shard, the key is the shard's and
 /// the inner chunk is named in the message, or after the key where it is absent). Read and
-/// decoded in parallel with the GIL released.
+/// decoded in parallel with the GIL released. With `group`, every `group` consecutive
+/// chunks' bytes come back joined as one (a variable's cell for a batch of documents: one
+/// object, not one per document).
 #[pyfunction]
-#[pyo3(signature = (metas, which, keys, *, root=None, chunks=None, inner=None))]
+#[pyo3(signature = (metas, which, keys, *, root=None, chunks=None, inner=None, group=None))]
+#[allow(clippy::too_many_arguments)]
 pub fn store_decode_chunks<'py>(
     py: Python<'py>,
     metas: Vec<String>,
@@ -220,11 +223,19 @@ pub fn store_decode_chunks<'py>(
     root: Option<String>,
     chunks: Option<Vec<Option<PyBackedBytes>>>,
     inner: Option<Vec<i64>>,
+    group: Option<usize>,
 ) -> PyResult<(Vec<Bound<'py, PyBytes>>, Option<ProblemTuple>)> {
     if which.len() != keys.len() || which.iter().any(|&w| w >= metas.len()) {
         return Err(ShapeError::new_err(
             "which must name a metadata document for every key",
         ));
+    }
+    let group = group.unwrap_or(1);
+    if group == 0 || keys.len() % group != 0 {
+        return Err(ShapeError::new_err(format!(
+            "group must divide the {} keys into runs of at least one, got {group}",
+            keys.len()
+        )));
     }
     let inner: Vec<Option<u64>> = match inner {
         None => vec![None; keys.len()],
@@ -275,7 +286,13 @@ pub fn store_decode_chunks<'py>(
                 inner,
             })
             .collect();
-        decode_chunks(source, &items)
+        decode_chunks(source, &items).map(|decoded| {
+            if group == 1 {
+                decoded
+            } else {
+                decoded.chunks(group).map(|run| run.concat()).collect()
+            }
+        })
     })?;
     Ok(match result {
         Ok(decoded) => (decoded.iter().map(|b| PyBytes::new(py, b)).collect(), None),
