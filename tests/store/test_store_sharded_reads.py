@@ -305,7 +305,9 @@ def test_grouped_chunks_come_back_joined_in_runs(store):
     for n in (1, 2, 4):
         joined, problem = _core.store_decode_chunks(*args, **kw, group=n)
         assert problem is None
-        assert joined == [b"".join(single[i : i + n]) for i in range(0, 4, n)]
+        assert [bytes(b) for b in joined] == [
+            b"".join(bytes(b) for b in single[i : i + n]) for i in range(0, 4, n)
+        ]
     for bad in (0, 3):
         with pytest.raises(ShapeError, match="group must divide"):
             _core.store_decode_chunks(*args, **kw, group=bad)

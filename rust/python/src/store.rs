@@ -12,7 +12,6 @@ use kvcouple_store::{BlockOutput, Problem};
 use numpy::{IntoPyArray, PyArray1, PyReadonlyArray3, PyUntypedArrayMethods};
 use pyo3::prelude::*;
 use pyo3::pybacked::PyBackedBytes;
-use pyo3::types::PyBytes;
 
 use crate::errors::{InternalError, InvalidInputError, ShapeError};
 
@@ -206,7 +205,7 @@ fn fetched<'a>(
 /// store, or `chunks[i]` (fetched; None where absent). Where its array is sharded, `keys[i]`
 /// is the shard's and `inner[i]` the inner chunk's linear (C-order) index within it (-1 for
 /// an unsharded array; `inner` None: none is sharded); each shard is read once per call.
-/// Returns `(decoded, problem)`: every chunk's little-endian bytes, or an empty list and
+/// Returns `(decoded, problem)`: every chunk's little-endian bytes (uint8 arrays), or an empty list and
 /// `(kind, key, message)` as for `store_blocks_tv` (inside a shard, the key is the shard's and
 /// the inner chunk is named in the message, or after the key where it is absent). Read and
 /// decoded in parallel with the GIL released. With `group`, every `group` consecutive
@@ -224,14 +223,14 @@ pub fn store_decode_chunks<'py>(
     chunks: Option<Vec<Option<PyBackedBytes>>>,
     inner: Option<Vec<i64>>,
     group: Option<usize>,
-) -> PyResult<(Vec<Bound<'py, PyBytes>>, Option<ProblemTuple>)> {
+) -> PyResult<(Vec<Bound<'py, PyArray1<u8>>>, Option<ProblemTuple>)> {
     if which.len() != keys.len() || which.iter().any(|&w| w >= metas.len()) {
         return Err(ShapeError::new_err(
             "which must name a metadata document for every key",
         ));
     }
     let group = group.unwrap_or(1);
-    if group == 0 || keys.len() % group != 0 {
+    if group == 0 || !keys.len().is_multiple_of(group) {
         return Err(ShapeError::new_err(format!(
             "group must divide the {} keys into runs of at least one, got {group}",
             keys.len()
@@ -294,8 +293,12 @@ pub fn store_decode_chunks<'py>(
             }
         })
     })?;
+    // Each run's bytes move into a numpy array (no copy under the GIL).
     Ok(match result {
-        Ok(decoded) => (decoded.iter().map(|b| PyBytes::new(py, b)).collect(), None),
+        Ok(decoded) => (
+            decoded.into_iter().map(|b| b.into_pyarray(py)).collect(),
+            None,
+        ),
         Err(problem) => (Vec::new(), Some(problem)),
     })
 }
