@@ -33,8 +33,9 @@ given (``--model-store``), on the model's own rows.
 N documents x 2 policies (T=64, R=8, K=2, branches to the horizon), every document simulated
 and written by ``kvcouple synth trace-store``'s writer (the tracer's: sharded, schema version
 5), then analysed with the default settings (2000 resamples, studentized intervals) against the
-engine's read of the same store (every document's summary variables decoded and checked,
-nothing computed: the read floor). Printed per N: files, bytes on disk (file-system blocks)
+engine's read of the same store (everything the analysis reads: the store's open with its
+completion flags, every document's summary variables and the scoreboard's ``top1_agree``,
+decoded and checked, nothing computed: the read floor). Printed per N: files, bytes on disk (file-system blocks)
 over bytes of data, write units (document, policy) per second, the read's and the analysis's
 seconds, read / analysis (the fraction of the floor the analysis runs at) and peak RSS; then
 ``kvcouple analyze`` end to end (start-up, CSVs and report, no figures) against the same floor.

@@ -82,17 +82,19 @@ def run_summary_analysis(store: str, threads: int) -> dict[str, float]:
 
 
 def engine_summary_read(store: str, threads: int) -> dict[str, float]:
-    """The engine's read of every document's summary variables (decoded and checked, in
-    the analysis's batches: 256 documents, a shard's), nothing computed."""
+    """The engine's read of everything the analysis reads of the store: its open (metadata,
+    coordinates, completion flags) and every document's summary variables with the
+    scoreboard's ``top1_agree`` (decoded and checked, in the analysis's batches: 256
+    documents, a shard's), nothing computed."""
     from kvcouple.analysis.reading import SUMMARY_READ
-    from kvcouple.analysis.tasks import SUMMARY_BATCH
+    from kvcouple.analysis.tasks import AGREEMENT, SUMMARY_BATCH
     from kvcouple.store.reader import TraceStoreReader
 
-    r = TraceStoreReader(store)
     t, cpu = time.perf_counter(), cpu_seconds()
+    r = TraceStoreReader(store)
     done = r.done
     for i in range(0, len(done), SUMMARY_BATCH):
-        got = r.read_summaries(done[i : i + SUMMARY_BATCH], SUMMARY_READ)
+        got = r.read_summaries(done[i : i + SUMMARY_BATCH], (*SUMMARY_READ, AGREEMENT))
         assert got is not None, "the engine cannot read this store"
     return {
         "seconds": time.perf_counter() - t,

@@ -27,13 +27,15 @@ def _batch(rng, docs, policies, T, lags):
 
 
 @pytest.mark.parametrize(("T", "lags", "window"), [(8, 8, 7), (64, 65, 64), (64, 17, 12)])
-def test_a_batch_fills_the_rows_one_document_would(T, lags, window):
+@pytest.mark.parametrize("consecutive", [False, True])
+def test_a_batch_fills_the_rows_one_document_would(T, lags, window, consecutive):
     rng = np.random.default_rng(T + lags)
     # The table's policy order differs from the batch's: columns go by the table's.
     batch = _batch(rng, 9, ["b", "a"], T, lags)
     layout = TableLayout.of(["a", "b"], T, lags, window)
     views = [BatchUnits(batch, d) for d in range(9)]
-    slots = [4, 0, 8, 2, 6, 1, 7, 3, 5]
+    # Consecutive slots are filled in place; others through a block of rows.
+    slots = list(range(9)) if consecutive else [4, 0, 8, 2, 6, 1, 7, 3, 5]
     batched = UnitColumns(layout, 9)
     batched.put_batch(slots[:5], views[:5])
     batched.put_batch(slots[5:], views[5:])

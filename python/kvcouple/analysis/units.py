@@ -183,9 +183,13 @@ class UnitColumns:
             raise ValueError("put_batch takes the documents of one batch")
         at = np.asarray(slots, np.int64)
         docs = np.array([u.d for u in units], np.int64)
-        rows = np.empty((len(at), self.layout.width))
-        self.layout.fill_batch(rows, batch, docs)
-        self.matrix[at] = rows
+        if at.size and at[-1] - at[0] == at.size - 1 and np.all(np.diff(at) == 1):
+            # Consecutive slots (a batch of consecutive documents): filled in place.
+            self.layout.fill_batch(self.matrix[at[0] : at[-1] + 1], batch, docs)
+        else:
+            rows = np.empty((len(at), self.layout.width))
+            self.layout.fill_batch(rows, batch, docs)
+            self.matrix[at] = rows
         P = len(batch.policies)
         for k, pol in enumerate(self.layout.policies):
             u = docs * P + batch.policies.index(pol)
