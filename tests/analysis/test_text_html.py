@@ -124,3 +124,33 @@ def test_the_html_table_of_many_documents_holds_the_first_and_points_to_the_csv(
     )
     rows = (out / "per_document.csv").read_text().strip().splitlines()
     assert len(rows) == 1 + 12 * 3
+
+
+def test_the_per_document_table_shows_each_documents_path_kld_and_same_top(tmp_path):
+    """The KLD and same-top columns are each document's means over its path steps (kept by
+    the scoreboard when the analysis folds the documents), not n/a: the same numbers as the
+    document's own doc_scores."""
+    import numpy as np
+
+    from kvcouple.analysis import analyze, text_html, write_report
+    from kvcouple.analysis.reading import SUMMARY_READ
+    from kvcouple.analysis.scoreboard import doc_scores
+    from kvcouple.analysis.tasks import AGREEMENT
+    from kvcouple.store.reader import TraceStoreReader
+    from text_helpers import synthetic_text_store
+
+    store = synthetic_text_store(tmp_path / "s.zarr", docs=4)
+    result = analyze(store, n_boot=20, seed=0)
+    m = result.models[0]
+    reader = TraceStoreReader(store)
+    estimates = text_html._estimates(result, m, {})
+    for d in m.docs:
+        summary = reader.read_summary(d.doc, (*SUMMARY_READ, AGREEMENT))
+        for pol, s in doc_scores(reader, d.doc, summary).items():
+            row = estimates[(d.doc_id, pol)]
+            assert row["kl_pq"] == pytest.approx(float(s.kl.mean()), rel=1e-12)
+            assert row["same_top"] == pytest.approx(float(np.mean(s.agree)), rel=1e-12)
+    page = (write_report(result, tmp_path / "r", figures=False) / "report.html").read_text()
+    table = page.split('<table class="sortable">', 1)[1].split("</table>", 1)[0]
+    cells = re.findall(r"<tr><td>.*?</tr>", table)
+    assert cells and all(c.count("n/a") == 0 for c in cells)

@@ -6,6 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+
 from kvcouple.analysis.bootstrap import Bootstrap
 from kvcouple.analysis.estimates import Table
 from kvcouple.analysis.tasks import DocResult
@@ -29,6 +31,9 @@ class ModelResult:
     table: Table | None = None
     # The scoreboard's rows (kvcouple.analysis.scoreboard), pooled as the documents came back.
     scoreboard: list[dict[str, Any]] | None = None
+    # Each document's mean over its path steps, aligned with ``docs``: {"kl_pq": {policy:
+    # means}, "same_top": ...} (ScoreboardPool.doc_means; report.html's per-document table).
+    path_means: dict[str, dict[str, np.ndarray]] | None = None
 
 
 @dataclass

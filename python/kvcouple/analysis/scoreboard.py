@@ -414,6 +414,21 @@ class ScoreboardPool:
                 else:
                     pools["same_top"].put_flat(slots, batch.agree[i], batch.sizes[:, i])
 
+    def doc_means(self, slots: Sequence[int]) -> dict[str, dict[str, np.ndarray]]:
+        """Each document's mean over its path steps (``slots``' documents, in that order),
+        per quantity and policy: ``{"kl_pq": {policy: means}, "same_top": ...}``; NaN where a
+        document has no path step or the quantity was not recorded."""
+        at = np.asarray(slots, np.int64)
+        out: dict[str, dict[str, np.ndarray]] = {}
+        for q in ("kl_pq", "same_top"):
+            out[q] = {
+                pol: np.full(at.size, np.nan)
+                if self.missing[pol][q]
+                else self.pools[pol][q].doc_mean[at].copy()
+                for pol in self.policies
+            }
+        return out
+
     def rows(self, model: str) -> list[dict[str, Any]]:
         out = []
         for pol in self.policies:

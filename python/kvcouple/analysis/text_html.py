@@ -187,12 +187,11 @@ def _estimates(
             "rmst": m.horizon - float(r["occupation"]),
             "mismatch_fraction": float(r["expected_mismatches"]) / m.horizon,
         }
-    for d in m.docs:
-        for pol, s in (getattr(d, "scores", None) or {}).items():
-            row = out.setdefault((d.doc_id, pol), {})
-            row["kl_pq"] = float(s.kl.mean()) if s.kl.size else math.nan
-            agree = s.agree
-            row["same_top"] = float(agree.mean()) if agree is not None and agree.size else math.nan
+    means = getattr(m, "path_means", None) or {}
+    for q in ("kl_pq", "same_top"):
+        for pol, values in means.get(q, {}).items():
+            for d, v in zip(m.docs, values, strict=True):
+                out.setdefault((d.doc_id, pol), {})[q] = float(v)
     return out
 
 
