@@ -157,14 +157,12 @@ class ScoreBatch:
             else [agree[:, i][seen[:, i]].astype(bool) for i in range(len(self.policies))]
         )
 
-    def doc(self, d: int) -> dict[str, DocScores]:
-        """Document ``d``'s :class:`DocScores` (views of the batch's steps)."""
-        out = {}
-        for i, pol in enumerate(self.policies):
-            at = slice(int(self.offsets[d, i]), int(self.offsets[d, i] + self.sizes[d, i]))
-            agree = None if self.agree is None else self.agree[i][at]
-            out[pol] = DocScores(self.kl[i][at], agree, None)
-        return out
+    def doc(self, d: int, policy: str) -> DocScores:
+        """Document ``d``'s :class:`DocScores` under ``policy`` (views of the batch's steps)."""
+        i = self.policies.index(policy)
+        at = slice(int(self.offsets[d, i]), int(self.offsets[d, i] + self.sizes[d, i]))
+        agree = None if self.agree is None else self.agree[i][at]
+        return DocScores(self.kl[i][at], agree, None)
 
 
 class BatchScores(Mapping[str, DocScores]):
@@ -177,7 +175,9 @@ class BatchScores(Mapping[str, DocScores]):
         self.d = d
 
     def __getitem__(self, policy: str) -> DocScores:
-        return self.batch.doc(self.d)[policy]
+        if policy not in self.batch.policies:
+            raise KeyError(policy)
+        return self.batch.doc(self.d, policy)
 
     def __iter__(self) -> Iterator[str]:
         return iter(self.batch.policies)

@@ -183,7 +183,7 @@ class UnitColumns:
             raise ValueError("put_batch takes the documents of one batch")
         at = np.asarray(slots, np.int64)
         docs = np.array([u.d for u in units], np.int64)
-        if at.size and at[-1] - at[0] == at.size - 1 and np.all(np.diff(at) == 1):
+        if at.size and np.all(np.diff(at) == 1):
             # Consecutive slots (a batch of consecutive documents): filled in place.
             self.layout.fill_batch(self.matrix[at[0] : at[-1] + 1], batch, docs)
         else:
