@@ -39,6 +39,7 @@ from dataclasses import replace
 
 import numpy as np
 
+from kvcouple import decomposition as dc
 from kvcouple import synth
 from kvcouple.analysis import stats as st
 from kvcouple.analysis.bootstrap import Bootstrap, bootstrap_table
@@ -123,7 +124,6 @@ def truth(exacts: list[dict[str, synth.ExactResult]], horizon: int) -> dict[tupl
         em = mean(pol, lambda e: e.expected_mismatches)
         pmf = np.mean([e[pol].divergence_time_pmf for e in exacts], axis=0)
         steps = np.arange(1, horizon + 1)
-        cum = np.cumsum(pmf)
         w = np.sum([e[pol].branch_lag_weight for e in exacts], axis=0)
         tv = np.sum(
             [np.nan_to_num(e[pol].branch_tv_by_lag) * e[pol].branch_lag_weight for e in exacts],
@@ -136,7 +136,7 @@ def truth(exacts: list[dict[str, synth.ExactResult]], horizon: int) -> dict[tupl
         out[(pol, "exposure")] = occupation / T
         out[(pol, "rho")] = (em - occ) / occupation
         out[(pol, "mean_tau")] = float(pmf @ steps) / occ
-        out[(pol, "median_tau")] = float(np.argmax(2 * cum >= cum[-1] * (1 - 1e-12)) + 1)
+        out[(pol, "median_tau")] = float(dc.median_step(pmf))
         out[(pol, "rmst")] = T - occupation
         out[(pol, "late_minus_early_tv")] = late - early
         out[(pol, "survival")] = np.mean([e[pol].survival for e in exacts], axis=0)
@@ -200,14 +200,9 @@ def simulate_pool(
 Stat = tuple[tuple, StatFn, bool, Scale]
 
 
-def statistics(horizon: int) -> list[Stat]:
-    """Every checked per-policy quantity and paired difference with its scale, as the
-    analysis makes them (gap terms: :func:`gap_terms`)."""
+def differences(horizon: int) -> list[Stat]:
+    """Every checked paired difference with its scale, as the analysis makes them."""
     stats: list[Stat] = []
-    for pol in POLICIES:
-        for q in SUMMARY:
-            f = st.quantity_fn(pol, q, horizon)
-            stats.append(((pol, q), f, q in st.DISCRETE, st.quantity_scale(q, horizon)))
     for a, b in PAIRS:
         for q in DIFFERENCES:
             fa, fb = st.quantity_fn(a, q, horizon), st.quantity_fn(b, q, horizon)
@@ -248,8 +243,8 @@ def run_scenario(
     print(f"# {scenario}: population {len(docs)} documents (harsh occurrence "
           f"{min(occ):.3f}-{max(occ):.3f}, median {np.median(occ):.3f}; "
           f"{args.pool or 'fresh'} simulations each)", file=sys.stderr)  # fmt: skip
-    stats = statistics(T)
-    keys = [k for k, _, _, _ in stats]
+    stats = differences(T)
+    keys = [(pol, q) for pol in POLICIES for q in SUMMARY] + [k for k, _, _, _ in stats]
     keys += [("gap", a, b, t) for a, b in PAIRS for t in GAPS] + [("band", a, b) for a, b in PAIRS]
     hits = {(k, n, m): 0 for k in keys for n in sizes for m in methods}
     counted = {(k, n, m): 0 for k in keys for n in sizes for m in methods}
@@ -269,7 +264,14 @@ def run_scenario(
                 bs = replace(base, method=m)
                 fns, flags = [f for _, f, _, _ in stats], [d for _, _, d, _ in stats]
                 scales = [sc for _, _, _, sc in stats]
-                ests = dict(zip(keys, bs.evaluate_many(fns, flags, scales), strict=False))
+                ests = {  # the per-policy quantities as the analysis estimates them
+                    (pol, q): e
+                    for pol in POLICIES
+                    for q, e in zip(SUMMARY, st.summary_estimates(bs, pol, SUMMARY, T), strict=True)
+                }
+                ests.update(
+                    zip(keys[len(ests) :], bs.evaluate_many(fns, flags, scales), strict=False)
+                )
                 ests.update(gap_terms(bs, T))
                 for key, e in ests.items():
                     if not np.isfinite(e.estimate):

@@ -69,3 +69,29 @@ def parts(
         "exposure": float(exposure(occupation, horizon)),
         "rho": float(rho(post_mismatches, occupation)),
     }
+
+
+def median_step(pmf: Any) -> Any:
+    """The median of the law of tau given tau <= T, with the steps as unit-width classes
+    ``(t - 1/2, t + 1/2]`` (the grouped-data median): ``t - 1/2 + (1/2 - F(t-1)) / P(tau = t |
+    tau <= T)`` at the first step ``t`` where the conditional CDF ``F`` reaches 1/2.
+
+    A law on one step ``t`` has median ``t``; otherwise the median moves continuously with the
+    law, so that a bootstrap interval of it can hold its level (the smallest such step, the
+    integer median, cannot: its estimate from a few documents is nearly always the population's
+    step). Values in ``[1/2, T + 1/2]``; NaN where nothing diverges. ``pmf``: ``P(tau = t)``,
+    ``t = 1..T`` along the first axis (further axes: resamples)."""
+    pmf = np.asarray(pmf, np.float64)
+    cum = np.cumsum(pmf, axis=0)
+    total = cum[-1]
+    # The tolerance keeps a law that reaches 1/2 exactly at a step on that step despite rounding.
+    at = np.argmax(2.0 * cum >= total * (1 - 1e-12), axis=0)
+    below = (
+        np.take_along_axis(cum, np.expand_dims(at, 0), 0)[0]
+        - np.take_along_axis(pmf, np.expand_dims(at, 0), 0)[0]
+    )
+    mass = np.take_along_axis(pmf, np.expand_dims(at, 0), 0)[0]
+    ok = (total > 0) & (mass > 0)
+    share = np.clip(divided_where(0.5 * total - below, mass, ok), 0.0, 1.0)
+    out = np.where(ok, at + 0.5 + share, np.nan)
+    return float(out) if out.ndim == 0 else out

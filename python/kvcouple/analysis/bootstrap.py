@@ -44,6 +44,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from kvcouple import _core
+from kvcouple import decomposition as dc
 from kvcouple.analysis import intervals
 from kvcouple.analysis.intervals import (
     CI_METHODS,
@@ -60,7 +61,9 @@ from kvcouple.analysis.intervals import (
 from kvcouple.analysis.pvalues import bootstrap_p_value, studentized_p_value
 from kvcouple.analysis.studentized import (
     DeltaMethod,
+    LinearTest,
     TableMoments,
+    accepted_span,
     column_means,
     fieller_set,
     studentized_estimate,
@@ -249,6 +252,80 @@ class Bootstrap:
             ratio_boot = np.where(boot[:, 1] != 0, boot[:, 0] / boot[:, 1], np.nan)
         lo, hi, exclude = fieller_set(self, num, den, point, boot)
         return Estimate(estimate, lo, hi, ratio_boot, method="studentized", exclude=exclude)
+
+    def combined(self, columns: Sequence[str], weights: np.ndarray) -> Bootstrap:
+        """The bootstrap of the linear combinations ``table[:, columns] @ weights`` (columns
+        ``c0``, ``c1``, ...) over the same resamples: their means are the combinations of the
+        means, and their resamples' moments come from the same draws. The columns must be
+        complete (a mean of a column with NaN entries is not the combination's mean)."""
+        if self.data is None:
+            raise ValueError("combinations of columns need the table (bootstrap_table keeps it)")
+        idx = [self._index[c] for c in columns]
+        w = np.asarray(weights, np.float64)
+        data = np.ascontiguousarray(self.data[:, idx] @ w)
+        return replace(
+            self,
+            names=[f"c{j}" for j in range(w.shape[1])],
+            point=self.point[idx] @ w,
+            reps=np.ascontiguousarray(self.reps[:, idx] @ w),
+            data=data,
+            jack=None,
+            moments=TableMoments.of(data) if self.moments is not None else None,
+        )
+
+    def median_step(self, pmf: Sequence[str]) -> Estimate | None:
+        """The median step of a divergence-time law (``pmf``: the columns of ``P(tau = t)``,
+        t = 1..T; :func:`kvcouple.decomposition.median_step`) with its confidence set by test
+        inversion: the steps ``x`` at which the studentized bootstrap test of ``F(x) = 1/2``
+        accepts, ``F`` the law's conditional CDF with step t spread over ``(t-1/2, t+1/2]``
+        (Brookmeyer and Crowley's construction for a median, with bootstrap-t critical values).
+
+        In step t's class, ``total x (F(x) - 1/2) = mean(z1) + x mean(z2)`` with ``z1 = sum_{s<t}
+        p_s/2 - t p_t - sum_{s>t} p_s/2`` and ``z2 = p_t`` per document: linear in the column
+        means, so the test is Fieller's for ``-z1/z2`` within the class (:class:`LinearTest`
+        on two combined columns, :meth:`combined`). The set is the hull of the classes' accepted
+        values, scanned from the estimate's class outwards until one accepts nowhere. Unlike an
+        interval made from the median's replicates, its level does not depend on the law's
+        shape where the median changes class. None where the columns are not complete (the
+        caller's interval stands)."""
+        idx = [self._index[c] for c in pmf]
+        T = len(idx)
+        boot = np.asarray(dc.median_step(self.reps[:, idx].T), np.float64)
+        estimate = float(dc.median_step(self.point[idx]))
+        if self.data is None or not np.isfinite(self.data[:, idx]).all():
+            return None
+        if not math.isfinite(estimate):
+            return Estimate(estimate, math.nan, math.nan, boot, method="studentized")
+        if (self.data[:, idx] == self.data[:1, idx]).all():
+            return Estimate(estimate, estimate, estimate, boot, method="studentized", constant=True)
+
+        def accepted(t: int) -> tuple[float, float] | None:
+            weights = np.zeros((T, 2))
+            weights[: t - 1, 0], weights[t:, 0], weights[t - 1] = 0.5, -0.5, (-t, 1.0)
+            sub = self.combined(pmf, weights)
+            test = LinearTest(
+                sub,
+                lambda g: g("c0"),
+                lambda g: -g("c1"),
+                np.array([sub.point[0], -sub.point[1]]),
+                np.column_stack([sub.reps[:, 0], -sub.reps[:, 1]]),
+            )
+            # The estimate is accepted (its statistic is 0): on the grid of its own class.
+            return accepted_span(test, t - 0.5, t + 0.5, estimate if t == home else None)
+
+        home = min(max(math.ceil(estimate - 0.5), 1), T)
+        span = accepted(home)
+        if span is None:
+            return Estimate(estimate, math.nan, math.nan, boot, method="studentized")
+        lo, hi = span
+        for step, t in ((-1, home - 1), (1, home + 1)):
+            while 1 <= t <= T:
+                span = accepted(t)
+                if span is None:
+                    break
+                lo, hi = min(lo, span[0]), max(hi, span[1])
+                t += step
+        return Estimate(estimate, lo, hi, boot, method="studentized")
 
     def p_value(self, est: Estimate, direction: str, value: float = 0.0) -> float:
         """The bootstrap p-value matching ``est``'s interval method (see

@@ -29,14 +29,16 @@ UNITS = {
     "ratio": "a ratio of two fractions of T (any real number)",
 }
 
-Bound = float | str  # a number, or "T" / "1/T" / "-1/T" / "-inf" / "inf" resolved at the horizon
+Bound = float | str  # a number, or "T" / "T+1/2" / "1/T" / "-1/T" / "-inf" / "inf" at the horizon
 
 # How a quantity's interval is made (docs/statistics.md): "bootstrap" (the analysis's
 # ci_method on the quantity's scale: the logit of its position in a finite range, so that the
-# interval stays inside it; the identity for an unbounded one); "percentile" (integer-valued:
-# a set of whole steps); "test-inversion" (a ratio whose denominator may be near 0: Fieller's
-# set of the studentized test, unbounded when the denominator is not clear of 0).
-INTERVALS = ("bootstrap", "percentile", "test-inversion")
+# interval stays inside it; the identity for an unbounded one); "test-inversion" (studentized:
+# the values at which the studentized test accepts, a percentile interval under the other
+# methods; a ratio whose denominator may be near 0: Fieller's set, unbounded when the
+# denominator is not clear of 0; the median step: the steps where the test of its CDF = 1/2
+# accepts).
+INTERVALS = ("bootstrap", "test-inversion")
 
 # A per-policy quantity as a function of the means of one policy's per-document columns
 # (``columns(name)``: numbers, or arrays over bootstrap resamples) and the horizon T.
@@ -72,7 +74,12 @@ class Quantity:
 def _resolve(bound: Bound, horizon: int) -> float:
     if isinstance(bound, float | int):
         return float(bound)
-    named = {"T": float(horizon), "1/T": 1.0 / horizon, "-1/T": -1.0 / horizon}
+    named = {
+        "T": float(horizon),
+        "T+1/2": horizon + 0.5,
+        "1/T": 1.0 / horizon,
+        "-1/T": -1.0 / horizon,
+    }
     return named.get(bound, -float("inf") if bound == "-inf" else float("inf"))
 
 
@@ -96,13 +103,11 @@ def _mean(column: str) -> Formula:
 
 
 def _pooled_median(c: Columns, T: float) -> Any:
-    """Smallest t with P(tau <= t | tau <= T) >= 1/2 under the pooled (document-averaged)
-    divergence-time law; NaN if nothing diverges."""
-    pmf = np.stack([np.asarray(c(f"pmf|{t}"), float) for t in range(1, int(T) + 1)])
-    cum = np.cumsum(pmf, axis=0)
-    total = cum[-1]
-    first = np.argmax(2.0 * cum >= total * (1 - 1e-12), axis=0) + 1.0
-    return np.where(total > 0, first, np.nan)
+    """The median step of the pooled (document-averaged) divergence-time law given tau <= T
+    (:func:`kvcouple.decomposition.median_step`); NaN if nothing diverges."""
+    return dc.median_step(
+        np.stack([np.asarray(c(f"pmf|{t}"), float) for t in range(1, int(T) + 1)])
+    )
 
 
 def _window_tv(part: str) -> Formula:
@@ -151,9 +156,9 @@ SUMMARY = (
     _q("mean_tau", "steps", "mean divergence step", 1.0, "T",
        "E[tau | tau <= T]",
        formula=lambda c, T: dc.ratio(c("tau_mass"), c("occurrence"))),
-    _q("median_tau", "steps", "median divergence step", 1.0, "T",
-       "median of the pooled law of tau given tau <= T (percentile CI)", "percentile",
-       formula=_pooled_median),
+    _q("median_tau", "steps", "median divergence step", 0.5, "T+1/2",
+       "median of the pooled law of tau given tau <= T, step t spread over (t-1/2, t+1/2]",
+       "test-inversion", formula=_pooled_median),
     _q("rmst", "tokens", "restricted mean time to divergence", 0.0, "T",
        "E[min(tau, T)] = sum_{t<T} S_t",
        # E[min(tau, T)] = T - E[(T - tau)+]: the survival curve summed over t = 0..T-1.
@@ -399,8 +404,9 @@ def markdown() -> str:
         "position in its range (a paired difference: in the difference's range, `[low - high, "
         "high - low]`), so every interval lies inside the range; the identity where the range "
         "is unbounded",
-        "- percentile: quantiles of the bootstrap replicates (integer-valued)",
-        "- test-inversion: the set of values the studentized bootstrap test accepts (Fieller)",
+        "- test-inversion: studentized, the set of values the studentized bootstrap test "
+        "accepts (a ratio: Fieller's set; the median step: where the test of its CDF = 1/2 "
+        "accepts, Brookmeyer and Crowley's); under the other methods, a percentile interval",
         "",
     ]
     lines += ["## Units", "", *(f"- {u}: {d}" for u, d in UNITS.items()), ""]

@@ -28,7 +28,7 @@ from kvcouple.analysis.report_words import (
 )
 from kvcouple.analysis.results import AnalysisResult
 from kvcouple.analysis.scoreboard import report_section as scoreboard_section
-from kvcouple.analysis.stats import DISCRETE, NOT_INTERPRETABLE, SUMMARY_DEFINITIONS
+from kvcouple.analysis.stats import NOT_INTERPRETABLE, SUMMARY_DEFINITIONS
 from kvcouple.analysis.text_html import markdown_lines as text_markdown_lines
 from kvcouple.textsafe import markdown_cell, terminal
 
@@ -70,7 +70,7 @@ def _wide(
     head += "|---|" + "---|" * len(policies) + "\n"
     body = ""
     for key, title in rows:
-        cells = [with_ci(q.get((p, key)), integer=key in DISCRETE) for p in policies]
+        cells = [with_ci(q.get((p, key))) for p in policies]
         if all(c == "n/a" for c in cells):
             continue
         body += f"| {title} | " + " | ".join(cells) + " |\n"

@@ -145,9 +145,7 @@ def headline(result: AnalysisResult, tables: dict[str, list[dict[str, Any]]]) ->
                 "tokens"
             ]
             if med is not None and finite(med.get("estimate")):
-                words.append(
-                    f", at step {number(med['estimate'], integer=True)} on median when it does"
-                )
+                words.append(f", at step {number(med['estimate'])} on median when it does")
             if rho is not None and finite(rho.get("estimate")):
                 words.append(f"; after divergence {with_ci(rho, pct=True)} of tokens differ")
             if frac is not None and finite(frac.get("estimate")):

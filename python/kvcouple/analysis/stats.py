@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from dataclasses import replace
 from itertools import combinations
 from typing import Any
 
@@ -39,7 +40,7 @@ from kvcouple.analysis.studentized import studentized_estimate, sup_t_band
 from kvcouple.deprecation import module_getattr, moved_getattr
 
 __all__ = [
-    "DISCRETE",
+    "INVERTED_SUMMARY",
     "GAP_TERMS",
     "NOT_INTERPRETABLE",
     "PERCENTILE_TERMS",
@@ -74,11 +75,17 @@ _MOVED = {
     "build_table": "kvcouple.analysis.units",
 }
 __getattr__ = moved_getattr(
-    __name__, _MOVED, module_getattr(__name__, {"QUANTITIES": "SUMMARY_DEFINITIONS"}, globals())
+    __name__,
+    _MOVED,
+    module_getattr(
+        __name__,
+        {"QUANTITIES": "SUMMARY_DEFINITIONS", "DISCRETE": "INVERTED_SUMMARY"},
+        globals(),
+    ),
 )
-# The registry says each quantity's interval: integer-valued ones get percentile intervals;
-# gap terms that are ratios get the test-inversion set (percentile under other methods).
-DISCRETE = tuple(q.name for q in quantities.SUMMARY if q.interval == "percentile")
+# The registry says each quantity's interval: the median step and the gap terms that are
+# ratios get a test-inversion set when studentized (percentile intervals under other methods).
+INVERTED_SUMMARY = tuple(q.name for q in quantities.SUMMARY if q.interval == "test-inversion")
 PERCENTILE_TERMS = tuple(q.name for q in quantities.GAP if q.interval == "test-inversion")
 GAP_TERMS = ("gap", "delta_first_mismatch", "exposure_term", "rate_term", "exposure_share")
 NOT_INTERPRETABLE = "not interpretable: the gap's CI includes 0"
@@ -119,6 +126,25 @@ def quantity_fn(policy: str, name: str, horizon: int) -> StatFn:
         raise KeyError(f"{name!r} has no formula in the registry (kvcouple.analysis.quantities)")
     T = float(horizon)
     return lambda g: formula(_prefixed(g, f"{policy}|"), T)
+
+
+def summary_estimates(
+    bs: Bootstrap, policy: str, names: Sequence[str], horizon: int
+) -> list[Estimate]:
+    """The estimates of the per-policy quantities ``names``, each with the interval the
+    registry names: the analysis's method on the quantity's scale; the median step, when
+    studentized, by inverting the test of its CDF (:meth:`Bootstrap.median_step`), a
+    percentile interval under the other methods."""
+    inverted = [n in INVERTED_SUMMARY for n in names]
+    scales = [quantity_scale(n, horizon) for n in names]
+    ests = bs.evaluate_many([quantity_fn(policy, n, horizon) for n in names], inverted, scales)
+    if bs.method == "studentized" and "median_tau" in names:
+        i = list(names).index("median_tau")
+        pmf = [f"{policy}|pmf|{t}" for t in range(1, horizon + 1)]
+        median = bs.median_step(pmf)
+        if median is not None:
+            ests[i] = replace(median, scale=scales[i])
+    return ests
 
 
 def curve_fns(policy: str, horizon: int, lags: int) -> dict[tuple[str, int], StatFn]:
@@ -386,10 +412,10 @@ def summarise(
     absent (undefined, unobserved, too few documents)."""
     summary, curves, diffs, gaps, surv = [], [], [], [], []
     names = list(SUMMARY_DEFINITIONS)
-    discrete = [n in DISCRETE for n in names]
+    inverted = [n in INVERTED_SUMMARY for n in names]
     for pol in policies:
         own = [quantity_scale(n, horizon) for n in names]
-        ests = bs.evaluate_many([quantity_fn(pol, n, horizon) for n in names], discrete, own)
+        ests = summary_estimates(bs, pol, names, horizon)
         for name, e, scale in zip(names, ests, own, strict=True):
             summary.append(
                 {
@@ -406,7 +432,7 @@ def summarise(
     for a, b in policy_pairs(policies, reference):
         fns = [difference(quantity_fn(a, n, horizon), quantity_fn(b, n, horizon)) for n in names]
         scales = [quantity_scale(n, horizon, paired=True) for n in names]
-        for name, e in zip(names, bs.evaluate_many(fns, discrete, scales), strict=True):
+        for name, e in zip(names, bs.evaluate_many(fns, inverted, scales), strict=True):
             reasons = {_undefined_reason(bs, p, name) for p in (a, b)} - {UNDEFINED}
             diffs.append(
                 {

@@ -333,6 +333,63 @@ def studentized_estimate(
     )
 
 
+class LinearTest:
+    """The symmetric studentized bootstrap test of ``cos(phi) num - sin(phi) den = 0``, for
+    any ``phi``: the delta method's (co)variances of ``num`` and ``den``, of the table and of
+    every resample, once; :meth:`accepts` then tests many ``phi`` at once. Accepts where
+    ``|t|`` is at most the level quantile of ``|t*|``, as the studentized interval."""
+
+    def __init__(
+        self, bs: Resamples, num: StatFn, den: StatFn, point: np.ndarray, boot: np.ndarray
+    ) -> None:
+        moments = DeltaMethod(bs, [num, den], joint=True)
+        cols = moments.cols[0]
+        gn, gd = (moments.gradient(f, cols, bs.point) for f in (num, den))
+        bn, bd = (moments.gradient(f, cols, bs.reps) for f in (num, den))
+        pairs = ((gn, gn), (gn, gd), (gd, gd))
+        self.cov = np.array([float(moments.variance(a, b, cols, False)) for a, b in pairs])
+        self.cov_boot = np.stack(
+            [
+                np.broadcast_to(moments.variance(a, b, cols, True), bs.reps.shape[:1])
+                for a, b in ((bn, bn), (bn, bd), (bd, bd))
+            ]
+        )
+        self.point, self.boot, self.level = point, boot, bs.level
+
+    def accepts(self, phi: np.ndarray) -> np.ndarray:
+        """Whether the test of each angle of ``phi`` accepts."""
+        cov, cov_boot, point, boot = self.cov, self.cov_boot, self.point, self.boot
+        c, s = np.cos(phi), np.sin(phi)
+        var = cov[0] * c * c - 2 * cov[1] * c * s + cov[2] * s * s
+        var_boot = cov_boot[0][:, None] * c * c - 2 * cov_boot[1][:, None] * c * s
+        var_boot = var_boot + cov_boot[2][:, None] * s * s
+        d = point[0] * c - point[1] * s
+        d_boot = boot[:, :1] * c - boot[:, 1:2] * s
+        with np.errstate(divide="ignore", invalid="ignore"):
+            # 0/0 (no spread and exactly 0) is accepted: the value is the estimate itself.
+            t_obs = np.where(d == 0, 0.0, d / np.sqrt(var))
+            t = (d_boot - d) / np.sqrt(var_boot)
+        t = np.sort(np.where(np.isfinite(t), np.abs(t), np.nan), axis=0)  # NaN sorts last
+        m = np.isfinite(t).sum(0)
+        k = np.ceil((m + 1) * self.level - 1e-9).astype(int)
+        cols = np.arange(np.size(phi))
+        high = np.where(k <= m, t[np.clip(k - 1, 0, t.shape[0] - 1), cols], np.inf)
+        enough = (m >= boot.shape[0] / 2) & np.isfinite(t_obs)
+        return np.asarray(enough & (np.abs(t_obs) <= high))
+
+    def edge(self, a: float, b: float) -> float:
+        """The boundary between angles ``a`` and ``b`` where acceptance changes, by
+        bisection."""
+        inside_a = bool(self.accepts(np.array([a]))[0])
+        for _ in range(40):
+            mid = 0.5 * (a + b)
+            if bool(self.accepts(np.array([mid]))[0]) == inside_a:
+                a = mid
+            else:
+                b = mid
+        return 0.5 * (a + b)
+
+
 def fieller_set(
     bs: Resamples, num: StatFn, den: StatFn, point: np.ndarray, boot: np.ndarray
 ) -> tuple[float, float, tuple[float, float] | None]:
@@ -341,63 +398,18 @@ def fieller_set(
 
     ``s = tan(phi)``: testing ``cos(phi) num - sin(phi) den = 0`` over ``phi`` in
     ``(-pi/2, pi/2)`` covers every ``s`` and infinity (the test's statistic does not change
-    when the combination is rescaled). The test is symmetric, as the studentized interval:
-    it accepts where ``|t|`` is at most the level quantile of ``|t*|``. A grid of angles finds
-    where the test accepts, and bisection the boundaries."""
-    # (var num, cov, var den) by the delta method, of the table and of every resample.
-    moments = DeltaMethod(bs, [num, den], joint=True)
-    cols = moments.cols[0]
-    gn, gd = (moments.gradient(f, cols, bs.point) for f in (num, den))
-    bn, bd = (moments.gradient(f, cols, bs.reps) for f in (num, den))
-    cov = np.array(
-        [float(moments.variance(a, b, cols, False)) for a, b in ((gn, gn), (gn, gd), (gd, gd))]
-    )
-    cov_boot = np.stack(
-        [
-            np.broadcast_to(moments.variance(a, b, cols, True), bs.reps.shape[:1])
-            for a, b in ((bn, bn), (bn, bd), (bd, bd))
-        ]
-    )
-
-    def accepts(phi: np.ndarray) -> np.ndarray:
-        c, s = np.cos(phi), np.sin(phi)
-        var = cov[0] * c * c - 2 * cov[1] * c * s + cov[2] * s * s
-        var_boot = cov_boot[0][:, None] * c * c - 2 * cov_boot[1][:, None] * c * s
-        var_boot = var_boot + cov_boot[2][:, None] * s * s
-        d = point[0] * c - point[1] * s
-        d_boot = boot[:, :1] * c - boot[:, 1:2] * s
-        with np.errstate(divide="ignore", invalid="ignore"):
-            t_obs = d / np.sqrt(var)
-            t = (d_boot - d) / np.sqrt(var_boot)
-        # Symmetric, as the studentized interval: |t_obs| <= the level quantile of |t*|.
-        t = np.sort(np.where(np.isfinite(t), np.abs(t), np.nan), axis=0)  # NaN sorts last
-        m = np.isfinite(t).sum(0)
-        k = np.ceil((m + 1) * bs.level - 1e-9).astype(int)
-        cols = np.arange(phi.size)
-        high = np.where(k <= m, t[np.clip(k - 1, 0, t.shape[0] - 1), cols], np.inf)
-        enough = (m >= boot.shape[0] / 2) & np.isfinite(t_obs)
-        return np.asarray(enough & (np.abs(t_obs) <= high))
-
-    def edge(a: float, b: float) -> float:
-        # The boundary between angles a and b (accepts(a) != accepts(b)), by bisection.
-        inside_a = bool(accepts(np.array([a]))[0])
-        for _ in range(40):
-            mid = 0.5 * (a + b)
-            if bool(accepts(np.array([mid]))[0]) == inside_a:
-                a = mid
-            else:
-                b = mid
-        return 0.5 * (a + b)
-
+    when the combination is rescaled; :class:`LinearTest`). A grid of angles finds where the
+    test accepts, and bisection the boundaries."""
+    test = LinearTest(bs, num, den, point, boot)
     phi = np.linspace(-math.pi / 2, math.pi / 2, 723)[1:-1]
-    ok = accepts(phi)
+    ok = test.accepts(phi)
     if not ok.any() or not np.isfinite(point).all():
         return math.nan, math.nan, None
     if ok.all():
         return -math.inf, math.inf, None
     # Boundaries: where acceptance changes between neighbouring angles.
     flips = np.flatnonzero(ok[1:] != ok[:-1])
-    edges = [math.tan(edge(float(phi[i]), float(phi[i + 1]))) for i in flips]
+    edges = [math.tan(test.edge(float(phi[i]), float(phi[i + 1]))) for i in flips]
     if ok[0] and ok[-1]:  # the set passes through infinity
         if len(edges) == 2:  # two rays: everything outside one rejected interval
             return -math.inf, math.inf, (edges[0], edges[1])
@@ -405,6 +417,28 @@ def fieller_set(
     low = -math.inf if ok[0] else edges[0]
     high = math.inf if ok[-1] else edges[-1]
     return low, high, None
+
+
+def accepted_span(
+    test: LinearTest, low: float, high: float, inside: float | None = None, grid: int = 33
+) -> tuple[float, float] | None:
+    """Where, in ``[low, high]``, the test of ``num - s den = 0`` (``s = tan(phi)``) accepts:
+    the first and last accepted values of a grid (``grid`` values, and ``inside``, a value
+    known to be accepted), moved to the boundaries by bisection; None where it accepts nowhere
+    on the grid."""
+    s = np.linspace(low, high, grid)
+    if inside is not None:
+        s = np.unique(np.append(s, inside))
+    phi = np.arctan(s)
+    ok = test.accepts(phi)
+    if not ok.any():
+        return None
+    first, last = int(np.argmax(ok)), int(len(ok) - 1 - np.argmax(ok[::-1]))
+    lo = low if first == 0 else math.tan(test.edge(float(phi[first]), float(phi[first - 1])))
+    hi = (
+        high if last == len(ok) - 1 else math.tan(test.edge(float(phi[last]), float(phi[last + 1])))
+    )
+    return lo, hi
 
 
 # A resample's standard error is floored at this share of the table's in the simultaneous

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from kvcouple import decomposition as dc
 from kvcouple.analysis.estimates import ESTIMATORS, NOISE_OCCURRENCE, UnitEstimate, where
 from kvcouple.errors import StoreError
 
@@ -148,7 +149,6 @@ def _tv_by_lag(
 
 
 def _median_tau(pmf: np.ndarray) -> float:
-    """The median of the law of tau given tau <= T; NaN when the document never diverges."""
-    cum = np.cumsum(pmf)
-    total = cum[-1]
-    return float(np.searchsorted(cum, total / 2.0) + 1) if total > 0 else float("nan")
+    """The median step of the law of tau given tau <= T (step t spread over (t-1/2, t+1/2]);
+    NaN when the document never diverges."""
+    return float(dc.median_step(pmf))

@@ -353,7 +353,10 @@ fn one_unit(
     })
 }
 
-/// The median of the law of tau given tau <= T (1-based); NaN when nothing diverges.
+/// The median of the law of tau given tau <= T with step t spread over (t - 1/2, t + 1/2]
+/// (the grouped-data median, `kvcouple.decomposition.median_step`, operation for operation):
+/// continuous in the law, so that its bootstrap interval can hold its level; NaN when nothing
+/// diverges.
 fn median(pmf: &[f64]) -> f64 {
     let mut cum = Vec::with_capacity(pmf.len());
     let mut acc = 0.0;
@@ -362,11 +365,16 @@ fn median(pmf: &[f64]) -> f64 {
         cum.push(acc);
     }
     let total = acc;
-    if total <= 0.0 {
+    let Some(at) = cum.iter().position(|&c| 2.0 * c >= total * (1.0 - 1e-12)) else {
+        return f64::NAN;
+    };
+    let mass = pmf[at];
+    if !(total > 0.0 && mass > 0.0) {
         return f64::NAN;
     }
-    let half = total / 2.0;
-    (cum.partition_point(|&c| c < half) + 1) as f64
+    let below = cum[at] - mass;
+    let share = ((0.5 * total - below) / mass).clamp(0.0, 1.0);
+    at as f64 + 0.5 + share
 }
 
 /// numpy's pairwise summation for a contiguous run (blocks of 8 below 128 values), so that
@@ -440,6 +448,16 @@ mod tests {
         assert_eq!(tv_out.values[4], 1.0);
         assert_eq!(tv_out.tv_lag_num[1], 0.5);
         assert_eq!(tv_out.tv_lag_den[1], 1.0);
+    }
+
+    #[test]
+    fn median_spreads_each_step_over_its_class() {
+        assert_eq!(median(&[0.0, 1.0, 0.0]), 2.0); // one step: that step
+        assert_eq!(median(&[0.5, 0.5]), 1.5); // 1/2 at (1/2, 3/2], 1/2 at (3/2, 5/2]
+        assert_eq!(median(&[0.2, 0.2, 0.2]), 2.0); // the middle of three equal steps
+        assert!((median(&[0.1, 0.3, 0.0]) - (1.5 + 1.0 / 3.0)).abs() < 1e-15);
+        assert!(median(&[0.0, 0.0]).is_nan()); // nothing diverges
+        assert!(median(&[]).is_nan());
     }
 
     #[test]

@@ -1,0 +1,152 @@
+"""The median divergence step (docs/statistics.md, ``median_tau``): the grouped-data median of
+the pooled law, continuous in the law, the same function per document (Rust) and pooled
+(numpy); its studentized interval inverts the test of ``F(x) = 1/2``, contains the estimate,
+stays in ``[1/2, T + 1/2]`` on real-shaped tables and covers the population's median (three
+Monte Carlo standard errors)."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from kvcouple import decomposition as dc
+from kvcouple.analysis import stats as st
+from kvcouple.analysis.bootstrap import bootstrap_table
+from kvcouple.analysis.estimates import Table
+from kvcouple.analysis.intervals import Scale
+from kvcouple.reference import estimates as ref
+
+
+def test_median_step_spreads_each_step_over_its_class():
+    assert dc.median_step([0.0, 1.0, 0.0]) == 2.0  # a law on one step: that step
+    assert dc.median_step([0.5, 0.5]) == 1.5
+    assert dc.median_step([0.2, 0.2, 0.2]) == 2.0  # the conditional law: total 0.6
+    assert dc.median_step([0.1, 0.3, 0.0]) == pytest.approx(1.5 + 0.1 / 0.3)
+    assert math.isnan(dc.median_step([0.0, 0.0, 0.0]))  # nothing diverges
+    # Along the resamples' axis, each column on its own.
+    cols = dc.median_step(np.array([[1.0, 0.5, 0.0], [0.0, 0.5, 0.0]]))
+    np.testing.assert_array_equal(cols[:2], [1.0, 1.5])
+    assert math.isnan(cols[2])
+
+
+def test_median_step_is_continuous_where_it_changes_class():
+    # F(1) crosses 1/2: the median passes 1.5 without a jump (the smallest-step median jumps
+    # from 1 to 2 there).
+    eps = np.array([-1e-9, 0.0, 1e-9])
+    values = [dc.median_step([0.5 + e, 0.5 - e, 0.0]) for e in eps]
+    assert np.ptp(values) < 1e-8
+    assert values[1] == pytest.approx(1.5)
+
+
+def test_per_document_median_is_the_pooled_function():
+    # The Rust per-unit median equals the reference's (test_unit_estimates_reference.py
+    # compares every unit, median_tau included); the reference is the pooled function.
+    for pmf in ([0.1, 0.3, 0.0], [0.0, 0.0, 0.7], [0.25, 0.25, 0.25, 0.25]):
+        assert ref._median_tau(np.array(pmf)) == dc.median_step(np.array(pmf))
+
+
+def _pmf_table(pmf: np.ndarray, policy: str = "p") -> Table:
+    cols = {f"{policy}|pmf|{t + 1}": pmf[:, t] for t in range(pmf.shape[1])}
+    return Table([f"d{i}" for i in range(len(pmf))], cols)
+
+
+def _names(T: int, policy: str = "p") -> list[str]:
+    return [f"{policy}|pmf|{t}" for t in range(1, T + 1)]
+
+
+def _laws(rng: np.random.Generator, n: int, T: int, shape: str) -> np.ndarray:
+    """Per-document pmfs of tau shaped like real traces."""
+    if shape == "saturated":  # diverge with probability 0.9-1.0, mostly at once
+        occ = rng.uniform(0.9, 1.0, n)
+        law = rng.dirichlet(np.geomspace(4.0, 0.05, T), n)
+    elif shape == "rare":  # diverge with probability 0-0.05
+        occ = rng.uniform(0.0, 0.05, n)
+        law = rng.dirichlet(np.ones(T), n)
+    else:  # half never diverge
+        occ = np.where(np.arange(n) % 2 == 0, 0.0, rng.uniform(0.1, 0.9, n))
+        law = rng.dirichlet(np.ones(T) * 0.7, n)
+    return law * occ[:, None]
+
+
+@pytest.mark.parametrize("shape", ["saturated", "rare", "never"])
+def test_interval_contains_the_estimate_inside_its_range(shape):
+    rng = np.random.default_rng(5)
+    T = 16
+    pmf = _laws(rng, 24, T, shape)
+    bs = bootstrap_table(_pmf_table(pmf), 400, 3, 0.95)
+    est = bs.median_step(_names(T))
+    assert est is not None
+    assert est.estimate == pytest.approx(dc.median_step(pmf.mean(0)), rel=1e-12)
+    assert 0.5 <= est.ci_low <= est.estimate <= est.ci_high <= T + 0.5
+    assert est.ci_low < est.ci_high
+    # The analysis reports it so, with the registry's range.
+    (row,) = st.summary_estimates(bs, "p", ["median_tau"], T)
+    assert (row.ci_low, row.ci_high) == (est.ci_low, est.ci_high)
+    assert row.scale == Scale(0.5, T + 0.5)
+
+
+def test_constant_law_is_a_point_and_nothing_diverging_has_no_interval():
+    T = 6
+    same = np.tile([0.2, 0.5, 0.1, 0.0, 0.0, 0.0], (10, 1))
+    est = _median(same, T)
+    assert est.constant and est.ci_low == est.estimate == est.ci_high
+    none = _median(np.zeros((10, T)), T)
+    assert math.isnan(none.estimate) and math.isnan(none.ci_low)
+
+
+def _median(pmf: np.ndarray, T: int):
+    est = bootstrap_table(_pmf_table(pmf), 200, 1, 0.95).median_step(_names(T))
+    assert est is not None
+    return est
+
+
+def test_other_methods_get_a_percentile_interval_of_the_same_median():
+    rng = np.random.default_rng(2)
+    T = 8
+    pmf = _laws(rng, 30, T, "saturated")
+    bs = bootstrap_table(_pmf_table(pmf), 400, 4, 0.95, method="percentile")
+    (row,) = st.summary_estimates(bs, "p", ["median_tau"], T)
+    assert row.method == "percentile"
+    assert row.estimate == pytest.approx(dc.median_step(pmf.mean(0)), rel=1e-12)
+    assert row.ci_low <= row.estimate <= row.ci_high
+
+
+def test_incomplete_columns_leave_the_methods_interval():
+    T = 4
+    pmf = np.tile([0.3, 0.3, 0.2, 0.1], (12, 1)) + np.linspace(0, 0.05, 12)[:, None]
+    pmf[3, 2] = np.nan
+    bs = bootstrap_table(_pmf_table(pmf), 200, 1, 0.95)
+    assert bs.median_step(_names(T)) is None
+
+
+def test_gaussian_limit_gives_the_same_set_as_resampling():
+    rng = np.random.default_rng(9)
+    T = 12
+    pmf = _laws(rng, 3000, T, "saturated")
+    table = _pmf_table(pmf)
+    a = bootstrap_table(table, 2000, 1, 0.95, gaussian=False).median_step(_names(T))
+    b = bootstrap_table(table, 2000, 1, 0.95, gaussian=True).median_step(_names(T))
+    assert a is not None and b is not None
+    assert a.estimate == pytest.approx(b.estimate, rel=1e-12)
+    width = a.ci_high - a.ci_low
+    assert abs(a.ci_low - b.ci_low) < 0.1 * width
+    assert abs(a.ci_high - b.ci_high) < 0.1 * width
+
+
+@pytest.mark.parametrize("shape", ["saturated", "never"])
+def test_interval_covers_the_population_median(shape):
+    # Documents drawn from a fixed population of laws; the truth is its pooled median.
+    rng = np.random.default_rng(11)
+    T, n, studies = 8, 16, 150
+    population = _laws(rng, 400, T, shape)
+    truth = dc.median_step(population.mean(0))
+    hits = 0
+    for s in range(studies):
+        pmf = population[rng.integers(len(population), size=n)]
+        est = bootstrap_table(_pmf_table(pmf), 400, s, 0.95).median_step(_names(T))
+        assert est is not None
+        hits += est.covers(truth)
+    se = math.sqrt(0.95 * 0.05 / studies)
+    assert abs(hits / studies - 0.95) <= 3 * se, hits / studies
