@@ -54,6 +54,18 @@ def row_tv(p: npt.NDArray[Any], q: npt.NDArray[Any], dtype: str) -> npt.NDArray[
 def set_num_threads(n: int) -> None: ...
 def get_num_threads() -> int: ...
 
+# --- tables.rs ---
+def format_table_rows(
+    columns: list[tuple[str, str, int]],
+    numbers: npt.NDArray[np.float64],
+    flags: npt.NDArray[np.bool_],
+    codes: npt.NDArray[np.uint32],
+    labels: list[list[str]],
+    format: str,
+    start: int,
+    stop: int,
+) -> bytes: ...
+
 # --- stats.rs ---
 def bootstrap_means(
     values: npt.NDArray[np.float64], n_boot: int, seed: int

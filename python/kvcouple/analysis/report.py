@@ -66,7 +66,13 @@ def _write_json(path: Path, payload: dict[str, Any]) -> None:
         for i, (key, value) in enumerate(payload.items()):
             f.write(",\n" if i else "\n")
             f.write(f"{json.dumps(str(key))}: ")
-            if isinstance(value, Rows):
+            text = value.text_columns() if isinstance(value, Rows) else None
+            if text is not None:  # column-wise in Rust (ASCII: json.dumps's escapes)
+                f.write("[")
+                for i, block in enumerate(text.blocks("json")):
+                    f.write((", " if i else "") + block.decode("ascii"))
+                f.write("]")
+            elif isinstance(value, Rows):
                 f.write("[")
                 rows = iter(value)
                 first = True

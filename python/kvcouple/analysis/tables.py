@@ -8,11 +8,13 @@ import csv
 import itertools
 import math
 from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, overload
 
 import numpy as np
 
+from kvcouple import _core
 from kvcouple.analysis.estimates import SCALARS
 from kvcouple.analysis.reading import TOLERANCE
 from kvcouple.analysis.results import AnalysisResult
@@ -129,7 +131,89 @@ def _per_document(m: Any, meta: dict[str, Any]) -> Rows:
                 row = [m.model, doc_id, pol, *both[i].tolist(), float(median[i]), bool(tail[i])]
                 yield dict(zip(keys, row + rest, strict=True))
 
-    return Rows(keys, len(ids) * len(m.policies), rows)
+    def text() -> TextColumns | None:
+        # The same rows column-wise (document-major, as rows() makes them).
+        labels = [[m.model], [str(i) for i in ids], list(m.policies), *([v] for v in rest)]
+        if not all(isinstance(v, str) for v in rest):
+            return None
+        n, P, width = len(ids), len(m.policies), len(columns) + 1
+        numbers = np.empty((n, P, width))
+        for k, (both, median, _) in enumerate(per_policy):
+            numbers[:, k, :-1], numbers[:, k, -1] = both, median
+        codes = np.zeros((n, P, len(labels)), np.uint32)
+        codes[:, :, 1] = np.arange(n, dtype=np.uint32)[:, None]
+        codes[:, :, 2] = np.arange(P, dtype=np.uint32)[None, :]
+        flags = np.stack([tail for _, _, tail in per_policy], axis=1).astype(bool)
+        spec = [("model", "label", 0), ("doc_id", "label", 1), ("policy", "label", 2)]
+        spec += [(c, "number", j) for j, c in enumerate([*columns, "median_tau"])]
+        spec += [("tail_observed", "flag", 0)]
+        spec += [(k, "label", 3 + j) for j, k in enumerate(meta)]
+        return TextColumns(
+            spec,
+            numbers.reshape(n * P, width),
+            flags.reshape(n * P, 1),
+            codes.reshape(n * P, len(labels)),
+            labels,
+        )
+
+    return Rows(keys, len(ids) * len(m.policies), rows, text)
+
+
+@dataclass(frozen=True)
+class TextColumns:
+    """A table's rows column-wise, as the Rust writer takes them
+    (:func:`kvcouple._core.format_table_rows`): ``columns`` (name, kind, j) in order, each
+    reading column j of ``numbers`` (rows x width), ``flags`` or ``codes`` (indices into
+    ``labels[j]``)."""
+
+    columns: list[tuple[str, str, int]]
+    numbers: np.ndarray
+    flags: np.ndarray
+    codes: np.ndarray
+    labels: list[list[str]]
+
+    def __len__(self) -> int:
+        return int(self.numbers.shape[0])
+
+    def text(self, fmt: str, start: int, stop: int) -> bytes:
+        """Rows ``start..stop`` as ``fmt`` text: "csv" (as ``csv.writer`` writes them) or
+        "json" (as ``json.dumps`` writes a list of the row dicts, between its brackets, with
+        non-finite numbers null)."""
+        return _core.format_table_rows(
+            self.columns,
+            np.ascontiguousarray(self.numbers, np.float64),
+            np.ascontiguousarray(self.flags, np.bool_),
+            np.ascontiguousarray(self.codes, np.uint32),
+            self.labels,
+            fmt,
+            start,
+            stop,
+        )
+
+    def blocks(self, fmt: str, rows: int = 1 << 16) -> Iterator[bytes]:
+        """All rows as ``fmt`` text, ``rows`` at a time (JSON: the blocks joined by ", ")."""
+        for start in range(0, len(self), rows):
+            yield self.text(fmt, start, min(start + rows, len(self)))
+
+    @staticmethod
+    def chain(parts: Sequence[TextColumns]) -> TextColumns | None:
+        """The rows of ``parts`` (the same columns) one after another; None when they differ."""
+        if not parts or any(p.columns != parts[0].columns for p in parts):
+            return None
+        labels: list[list[str]] = [[] for _ in parts[0].labels]
+        codes = []
+        for p in parts:
+            offsets = np.array([len(lab) for lab in labels], np.uint32)
+            codes.append(p.codes + offsets)
+            for j, lab in enumerate(p.labels):
+                labels[j] += lab
+        return TextColumns(
+            parts[0].columns,
+            np.concatenate([p.numbers for p in parts]),
+            np.concatenate([p.flags for p in parts]),
+            np.concatenate(codes),
+            labels,
+        )
 
 
 class Rows(Sequence[dict[str, Any]]):
@@ -137,8 +221,21 @@ class Rows(Sequence[dict[str, Any]]):
     table: as dicts, ~2 kB a row, 100k documents x 2 policies would hold ~400 MB). Every row
     has the columns ``keys`` in order; each pass over it builds the rows again."""
 
-    def __init__(self, keys: list[str], length: int, make: Callable[[], Iterator[dict[str, Any]]]):
+    def __init__(
+        self,
+        keys: list[str],
+        length: int,
+        make: Callable[[], Iterator[dict[str, Any]]],
+        text: Callable[[], TextColumns | None] | None = None,
+    ):
+        """``text``: the same rows column-wise (:class:`TextColumns`), for the CSV and JSON
+        writers; None where they are not at hand."""
         self.keys, self.length, self.make = list(keys), int(length), make
+        self._text = text
+
+    def text_columns(self) -> TextColumns | None:
+        """The rows column-wise, made when asked (None: write them row by row)."""
+        return self._text() if self._text is not None else None
 
     @staticmethod
     def chain(parts: list[Rows]) -> Rows:
@@ -151,7 +248,13 @@ class Rows(Sequence[dict[str, Any]]):
             for part in parts:
                 yield from part
 
-        return Rows(keys, sum(len(p) for p in parts), rows)
+        def text() -> TextColumns | None:
+            columns = [p.text_columns() for p in parts]
+            if any(c is None for c in columns):
+                return None
+            return TextColumns.chain([c for c in columns if c is not None])
+
+        return Rows(keys, sum(len(p) for p in parts), rows, text)
 
     def __len__(self) -> int:
         return self.length
@@ -202,6 +305,15 @@ EMPTY_COLUMNS: dict[str, list[str]] = {
 
 def write_csv(path: Path, rows: Sequence[dict[str, Any]], columns: list[str] | None = None) -> None:
     """``rows`` as CSV; an empty table is its header alone (``columns`` and the meta keys)."""
+    text = rows.text_columns() if isinstance(rows, Rows) and rows.keys else None
+    if text is not None:
+        # Column-wise in Rust, a block of rows at a time (the bytes csv.writer writes).
+        with path.open("w", newline="") as f:
+            csv.writer(f).writerow(rows.keys)  # type: ignore[union-attr]
+        with path.open("ab") as fb:
+            for block in text.blocks("csv"):
+                fb.write(block)
+        return
     if isinstance(rows, Rows) and rows.keys:
         # Columns known, every row in their order: streamed, never held.
         with path.open("w", newline="") as f:

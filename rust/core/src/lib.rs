@@ -7,7 +7,8 @@
 //! - [`row_tv`] and [`row_check`]: per-row TV of stored distributions and their validity
 //!   (rows never recorded hold NaN);
 //! - [`simd`]: the one decision of which compiled kernel variant runs on this CPU;
-//! - [`stats`]: the heavy parts of the analysis's statistics (bootstrap, intervals).
+//! - [`stats`]: the heavy parts of the analysis's statistics (bootstrap, intervals);
+//! - [`text_table`]: the analysis's large tables as CSV and JSON text, column-wise.
 
 pub mod cancel;
 pub mod couple;
@@ -23,6 +24,7 @@ pub mod rows;
 pub mod simd;
 pub mod stats;
 pub mod synth;
+pub mod text_table;
 pub mod transform;
 
 pub use error::{KvError, KvResult};

@@ -11,6 +11,7 @@ mod stats;
 mod store;
 mod store_write;
 mod synth;
+mod tables;
 mod units;
 
 #[pymodule]
@@ -21,6 +22,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     synth::register(m)?;
     units::register(m)?;
     stats::register(m)?;
+    tables::register(m)?;
     store::register(m)?;
     store_write::register(m)?;
     object_fetcher::register(m)?;

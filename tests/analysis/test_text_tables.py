@@ -1,0 +1,128 @@
+"""Large tables written column-wise in Rust (:class:`kvcouple.analysis.tables.TextColumns`):
+the same bytes as ``csv.writer`` and the same text as ``json.dumps`` of the rows, on awkward
+numbers and labels; the per-document table of a report identical either way."""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import math
+
+import numpy as np
+import pytest
+
+from kvcouple.analysis import analyze
+from kvcouple.analysis import tables as tb
+from kvcouple.analysis.report import write_report
+from kvcouple.analysis.tables import TextColumns, json_safe
+from kvcouple.errors import InvalidInputError
+from kvcouple.synth.trace_store import write_synthetic_trace_store
+
+AWKWARD_FLOATS = [
+    0.0, -0.0, 1.0, 0.1, 1 / 3, 2.0 / 3e-7, 1e-4, 1e-5, 9.999e-5, 1e15, 1e16, 123456789.125,
+    5e-324, 1.7976931348623157e308, -2.5e-300, math.nan, math.inf, -math.inf,
+]  # fmt: skip
+AWKWARD_LABELS = ["plain", "a,b", 'say "hi"', "line\nbreak", "tab\there", "é€😀", "\x01", ""]
+
+
+def _table(rng: np.random.Generator, rows: int) -> tuple[TextColumns, list[dict]]:
+    numbers = np.column_stack(
+        [
+            rng.choice(AWKWARD_FLOATS, rows),
+            rng.normal(0, 1, rows) * 10.0 ** rng.integers(-12, 20, rows),
+        ]
+    )
+    flags = rng.random((rows, 1)) < 0.5
+    codes = np.column_stack(
+        [rng.integers(len(AWKWARD_LABELS), size=rows), np.zeros(rows)]
+    ).astype(np.uint32)
+    labels = [AWKWARD_LABELS, ["constant"]]
+    spec = [("id", "label", 0), ("x", "number", 0), ("y", "number", 1), ("ok", "flag", 0)]
+    spec += [("meta", "label", 1)]
+    text = TextColumns(spec, numbers, flags, codes, labels)
+    dicts = [
+        {
+            "id": AWKWARD_LABELS[codes[r, 0]],
+            "x": float(numbers[r, 0]),
+            "y": float(numbers[r, 1]),
+            "ok": bool(flags[r, 0]),
+            "meta": "constant",
+        }
+        for r in range(rows)
+    ]
+    return text, dicts
+
+
+def test_csv_is_what_csv_writer_writes():
+    text, dicts = _table(np.random.default_rng(0), 5000)
+    want = io.StringIO(newline="")
+    csv.writer(want).writerows(d.values() for d in dicts)
+    got = b"".join(text.blocks("csv", rows=777)).decode("utf-8")
+    assert got == want.getvalue()
+
+
+def test_json_rows_are_what_json_dumps_writes():
+    text, dicts = _table(np.random.default_rng(1), 5000)
+    want = json.dumps(json_safe(dicts))[1:-1]
+    got = ", ".join(b.decode("ascii") for b in text.blocks("json", rows=777))
+    assert got == want
+    assert json.loads("[" + got + "]") == json_safe(dicts)
+
+
+def test_chained_tables_keep_their_labels():
+    rng = np.random.default_rng(2)
+    (a, da), (b, db) = _table(rng, 50), _table(rng, 70)
+    b = TextColumns(b.columns, b.numbers, b.flags, b.codes, [["other", *AWKWARD_LABELS], b.labels[1]])
+    db = [{**d, "id": (["other", *AWKWARD_LABELS])[b.codes[i, 0]]} for i, d in enumerate(db)]
+    both = TextColumns.chain([a, b])
+    assert both is not None
+    want = json.dumps(json_safe(da + db))[1:-1]
+    assert ", ".join(x.decode("ascii") for x in both.blocks("json")) == want
+
+
+def test_bad_columns_are_refused():
+    text, _ = _table(np.random.default_rng(3), 10)
+    with pytest.raises(ValueError, match="format"):
+        text.text("xml", 0, 10)
+    with pytest.raises(Exception, match="rows 0..11"):
+        text.text("csv", 0, 11)
+    bad = TextColumns(text.columns, text.numbers, text.flags, text.codes + 100, text.labels)
+    with pytest.raises(Exception, match="label code"):
+        bad.text("csv", 0, 10)
+    wide = TextColumns([("x", "number", 5)], text.numbers, text.flags, text.codes, text.labels)
+    with pytest.raises(Exception, match="reads"):
+        wide.text("csv", 0, 10)
+
+
+def test_report_per_document_table_is_the_same_either_way(tmp_path, monkeypatch):
+    pairs = {
+        "a": {"P": np.full((5, 5), 0.2), "Q": np.full((5, 5), 0.2) * 0.6 + 0.4 * np.eye(5)},
+        "b": {"P": np.full((5, 5), 0.2), "Q": np.full((5, 5), 0.2) * 0.3 + 0.7 * np.eye(5)},
+    }
+    store = write_synthetic_trace_store(
+        tmp_path / "s.zarr", pairs, horizon=6, branches=2, replicates=8, docs=5, seed=1
+    )
+    result = analyze(store, n_boot=100)
+    rows = tb.tidy_tables(result)["per_document"]
+    assert rows.text_columns() is not None  # type: ignore[attr-defined]
+    fast = write_report(result, tmp_path / "fast", figures=False, html_report=False)
+    monkeypatch.setattr(tb.Rows, "text_columns", lambda self: None)
+    slow = write_report(result, tmp_path / "slow", figures=False, html_report=False)
+    for name in ("per_document.csv", "results.json"):
+        assert (fast / name).read_bytes() == (slow / name).read_bytes(), name
+    with pytest.raises(InvalidInputError):
+        write_report(result, fast / "per_document.csv")
+
+
+def test_every_kind_of_double_as_repr_writes_it():
+    # Random bit patterns (every exponent, subnormals) and large numbers with halves and
+    # quarters, where two shortest digit strings tie and repr takes the even one.
+    rng = np.random.default_rng(4)
+    bits = rng.integers(0, 2**63 - 1, 100_000, dtype=np.int64).view(np.float64)
+    halves = np.round(rng.normal(0, 1e17, 50_000)) / 8
+    values = np.concatenate([bits[np.isfinite(bits)], -bits[:1000], halves])
+    none = np.zeros((len(values), 0), np.uint32)
+    text = TextColumns([("x", "number", 0)], values[:, None], values[:, None] > 0, none, [])
+    got = b"".join(text.blocks("csv")).decode().split("\r\n")[:-1]
+    assert got == [repr(float(v)) for v in values]
