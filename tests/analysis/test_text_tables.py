@@ -1,4 +1,4 @@
-"""Large tables written column-wise in Rust (:class:`kvcouple.analysis.tables.TextColumns`):
+"""Large tables written column-wise in Rust (:class:`kvcouple.analysis.tables.ColumnRows`):
 the same bytes as ``csv.writer`` and the same text as ``json.dumps`` of the rows, on awkward
 numbers and labels; the per-document table of a report identical either way."""
 
@@ -15,7 +15,7 @@ import pytest
 from kvcouple.analysis import analyze
 from kvcouple.analysis import tables as tb
 from kvcouple.analysis.report import write_report
-from kvcouple.analysis.tables import TextColumns, json_safe
+from kvcouple.analysis.tables import ColumnRows, json_safe
 from kvcouple.errors import InvalidInputError
 from kvcouple.synth.trace_store import write_synthetic_trace_store
 
@@ -26,7 +26,7 @@ AWKWARD_FLOATS = [
 AWKWARD_LABELS = ["plain", "a,b", 'say "hi"', "line\nbreak", "tab\there", "é€😀", "\x01", ""]
 
 
-def _table(rng: np.random.Generator, rows: int) -> tuple[TextColumns, list[dict]]:
+def _table(rng: np.random.Generator, rows: int) -> tuple[ColumnRows, list[dict]]:
     numbers = np.column_stack(
         [
             rng.choice(AWKWARD_FLOATS, rows),
@@ -40,7 +40,7 @@ def _table(rng: np.random.Generator, rows: int) -> tuple[TextColumns, list[dict]
     labels = [AWKWARD_LABELS, ["constant"]]
     spec = [("id", "label", 0), ("x", "number", 0), ("y", "number", 1), ("ok", "flag", 0)]
     spec += [("meta", "label", 1)]
-    text = TextColumns(spec, numbers, flags, codes, labels)
+    text = ColumnRows(spec, numbers, flags, codes, labels)
     dicts = [
         {
             "id": AWKWARD_LABELS[codes[r, 0]],
@@ -73,9 +73,9 @@ def test_json_rows_are_what_json_dumps_writes():
 def test_chained_tables_keep_their_labels():
     rng = np.random.default_rng(2)
     (a, da), (b, db) = _table(rng, 50), _table(rng, 70)
-    b = TextColumns(b.columns, b.numbers, b.flags, b.codes, [["other", *AWKWARD_LABELS], b.labels[1]])
+    b = ColumnRows(b.columns, b.numbers, b.flags, b.codes, [["other", *AWKWARD_LABELS], b.labels[1]])
     db = [{**d, "id": (["other", *AWKWARD_LABELS])[b.codes[i, 0]]} for i, d in enumerate(db)]
-    both = TextColumns.chain([a, b])
+    both = ColumnRows.chain([a, b])
     assert both is not None
     want = json.dumps(json_safe(da + db))[1:-1]
     assert ", ".join(x.decode("ascii") for x in both.blocks("json")) == want
@@ -87,10 +87,10 @@ def test_bad_columns_are_refused():
         text.text("xml", 0, 10)
     with pytest.raises(Exception, match="rows 0..11"):
         text.text("csv", 0, 11)
-    bad = TextColumns(text.columns, text.numbers, text.flags, text.codes + 100, text.labels)
+    bad = ColumnRows(text.columns, text.numbers, text.flags, text.codes + 100, text.labels)
     with pytest.raises(Exception, match="label code"):
         bad.text("csv", 0, 10)
-    wide = TextColumns([("x", "number", 5)], text.numbers, text.flags, text.codes, text.labels)
+    wide = ColumnRows([("x", "number", 5)], text.numbers, text.flags, text.codes, text.labels)
     with pytest.raises(Exception, match="reads"):
         wide.text("csv", 0, 10)
 
@@ -123,6 +123,6 @@ def test_every_kind_of_double_as_repr_writes_it():
     halves = np.round(rng.normal(0, 1e17, 50_000)) / 8
     values = np.concatenate([bits[np.isfinite(bits)], -bits[:1000], halves])
     none = np.zeros((len(values), 0), np.uint32)
-    text = TextColumns([("x", "number", 0)], values[:, None], values[:, None] > 0, none, [])
+    text = ColumnRows([("x", "number", 0)], values[:, None], values[:, None] > 0, none, [])
     got = b"".join(text.blocks("csv")).decode().split("\r\n")[:-1]
     assert got == [repr(float(v)) for v in values]

@@ -131,7 +131,7 @@ def _per_document(m: Any, meta: dict[str, Any]) -> Rows:
                 row = [m.model, doc_id, pol, *both[i].tolist(), float(median[i]), bool(tail[i])]
                 yield dict(zip(keys, row + rest, strict=True))
 
-    def text() -> TextColumns | None:
+    def text() -> ColumnRows | None:
         # The same rows column-wise (document-major, as rows() makes them).
         labels = [[m.model], [str(i) for i in ids], list(m.policies), *([v] for v in rest)]
         if not all(isinstance(v, str) for v in rest):
@@ -148,7 +148,7 @@ def _per_document(m: Any, meta: dict[str, Any]) -> Rows:
         spec += [(c, "number", j) for j, c in enumerate([*columns, "median_tau"])]
         spec += [("tail_observed", "flag", 0)]
         spec += [(k, "label", 3 + j) for j, k in enumerate(meta)]
-        return TextColumns(
+        return ColumnRows(
             spec,
             numbers.reshape(n * P, width),
             flags.reshape(n * P, 1),
@@ -160,11 +160,11 @@ def _per_document(m: Any, meta: dict[str, Any]) -> Rows:
 
 
 @dataclass(frozen=True)
-class TextColumns:
-    """A table's rows column-wise, as the Rust writer takes them
-    (:func:`kvcouple._core.format_table_rows`): ``columns`` (name, kind, j) in order, each
-    reading column j of ``numbers`` (rows x width), ``flags`` or ``codes`` (indices into
-    ``labels[j]``)."""
+class ColumnRows:
+    """A table's rows column-wise: ``columns`` (name, kind, j) in order, each reading column j
+    of ``numbers`` (rows x width), ``flags`` or ``codes`` (indices into ``labels[j]``). The
+    Rust writer takes them so (:func:`kvcouple._core.format_table_rows`), and a reader of
+    many rows takes a column as an array (:meth:`column`)."""
 
     columns: list[tuple[str, str, int]]
     numbers: np.ndarray
@@ -174,6 +174,17 @@ class TextColumns:
 
     def __len__(self) -> int:
         return int(self.numbers.shape[0])
+
+    def column(self, name: str) -> np.ndarray:
+        """Column ``name`` over the rows: floats, bools, or (labels) an object array of str."""
+        for key, kind, j in self.columns:
+            if key == name:
+                if kind == "number":
+                    return self.numbers[:, j]
+                if kind == "flag":
+                    return self.flags[:, j]
+                return np.asarray(self.labels[j], dtype=object)[self.codes[:, j]]
+        raise KeyError(name)
 
     def text(self, fmt: str, start: int, stop: int) -> bytes:
         """Rows ``start..stop`` as ``fmt`` text: "csv" (as ``csv.writer`` writes them) or
@@ -196,7 +207,7 @@ class TextColumns:
             yield self.text(fmt, start, min(start + rows, len(self)))
 
     @staticmethod
-    def chain(parts: Sequence[TextColumns]) -> TextColumns | None:
+    def chain(parts: Sequence[ColumnRows]) -> ColumnRows | None:
         """The rows of ``parts`` (the same columns) one after another; None when they differ."""
         if not parts or any(p.columns != parts[0].columns for p in parts):
             return None
@@ -207,7 +218,7 @@ class TextColumns:
             codes.append(p.codes + offsets)
             for j, lab in enumerate(p.labels):
                 labels[j] += lab
-        return TextColumns(
+        return ColumnRows(
             parts[0].columns,
             np.concatenate([p.numbers for p in parts]),
             np.concatenate([p.flags for p in parts]),
@@ -226,14 +237,14 @@ class Rows(Sequence[dict[str, Any]]):
         keys: list[str],
         length: int,
         make: Callable[[], Iterator[dict[str, Any]]],
-        text: Callable[[], TextColumns | None] | None = None,
+        text: Callable[[], ColumnRows | None] | None = None,
     ):
-        """``text``: the same rows column-wise (:class:`TextColumns`), for the CSV and JSON
+        """``text``: the same rows column-wise (:class:`ColumnRows`), for the CSV and JSON
         writers; None where they are not at hand."""
         self.keys, self.length, self.make = list(keys), int(length), make
         self._text = text
 
-    def text_columns(self) -> TextColumns | None:
+    def text_columns(self) -> ColumnRows | None:
         """The rows column-wise, made when asked (None: write them row by row)."""
         return self._text() if self._text is not None else None
 
@@ -248,11 +259,11 @@ class Rows(Sequence[dict[str, Any]]):
             for part in parts:
                 yield from part
 
-        def text() -> TextColumns | None:
+        def text() -> ColumnRows | None:
             columns = [p.text_columns() for p in parts]
             if any(c is None for c in columns):
                 return None
-            return TextColumns.chain([c for c in columns if c is not None])
+            return ColumnRows.chain([c for c in columns if c is not None])
 
         return Rows(keys, sum(len(p) for p in parts), rows, text)
 

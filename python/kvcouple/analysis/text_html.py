@@ -28,6 +28,7 @@ from typing import Any
 import numpy as np
 
 from kvcouple.analysis.labels import number, policy_labels
+from kvcouple.analysis.tables import Rows
 from kvcouple.analysis.text_view import (
     VIEW_READ,
     DocumentView,
@@ -179,14 +180,31 @@ def _estimates(
     """Per (document id, policy): occurrence, RMST (T - occupation), E[M]/T, mean KL and the
     share of same top tokens on the path."""
     out: dict[tuple[str, str], dict[str, float]] = {}
-    for r in tables.get("per_document", []):
-        if r["model"] != m.model:
-            continue
-        out[(r["doc_id"], r["policy"])] = {
-            "occurrence": float(r["occurrence"]),
-            "rmst": m.horizon - float(r["occupation"]),
-            "mismatch_fraction": float(r["expected_mismatches"]) / m.horizon,
+    rows = tables.get("per_document", [])
+    columns = rows.text_columns() if isinstance(rows, Rows) else None
+    if columns is not None:  # many rows: column by column
+        mine = columns.column("model") == m.model
+        got = zip(
+            columns.column("doc_id")[mine].tolist(),
+            columns.column("policy")[mine].tolist(),
+            columns.column("occurrence")[mine].tolist(),
+            (m.horizon - columns.column("occupation")[mine]).tolist(),
+            (columns.column("expected_mismatches")[mine] / m.horizon).tolist(),
+            strict=True,
+        )
+        out = {
+            (d, p): {"occurrence": o, "rmst": r, "mismatch_fraction": f}
+            for d, p, o, r, f in got
         }
+    else:
+        for r in rows:
+            if r["model"] != m.model:
+                continue
+            out[(r["doc_id"], r["policy"])] = {
+                "occurrence": float(r["occurrence"]),
+                "rmst": m.horizon - float(r["occupation"]),
+                "mismatch_fraction": float(r["expected_mismatches"]) / m.horizon,
+            }
     means = getattr(m, "path_means", None) or {}
     for q in ("kl_pq", "same_top"):
         for pol, values in means.get(q, {}).items():

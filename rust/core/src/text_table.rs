@@ -206,24 +206,39 @@ pub fn push_float_repr(x: f64, out: &mut String) {
         out.push_str(if x > 0.0 { "inf" } else { "-inf" });
         return;
     }
-    let (digits, exp) = shortest_digits(x.abs());
-    let sign = if x.is_sign_negative() { "-" } else { "" };
-    let n = digits.len() as i32;
+    if x.is_sign_negative() {
+        out.push('-');
+    }
+    if x == 0.0 {
+        out.push_str("0.0");
+        return;
+    }
+    let mut buffer = ryu::Buffer::new();
+    let mut bytes = [0u8; 24];
+    let (len, exp) = shortest_digits(buffer.format_finite(x.abs()), &mut bytes);
+    // ASCII digits only.
+    let digits = std::str::from_utf8(&bytes[..len]).unwrap_or("0");
+    let n = len as i32;
     let point = exp + 1; // digits before the decimal point
-    out.push_str(sign);
     if !(-4 < point && point <= 16) {
         out.push_str(&digits[..1]);
         if n > 1 {
             out.push('.');
             out.push_str(&digits[1..]);
         }
-        let _ = write!(out, "e{}{:02}", if exp < 0 { '-' } else { '+' }, exp.abs());
+        out.push('e');
+        out.push(if exp < 0 { '-' } else { '+' });
+        let e = exp.unsigned_abs();
+        if e < 10 {
+            out.push('0');
+        }
+        let _ = write!(out, "{e}");
     } else if point <= 0 {
         out.push_str("0.");
         out.extend(std::iter::repeat_n('0', (-point) as usize));
-        out.push_str(&digits);
+        out.push_str(digits);
     } else if point >= n {
-        out.push_str(&digits);
+        out.push_str(digits);
         out.extend(std::iter::repeat_n('0', (point - n) as usize));
         out.push_str(".0");
     } else {
@@ -233,40 +248,34 @@ pub fn push_float_repr(x: f64, out: &mut String) {
     }
 }
 
-/// The shortest decimal digits that read back as `x` (finite, non-negative) and the decimal
-/// exponent of the first: Rust's `{:e}` digits, except that where two such digit strings are
-/// equally near `x` (an exact tie) the one with the even last digit is taken, as Python's
-/// `repr` (David Gay's rule) takes it; Rust takes the upper one.
-fn shortest_digits(x: f64) -> (String, i32) {
-    let sci = format!("{x:e}");
-    let (mantissa, exp) = sci.split_once('e').unwrap_or((sci.as_str(), "0"));
-    let exp: i32 = exp.parse().unwrap_or(0);
-    let digits: String = mantissa.chars().filter(|c| *c != '.').collect();
-    let last = digits.as_bytes()[digits.len() - 1];
-    if last % 2 == 0 {
-        return (digits, exp);
+/// The significant digits (at most 17) and the decimal exponent of the first, of Ryu's text
+/// of a positive number (`"12340000000.0"`, `"12.34"`, `"0.001234"`, `"1.234e-7"`, `"1e30"`):
+/// the shortest digits that read back as the number, the nearest of them, an exact tie to
+/// the even digit, as Python's `repr` takes them (David Gay's rule).
+fn shortest_digits(text: &str, digits: &mut [u8; 24]) -> (usize, i32) {
+    let (mantissa, exp) = match text.split_once('e') {
+        Some((m, e)) => (m, e.parse::<i32>().unwrap_or(0)),
+        None => (text, 0),
+    };
+    let (whole, frac) = mantissa.split_once('.').unwrap_or((mantissa, ""));
+    let mut n = 0;
+    let mut lead = 0i32; // zeros between the point and the first digit ("0.001234")
+    for &b in whole.as_bytes().iter().chain(frac.as_bytes()) {
+        if n == 0 && b == b'0' {
+            lead += 1;
+            continue;
+        }
+        if n < digits.len() {
+            digits[n] = b;
+            n += 1;
+        }
     }
-    // An odd last digit: the even one below may be as near (a tie only when x is exactly
-    // their midpoint, whose digits end in 5).
-    let mut lower = digits.clone().into_bytes();
-    *lower.last_mut().expect("digits") -= 1;
-    let lower = String::from_utf8(lower).expect("ascii digits");
-    let reads_back = |d: &str| format!("0.{d}e{}", exp + 1).parse::<f64>() == Ok(x);
-    if !reads_back(&lower) {
-        return (digits, exp);
+    while n > 1 && digits[n - 1] == b'0' {
+        n -= 1; // "12340000000.0"
     }
-    // x's exact decimal expansion (a double's has at most 767 significant digits).
-    let exact = format!("{x:.800e}");
-    let (exact_mantissa, exact_exp) = exact.split_once('e').unwrap_or((exact.as_str(), "0"));
-    let exact_digits: String = exact_mantissa.chars().filter(|c| *c != '.').collect();
-    let midpoint = format!("{lower}5");
-    let tie = exact_exp.parse::<i32>() == Ok(exp)
-        && exact_digits.trim_end_matches('0') == midpoint.trim_end_matches('0');
-    if tie {
-        (lower, exp)
-    } else {
-        (digits, exp)
-    }
+    // The first digit's place: whole digits before the point, less the zeros skipped.
+    let first = whole.len() as i32 - lead - 1 + exp;
+    (n, first)
 }
 
 /// A CSV field as `csv.writer` (QUOTE_MINIMAL) writes it: quoted, with quotes doubled, where
