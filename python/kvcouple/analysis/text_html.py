@@ -270,13 +270,15 @@ class _Store:
         """Per policy, the documents that diverged earliest and latest (by E[min(tau, T)])."""
         out = []
         for pol in self.m.policies:
-            ranked = sorted(
-                (d for d in self.docs if (d.doc_id, pol) in self.estimates),
-                key=lambda d: self.estimates[(d.doc_id, pol)]["rmst"],
-            )
-            picks = [("diverged earliest", ranked[0])] if ranked else []
+            ranked = [d for d in self.docs if (d.doc_id, pol) in self.estimates]
+
+            def rmst(d: Any, pol: str = pol) -> float:
+                return self.estimates[(d.doc_id, pol)]["rmst"]
+
+            # The first earliest and the last latest in document order (a stable sort's ends).
+            picks = [("diverged earliest", min(ranked, key=rmst))] if ranked else []
             if len(ranked) > 1:
-                picks.append(("diverged latest", ranked[-1]))
+                picks.append(("diverged latest", max(reversed(ranked), key=rmst)))
             for what, d in picks:
                 rmst = self.estimates[(d.doc_id, pol)]["rmst"]
                 title = (
