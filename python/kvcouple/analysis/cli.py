@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import sys
+import threading
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -17,6 +19,14 @@ from kvcouple.textsafe import terminal
 
 if TYPE_CHECKING:
     from kvcouple.store.reader import TraceStoreReader
+
+
+def _import_figures() -> None:
+    for module in ("matplotlib.figure", "matplotlib.backends.backend_agg"):
+        try:
+            importlib.import_module(module)
+        except Exception:  # noqa: BLE001 (the report's own import says what is wrong)
+            return
 
 
 def _analyze(args: argparse.Namespace) -> int:
@@ -35,6 +45,9 @@ def _analyze(args: argparse.Namespace) -> int:
         except MissingExtraError as e:
             print(f"warning: {e}; writing the report without figures", file=sys.stderr)
             figures = False
+    if figures:
+        # matplotlib's import (~0.5 s of Python) while the analysis runs, mostly in Rust.
+        threading.Thread(target=_import_figures, daemon=True).start()
     result = analyze(
         args.stores,
         window=args.window,
