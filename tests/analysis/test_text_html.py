@@ -144,12 +144,13 @@ def test_the_per_document_table_shows_each_documents_path_kld_and_same_top(tmp_p
     m = result.models[0]
     reader = TraceStoreReader(store)
     estimates = text_html._estimates(result, m, {})
-    for d in m.docs:
+    for i, d in enumerate(m.docs):
         summary = reader.read_summary(d.doc, (*SUMMARY_READ, AGREEMENT))
         for pol, s in doc_scores(reader, d.doc, summary).items():
-            row = estimates[(d.doc_id, pol)]
-            assert row["kl_pq"] == pytest.approx(float(s.kl.mean()), rel=1e-12)
-            assert row["same_top"] == pytest.approx(float(np.mean(s.agree)), rel=1e-12)
+            k = m.policies.index(pol)
+            assert estimates["kl_pq"][i, k] == pytest.approx(float(s.kl.mean()), rel=1e-12)
+            agree = float(np.mean(s.agree))
+            assert estimates["same_top"][i, k] == pytest.approx(agree, rel=1e-12)
     page = (write_report(result, tmp_path / "r", figures=False) / "report.html").read_text()
     table = page.split('<table class="sortable">', 1)[1].split("</table>", 1)[0]
     cells = re.findall(r"<tr><td>.*?</tr>", table)

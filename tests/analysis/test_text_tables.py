@@ -14,6 +14,7 @@ import pytest
 
 from kvcouple.analysis import analyze
 from kvcouple.analysis import tables as tb
+from kvcouple.analysis import text_html
 from kvcouple.analysis.report import write_report
 from kvcouple.analysis.tables import ColumnRows, json_safe
 from kvcouple.errors import InvalidInputError
@@ -34,9 +35,9 @@ def _table(rng: np.random.Generator, rows: int) -> tuple[ColumnRows, list[dict]]
         ]
     )
     flags = rng.random((rows, 1)) < 0.5
-    codes = np.column_stack(
-        [rng.integers(len(AWKWARD_LABELS), size=rows), np.zeros(rows)]
-    ).astype(np.uint32)
+    codes = np.column_stack([rng.integers(len(AWKWARD_LABELS), size=rows), np.zeros(rows)]).astype(
+        np.uint32
+    )
     labels = [AWKWARD_LABELS, ["constant"]]
     spec = [("id", "label", 0), ("x", "number", 0), ("y", "number", 1), ("ok", "flag", 0)]
     spec += [("meta", "label", 1)]
@@ -73,7 +74,9 @@ def test_json_rows_are_what_json_dumps_writes():
 def test_chained_tables_keep_their_labels():
     rng = np.random.default_rng(2)
     (a, da), (b, db) = _table(rng, 50), _table(rng, 70)
-    b = ColumnRows(b.columns, b.numbers, b.flags, b.codes, [["other", *AWKWARD_LABELS], b.labels[1]])
+    b = ColumnRows(
+        b.columns, b.numbers, b.flags, b.codes, [["other", *AWKWARD_LABELS], b.labels[1]]
+    )
     db = [{**d, "id": (["other", *AWKWARD_LABELS])[b.codes[i, 0]]} for i, d in enumerate(db)]
     both = ColumnRows.chain([a, b])
     assert both is not None
@@ -107,8 +110,15 @@ def test_report_per_document_table_is_the_same_either_way(tmp_path, monkeypatch)
     rows = tb.tidy_tables(result)["per_document"]
     assert rows.text_columns() is not None  # type: ignore[attr-defined]
     fast = write_report(result, tmp_path / "fast", figures=False, html_report=False)
+    m = result.models[0]
+    by_column = text_html._estimates(result, m, tb.tidy_tables(result))
     monkeypatch.setattr(tb.Rows, "text_columns", lambda self: None)
     slow = write_report(result, tmp_path / "slow", figures=False, html_report=False)
+    by_row = text_html._estimates(result, m, tb.tidy_tables(result))
+    assert by_column.keys() == by_row.keys()
+    for q in by_row:  # report.html's per-document estimates, either way
+        np.testing.assert_array_equal(by_column[q], by_row[q], err_msg=q)
+    assert np.isfinite(by_row["rmst"]).all()
     for name in ("per_document.csv", "results.json"):
         assert (fast / name).read_bytes() == (slow / name).read_bytes(), name
     with pytest.raises(InvalidInputError):

@@ -542,5 +542,5 @@ def _model_result(
     return ModelResult(
         label, reader.path, reader.policies, T, L, store.obs_window, docs, tables, bs, table,
         store.scoreboard.rows(label),
-        store.scoreboard.doc_means([store.slot[d.doc] for d in docs]),
+        store.scoreboard.doc_means([store.slot[d.doc] for d in docs]), reader,
     )  # fmt: skip

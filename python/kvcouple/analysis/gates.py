@@ -14,7 +14,6 @@ import numpy as np
 
 from kvcouple.analysis.estimates import SCALARS
 from kvcouple.analysis.results import AnalysisResult
-from kvcouple.store.reader import TraceStoreReader
 from kvcouple.store.schema import CAPACITY_BOUND, DILUTION_PRONE, NO_GATE
 
 GATE_CLASSES = {
@@ -30,7 +29,7 @@ def split_by_gate_class(result: AnalysisResult) -> list[dict[str, Any]]:
     (``occurrence``, ``expected_mismatches``, ...)."""
     rows = []
     for model in result.models:
-        reader = TraceStoreReader(model.store)
+        reader = model.open_reader()
         docs = [d for d in model.docs if d.units is not None]
         gate = {d.doc: reader.read_doc("gate_class", d.doc) for d in docs}
         score = {d.doc: reader.read_doc("gate_score", d.doc) for d in docs}

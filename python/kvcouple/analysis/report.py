@@ -69,8 +69,10 @@ def _write_json(path: Path, payload: dict[str, Any]) -> None:
             text = value.text_columns() if isinstance(value, Rows) else None
             if text is not None:  # column-wise in Rust (ASCII: json.dumps's escapes)
                 f.write("[")
+                f.flush()
                 for i, block in enumerate(text.blocks("json")):
-                    f.write((", " if i else "") + block.decode("ascii"))
+                    f.buffer.write(b", " if i else b"")  # ASCII: the same text either way
+                    f.buffer.write(block)
                 f.write("]")
             elif isinstance(value, Rows):
                 f.write("[")

@@ -11,6 +11,7 @@ import numpy as np
 from kvcouple.analysis.bootstrap import Bootstrap
 from kvcouple.analysis.estimates import Table
 from kvcouple.analysis.tasks import DocResult
+from kvcouple.store.reader import TraceStoreReader
 
 __all__ = ["AnalysisResult", "ModelResult"]
 
@@ -34,6 +35,15 @@ class ModelResult:
     # Each document's mean over its path steps, aligned with ``docs``: {"kl_pq": {policy:
     # means}, "same_top": ...} (ScoreboardPool.doc_means; report.html's per-document table).
     path_means: dict[str, dict[str, np.ndarray]] | None = None
+    # The reader the analysis opened (its storage options, and the documents as it found
+    # them): the report's text views read through it rather than opening the store again.
+    reader: TraceStoreReader | None = field(default=None, compare=False, repr=False)
+
+    def open_reader(self) -> TraceStoreReader:
+        """The analysis's reader of the store, or a new one (a result built by hand)."""
+        if self.reader is None:
+            self.reader = TraceStoreReader(self.store)
+        return self.reader
 
 
 @dataclass

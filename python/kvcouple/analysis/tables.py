@@ -201,7 +201,7 @@ class ColumnRows:
             stop,
         )
 
-    def blocks(self, fmt: str, rows: int = 1 << 16) -> Iterator[bytes]:
+    def blocks(self, fmt: str, rows: int = 1 << 14) -> Iterator[bytes]:
         """All rows as ``fmt`` text, ``rows`` at a time (JSON: the blocks joined by ", ")."""
         for start in range(0, len(self), rows):
             yield self.text(fmt, start, min(start + rows, len(self)))
@@ -243,10 +243,13 @@ class Rows(Sequence[dict[str, Any]]):
         writers; None where they are not at hand."""
         self.keys, self.length, self.make = list(keys), int(length), make
         self._text = text
+        self._columns: ColumnRows | None = None
 
     def text_columns(self) -> ColumnRows | None:
-        """The rows column-wise, made when asked (None: write them row by row)."""
-        return self._text() if self._text is not None else None
+        """The rows column-wise, made when first asked (None: write them row by row)."""
+        if self._text is not None:
+            self._columns, self._text = self._text(), None
+        return self._columns
 
     @staticmethod
     def chain(parts: list[Rows]) -> Rows:

@@ -37,7 +37,6 @@ from kvcouple.analysis.text_view import (
     shade_index,
 )
 from kvcouple.errors import StoreError
-from kvcouple.store.reader import TraceStoreReader
 from kvcouple.store.text import open_text, text_status
 from kvcouple.textsafe import terminal
 
@@ -174,42 +173,45 @@ def view_html(view: DocumentView, title: str, anchor: str = "", prompt: bool = T
     return f'<div class="tv-view"{anchor}>' + "".join(parts) + "</div>"
 
 
-def _estimates(
-    result: Any, m: Any, tables: dict[str, list[dict[str, Any]]]
-) -> dict[tuple[str, str], dict[str, float]]:
-    """Per (document id, policy): occurrence, RMST (T - occupation), E[M]/T, mean KL and the
+def _estimates(result: Any, m: Any, tables: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
+    """Per quantity of :data:`COLUMNS`, an array (documents with units, in ``m.docs``'s order x
+    policies; NaN where missing): occurrence, RMST (T - occupation), E[M]/T, mean KL and the
     share of same top tokens on the path."""
-    out: dict[tuple[str, str], dict[str, float]] = {}
+    docs = [d for d in m.docs if d.units is not None]
+    at = {d.doc_id: i for i, d in enumerate(docs)}
+    P = len(m.policies)
+    out = {k: np.full((len(docs), P), np.nan) for k, _ in COLUMNS}
     rows = tables.get("per_document", [])
     columns = rows.text_columns() if isinstance(rows, Rows) else None
-    if columns is not None:  # many rows: column by column
+    if columns is not None and len(columns.column("model")) == 0:
+        columns = None
+    if columns is not None:  # many rows: column by column (document-major, as m.policies)
         mine = columns.column("model") == m.model
-        got = zip(
-            columns.column("doc_id")[mine].tolist(),
-            columns.column("policy")[mine].tolist(),
-            columns.column("occurrence")[mine].tolist(),
-            (m.horizon - columns.column("occupation")[mine]).tolist(),
-            (columns.column("expected_mismatches")[mine] / m.horizon).tolist(),
-            strict=True,
-        )
-        out = {
-            (d, p): {"occurrence": o, "rmst": r, "mismatch_fraction": f}
-            for d, p, o, r, f in got
-        }
-    else:
+        if int(mine.sum()) == len(docs) * P:
+            occupation = columns.column("occupation")[mine].reshape(len(docs), P)
+            out["occurrence"] = columns.column("occurrence")[mine].reshape(len(docs), P)
+            out["rmst"] = m.horizon - occupation
+            expected = columns.column("expected_mismatches")[mine].reshape(len(docs), P)
+            out["mismatch_fraction"] = expected / m.horizon
+        else:
+            columns = None
+    if columns is None:
+        policy = {p: k for k, p in enumerate(m.policies)}
         for r in rows:
-            if r["model"] != m.model:
+            if r["model"] != m.model or r["doc_id"] not in at or r["policy"] not in policy:
                 continue
-            out[(r["doc_id"], r["policy"])] = {
-                "occurrence": float(r["occurrence"]),
-                "rmst": m.horizon - float(r["occupation"]),
-                "mismatch_fraction": float(r["expected_mismatches"]) / m.horizon,
-            }
+            i, k = at[r["doc_id"]], policy[r["policy"]]
+            out["occurrence"][i, k] = float(r["occurrence"])
+            out["rmst"][i, k] = m.horizon - float(r["occupation"])
+            out["mismatch_fraction"][i, k] = float(r["expected_mismatches"]) / m.horizon
     means = getattr(m, "path_means", None) or {}
+    # Each of m.docs's place among the documents with units (-1: none).
+    place = np.array([at.get(d.doc_id, -1) for d in m.docs], np.int64)
     for q in ("kl_pq", "same_top"):
         for pol, values in means.get(q, {}).items():
-            for d, v in zip(m.docs, values, strict=True):
-                out.setdefault((d.doc_id, pol), {})[q] = float(v)
+            if pol in m.policies:
+                v = np.asarray(values, np.float64)
+                out[q][place[place >= 0], m.policies.index(pol)] = v[place >= 0]
     return out
 
 
@@ -235,7 +237,7 @@ class _Store:
 
     def __init__(self, result: Any, m: Any, tables: dict[str, list[dict[str, Any]]]):
         self.m = m
-        self.reader = TraceStoreReader(m.store)
+        self.reader = m.open_reader()
         self.text, self.status = open_text(self.reader), text_status(self.reader)
         self.labels = {p: visible(terminal(lab)) for p, lab in policy_labels(m.policies).items()}
         self.estimates = _estimates(result, m, tables)
@@ -269,21 +271,21 @@ class _Store:
     def extremes(self) -> list[str]:
         """Per policy, the documents that diverged earliest and latest (by E[min(tau, T)])."""
         out = []
-        for pol in self.m.policies:
-            ranked = [d for d in self.docs if (d.doc_id, pol) in self.estimates]
-
-            def rmst(d: Any, pol: str = pol) -> float:
-                return self.estimates[(d.doc_id, pol)]["rmst"]
-
+        for k, pol in enumerate(self.m.policies):
+            rmst = self.estimates["rmst"][:, k]
+            known = np.flatnonzero(~np.isnan(rmst))
             # The first earliest and the last latest in document order (a stable sort's ends).
-            picks = [("diverged earliest", min(ranked, key=rmst))] if ranked else []
-            if len(ranked) > 1:
-                picks.append(("diverged latest", max(reversed(ranked), key=rmst)))
-            for what, d in picks:
-                rmst = self.estimates[(d.doc_id, pol)]["rmst"]
+            picks = []
+            if known.size:
+                picks.append(("diverged earliest", int(known[np.argmin(rmst[known])])))
+            if known.size > 1:
+                last = known[::-1][np.argmax(rmst[known][::-1])]
+                picks.append(("diverged latest", int(last)))
+            for what, i in picks:
+                d = self.docs[i]
                 title = (
                     f"{self.labels[pol]}: {what}: document {visible(terminal(d.doc_id))} "
-                    f"(E[min(tau,T)] = {number(rmst)} of T = {self.m.horizon})"
+                    f"(E[min(tau,T)] = {number(float(rmst[i]))} of T = {self.m.horizon})"
                 )
                 out.append(view_html(self.view(d.doc_id, pol), title))
         return out
@@ -309,12 +311,11 @@ class _Store:
             + "".join(f"<th>{html.escape(h)}</th>" for _, h in COLUMNS)
             + "</tr></thead><tbody>"
         ]  # fmt: skip
-        for d in shown:
+        for i, d in enumerate(shown):
             name = visible(terminal(d.doc_id))
             link = f'<a href="#{anchors[d.doc_id]}">{name}</a>' if d.doc_id in anchors else name
-            for pol in self.m.policies:
-                row = self.estimates.get((d.doc_id, pol), {})
-                cells = "".join(_cell(row.get(k)) for k, _ in COLUMNS)
+            for k, pol in enumerate(self.m.policies):
+                cells = "".join(_cell(float(self.estimates[q][i, k])) for q, _ in COLUMNS)
                 out.append(f"<tr><td>{link}</td><td>{self.labels[pol]}</td>{cells}</tr>")
         return [*out, "</tbody></table></div>"]
 
