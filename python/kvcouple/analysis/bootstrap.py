@@ -261,8 +261,12 @@ class Bootstrap:
         if self.data is None:
             raise ValueError("combinations of columns need the table (bootstrap_table keeps it)")
         idx = [self._index[c] for c in columns]
+        return self._combined(self.data[:, idx], idx, weights)
+
+    def _combined(self, block: np.ndarray, idx: list[int], weights: np.ndarray) -> Bootstrap:
+        # ``block``: the table's columns ``idx``, gathered once by the caller.
         w = np.asarray(weights, np.float64)
-        data = np.ascontiguousarray(self.data[:, idx] @ w)
+        data = np.ascontiguousarray(block @ w)
         return replace(
             self,
             names=[f"c{j}" for j in range(w.shape[1])],
@@ -292,17 +296,20 @@ class Bootstrap:
         T = len(idx)
         boot = np.asarray(dc.median_step(self.reps[:, idx].T), np.float64)
         estimate = float(dc.median_step(self.point[idx]))
-        if self.data is None or not np.isfinite(self.data[:, idx]).all():
+        if self.data is None:
+            return None
+        block = self.data[:, idx]  # one gather of the pmf columns for every class
+        if not np.isfinite(block).all():
             return None
         if not math.isfinite(estimate):
             return Estimate(estimate, math.nan, math.nan, boot, method="studentized")
-        if (self.data[:, idx] == self.data[:1, idx]).all():
+        if (block == block[:1]).all():
             return Estimate(estimate, estimate, estimate, boot, method="studentized", constant=True)
 
         def accepted(t: int) -> tuple[float, float] | None:
             weights = np.zeros((T, 2))
             weights[: t - 1, 0], weights[t:, 0], weights[t - 1] = 0.5, -0.5, (-t, 1.0)
-            sub = self.combined(pmf, weights)
+            sub = self._combined(block, idx, weights)
             test = LinearTest(
                 sub,
                 lambda g: g("c0"),
