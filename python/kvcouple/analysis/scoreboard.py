@@ -261,8 +261,9 @@ class PooledSteps:
         a, b = self._order(lo), self._order(min(lo + 1, self.size - 1))
         if a == b:  # also two infinities, which numpy's interpolation turns into NaN
             return a
-        if self.counts is None:
-            return float(np.percentile(self._sorted(), pct))
+        if self.counts is None:  # numpy.percentile's linear interpolation, to the bit
+            t = pos - lo
+            return b - (b - a) * (1 - t) if t >= 0.5 else a + (b - a) * t
         return a + (pos - lo) * (b - a)
 
     def _sorted(self) -> np.ndarray:
