@@ -356,6 +356,9 @@ def _on_scale(lo: float, hi: float, boot: np.ndarray, scale: Scale) -> tuple[flo
     b = boot[np.isfinite(boot)]
     if not scale.bounded or b.size < 2:
         return lo, hi
+    low, high = float(b.min()), float(b.max())
+    if all(low <= end <= high or not math.isfinite(end) for end in (lo, hi)):
+        return lo, hi  # both among the replicates (the usual case): nothing to move
     mean, sd = float(b.mean()), float(b.std(ddof=1))
     psi = scale.forward(b)
     psi = psi[np.isfinite(psi)]
@@ -364,7 +367,7 @@ def _on_scale(lo: float, hi: float, boot: np.ndarray, scale: Scale) -> tuple[flo
     pm, ps = float(psi.mean()), float(psi.std(ddof=1))
 
     def moved(end: float) -> float:
-        if b.min() <= end <= b.max() or not math.isfinite(end):
+        if low <= end <= high or not math.isfinite(end):
             return end
         return float(scale.back(pm + (end - mean) / sd * ps))
 

@@ -389,14 +389,28 @@ def _undefined_reason(bs: Bootstrap, policy: str, name: str) -> str:
     return UNDEFINED
 
 
-def _curve_docs(bs: Bootstrap, policy: str, curve: str, x: int) -> int:
-    """Documents that inform a curve's point: all for survival and pmf; for the hazard at t
+def _curve_docs(bs: Bootstrap, policy: str, points: Sequence[tuple[str, int]]) -> list[int]:
+    """Documents that inform each curve point: all for survival and pmf; for the hazard at t
     those not certainly diverged before t (S_{t-1} > 0); for branch TV at a lag those whose
-    branches reached it."""
-    if bs.data is None or curve in ("survival", "pmf"):
-        return bs.n_docs
-    den = f"{policy}|S|{x - 1}" if curve == "hazard" else f"{policy}|tvd|{x}"
-    return int(np.sum(bs.data[:, bs.names.index(den)] > 0))
+    branches reached it. One pass over blocks of the table's rows for every point."""
+    out = [bs.n_docs] * len(points)
+    if bs.data is None:
+        return out
+    index = {n: j for j, n in enumerate(bs.names)}
+    asked = [
+        (i, index[f"{policy}|S|{x - 1}" if curve == "hazard" else f"{policy}|tvd|{x}"])
+        for i, (curve, x) in enumerate(points)
+        if curve not in ("survival", "pmf")
+    ]
+    if asked:
+        cols = np.array([j for _, j in asked], np.int64)
+        counts = np.zeros(len(cols), np.int64)
+        step = max(1, (8 << 20) // (8 * len(cols)))  # 8 MB of gathered columns at a time
+        for start in range(0, bs.data.shape[0], step):
+            counts += (bs.data[start : start + step, cols] > 0).sum(0)
+        for (i, _), c in zip(asked, counts.tolist(), strict=True):
+            out[i] = int(c)
+    return out
 
 
 def summarise(
@@ -464,10 +478,10 @@ def _curve_rows(bs: Bootstrap, pol: str, horizon: int, lags: int) -> list[dict[s
     cfns = curve_fns(pol, horizon, lags)
     scales = [quantity_scale(curve, horizon) for curve, _ in cfns]
     rows = []
-    for (curve, x), e in zip(
-        cfns, bs.evaluate_many(list(cfns.values()), None, scales), strict=True
+    informed = _curve_docs(bs, pol, list(cfns))
+    for (curve, x), e, docs in zip(
+        cfns, bs.evaluate_many(list(cfns.values()), None, scales), informed, strict=True
     ):
-        docs = _curve_docs(bs, pol, curve, x)
         lo, hi, note = e.ci_low, e.ci_high, _note(e)
         if docs < min(STUDENTIZED_MIN_DOCS, bs.n_docs) and not e.constant:
             lo = hi = math.nan
