@@ -12,9 +12,8 @@ import math
 import numpy as np
 import pytest
 
-from kvcouple.analysis import analyze
+from kvcouple.analysis import analyze, text_html
 from kvcouple.analysis import tables as tb
-from kvcouple.analysis import text_html
 from kvcouple.analysis.report import write_report
 from kvcouple.analysis.tables import ColumnRows, json_safe
 from kvcouple.errors import InvalidInputError
