@@ -70,9 +70,9 @@ def _write_json(path: Path, payload: dict[str, Any]) -> None:
             if text is not None:  # column-wise in Rust (ASCII: json.dumps's escapes)
                 f.write("[")
                 f.flush()
-                for i, block in enumerate(text.blocks("json")):
-                    f.buffer.write(b", " if i else b"")  # ASCII: the same text either way
-                    f.buffer.write(block)
+                for j, text_block in enumerate(text.blocks("json")):
+                    f.buffer.write(b", " if j else b"")  # ASCII: the same text either way
+                    f.buffer.write(text_block)
                 f.write("]")
             elif isinstance(value, Rows):
                 f.write("[")

@@ -320,10 +320,10 @@ EMPTY_COLUMNS: dict[str, list[str]] = {
 def write_csv(path: Path, rows: Sequence[dict[str, Any]], columns: list[str] | None = None) -> None:
     """``rows`` as CSV; an empty table is its header alone (``columns`` and the meta keys)."""
     text = rows.text_columns() if isinstance(rows, Rows) and rows.keys else None
-    if text is not None:
+    if isinstance(rows, Rows) and text is not None:
         # Column-wise in Rust, a block of rows at a time (the bytes csv.writer writes).
         with path.open("w", newline="") as f:
-            csv.writer(f).writerow(rows.keys)  # type: ignore[union-attr]
+            csv.writer(f).writerow(rows.keys)
         with path.open("ab") as fb:
             for block in text.blocks("csv"):
                 fb.write(block)
