@@ -12,11 +12,13 @@ import numpy as np
 import pytest
 
 from kvcouple import decomposition as dc
+from kvcouple.analysis import analyze
 from kvcouple.analysis import stats as st
 from kvcouple.analysis.bootstrap import bootstrap_table
 from kvcouple.analysis.estimates import Table
 from kvcouple.analysis.intervals import Scale
 from kvcouple.reference import estimates as ref
+from kvcouple.synth.trace_store import write_synthetic_trace_store
 
 
 def test_median_step_spreads_each_step_over_its_class():
@@ -150,3 +152,27 @@ def test_interval_covers_the_population_median(shape):
         hits += est.covers(truth)
     se = math.sqrt(0.95 * 0.05 / studies)
     assert abs(hits / studies - 0.95) <= 3 * se, hits / studies
+
+
+def test_paired_difference_gets_the_methods_interval_on_the_difference_scale(tmp_path):
+    # Not the percentile interval: the studentized one on [-T, T] (docs/statistics.md).
+    pairs = {
+        "a": {"P": np.full((5, 5), 0.2), "Q": np.full((5, 5), 0.2) * 0.6 + 0.4 * np.eye(5)},
+        "b": {"P": np.full((5, 5), 0.2), "Q": np.full((5, 5), 0.2) * 0.3 + 0.7 * np.eye(5)},
+    }
+    store = write_synthetic_trace_store(
+        tmp_path / "s.zarr", pairs, horizon=6, branches=2, replicates=8, docs=12, seed=2
+    )
+    m = analyze(store, n_boot=300).models[0]
+    T, bs = m.horizon, m.bootstrap
+    assert bs is not None and bs.method == "studentized"
+    (row,) = [r for r in m.tables["differences"] if r["quantity"] == "median_tau"]
+    fa, fb = (st.quantity_fn(p, "median_tau", T) for p in (row["policy_a"], row["policy_b"]))
+    scale = st.quantity_scale("median_tau", T, paired=True)
+    assert scale == Scale(-T, T)
+    want = bs.evaluate(st.difference(fa, fb), False, scale)
+    assert want.method == "studentized"
+    assert (row["difference"], row["ci_low"], row["ci_high"]) == (
+        want.estimate, want.ci_low, want.ci_high,
+    )  # fmt: skip
+    assert -T <= row["ci_low"] <= row["difference"] <= row["ci_high"] <= T

@@ -84,7 +84,8 @@ __getattr__ = moved_getattr(
     ),
 )
 # The registry says each quantity's interval: the median step and the gap terms that are
-# ratios get a test-inversion set when studentized (percentile intervals under other methods).
+# ratios get a test-inversion set when studentized (percentile intervals under other methods);
+# a paired difference of median steps gets the method's own interval.
 INVERTED_SUMMARY = tuple(q.name for q in quantities.SUMMARY if q.interval == "test-inversion")
 PERCENTILE_TERMS = tuple(q.name for q in quantities.GAP if q.interval == "test-inversion")
 GAP_TERMS = ("gap", "delta_first_mismatch", "exposure_term", "rate_term", "exposure_share")
@@ -426,7 +427,6 @@ def summarise(
     absent (undefined, unobserved, too few documents)."""
     summary, curves, diffs, gaps, surv = [], [], [], [], []
     names = list(SUMMARY_DEFINITIONS)
-    inverted = [n in INVERTED_SUMMARY for n in names]
     for pol in policies:
         own = [quantity_scale(n, horizon) for n in names]
         ests = summary_estimates(bs, pol, names, horizon)
@@ -446,7 +446,10 @@ def summarise(
     for a, b in policy_pairs(policies, reference):
         fns = [difference(quantity_fn(a, n, horizon), quantity_fn(b, n, horizon)) for n in names]
         scales = [quantity_scale(n, horizon, paired=True) for n in names]
-        for name, e in zip(names, bs.evaluate_many(fns, inverted, scales), strict=True):
+        # Paired differences, the median step's too, get the analysis's method on the
+        # difference's scale (its studentized interval covered 0.91-0.985 in the coverage
+        # study, the percentile interval 0.90-0.96: docs/statistics.md).
+        for name, e in zip(names, bs.evaluate_many(fns, None, scales), strict=True):
             reasons = {_undefined_reason(bs, p, name) for p in (a, b)} - {UNDEFINED}
             diffs.append(
                 {
