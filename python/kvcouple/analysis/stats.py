@@ -447,7 +447,7 @@ def summarise(
         fns = [difference(quantity_fn(a, n, horizon), quantity_fn(b, n, horizon)) for n in names]
         scales = [quantity_scale(n, horizon, paired=True) for n in names]
         # Paired differences, the median step's too, get the analysis's method on the
-        # difference's scale (its studentized interval covered 0.91-0.985 in the coverage
+        # difference's scale (its studentized interval covered 0.90-0.99 in the coverage
         # study, the percentile interval 0.90-0.96: docs/statistics.md).
         for name, e in zip(names, bs.evaluate_many(fns, None, scales), strict=True):
             reasons = {_undefined_reason(bs, p, name) for p in (a, b)} - {UNDEFINED}
