@@ -305,6 +305,7 @@ class Bootstrap:
             return Estimate(estimate, math.nan, math.nan, boot, method="studentized")
         if (block == block[:1]).all():
             return Estimate(estimate, estimate, estimate, boot, method="studentized", constant=True)
+        home = min(max(math.ceil(estimate - 0.5), 1), T)  # the estimate's class
 
         def accepted(t: int) -> tuple[float, float] | None:
             weights = np.zeros((T, 2))
@@ -320,7 +321,6 @@ class Bootstrap:
             # The estimate is accepted (its statistic is 0): on the grid of its own class.
             return accepted_span(test, t - 0.5, t + 0.5, estimate if t == home else None)
 
-        home = min(max(math.ceil(estimate - 0.5), 1), T)
         span = accepted(home)
         if span is None:
             return Estimate(estimate, math.nan, math.nan, boot, method="studentized")

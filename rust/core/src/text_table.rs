@@ -6,7 +6,7 @@
 //! Numbers are written as Python's `repr` writes a float (the shortest text that reads back
 //! the same number, fixed notation for decimal exponents -4..16, `1e-05` style otherwise);
 //! non-finite numbers are `nan`/`inf`/`-inf` in CSV and `null` in JSON (as the analysis's
-//! JSON writes them). Labels are strings, quoted for the format once.
+//! JSON writes them). Labels are strings, quoted for the format as each row is written.
 
 use std::fmt::Write as _;
 
@@ -53,7 +53,7 @@ pub struct TextTable<'a> {
 const CHUNK: usize = 2048;
 
 impl TextTable<'_> {
-    fn check(&self) -> KvResult<()> {
+    fn check(&self, start: usize, stop: usize) -> KvResult<()> {
         let shape = |what: &str, len: usize, width: usize| -> KvResult<()> {
             if len != self.rows * width {
                 return Err(KvError::Shape(format!(
@@ -92,9 +92,16 @@ impl TextTable<'_> {
                 )));
             }
         }
+        if start > stop || stop > self.rows {
+            return Err(KvError::InvalidArgument(format!(
+                "rows {start}..{stop} of a table of {} rows",
+                self.rows
+            )));
+        }
+        // The codes of the rows asked for (a table is written a block of rows at a time).
+        let asked = &self.codes[start * self.code_width..stop * self.code_width];
         for (j, labels) in self.labels.iter().enumerate() {
-            let bad = self
-                .codes
+            let bad = asked
                 .iter()
                 .skip(j)
                 .step_by(self.code_width.max(1))
@@ -111,23 +118,16 @@ impl TextTable<'_> {
 
     /// Rows `start..stop` as text in `format`.
     pub fn format(&self, format: TextFormat, start: usize, stop: usize) -> KvResult<Vec<u8>> {
-        self.check()?;
-        if start > stop || stop > self.rows {
-            return Err(KvError::InvalidArgument(format!(
-                "rows {start}..{stop} of a table of {} rows",
-                self.rows
-            )));
-        }
-        let quote = |s: &str| match format {
-            TextFormat::Csv => csv_field(s),
-            TextFormat::JsonRows => json_string(s),
-        };
-        let labels: Vec<Vec<String>> = self
-            .labels
+        self.check(start, stop)?;
+        let keys: Vec<String> = self
+            .names
             .iter()
-            .map(|l| l.iter().map(|s| quote(s)).collect())
+            .map(|n| {
+                let mut key = String::new();
+                push_json_string(n, &mut key);
+                key + ": "
+            })
             .collect();
-        let keys: Vec<String> = self.names.iter().map(|n| json_string(n) + ": ").collect();
         let chunks: Vec<(usize, usize)> = (start..stop)
             .step_by(CHUNK)
             .map(|a| (a, (a + CHUNK).min(stop)))
@@ -137,7 +137,7 @@ impl TextTable<'_> {
             .map(|(a, b)| {
                 let mut out = String::with_capacity((b - a) * 64 * self.sources.len().max(1));
                 for r in a..b {
-                    self.row(format, r, r == start, &labels, &keys, &mut out);
+                    self.row(format, r, r == start, &keys, &mut out);
                 }
                 out
             })
@@ -149,15 +149,7 @@ impl TextTable<'_> {
         Ok(out)
     }
 
-    fn row(
-        &self,
-        format: TextFormat,
-        r: usize,
-        first: bool,
-        labels: &[Vec<String>],
-        keys: &[String],
-        out: &mut String,
-    ) {
+    fn row(&self, format: TextFormat, r: usize, first: bool, keys: &[String], out: &mut String) {
         let json = format == TextFormat::JsonRows;
         if json {
             out.push_str(if first { "{" } else { ", {" });
@@ -188,7 +180,12 @@ impl TextTable<'_> {
                     });
                 }
                 ColumnSource::Label(j) => {
-                    out.push_str(&labels[j][self.codes[r * self.code_width + j] as usize]);
+                    let label = &self.labels[j][self.codes[r * self.code_width + j] as usize];
+                    if json {
+                        push_json_string(label, out);
+                    } else {
+                        push_csv_field(label, out);
+                    }
                 }
             }
         }
@@ -280,18 +277,19 @@ fn shortest_digits(text: &str, digits: &mut [u8; 24]) -> (usize, i32) {
 
 /// A CSV field as `csv.writer` (QUOTE_MINIMAL) writes it: quoted, with quotes doubled, where
 /// it holds a comma, a quote or a line break.
-pub fn csv_field(s: &str) -> String {
+pub fn push_csv_field(s: &str, out: &mut String) {
     if s.contains([',', '"', '\r', '\n']) {
-        format!("\"{}\"", s.replace('"', "\"\""))
+        out.push('"');
+        out.push_str(&s.replace('"', "\"\""));
+        out.push('"');
     } else {
-        s.to_string()
+        out.push_str(s);
     }
 }
 
 /// A JSON string as `json.dumps` writes it (`ensure_ascii`: every character beyond ASCII as
 /// `\uXXXX`, in surrogate pairs beyond the basic plane).
-pub fn json_string(s: &str) -> String {
-    let mut out = String::with_capacity(s.len() + 2);
+pub fn push_json_string(s: &str, out: &mut String) {
     out.push('"');
     for c in s.chars() {
         match c {
@@ -312,7 +310,6 @@ pub fn json_string(s: &str) -> String {
         }
     }
     out.push('"');
-    out
 }
 
 #[cfg(test)]
@@ -351,6 +348,18 @@ mod tests {
         for (x, want) in cases {
             assert_eq!(repr(x), want, "{x:e}");
         }
+    }
+
+    fn csv_field(s: &str) -> String {
+        let mut out = String::new();
+        push_csv_field(s, &mut out);
+        out
+    }
+
+    fn json_string(s: &str) -> String {
+        let mut out = String::new();
+        push_json_string(s, &mut out);
+        out
     }
 
     #[test]
