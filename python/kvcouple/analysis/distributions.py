@@ -8,10 +8,34 @@ replicates keep their relative accuracy (as scipy's ``ndtr`` and ``stdtr`` do).
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from statistics import NormalDist
 
 _STANDARD_NORMAL = NormalDist()
 _SQRT2 = math.sqrt(2.0)
+
+
+def linear_between(a: float, b: float, t: float) -> float:
+    """``a`` and ``b`` (``a <= b``) interpolated at ``t`` in [0, 1] as ``numpy.quantile``'s
+    linear method does, to the bit (from the nearer end); ``a`` where they are equal (two
+    infinities too, which numpy's formula turns into NaN), and either end itself at ``t`` 0 or
+    1 (an infinite end too)."""
+    if a == b or t == 0.0:
+        return a
+    if t == 1.0:
+        return b
+    return b - (b - a) * (1 - t) if t >= 0.5 else a + (b - a) * t
+
+
+def sorted_quantile(ordered: Sequence[float], q: float) -> float:
+    """``numpy.quantile(values, q)`` (linear) of values already in ascending order, without
+    NaN; without numpy, whose quantile imports ``numpy.ma`` (35 ms on every command)."""
+    if not len(ordered):
+        return math.nan
+    pos = (len(ordered) - 1) * q
+    lo = math.floor(pos)
+    hi = min(lo + 1, len(ordered) - 1)
+    return linear_between(float(ordered[lo]), float(ordered[hi]), pos - lo)
 
 
 def norm_cdf(z: float) -> float:

@@ -340,7 +340,7 @@ def _preregistration(
     unregistered plan is refused unless ``allow_unregistered``."""
     stamps = []
     for reader, p in zip(readers, paths, strict=True):
-        ok, stamp = registration_status(plan, p)
+        ok, stamp = registration_status(plan, p, reader.attrs)
         if doc_set == "confirmatory" and not ok and not allow_unregistered:
             raise PlanError(
                 f"refusing a confirmatory analysis of {reader.path}: {stamp}. Register the plan "

@@ -460,14 +460,18 @@ def register_plan(plan: Plan, store: str | os.PathLike[str]) -> dict[str, Any]:
     return out
 
 
-def registration_status(plan: Plan | None, store: str | os.PathLike[str]) -> tuple[bool, str]:
+def registration_status(
+    plan: Plan | None, store: str | os.PathLike[str], attrs: dict[str, Any] | None = None
+) -> tuple[bool, str]:
     """``(preregistered, what to stamp on every output)`` for analysing ``store`` under
-    ``plan``'s confirmatory documents (``plan=None``: without a plan)."""
+    ``plan``'s confirmatory documents (``plan=None``: without a plan). ``attrs``: the store's
+    attributes where the caller has read them already (else they are read here)."""
     from kvcouple.store import registry as reg
 
     if not Path(store).is_dir():
         return False, f"not preregistered: the registry of {store} is not checked (not local)"
-    attrs = _store_attrs(Path(store))
+    if attrs is None:
+        attrs = _store_attrs(Path(store))
     try:
         content = reg.load(store, attrs)
     except reg.RegistryError as e:

@@ -32,6 +32,7 @@ from typing import Any
 import numpy as np
 
 from kvcouple import _core
+from kvcouple.analysis.distributions import linear_between
 from kvcouple.errors import StoreError
 from kvcouple.store.reader import TraceStoreReader
 
@@ -259,11 +260,10 @@ class PooledSteps:
         pos = pct / 100.0 * (self.size - 1)
         lo = math.floor(pos)
         a, b = self._order(lo), self._order(min(lo + 1, self.size - 1))
-        if a == b:  # also two infinities, which numpy's interpolation turns into NaN
-            return a
         if self.counts is None:  # numpy.percentile's linear interpolation, to the bit
-            t = pos - lo
-            return b - (b - a) * (1 - t) if t >= 0.5 else a + (b - a) * t
+            return linear_between(a, b, pos - lo)
+        if a == b:  # also two infinities, which interpolation turns into NaN
+            return a
         return a + (pos - lo) * (b - a)
 
     def _sorted(self) -> np.ndarray:

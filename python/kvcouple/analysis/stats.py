@@ -36,6 +36,7 @@ from kvcouple.analysis.bootstrap import (
     StatFn,
     normal_scores,
 )
+from kvcouple.analysis.distributions import sorted_quantile
 from kvcouple.analysis.studentized import studentized_estimate, sup_t_band
 from kvcouple.deprecation import module_getattr, moved_getattr
 
@@ -292,7 +293,9 @@ def _replicate_band(
         # A replicate at +-1 (every drawn document at an end) lies beyond any band: inf.
         with np.errstate(invalid="ignore"):
             dev = np.abs(boot[:, varying] - point[varying]) / sd[varying]
-        c = float(np.quantile(np.nanmax(np.where(np.isnan(dev), -np.inf, dev), axis=1), bs.level))
+        c = sorted_quantile(
+            np.sort(np.nanmax(np.where(np.isnan(dev), -np.inf, dev), axis=1)), bs.level
+        )
     else:
         c = 0.0
     if bs.method == "expanded-bca":

@@ -53,7 +53,8 @@ def recorded_nan(
     if mark is None:
         first = tuple(int(i) for i in full[0])
         return first, "nan", "finite (NaN is never written to it)"
-    for doc in np.unique(full[:, 0]):
+    # sorted(set()) rather than np.unique, which imports numpy.ma (35 ms on every command).
+    for doc in sorted(set(full[:, 0].tolist())):
         rows = full[full[:, 0] == doc]
         # The given marks are one document's: the block's (its document is its origin's lead).
         known = marks.get(mark) if marks is not None and len(lead) == 1 else None
