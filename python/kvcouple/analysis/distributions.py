@@ -8,7 +8,7 @@ replicates keep their relative accuracy (as scipy's ``ndtr`` and ``stdtr`` do).
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from typing import Any, Protocol
 from statistics import NormalDist
 
 _STANDARD_NORMAL = NormalDist()
@@ -27,7 +27,14 @@ def linear_between(a: float, b: float, t: float) -> float:
     return b - (b - a) * (1 - t) if t >= 0.5 else a + (b - a) * t
 
 
-def sorted_quantile(ordered: Sequence[float], q: float) -> float:
+class _Ordered(Protocol):
+    """Values in ascending order (a list, or a numpy array)."""
+
+    def __len__(self) -> int: ...
+    def __getitem__(self, i: int, /) -> Any: ...
+
+
+def sorted_quantile(ordered: _Ordered, q: float) -> float:
     """``numpy.quantile(values, q)`` (linear) of values already in ascending order, without
     NaN; without numpy, whose quantile imports ``numpy.ma`` (35 ms on every command)."""
     if not len(ordered):

@@ -18,6 +18,41 @@ from kvcouple.analysis.distributions import norm_ppf, t_ppf
 # A statistic reads column means by name (``g(column)``) and returns its value.
 Getter = Callable[[str], np.ndarray]
 StatFn = Callable[[Getter], np.ndarray]
+# Its derivatives with respect to the column means it reads, by column name (others: 0).
+DerivativesFn = Callable[[Getter], dict[str, np.ndarray]]
+
+
+@dataclass(frozen=True)
+class Statistic:
+    """A statistic (a :data:`StatFn`) that knows its derivatives in closed form: the delta
+    method (:class:`kvcouple.analysis.studentized.DeltaMethod`) uses them instead of central
+    differences, which cost two evaluations of the statistic per column it reads."""
+
+    value: StatFn
+    derivatives: DerivativesFn
+
+    def __call__(self, g: Getter) -> np.ndarray:
+        return self.value(g)
+
+
+def paired_difference(fa: StatFn, fb: StatFn) -> StatFn:
+    """The paired difference ``fb - fa`` of two statistics (a :class:`Statistic` where both
+    know their derivatives)."""
+
+    def value(g: Getter) -> np.ndarray:
+        return fb(g) - fa(g)
+
+    if not (isinstance(fa, Statistic) and isinstance(fb, Statistic)):
+        return value
+
+    def derivatives(g: Getter) -> dict[str, np.ndarray]:
+        out = dict(fb.derivatives(g))
+        for c, d in fa.derivatives(g).items():
+            out[c] = out[c] - d if c in out else -d
+        return out
+
+    return Statistic(value, derivatives)
+
 
 CI_METHODS = ("percentile", "bca", "expanded-bca", "studentized")
 DEFAULT_CI_METHOD = "studentized"

@@ -44,6 +44,9 @@ INTERVALS = ("bootstrap", "test-inversion")
 # (``columns(name)``: numbers, or arrays over bootstrap resamples) and the horizon T.
 Columns = Callable[[str], Any]
 Formula = Callable[[Columns, float], Any]
+# A formula's derivatives with respect to the column means it reads, by column name (those
+# not named: 0), where the delta method should not take central differences over them.
+Derivatives = Callable[[Columns, float], dict[str, Any]]
 
 
 @dataclass(frozen=True)
@@ -60,6 +63,8 @@ class Quantity:
     interval: str = "bootstrap"
     # How the analysis computes it from column means (per-policy quantities only).
     formula: Formula | None = None
+    # Its derivatives in closed form, where central differences would cost too much.
+    derivatives: Derivatives | None = None
 
     def value_range(self, horizon: int) -> tuple[float, float]:
         """The values the quantity can take at horizon ``T``."""
@@ -92,9 +97,10 @@ def _q(
     definition: str,
     interval: str = "bootstrap",
     formula: Formula | None = None,
+    derivatives: Derivatives | None = None,
 ) -> Quantity:
     assert unit in UNITS and interval in INTERVALS, (unit, interval)
-    return Quantity(name, unit, label, low, high, definition, interval, formula)
+    return Quantity(name, unit, label, low, high, definition, interval, formula, derivatives)
 
 
 def _mean(column: str) -> Formula:
@@ -102,12 +108,22 @@ def _mean(column: str) -> Formula:
     return lambda c, T: c(column)
 
 
+def _pooled_pmf(c: Columns, T: float) -> np.ndarray:
+    """The pooled law of tau, ``P(tau = t)`` for t = 1..T along the first axis."""
+    return np.stack([np.asarray(c(f"pmf|{t}"), float) for t in range(1, int(T) + 1)])
+
+
 def _pooled_median(c: Columns, T: float) -> Any:
     """The median step of the pooled (document-averaged) divergence-time law given tau <= T
     (:func:`kvcouple.decomposition.median_step`); NaN if nothing diverges."""
-    return dc.median_step(
-        np.stack([np.asarray(c(f"pmf|{t}"), float) for t in range(1, int(T) + 1)])
-    )
+    return dc.median_step(_pooled_pmf(c, T))
+
+
+def _pooled_median_derivatives(c: Columns, T: float) -> dict[str, Any]:
+    """:func:`_pooled_median`'s derivatives by pmf column
+    (:func:`kvcouple.decomposition.median_step_gradient`)."""
+    grad = dc.median_step_gradient(_pooled_pmf(c, T))
+    return {f"pmf|{t}": grad[t - 1] for t in range(1, int(T) + 1)}
 
 
 def _window_tv(part: str) -> Formula:
@@ -158,7 +174,7 @@ SUMMARY = (
        formula=lambda c, T: dc.ratio(c("tau_mass"), c("occurrence"))),
     _q("median_tau", "steps", "median divergence step", 0.5, "T+1/2",
        "median of the pooled law of tau given tau <= T, step t spread over (t-1/2, t+1/2]",
-       "test-inversion", formula=_pooled_median),
+       "test-inversion", formula=_pooled_median, derivatives=_pooled_median_derivatives),
     _q("rmst", "tokens", "restricted mean time to divergence", 0.0, "T",
        "E[min(tau, T)] = sum_{t<T} S_t",
        # E[min(tau, T)] = T - E[(T - tau)+]: the survival curve summed over t = 0..T-1.

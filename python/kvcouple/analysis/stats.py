@@ -37,6 +37,7 @@ from kvcouple.analysis.bootstrap import (
     normal_scores,
 )
 from kvcouple.analysis.distributions import sorted_quantile
+from kvcouple.analysis.intervals import Statistic, paired_difference
 from kvcouple.analysis.studentized import studentized_estimate, sup_t_band
 from kvcouple.deprecation import module_getattr, moved_getattr
 
@@ -123,11 +124,23 @@ def quantity_scale(name: str, horizon: int, paired: bool = False) -> Scale:
 def quantity_fn(policy: str, name: str, horizon: int) -> StatFn:
     """The statistic ``name`` of ``policy`` as a function of column means: the registry's
     formula (:attr:`kvcouple.analysis.quantities.Quantity.formula`) on the policy's columns."""
-    formula = quantities.quantity(name).formula
+    q = quantities.quantity(name)
+    formula, derivatives = q.formula, q.derivatives
     if formula is None:
         raise KeyError(f"{name!r} has no formula in the registry (kvcouple.analysis.quantities)")
     T = float(horizon)
-    return lambda g: formula(_prefixed(g, f"{policy}|"), T)
+    prefix = f"{policy}|"
+
+    def value(g: Getter) -> np.ndarray:
+        return formula(_prefixed(g, prefix), T)
+
+    if derivatives is None:
+        return value
+
+    def by_column(g: Getter) -> dict[str, np.ndarray]:
+        return {prefix + c: d for c, d in derivatives(_prefixed(g, prefix), T).items()}
+
+    return Statistic(value, by_column)
 
 
 def summary_estimates(
@@ -188,7 +201,7 @@ def _average(arrays: Sequence[np.ndarray]) -> np.ndarray:
 
 def difference(fa: StatFn, fb: StatFn) -> StatFn:
     """The paired difference ``fb - fa`` of two statistics."""
-    return lambda g: fb(g) - fa(g)
+    return paired_difference(fa, fb)
 
 
 def _gap_parts(g: Getter, p: str, T: float) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

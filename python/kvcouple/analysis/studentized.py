@@ -18,7 +18,15 @@ from typing import Protocol
 import numpy as np
 
 from kvcouple import _core
-from kvcouple.analysis.intervals import UNBOUNDED, Estimate, Getter, Scale, StatFn, beside_range
+from kvcouple.analysis.intervals import (
+    UNBOUNDED,
+    Estimate,
+    Getter,
+    Scale,
+    StatFn,
+    Statistic,
+    beside_range,
+)
 
 
 class Resamples(Protocol):
@@ -200,7 +208,28 @@ class DeltaMethod:
 
     def gradient(self, f: StatFn, cols: list[int], means: np.ndarray) -> np.ndarray:
         """``d f / d mean_j`` for ``j`` in ``cols`` at ``means`` ((cols,) or (n_boot, cols)):
-        central differences, (len(cols),) or (n_boot, len(cols))."""
+        a :class:`~kvcouple.analysis.intervals.Statistic`'s own derivatives, else central
+        differences (:meth:`central_differences`); (len(cols),) or (n_boot, len(cols))."""
+        if not isinstance(f, Statistic):
+            return self.central_differences(f, cols, means)
+        index, rest = self.index, means.shape[:-1]
+        got = f.derivatives(lambda c: means[..., index[c]])
+        names = self.bs.names
+        zero = np.zeros(rest)
+        return (
+            np.stack(
+                [
+                    np.broadcast_to(np.asarray(got.get(names[j], zero), np.float64), rest)
+                    for j in cols
+                ],
+                axis=-1,
+            )
+            if cols
+            else np.zeros(rest + (0,))
+        )
+
+    def central_differences(self, f: StatFn, cols: list[int], means: np.ndarray) -> np.ndarray:
+        """:meth:`gradient` by central differences: two evaluations of ``f`` per column."""
         index = self.index
 
         def shifted(j: int, h: float) -> Getter:
