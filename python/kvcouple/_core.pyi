@@ -105,6 +105,7 @@ def store_blocks_tv(
     decode_only: bool = False,
     top_delta: bool = False,
 ) -> tuple[npt.NDArray[np.float64], tuple[str, str, str] | None]: ...
+def store_crc32c(data: bytes) -> int: ...
 def store_decode_chunks(
     metas: list[str],
     which: list[int],

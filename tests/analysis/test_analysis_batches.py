@@ -80,9 +80,10 @@ def test_a_batch_equals_one_task_per_document(store, monkeypatch):
     one_by_one = [analyze_doc(reader, d, options) for d in docs]
     assert all(r.error is None and r.check is not None for r in one_by_one)
     assert all(r.check.rows_checked > 0 for r in one_by_one)
+    fresh = TraceStoreReader(store)  # opening it decodes the completion flags
     decodes = _counting(monkeypatch, "store_decode_chunks")
     tvs = _counting(monkeypatch, "store_blocks_tv")
-    batch = analyze_docs(TraceStoreReader(store), docs, options)
+    batch = analyze_docs(fresh, docs, options)
     _assert_same(batch, one_by_one)
     # The batch took the batched path: one read of the summaries with the scoreboard's
     # top1_agree and one call per pair of variables (path, branches)

@@ -8,8 +8,8 @@ replicates keep their relative accuracy (as scipy's ``ndtr`` and ``stdtr`` do).
 from __future__ import annotations
 
 import math
-from typing import Any, Protocol
 from statistics import NormalDist
+from typing import Any, Protocol
 
 _STANDARD_NORMAL = NormalDist()
 _SQRT2 = math.sqrt(2.0)

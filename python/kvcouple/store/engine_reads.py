@@ -13,7 +13,6 @@ the same messages.
 from __future__ import annotations
 
 import itertools
-import os
 import sys
 import threading
 from collections.abc import Sequence
@@ -24,7 +23,7 @@ from typing import Any, overload
 import numpy as np
 
 from kvcouple.errors import StoreError
-from kvcouple.store.geometry import StoreGeometry, is_url, zarr_major
+from kvcouple.store.geometry import StoreGeometry, engine_forced_off, is_url, zarr_major
 from kvcouple.store.object_storage import ObjectStorageReads
 from kvcouple.store.validation import StoreValidation
 
@@ -47,11 +46,7 @@ class EngineSwitch:
 
     @property
     def off(self) -> bool:
-        return (
-            self.turned_off
-            or (is_url(self.path) and zarr_major() < 3)
-            or os.environ.get("KVCOUPLE_STORE_ENGINE", "auto") == "zarr"
-        )
+        return self.turned_off or (is_url(self.path) and zarr_major() < 3) or engine_forced_off()
 
 
 class EngineReads:
@@ -321,7 +316,9 @@ class EngineReads:
 
         arrays = [self.geometry.array(n) for n in names]
         keys = self.geometry.doc_keys(names, doc)
-        store = arrays[0].store_path.store
+        # zarr-python's arrays (a StoredArray opens its own), opened outside the event loop.
+        asyncs = [getattr(a, "zarr_array", a)._async_array for a in arrays]
+        store = asyncs[0].store_path.store
         whole = (slice(doc, doc + 1),)
         if any(self.geometry.missing_inner(n, whole + (slice(None),) * (a.ndim - 1))
                for n, a in zip(names, arrays, strict=True)):  # fmt: skip
@@ -331,9 +328,7 @@ class EngineReads:
             there = await asyncio.gather(*(store.exists(k) for k in keys))
             if not all(there):
                 return list(there), []
-            got = await asyncio.gather(
-                *(a._async_array.getitem((doc,)) for a in arrays), return_exceptions=True
-            )
+            got = await asyncio.gather(*(a.getitem((doc,)) for a in asyncs), return_exceptions=True)
             return list(there), list(got)
 
         there, got = sync(both())

@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 
 from kvcouple.errors import StoreError
+from kvcouple.store.stored_array import LocalGroup, StoredArray, v3_metadata
 
 # An absent inner chunk's offset and size in a shard's index.
 _ABSENT = 2**64 - 1
@@ -23,6 +24,12 @@ _ABSENT = 2**64 - 1
 def is_url(path: str) -> bool:
     """A store address for fsspec (``s3://bucket/run.zarr``) rather than a local path."""
     return "://" in path and not path.startswith("file://")
+
+
+def engine_forced_off() -> bool:
+    """``KVCOUPLE_STORE_ENGINE=zarr``: every read goes through zarr-python, none through the
+    Rust engine (nor the zarr-free local reads of :mod:`kvcouple.store.stored_array`)."""
+    return os.environ.get("KVCOUPLE_STORE_ENGINE", "auto") == "zarr"
 
 
 def zarr_major() -> int:
@@ -65,11 +72,12 @@ class StoreGeometry:
         self.path = str(path)
         self.storage_options = dict(storage_options or {})
         self._group: Any = None
+        self._zarr_group: Any = None
         self._arrays: dict[str, Any] = {}
 
     def __getstate__(self) -> dict[str, Any]:
         # Open Zarr objects belong to this process: a Dask worker opens its own.
-        return {**self.__dict__, "_group": None, "_arrays": {}}
+        return {**self.__dict__, "_group": None, "_zarr_group": None, "_arrays": {}}
 
     @property
     def group(self) -> Any:
@@ -78,19 +86,32 @@ class StoreGeometry:
         return self._group
 
     def _open_group(self) -> Any:
-        import zarr
+        """A local Zarr v3 store's root group read without zarr-python
+        (:class:`~kvcouple.store.stored_array.LocalGroup`); any other, zarr-python's."""
+        if not is_url(self.path):
+            if not os.path.exists(self.path):
+                raise StoreError(f"no trace store at {self.path}")
+            if not_a_store(self.path):
+                raise StoreError(not_a_store(self.path))
+            meta = None if engine_forced_off() else v3_metadata(self.path)
+            if meta is not None and meta.get("node_type") == "group":
+                return LocalGroup(self.path, meta, lambda name: self.zarr_group[name])
+        return self.zarr_group
 
-        if not is_url(self.path) and not os.path.exists(self.path):
-            raise StoreError(f"no trace store at {self.path}")
-        kw: dict[str, Any] = {"mode": "r"}
-        if self.storage_options:
-            kw["storage_options"] = self.storage_options
-        if not is_url(self.path) and not_a_store(self.path):
-            raise StoreError(not_a_store(self.path))
-        try:
-            return zarr.open_group(self.path, **kw)
-        except Exception as e:  # zarr and fsspec raise many types for unreadable metadata
-            raise StoreError(f"{self.path} is not a readable Zarr store: {e}") from e
+    @property
+    def zarr_group(self) -> Any:
+        """The store's root group opened with zarr-python (imported on first use)."""
+        if self._zarr_group is None:
+            import zarr
+
+            kw: dict[str, Any] = {"mode": "r"}
+            if self.storage_options:
+                kw["storage_options"] = self.storage_options
+            try:
+                self._zarr_group = zarr.open_group(self.path, **kw)
+            except Exception as e:  # zarr and fsspec raise many types for unreadable metadata
+                raise StoreError(f"{self.path} is not a readable Zarr store: {e}") from e
+        return self._zarr_group
 
     def array(self, name: str) -> Any:
         arr = self._arrays.get(name)
@@ -121,7 +142,7 @@ class StoreGeometry:
     def chunk_key(self, name: str, coords: tuple[int, ...]) -> str:
         """The storage key (relative to the store) of stored object ``coords`` of ``name``."""
         arr = self.array(name)
-        if zarr_major() >= 3:
+        if isinstance(arr, StoredArray) or zarr_major() >= 3:
             return f"{arr.path}/{arr.metadata.encode_chunk_key(tuple(coords))}"
         return str(arr._chunk_key(tuple(coords)))
 
@@ -211,6 +232,8 @@ class StoreGeometry:
         """The keys of ``keys`` that are absent from the store (asked concurrently)."""
         if not keys:
             return []
+        if isinstance(self.group, LocalGroup):
+            return [k for k in keys if not os.path.exists(os.path.join(self.path, k))]
         arr = self.any_array()
         if zarr_major() >= 3:
             import asyncio

@@ -303,7 +303,15 @@ pub fn store_decode_chunks<'py>(
     })
 }
 
+/// The crc32c (Castagnoli) checksum of `data`, as zarr's `crc32c` codec appends it to a chunk:
+/// for the chunks read without the engine's decoders (string coordinates, `vlen-utf8`).
+#[pyfunction]
+pub fn store_crc32c(data: &[u8]) -> u32 {
+    crc32c::crc32c(data)
+}
+
 pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_function(wrap_pyfunction!(store_crc32c, m)?)?;
     m.add_function(wrap_pyfunction!(store_decode_chunks, m)?)?;
     m.add_function(wrap_pyfunction!(store_blocks_tv, m)?)?;
     m.add_function(wrap_pyfunction!(store_chunks_tv, m)?)?;
