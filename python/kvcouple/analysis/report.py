@@ -25,6 +25,7 @@ import itertools
 import json
 import os
 import warnings
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -134,8 +135,9 @@ def write_report(
         raise InvalidInputError(f"out = {out} exists and is not a directory")
     out.mkdir(parents=True, exist_ok=True)
     tables = tidy_tables(result)
-    for name, rows in tables.items():
-        write_csv(_output(out, f"{name}.csv"), rows, EMPTY_COLUMNS.get(name))
+    for rows in tables.values():  # made once, before the two writers below share it
+        if isinstance(rows, Rows):
+            rows.text_columns()
     payload: dict[str, Any] = {
         "meta": {
             **table_meta(result),
@@ -156,7 +158,13 @@ def write_report(
         },
         **tables,
     }
-    _write_json(_output(out, "results.json"), payload)
+    # results.json beside the CSVs: both format in Rust and write with the GIL released
+    # (at 100k documents, 200 MB and 90 MB of text).
+    with ThreadPoolExecutor(1) as pool:
+        json_written = pool.submit(_write_json, _output(out, "results.json"), payload)
+        for name, rows in tables.items():
+            write_csv(_output(out, f"{name}.csv"), rows, EMPTY_COLUMNS.get(name))
+        json_written.result()
     images: dict[str, bytes] = {}
     if figures:
         try:
