@@ -155,15 +155,20 @@ def test_interval_covers_the_population_median(shape):
     assert abs(hits / studies - 0.95) <= 3 * se, hits / studies
 
 
-def test_paired_difference_gets_the_methods_interval_on_the_difference_scale(tmp_path):
-    # Not the percentile interval: the studentized one on [-T, T] (docs/statistics.md).
+def _two_policy_store(tmp_path):
+    """12 documents, policies a and b (b diverges more), T = 6."""
     pairs = {
         "a": {"P": np.full((5, 5), 0.2), "Q": np.full((5, 5), 0.2) * 0.6 + 0.4 * np.eye(5)},
         "b": {"P": np.full((5, 5), 0.2), "Q": np.full((5, 5), 0.2) * 0.3 + 0.7 * np.eye(5)},
     }
-    store = write_synthetic_trace_store(
+    return write_synthetic_trace_store(
         tmp_path / "s.zarr", pairs, horizon=6, branches=2, replicates=8, docs=12, seed=2
     )
+
+
+def test_paired_difference_gets_the_methods_interval_on_the_difference_scale(tmp_path):
+    # Not the percentile interval: the studentized one on [-T, T] (docs/statistics.md).
+    store = _two_policy_store(tmp_path)
     m = analyze(store, n_boot=300).models[0]
     T, bs = m.horizon, m.bootstrap
     assert bs is not None and bs.method == "studentized"
@@ -207,13 +212,7 @@ def test_median_gradient_in_closed_form_is_the_central_differences():
 
 
 def test_delta_method_uses_the_median_differences_closed_form(tmp_path):
-    pairs = {
-        "a": {"P": np.full((5, 5), 0.2), "Q": np.full((5, 5), 0.2) * 0.6 + 0.4 * np.eye(5)},
-        "b": {"P": np.full((5, 5), 0.2), "Q": np.full((5, 5), 0.2) * 0.3 + 0.7 * np.eye(5)},
-    }
-    store = write_synthetic_trace_store(
-        tmp_path / "s.zarr", pairs, horizon=6, branches=2, replicates=8, docs=12, seed=2
-    )
+    store = _two_policy_store(tmp_path)
     bs = analyze(store, n_boot=300).models[0].bootstrap
     assert bs is not None
     f = st.difference(*(st.quantity_fn(p, "median_tau", 6) for p in ("a", "b")))
