@@ -101,10 +101,12 @@ def median_step_gradient(pmf: Any) -> np.ndarray:
     """``d median_step / d P(tau = s)`` for every step ``s`` (the shape of ``pmf``: steps
     along the first axis, resamples along the others), inside the median's step ``t``:
     ``-1/(2 p_t)`` for ``s < t`` (mass moved below the median), ``(1/2 - share)/p_t`` at
-    ``s = t`` and ``1/(2 p_t)`` for ``s > t``, with ``share = (total/2 - F(t-1))/p_t``; 0
-    where the share is at an end of its class (clipped), NaN where the median is. The
-    studentized interval's delta method uses it for a median difference instead of central
-    differences over all 2T columns (4T evaluations of the median over every resample)."""
+    ``s = t`` and ``1/(2 p_t)`` for ``s > t``, with ``share = (total/2 - F(t-1))/p_t``. NaN
+    where the median is, and where it is at an end of its class (the law reaches 1/2 exactly
+    at a step's end, as resamples of a few documents whose laws sit on one step do): there it
+    has no derivative, and the caller takes central differences. The studentized interval's
+    delta method uses it for a median difference instead of central differences over all 2T
+    columns (4T evaluations of the median over every resample)."""
     pmf = np.asarray(pmf, np.float64)
     cum = np.cumsum(pmf, axis=0)
     total = cum[-1]
@@ -118,5 +120,4 @@ def median_step_gradient(pmf: Any) -> np.ndarray:
     steps = np.arange(pmf.shape[0]).reshape((-1,) + (1,) * (pmf.ndim - 1))
     grad = np.where(steps < at, -half, half)
     grad = np.where(steps == at, divided_where(0.5 - share, mass, inside), grad)
-    grad = np.where(inside, grad, 0.0)
-    return np.where(ok, grad, np.nan)
+    return np.where(inside, grad, np.nan)

@@ -228,3 +228,29 @@ def test_delta_method_uses_the_median_differences_closed_form(tmp_path):
             for t in range(1, 7):
                 want[..., names.index(f"{pol}|pmf|{t}")] += sign * grad[t - 1]
         np.testing.assert_array_equal(dm.gradient(f, cols, means), want)
+
+
+def test_a_median_at_its_class_end_takes_central_differences():
+    # Documents whose laws sit on one step, half at step 1 and half at step 2: the pooled law
+    # reaches 1/2 exactly at step 1's end, where the median has no derivative. The closed form
+    # says so (NaN) and the delta method takes central differences there, as it did before.
+    pmf = np.zeros((16, 4))
+    pmf[:8, 0], pmf[8:, 1] = 1.0, 1.0
+    assert np.isnan(dc.median_step_gradient(pmf.mean(0))).all()
+    cols = {
+        f"{p}|pmf|{t + 1}": law[:, t] for p, law in (("a", pmf), ("b", pmf[::-1])) for t in range(4)
+    }
+    bs = bootstrap_table(Table([f"d{i}" for i in range(16)], cols), 200, 1, 0.95)
+    f = st.difference(*(st.quantity_fn(p, "median_tau", 4) for p in ("a", "b")))
+    assert isinstance(f, Statistic)
+    dm = DeltaMethod(bs, [f])
+    (used,) = dm.cols
+    # At the point (the class's end): central differences themselves.
+    np.testing.assert_array_equal(
+        dm.gradient(f, used, bs.point), dm.central_differences(f, used, bs.point)
+    )
+    # Inside a class (the resamples'): the closed form, which central differences approach
+    # (to their rounding: a column that is 0 in every document is stepped by 1e-12).
+    np.testing.assert_allclose(
+        dm.gradient(f, used, bs.reps), dm.central_differences(f, used, bs.reps), rtol=1e-3
+    )

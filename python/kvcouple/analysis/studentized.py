@@ -208,25 +208,29 @@ class DeltaMethod:
 
     def gradient(self, f: StatFn, cols: list[int], means: np.ndarray) -> np.ndarray:
         """``d f / d mean_j`` for ``j`` in ``cols`` at ``means`` ((cols,) or (n_boot, cols)):
-        a :class:`~kvcouple.analysis.intervals.Statistic`'s own derivatives, else central
-        differences (:meth:`central_differences`); (len(cols),) or (n_boot, len(cols))."""
-        if not isinstance(f, Statistic):
+        a :class:`~kvcouple.analysis.intervals.Statistic`'s own derivatives (central
+        differences where they are NaN), else central differences
+        (:meth:`central_differences`); (len(cols),) or (n_boot, len(cols))."""
+        if not isinstance(f, Statistic) or not cols:
             return self.central_differences(f, cols, means)
         index, rest = self.index, means.shape[:-1]
         got = f.derivatives(lambda c: means[..., index[c]])
         names = self.bs.names
         zero = np.zeros(rest)
-        return (
-            np.stack(
-                [
-                    np.broadcast_to(np.asarray(got.get(names[j], zero), np.float64), rest)
-                    for j in cols
-                ],
-                axis=-1,
-            )
-            if cols
-            else np.zeros(rest + (0,))
+        grad = np.stack(
+            [np.broadcast_to(np.asarray(got.get(names[j], zero), np.float64), rest) for j in cols],
+            axis=-1,
         )
+        # Where the statistic has no derivative (NaN: a median at its class's end), central
+        # differences, as for any statistic.
+        kink = np.isnan(grad).any(axis=-1)
+        if not kink.any():
+            return grad
+        if not rest:
+            return self.central_differences(f, cols, means)
+        grad = grad.copy()
+        grad[kink] = self.central_differences(f, cols, means[kink])
+        return grad
 
     def central_differences(self, f: StatFn, cols: list[int], means: np.ndarray) -> np.ndarray:
         """:meth:`gradient` by central differences: two evaluations of ``f`` per column."""
