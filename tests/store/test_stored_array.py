@@ -179,3 +179,20 @@ def test_the_engine_forced_off_reads_with_zarr_python(store, monkeypatch):
     geometry = StoreGeometry(store)
     assert not isinstance(geometry.group, LocalGroup)
     assert not isinstance(geometry.array("hazard"), StoredArray)
+
+
+def test_metadata_it_does_not_take_as_given_goes_to_zarr_python(store, tmp_path):
+    # A chunk shape of 0 and a fill value given as a bit pattern are not read here (no division
+    # by zero, no fill value taken for a number): the array is zarr-python's.
+    copy = tmp_path / "copy.zarr"
+    shutil.copytree(store, copy)
+    meta = json.loads((copy / "step" / "zarr.json").read_text())
+    meta["fill_value"] = "0x00000000"
+    (copy / "step" / "zarr.json").write_text(json.dumps(meta))
+    meta = json.loads((copy / "lag" / "zarr.json").read_text())
+    meta["chunk_grid"]["configuration"]["chunk_shape"] = [0]
+    (copy / "lag" / "zarr.json").write_text(json.dumps(meta))
+    group = StoreGeometry(copy).group
+    assert not isinstance(group["step"], StoredArray)
+    assert not isinstance(group["lag"], StoredArray)
+    assert isinstance(group["rep"], StoredArray)  # the others as before

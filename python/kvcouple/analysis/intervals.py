@@ -35,25 +35,6 @@ class Statistic:
         return self.value(g)
 
 
-def paired_difference(fa: StatFn, fb: StatFn) -> StatFn:
-    """The paired difference ``fb - fa`` of two statistics (a :class:`Statistic` where both
-    know their derivatives)."""
-
-    def value(g: Getter) -> np.ndarray:
-        return fb(g) - fa(g)
-
-    if not (isinstance(fa, Statistic) and isinstance(fb, Statistic)):
-        return value
-
-    def derivatives(g: Getter) -> dict[str, np.ndarray]:
-        out = dict(fb.derivatives(g))
-        for c, d in fa.derivatives(g).items():
-            out[c] = out[c] - d if c in out else -d
-        return out
-
-    return Statistic(value, derivatives)
-
-
 CI_METHODS = ("percentile", "bca", "expanded-bca", "studentized")
 DEFAULT_CI_METHOD = "studentized"
 # Resamples of fewer documents take too few distinct values to studentize (with 2, every

@@ -37,7 +37,7 @@ from kvcouple.analysis.bootstrap import (
     normal_scores,
 )
 from kvcouple.analysis.distributions import sorted_quantile
-from kvcouple.analysis.intervals import Statistic, paired_difference
+from kvcouple.analysis.intervals import Statistic
 from kvcouple.analysis.studentized import studentized_estimate, sup_t_band
 from kvcouple.deprecation import module_getattr, moved_getattr
 
@@ -200,8 +200,22 @@ def _average(arrays: Sequence[np.ndarray]) -> np.ndarray:
 
 
 def difference(fa: StatFn, fb: StatFn) -> StatFn:
-    """The paired difference ``fb - fa`` of two statistics."""
-    return paired_difference(fa, fb)
+    """The paired difference ``fb - fa`` of two statistics (a
+    :class:`~kvcouple.analysis.intervals.Statistic` where both know their derivatives)."""
+
+    def value(g: Getter) -> np.ndarray:
+        return fb(g) - fa(g)
+
+    if not (isinstance(fa, Statistic) and isinstance(fb, Statistic)):
+        return value
+
+    def derivatives(g: Getter) -> dict[str, np.ndarray]:
+        out = dict(fb.derivatives(g))
+        for c, d in fa.derivatives(g).items():
+            out[c] = out[c] - d if c in out else -d
+        return out
+
+    return Statistic(value, derivatives)
 
 
 def _gap_parts(g: Getter, p: str, T: float) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

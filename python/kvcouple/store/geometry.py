@@ -15,10 +15,7 @@ from typing import Any
 import numpy as np
 
 from kvcouple.errors import StoreError
-from kvcouple.store.stored_array import LocalGroup, StoredArray, v3_metadata
-
-# An absent inner chunk's offset and size in a shard's index.
-_ABSENT = 2**64 - 1
+from kvcouple.store.stored_array import ABSENT, LocalGroup, StoredArray, shard_index, v3_metadata
 
 
 def is_url(path: str) -> bool:
@@ -200,33 +197,18 @@ class StoreGeometry:
         for cell, _ in self.cells(name, sel, self.decode_grid(name)):
             key = self.chunk_key(name, tuple(c // p for c, p in zip(cell, per, strict=True)))
             if key not in indexes:
-                indexes[key] = self._shard_index(key, count)
+                indexes[key] = shard_index(self.path, key, count)
             found = indexes[key]
             if found is None:
                 continue  # an absent shard: missing() names it
             index, body = found
             inner = int(np.ravel_multi_index(tuple(c % p for c, p in zip(cell, per)), per))
             offset, size = int(index[inner, 0]), int(index[inner, 1])
-            if offset == _ABSENT and size == _ABSENT:
+            if offset == ABSENT and size == ABSENT:
                 out.append((f"{key} (inner chunk {inner})", False))
             elif offset + size > body:
                 out.append((f"{key} (inner chunk {inner})", True))
         return out
-
-    def _shard_index(self, key: str, count: int) -> tuple[np.ndarray, int] | None:
-        """The (offset, size) index at the end of a local shard and the bytes before it (the
-        index's checksum is verified by whichever decoder reads the shard), or None where the
-        shard is absent or too short to hold an index."""
-        try:
-            with open(os.path.join(self.path, key), "rb") as f:
-                body = f.seek(0, os.SEEK_END) - (16 * count + 4)
-                if body < 0:
-                    return None
-                f.seek(body)
-                raw = f.read(16 * count)
-        except OSError:
-            return None
-        return np.frombuffer(raw, "<u8").reshape(count, 2), body
 
     def missing(self, keys: list[str]) -> list[str]:
         """The keys of ``keys`` that are absent from the store (asked concurrently)."""

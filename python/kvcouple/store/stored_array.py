@@ -42,6 +42,8 @@ NUMERIC = {
     "float64": "<f8",
 }
 _FLOAT_FILLS = {"NaN": math.nan, "Infinity": math.inf, "-Infinity": -math.inf}
+# An inner chunk a shard's index marks absent: offset and size both 2**64 - 1.
+ABSENT = 2**64 - 1
 
 
 class ChunkDecodeError(ValueError):
@@ -146,11 +148,20 @@ class StoredArray:
                 and (little or self.dtype.itemsize == 1)
             )
             fill = meta.get("fill_value", 0)
+            if isinstance(fill, str) and fill not in _FLOAT_FILLS:
+                raise ValueError(f"fill value {fill!r}")  # a hex bit pattern: zarr-python's
             self.fill_value = _FLOAT_FILLS.get(fill, fill) if isinstance(fill, str) else fill
         else:
             raise ValueError(f"data type {kind!r}")
-        if not self.ndim or len(self.chunks) != self.ndim:
-            raise ValueError("a scalar array, or chunks of another rank")
+        if (
+            not self.ndim
+            or len(self.chunks) != self.ndim
+            or min(self.chunks) < 1
+            or min(self.shape) < 0
+            or (self.shards is not None and any(s % c for s, c in zip(self.shards, self.chunks)))
+        ):
+            # Metadata this reader does not take as given: zarr-python reads it, or says why.
+            raise ValueError("a scalar array, or chunks of another rank or size")
         self._text = json.dumps(meta)
         self._zarr: Any = None
         self.unsupported = False  # the engine does not read this layout: zarr-python does
@@ -283,21 +294,15 @@ class StoredArray:
 
     def _present(self, key: str, inner: int) -> bool:
         """Whether the object ``key`` (and inner chunk ``inner`` of a shard) is stored."""
-        path = os.path.join(self.root, key)
         if inner < 0:
-            return os.path.exists(path)
+            return os.path.exists(os.path.join(self.root, key))
         assert self.shards is not None
         count = math.prod(s // c for s, c in zip(self.shards, self.chunks, strict=True))
-        try:
-            with open(path, "rb") as f:
-                end = f.seek(0, os.SEEK_END)
-                if end < 16 * count + 4:
-                    return False
-                f.seek(end - (16 * count + 4) + 16 * inner)
-                offset, size = np.frombuffer(f.read(16), "<u8")
-        except OSError:
+        found = shard_index(self.root, key, count)
+        if found is None:
             return False
-        return not (int(offset) == 2**64 - 1 and int(size) == 2**64 - 1)
+        offset, size = (int(v) for v in found[0][inner])
+        return not (offset == ABSENT and size == ABSENT)
 
     def _plain(self, key: str) -> np.ndarray | None:
         """An uncompressed chunk (``bytes``, or a string coordinate's ``vlen-utf8``), its
@@ -346,6 +351,23 @@ def _vlen_utf8(raw: bytes, key: str) -> list[str]:
     except (ValueError, UnicodeDecodeError) as e:
         raise ChunkDecodeError(f"chunk {key} is not a vlen-utf8 chunk ({e})") from None
     return out
+
+
+def shard_index(root: str, key: str, count: int) -> tuple[np.ndarray, int] | None:
+    """The ``(offset, size)`` index at the end of the local shard ``key`` of ``count`` inner
+    chunks (the layout kvcouple writes), and the bytes before it; None where the shard is
+    absent or too short to hold an index. The index's own crc32c is not checked here: the
+    decoder that reads the shard checks it."""
+    try:
+        with open(os.path.join(root, key), "rb") as f:
+            body = f.seek(0, os.SEEK_END) - (16 * count + 4)
+            if body < 0:
+                return None
+            f.seek(body)
+            raw = f.read(16 * count)
+    except OSError:
+        return None
+    return np.frombuffer(raw, "<u8").reshape(count, 2), body
 
 
 class LocalGroup:
