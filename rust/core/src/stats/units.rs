@@ -83,15 +83,77 @@ pub struct UnitInputs<'a> {
     pub branch_tv: &'a [f64],
 }
 
-struct One {
-    values: [f64; SCALARS],
-    stderr: [f64; SCALARS],
-    survival: Vec<f64>,
-    pmf: Vec<f64>,
+/// One block's outputs (a few units), unit-major, NaN where a unit is damaged.
+struct Block {
+    out: UnitEstimates,
+}
+
+impl Block {
+    fn new(units: usize, t: usize, lags: usize) -> Self {
+        Block {
+            out: UnitEstimates {
+                values: vec![f64::NAN; units * SCALARS],
+                stderr: vec![f64::NAN; units * SCALARS],
+                survival: vec![f64::NAN; units * (t + 1)],
+                pmf: vec![f64::NAN; units * t],
+                tv_lag_num: vec![f64::NAN; units * lags],
+                tv_lag_den: vec![f64::NAN; units * lags],
+                median_tau: vec![f64::NAN; units],
+                damage: vec![None; units],
+            },
+        }
+    }
+}
+
+/// Where one unit's estimates go (its rows of a block's outputs).
+struct UnitOut<'o> {
+    values: &'o mut [f64],
+    stderr: &'o mut [f64],
+    survival: &'o mut [f64],
+    pmf: &'o mut [f64],
+    num: &'o mut [f64],
+    den: &'o mut [f64],
+    median_tau: &'o mut f64,
+}
+
+/// Buffers reused from unit to unit (a block allocates once, not per unit and replicate).
+struct Scratch {
+    survival_sum: Vec<f64>,
+    pmf_sum: Vec<f64>,
+    per_rep: Vec<[f64; SCALARS]>,
+    occurrence: Vec<f64>,
+    mass: Vec<f64>,
+    terms: Vec<f64>,
+    per_lag: Vec<f64>,
+    reached_mean: Vec<f64>,
+    tv_mean: Vec<f64>,
     num: Vec<f64>,
     den: Vec<f64>,
-    median_tau: f64,
+    column: Vec<f64>,
 }
+
+impl Scratch {
+    fn new(shape: UnitShape) -> Self {
+        let (r, t, lags) = (shape.replicates, shape.horizon, shape.lags);
+        Scratch {
+            survival_sum: vec![0.0; t],
+            pmf_sum: vec![0.0; t],
+            per_rep: vec![[0.0; SCALARS]; r],
+            occurrence: vec![0.0; r],
+            mass: vec![0.0; t],
+            terms: vec![0.0; t],
+            per_lag: vec![0.0; lags],
+            reached_mean: vec![0.0; lags],
+            tv_mean: vec![0.0; lags],
+            num: vec![0.0; lags],
+            den: vec![0.0; lags],
+            column: vec![0.0; r.max(t)],
+        }
+    }
+}
+
+/// Units per parallel task: enough to amortise a block's buffers, few enough to balance.
+const BLOCK: usize = 32;
 
 /// The estimates of every unit of a batch (all cores). `obs_window` is `L_w` (at most
 /// `lags - 1`); `tail_observed` whether branches were traced to the horizon (`L >= T - 1`).
@@ -137,61 +199,70 @@ pub fn estimate_units(
             "a unit needs at least one replicate and one step".into(),
         ));
     }
-    let results: Vec<Result<One, UnitDamage>> = parallel::install(|| {
-        (0..units)
+    let blocks: Vec<Block> = parallel::install(|| {
+        (0..units.div_ceil(BLOCK))
             .into_par_iter()
-            .map(|u| {
-                one_unit(
-                    &inputs.hazard[u * r * t..(u + 1) * r * t],
-                    &inputs.branch_step[u * r * k..(u + 1) * r * k],
-                    &inputs.branch_mismatch[u * r * k * lags..(u + 1) * r * k * lags],
-                    &inputs.branch_tv[u * r * k * lags..(u + 1) * r * k * lags],
-                    shape,
-                    obs_window,
-                    estimator,
-                    tail_observed,
-                )
+            .map(|b| {
+                let (lo, hi) = (b * BLOCK, ((b + 1) * BLOCK).min(units));
+                let mut block = Block::new(hi - lo, t, lags);
+                let mut scratch = Scratch::new(shape);
+                let o = &mut block.out;
+                for u in lo..hi {
+                    let i = u - lo;
+                    let out = UnitOut {
+                        values: &mut o.values[i * SCALARS..(i + 1) * SCALARS],
+                        stderr: &mut o.stderr[i * SCALARS..(i + 1) * SCALARS],
+                        survival: &mut o.survival[i * (t + 1)..(i + 1) * (t + 1)],
+                        pmf: &mut o.pmf[i * t..(i + 1) * t],
+                        num: &mut o.tv_lag_num[i * lags..(i + 1) * lags],
+                        den: &mut o.tv_lag_den[i * lags..(i + 1) * lags],
+                        median_tau: &mut o.median_tau[i],
+                    };
+                    let unit = UnitRecords {
+                        hazard: &inputs.hazard[u * r * t..(u + 1) * r * t],
+                        branch_step: &inputs.branch_step[u * r * k..(u + 1) * r * k],
+                        mismatch: &inputs.branch_mismatch[u * r * k * lags..(u + 1) * r * k * lags],
+                        tv: &inputs.branch_tv[u * r * k * lags..(u + 1) * r * k * lags],
+                    };
+                    let settings = (shape, obs_window, estimator, tail_observed);
+                    if let Err(d) = one_unit(&unit, settings, &mut scratch, out) {
+                        o.damage[i] = Some(d);
+                    }
+                }
+                block
             })
             .collect()
     });
-    let mut out = UnitEstimates {
-        values: vec![f64::NAN; units * SCALARS],
-        stderr: vec![f64::NAN; units * SCALARS],
-        survival: vec![f64::NAN; units * (t + 1)],
-        pmf: vec![f64::NAN; units * t],
-        tv_lag_num: vec![f64::NAN; units * lags],
-        tv_lag_den: vec![f64::NAN; units * lags],
-        median_tau: vec![f64::NAN; units],
-        damage: vec![None; units],
-    };
-    for (u, res) in results.into_iter().enumerate() {
-        match res {
-            Ok(one) => {
-                out.values[u * SCALARS..(u + 1) * SCALARS].copy_from_slice(&one.values);
-                out.stderr[u * SCALARS..(u + 1) * SCALARS].copy_from_slice(&one.stderr);
-                out.survival[u * (t + 1)..(u + 1) * (t + 1)].copy_from_slice(&one.survival);
-                out.pmf[u * t..(u + 1) * t].copy_from_slice(&one.pmf);
-                out.tv_lag_num[u * lags..(u + 1) * lags].copy_from_slice(&one.num);
-                out.tv_lag_den[u * lags..(u + 1) * lags].copy_from_slice(&one.den);
-                out.median_tau[u] = one.median_tau;
-            }
-            Err(d) => out.damage[u] = Some(d),
-        }
+    let mut out = UnitEstimates::default();
+    for Block { out: b } in blocks {
+        out.values.extend_from_slice(&b.values);
+        out.stderr.extend_from_slice(&b.stderr);
+        out.survival.extend_from_slice(&b.survival);
+        out.pmf.extend_from_slice(&b.pmf);
+        out.tv_lag_num.extend_from_slice(&b.tv_lag_num);
+        out.tv_lag_den.extend_from_slice(&b.tv_lag_den);
+        out.median_tau.extend_from_slice(&b.median_tau);
+        out.damage.extend_from_slice(&b.damage);
     }
     Ok(out)
 }
 
-#[allow(clippy::too_many_arguments)]
+/// One unit's stored records (its rows of the batch's inputs).
+struct UnitRecords<'a> {
+    hazard: &'a [f64],
+    branch_step: &'a [i64],
+    mismatch: &'a [i8],
+    tv: &'a [f64],
+}
+
+/// One unit's estimates, written to `out` only once every check has passed (a damaged unit's
+/// rows stay NaN).
 fn one_unit(
-    hazard: &[f64],
-    branch_step: &[i64],
-    mismatch: &[i8],
-    tv: &[f64],
-    shape: UnitShape,
-    obs_window: usize,
-    estimator: Estimator,
-    tail_observed: bool,
-) -> Result<One, UnitDamage> {
+    unit: &UnitRecords<'_>,
+    (shape, obs_window, estimator, tail_observed): (UnitShape, usize, Estimator, bool),
+    scratch: &mut Scratch,
+    out: UnitOut<'_>,
+) -> Result<(), UnitDamage> {
     let UnitShape {
         replicates: r,
         horizon: t,
@@ -199,50 +270,61 @@ fn one_unit(
         lags,
         ..
     } = shape;
-    // Hazards checked and clipped at 1 (the tracer's float noise may exceed it by 1e-6).
-    for (i, &h) in hazard.iter().enumerate() {
-        if !h.is_finite() || !(0.0..=1.0 + 1e-6).contains(&h) {
-            return Err(UnitDamage::Hazard {
-                replicate: i / t,
-                step: i % t,
-                value: h,
-            });
-        }
+    let UnitRecords {
+        hazard,
+        branch_step,
+        mismatch,
+        tv,
+    } = *unit;
+    // Hazards checked and clipped at 1 (the tracer's float noise may exceed it by 1e-6); NaN
+    // and inf are outside the range. One branch-free pass, the position only where one is bad.
+    let allowed = |h: f64| (0.0..=1.0 + 1e-6).contains(&h);
+    if !hazard.iter().fold(true, |ok, &h| ok & allowed(h)) {
+        let i = hazard.iter().position(|&h| !allowed(h)).unwrap_or(0);
+        return Err(UnitDamage::Hazard {
+            replicate: i / t,
+            step: i % t,
+            value: hazard[i],
+        });
     }
-    let mut survival_sum = vec![0.0; t];
-    let mut pmf_sum = vec![0.0; t];
-    let mut per_rep = vec![[0.0f64; SCALARS]; r];
-    let mut occurrence = vec![0.0; r];
-    let mut mass = vec![0.0; t];
-    let mut w = vec![0.0; t];
+    let Scratch {
+        survival_sum,
+        pmf_sum,
+        per_rep,
+        occurrence,
+        mass,
+        terms,
+        per_lag,
+        reached_mean,
+        tv_mean,
+        num,
+        den,
+        column,
+    } = scratch;
+    survival_sum.fill(0.0);
+    pmf_sum.fill(0.0);
+    let (tf, lw) = (t as f64, obs_window as f64);
     for rep in 0..r {
         let h = &hazard[rep * t..(rep + 1) * t];
         let mut prev = 1.0;
         for s in 0..t {
             let hs = h[s].min(1.0);
-            w[s] = prev * (1.0 - hs);
+            let w = prev * (1.0 - hs);
             mass[s] = prev * hs;
-            prev = w[s];
-        }
-        let occ = pairwise_sum(&mass);
-        occurrence[rep] = occ;
-        let steps = |f: &dyn Fn(f64) -> f64| -> f64 {
-            let terms: Vec<f64> = (0..t).map(|s| mass[s] * f((s + 1) as f64)).collect();
-            pairwise_sum(&terms)
-        };
-        let tf = t as f64;
-        let lw = obs_window as f64;
-        let occupation = steps(&|x| tf - x);
-        let tail_exposure = steps(&|x| (tf - x - lw).max(0.0));
-        let tau_mass = steps(&|x| x);
-        for s in 0..t {
-            survival_sum[s] += w[s];
+            survival_sum[s] += w;
             pmf_sum[s] += mass[s];
+            prev = w;
         }
-        per_rep[rep][0] = occ;
-        per_rep[rep][1] = occupation;
-        per_rep[rep][6] = tail_exposure;
-        per_rep[rep][9] = tau_mass;
+        let occ = pairwise_sum(mass);
+        occurrence[rep] = occ;
+        let occupation = weighted_sum(mass, terms, |x| tf - x);
+        let tail_exposure = weighted_sum(mass, terms, |x| (tf - x - lw).max(0.0));
+        let tau_mass = weighted_sum(mass, terms, |x| x);
+        let s = &mut per_rep[rep];
+        s[0] = occ;
+        s[1] = occupation;
+        s[6] = tail_exposure;
+        s[9] = tau_mass;
     }
     // Branches: recorded where branch_step > 0; a diverging replicate without one is damage.
     for rep in 0..r {
@@ -264,27 +346,28 @@ fn one_unit(
             });
         }
     }
-    let rf = r as f64;
-    let mut num = vec![0.0; lags];
-    let mut den = vec![0.0; lags];
-    let mut per_lag = vec![0.0; lags];
+    let (rf, kf) = (r as f64, k as f64);
+    num.fill(0.0);
+    den.fill(0.0);
     for rep in 0..r {
         let occ = occurrence[rep];
         let (mut win, mut tail) = (0.0, 0.0);
-        let mut reached_mean = vec![0.0; lags];
-        let mut tv_mean = vec![0.0; lags];
+        reached_mean.fill(0.0);
+        tv_mean.fill(0.0);
         for b in 0..k {
             let has = branch_step[rep * k + b] > 0;
             let at = (rep * k + b) * lags;
-            for (l, v) in per_lag.iter_mut().enumerate() {
-                *v = if !has {
-                    0.0
-                } else {
-                    match estimator {
-                        Estimator::Indicator => f64::from(mismatch[at + l].max(0)),
-                        Estimator::Tv => {
-                            let x = tv[at + l];
-                            if x.is_nan() {
+            let (flags, tvs) = (&mismatch[at..at + lags], &tv[at..at + lags]);
+            if has {
+                match estimator {
+                    Estimator::Indicator => {
+                        for (v, &m) in per_lag.iter_mut().zip(flags) {
+                            *v = f64::from(m.max(0));
+                        }
+                    }
+                    Estimator::Tv => {
+                        for (v, &x) in per_lag.iter_mut().zip(tvs) {
+                            *v = if x.is_nan() {
                                 0.0
                             } else if x.is_infinite() {
                                 if x > 0.0 {
@@ -294,20 +377,24 @@ fn one_unit(
                                 }
                             } else {
                                 x
-                            }
+                            };
                         }
                     }
-                };
-                let x = tv[at + l];
-                if has && x.is_finite() {
-                    reached_mean[l] += 1.0;
-                    tv_mean[l] += x;
                 }
+                // Branch-free: a lag the branch did not reach (NaN) adds +0.0 to both sums.
+                for ((reached, mean), &x) in
+                    reached_mean.iter_mut().zip(tv_mean.iter_mut()).zip(tvs)
+                {
+                    let finite = x.is_finite();
+                    *reached += f64::from(u8::from(finite));
+                    *mean += if finite { x } else { 0.0 };
+                }
+            } else {
+                per_lag.fill(0.0);
             }
             win += pairwise_sum(&per_lag[1..=obs_window]);
             tail += pairwise_sum(&per_lag[obs_window + 1..]);
         }
-        let kf = k as f64;
         let win = win / kf * occ;
         let tail = tail / kf * occ;
         for l in 0..lags {
@@ -326,31 +413,44 @@ fn one_unit(
         s[7] = occ + win;
         s[8] = occ + win + s[6];
     }
-    let mut values = [0.0; SCALARS];
-    let mut stderr = [f64::NAN; SCALARS];
+    let column = &mut column[..r];
     for q in 0..SCALARS {
-        let column: Vec<f64> = per_rep.iter().map(|v| v[q]).collect();
-        let mean = pairwise_sum(&column) / rf;
-        values[q] = mean;
+        for (c, v) in column.iter_mut().zip(per_rep.iter()) {
+            *c = v[q];
+        }
+        let mean = pairwise_sum(column) / rf;
+        out.values[q] = mean;
+        out.stderr[q] = f64::NAN;
         if r > 1 {
-            let dev: Vec<f64> = column.iter().map(|x| (x - mean) * (x - mean)).collect();
-            stderr[q] = (pairwise_sum(&dev) / (rf - 1.0)).sqrt() / rf.sqrt();
+            for c in column.iter_mut() {
+                *c = (*c - mean) * (*c - mean);
+            }
+            out.stderr[q] = (pairwise_sum(column) / (rf - 1.0)).sqrt() / rf.sqrt();
         }
     }
-    let pmf: Vec<f64> = pmf_sum.iter().map(|x| x / rf).collect();
-    let mut survival = Vec::with_capacity(t + 1);
-    survival.push(1.0);
-    survival.extend(survival_sum.iter().map(|x| x / rf));
-    let median_tau = median(&pmf);
-    Ok(One {
-        values,
-        stderr,
-        survival,
-        pmf,
-        num: num.iter().map(|x| x / rf).collect(),
-        den: den.iter().map(|x| x / rf).collect(),
-        median_tau,
-    })
+    for (p, x) in out.pmf.iter_mut().zip(pmf_sum.iter()) {
+        *p = x / rf;
+    }
+    out.survival[0] = 1.0;
+    for (w, x) in out.survival[1..].iter_mut().zip(survival_sum.iter()) {
+        *w = x / rf;
+    }
+    for (o, x) in out.num.iter_mut().zip(num.iter()) {
+        *o = x / rf;
+    }
+    for (o, x) in out.den.iter_mut().zip(den.iter()) {
+        *o = x / rf;
+    }
+    *out.median_tau = median(out.pmf);
+    Ok(())
+}
+
+/// `sum_s mass[s] f(s + 1)`, summed pairwise as numpy sums (`terms` is a buffer).
+fn weighted_sum(mass: &[f64], terms: &mut [f64], f: impl Fn(f64) -> f64) -> f64 {
+    for (s, (term, &m)) in terms.iter_mut().zip(mass).enumerate() {
+        *term = m * f((s + 1) as f64);
+    }
+    pairwise_sum(terms)
 }
 
 /// The median of the law of tau given tau <= T with step t spread over (t - 1/2, t + 1/2]
@@ -358,21 +458,20 @@ fn one_unit(
 /// continuous in the law, so that its bootstrap interval can hold its level; NaN when nothing
 /// diverges.
 fn median(pmf: &[f64]) -> f64 {
-    let mut cum = Vec::with_capacity(pmf.len());
-    let mut acc = 0.0;
-    for &p in pmf {
-        acc += p;
-        cum.push(acc);
-    }
-    let total = acc;
-    let Some(at) = cum.iter().position(|&c| 2.0 * c >= total * (1.0 - 1e-12)) else {
+    // The cumulative sums in order, twice (the second pass finds the class), no buffer.
+    let total = pmf.iter().fold(0.0, |acc, &p| acc + p);
+    let mut cum = 0.0;
+    let Some(at) = pmf.iter().position(|&p| {
+        cum += p;
+        2.0 * cum >= total * (1.0 - 1e-12)
+    }) else {
         return f64::NAN;
     };
     let mass = pmf[at];
     if !(total > 0.0 && mass > 0.0) {
         return f64::NAN;
     }
-    let below = cum[at] - mass;
+    let below = cum - mass;
     let share = ((0.5 * total - below) / mass).clamp(0.0, 1.0);
     at as f64 + 0.5 + share
 }
