@@ -196,3 +196,31 @@ def test_metadata_it_does_not_take_as_given_goes_to_zarr_python(store, tmp_path)
     assert not isinstance(group["step"], StoredArray)
     assert not isinstance(group["lag"], StoredArray)
     assert isinstance(group["rep"], StoredArray)  # the others as before
+
+
+def _vlen(*strings: bytes, count: int | None = None) -> bytes:
+    n = len(strings) if count is None else count
+    body = b"".join(len(s).to_bytes(4, "little") + s for s in strings)
+    return n.to_bytes(4, "little") + body
+
+
+def test_a_vlen_utf8_chunk_is_parsed_by_the_engine_as_zarr_writes_it():
+    assert _core.store_vlen_utf8(_vlen(b"doc0", "é".encode(), b"")) == ["doc0", "é", ""]
+    assert _core.store_vlen_utf8(_vlen()) == []
+
+
+@pytest.mark.parametrize(
+    ("raw", "why"),
+    [
+        (b"", "no count"),
+        (b"\x01\x00", "no count"),
+        (_vlen(b"ab") + b"x", "bytes left over"),
+        (_vlen(b"ab")[:-1], "runs past the chunk's end"),
+        (_vlen(b"\xff"), "not UTF-8"),
+        (_vlen(count=10**9), "a count of 1000000000 strings"),
+        (_vlen(b"ab", count=2), "runs past the chunk's end"),
+    ],
+)
+def test_a_damaged_vlen_utf8_chunk_is_refused_naming_what_is_wrong(raw: bytes, why: str) -> None:
+    with pytest.raises(ValueError, match=why):
+        _core.store_vlen_utf8(raw)

@@ -24,6 +24,7 @@ from typing import Any
 
 import numpy as np
 
+from kvcouple import _core
 from kvcouple.errors import StoreError
 
 # The numeric data types the engine decodes (stored little endian), by Zarr v3 name.
@@ -271,8 +272,6 @@ class StoredArray:
         """The engine's decode of ``objects`` (key, inner chunk): ``(chunks, "")``, ``(None,
         "")`` where it does not read this layout (zarr-python does, from now on), ``(None,
         key)`` where an object is absent."""
-        from kvcouple import _core
-
         inner = [i for _, i in objects] if self.shards is not None else None
         got, problem = _core.store_decode_chunks(
             [self._text], [0] * len(objects), [k for k, _ in objects], root=self.root, inner=inner
@@ -307,8 +306,6 @@ class StoredArray:
     def _plain(self, key: str) -> np.ndarray | None:
         """An uncompressed chunk (``bytes``, or a string coordinate's ``vlen-utf8``), its
         crc32c checked where it has one; None where absent."""
-        from kvcouple import _core
-
         try:
             with open(os.path.join(self.root, key), "rb") as f:
                 raw = f.read()
@@ -335,22 +332,11 @@ class StoredArray:
 
 def _vlen_utf8(raw: bytes, key: str) -> list[str]:
     """The strings of a ``vlen-utf8`` chunk: a little-endian u32 count, then each string's
-    u32 length and UTF-8 bytes."""
+    u32 length and UTF-8 bytes (parsed by the engine: 100k document ids in milliseconds)."""
     try:
-        count = int.from_bytes(raw[:4], "little")
-        at, out = 4, []
-        for _ in range(count):
-            size = int.from_bytes(raw[at : at + 4], "little")
-            at += 4
-            if len(raw) < at + size:
-                raise ValueError("a string runs past the chunk's end")
-            out.append(raw[at : at + size].decode("utf-8"))
-            at += size
-        if len(raw) < 4 or at != len(raw):
-            raise ValueError("bytes left over, or no count")
-    except (ValueError, UnicodeDecodeError) as e:
+        return _core.store_vlen_utf8(raw)
+    except ValueError as e:
         raise ChunkDecodeError(f"chunk {key} is not a vlen-utf8 chunk ({e})") from None
-    return out
 
 
 def shard_index(root: str, key: str, count: int) -> tuple[np.ndarray, int] | None:

@@ -310,8 +310,49 @@ pub fn store_crc32c(data: &[u8]) -> u32 {
     crc32c::crc32c(data)
 }
 
+/// The strings of a `vlen-utf8` chunk (a string coordinate's): a little-endian u32 count, then
+/// each string's u32 length and UTF-8 bytes. `ValueError` naming what is wrong where the bytes
+/// are not that (cut short, bytes left over, not UTF-8).
+#[pyfunction]
+pub fn store_vlen_utf8(data: &[u8]) -> PyResult<Vec<String>> {
+    vlen_utf8(data).map_err(pyo3::exceptions::PyValueError::new_err)
+}
+
+fn vlen_utf8(data: &[u8]) -> Result<Vec<String>, String> {
+    let word = |at: usize| -> Result<usize, String> {
+        data.get(at..at + 4)
+            .map(|b| u32::from_le_bytes([b[0], b[1], b[2], b[3]]) as usize)
+            .ok_or_else(|| "a length runs past the chunk's end".to_string())
+    };
+    let count = word(0).map_err(|_| "bytes left over, or no count".to_string())?;
+    // At least four bytes per string: a count larger than that is damage, not an allocation.
+    if count > data.len() / 4 {
+        return Err(format!(
+            "a count of {count} strings in {} bytes",
+            data.len()
+        ));
+    }
+    let mut out = Vec::with_capacity(count);
+    let mut at = 4;
+    for _ in 0..count {
+        let size = word(at)?;
+        at += 4;
+        let bytes = data
+            .get(at..at.saturating_add(size))
+            .ok_or_else(|| "a string runs past the chunk's end".to_string())?;
+        let text = std::str::from_utf8(bytes).map_err(|e| format!("not UTF-8: {e}"))?;
+        out.push(text.to_string());
+        at += size;
+    }
+    if at != data.len() {
+        return Err("bytes left over, or no count".to_string());
+    }
+    Ok(out)
+}
+
 pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(store_crc32c, m)?)?;
+    m.add_function(wrap_pyfunction!(store_vlen_utf8, m)?)?;
     m.add_function(wrap_pyfunction!(store_decode_chunks, m)?)?;
     m.add_function(wrap_pyfunction!(store_blocks_tv, m)?)?;
     m.add_function(wrap_pyfunction!(store_chunks_tv, m)?)?;
