@@ -187,7 +187,7 @@ class DeltaMethod:
         self.cross = _pair_moments(data, self.center, pairs, bs.moments)
         arr = np.asarray(pairs, np.int64).reshape(-1, 2)
         n_boot = bs.reps.shape[0]
-        # Draws from the Gaussian limit have the table's covariance (covariance() below).
+        # Draws from the Gaussian limit have the table's covariance (variance() below).
         self.cross_boot = (
             _core.bootstrap_moments(
                 np.ascontiguousarray(data, np.float64), self.center, arr, n_boot, int(bs.seed)
@@ -252,25 +252,25 @@ class DeltaMethod:
             out.append(np.broadcast_to((up - down) / (2 * h), means.shape[:-1]))
         return np.stack(out, axis=-1) if out else np.zeros(means.shape[:-1] + (0,))
 
-    def covariance(self, j: int, k: int, boot: bool) -> np.ndarray | float:
-        """Covariance (divisor n) of columns j and k: of the table, or of every resample (the
-        table's where the resamples are draws from their Gaussian limit)."""
-        q = self.pair[(min(j, k), max(j, k))]
-        if not boot or self.bs.moments is not None:
-            return float(self.cross[q])
-        reps = self.bs.reps
-        return self.cross_boot[:, q] - (reps[:, j] - self.center[j]) * (reps[:, k] - self.center[k])
-
     def variance(
         self, ga: np.ndarray, gb: np.ndarray, cols: list[int], boot: bool
     ) -> np.ndarray | float:
         """``ga' S gb / (n - 1)``: the delta method's (co)variance of two statistics reading
-        ``cols`` (gradients ``ga``, ``gb`` over them)."""
-        total: np.ndarray | float = 0.0
-        for a, j in enumerate(cols):
-            for b, k in enumerate(cols):
-                total = total + ga[..., a] * gb[..., b] * self.covariance(j, k, boot)
-        return total / max(self.bs.n_docs - 1, 1)
+        ``cols`` (gradients ``ga``, ``gb`` over them), ``S`` the covariance (divisor n) of the
+        columns: of the table, or of every resample (the table's where the resamples are draws
+        from their Gaussian limit)."""
+        if not cols:
+            return 0.0
+        q = np.array([[self.pair[(min(j, k), max(j, k))] for k in cols] for j in cols])
+        n = max(self.bs.n_docs - 1, 1)
+        if not boot or self.bs.moments is not None:
+            cov = self.cross[q]  # (k, k): the table's
+            return np.einsum("...a,ab,...b->...", ga, cov, gb) / n
+        # Each resample's S = cross moments - r r' (r: its means less the centre), contracted
+        # a row of S at a time: memory n_boot x k, not n_boot x k x k.
+        reps = self.bs.reps[:, cols] - self.center[cols]
+        total = sum(ga[..., a] * (self.cross_boot[:, q[a]] * gb).sum(-1) for a in range(len(cols)))
+        return (total - (ga * reps).sum(-1) * (gb * reps).sum(-1)) / n
 
     def standard_errors(self) -> tuple[np.ndarray, np.ndarray]:
         """Standard errors of every statistic: of the table (k,) and of every resample
