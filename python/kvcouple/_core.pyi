@@ -74,6 +74,14 @@ def bootstrap_counts(docs: int, n_boot: int, seed: int) -> npt.NDArray[np.uint32
 def count_float_keys(
     values: npt.NDArray[np.float32], counts: npt.NDArray[np.int64], bits: int
 ) -> None: ...
+def path_steps(
+    values: npt.NDArray[np.float64],
+    tokens: npt.NDArray[np.int32],
+    flags: npt.NDArray[np.bool_] | None = None,
+) -> dict[str, Any]: ...
+def segment_sums(
+    values: npt.NDArray[np.float64], sizes: npt.NDArray[np.int64]
+) -> tuple[npt.NDArray[np.float64], npt.NDArray[np.float64]]: ...
 def bootstrap_moments(
     values: npt.NDArray[np.float64],
     centers: npt.NDArray[np.float64],

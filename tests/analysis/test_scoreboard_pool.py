@@ -191,3 +191,15 @@ def test_the_rust_histogram_counts_as_numpy_bincount_of_the_sortable_keys():
     assert counts.sum() == v.size + 10
     with pytest.raises(ShapeError, match="bins for 12 bits"):
         _core.count_float_keys(v, np.zeros(100, np.int64), 12)
+
+
+def test_path_steps_refuses_arrays_of_different_shapes():
+    from kvcouple import _core
+
+    kl = np.zeros((2, 2, 3))
+    with pytest.raises(ValueError, match="one shape"):
+        _core.path_steps(kl, np.zeros((2, 2, 4), np.int32))
+    with pytest.raises(ValueError, match="one shape"):
+        _core.path_steps(kl, np.zeros((2, 2, 3), np.int32), np.zeros((2, 3), bool))
+    with pytest.raises(ValueError, match="segments"):
+        _core.segment_sums(np.zeros(3), np.array([1, 1], np.int64))

@@ -144,19 +144,23 @@ class ScoreBatch:
     values are :func:`doc_scores`' of each document, without a per-document pass."""
 
     def __init__(self, policies: list[str], stacks: Mapping[str, np.ndarray]) -> None:
-        kl, tokens = stacks["kl_pq"], stacks["tokens"]
         agree = stacks.get("top1_agree")
-        seen = (tokens >= 0) & np.isfinite(kl)  # (docs, policies, replicates, steps)
-        self.policies = list(policies)
-        self.docs = int(kl.shape[0])
-        self.sizes = seen.reshape(self.docs, len(self.policies), -1).sum(2)  # (docs, policies)
-        self.offsets = np.cumsum(self.sizes, axis=0) - self.sizes
-        self.kl = [kl[:, i][seen[:, i]].astype(np.float64) for i in range(len(self.policies))]
-        self.agree = (
-            None
-            if agree is None
-            else [agree[:, i][seen[:, i]].astype(bool) for i in range(len(self.policies))]
+        # One pass in Rust: a step counts where its token was generated and its KL is finite.
+        got = _core.path_steps(
+            np.ascontiguousarray(stacks["kl_pq"], np.float64),
+            np.ascontiguousarray(stacks["tokens"], np.int32),
+            None if agree is None else np.ascontiguousarray(agree, np.bool_),
         )
+        self.policies = list(policies)
+        self.docs = int(got["sizes"].shape[0])
+        self.sizes = got["sizes"]  # (docs, policies)
+        self.offsets = np.cumsum(self.sizes, axis=0) - self.sizes
+        # Per policy, document after document, as float32 (the pooled percentiles' precision;
+        # the means are of the sums, made from the values as stored).
+        self.kl: list[np.ndarray] = got["values"]
+        self.agree: list[np.ndarray] | None = got["flags"]
+        # Each unit's sums (the pools' per-document numbers, as segment_sums makes them).
+        self.sums, self.squares, self.flagged = got["sums"], got["squares"], got["flagged"]
 
     def doc(self, d: int, policy: str) -> DocScores:
         """Document ``d``'s :class:`DocScores` under ``policy`` (views of the batch's steps)."""
@@ -313,17 +317,34 @@ class _Pool:
     def put_flat(self, slots: Sequence[int], flat: np.ndarray, sizes: np.ndarray) -> None:
         """:meth:`put` of the documents' steps laid end to end (``sizes[i]`` of slot
         ``slots[i]``, in order)."""
+        sizes = np.ascontiguousarray(sizes, np.int64)
+        flat = np.ascontiguousarray(flat, np.float64)
+        sums, squares = _core.segment_sums(flat, sizes)
+        self.put_sums(slots, sizes, sums, squares, flat)
+
+    def put_sums(
+        self,
+        slots: Sequence[int],
+        sizes: np.ndarray,
+        sums: np.ndarray,
+        squares: np.ndarray,
+        flat: np.ndarray | None,
+    ) -> None:
+        """:meth:`put_flat` of documents whose step counts, sums and sums of squares are
+        made (each summed in step order: :func:`kvcouple._core.segment_sums`,
+        :func:`kvcouple._core.path_steps`); ``flat``, their steps end to end, for the pooled
+        percentiles (None where this quantity keeps none)."""
         sizes = np.asarray(sizes, np.int64)
         seen = sizes > 0
         if not seen.any():
             return
-        flat = np.asarray(flat, np.float64)
-        starts = (np.cumsum(sizes) - sizes)[seen]
         at = np.asarray(slots, np.int64)[seen]
-        self.doc_mean[at] = np.add.reduceat(flat, starts) / sizes[seen]
+        self.doc_mean[at] = np.asarray(sums)[seen] / sizes[seen]
         self.steps[at] = sizes[seen]
-        self.square_sum[at] = np.add.reduceat(flat * flat, starts)
+        self.square_sum[at] = np.asarray(squares)[seen]
         if self.pooled is not None:
+            if flat is None:
+                raise ValueError(f"{self.quantity}: its pooled steps are needed")
             self.pooled.add(flat)
 
     def rows(self) -> list[dict[str, Any]]:
@@ -408,12 +429,16 @@ class ScoreboardPool:
             self.documents += batch.docs
             for i, pol in enumerate(self.policies):
                 pools, missing = self.pools[pol], self.missing[pol]
-                pools["kl_pq"].put_flat(slots, batch.kl[i], batch.sizes[:, i])
+                sizes = batch.sizes[:, i]
+                pools["kl_pq"].put_sums(
+                    slots, sizes, batch.sums[:, i], batch.squares[:, i], batch.kl[i]
+                )
                 missing["delta_p"] = True  # a record without distributions
-                if batch.agree is None:
+                if batch.flagged is None:
                     missing["same_top"] = True
-                else:
-                    pools["same_top"].put_flat(slots, batch.agree[i], batch.sizes[:, i])
+                else:  # a flag squared is itself
+                    flagged = batch.flagged[:, i]
+                    pools["same_top"].put_sums(slots, sizes, flagged, flagged, None)
 
     def doc_means(self, slots: Sequence[int]) -> dict[str, dict[str, np.ndarray]]:
         """Each document's mean over its path steps (``slots``' documents, in that order),

@@ -1,12 +1,14 @@
 //! Wrappers of the analysis kernels (`kvcouple-core::stats`): bootstrap of column means,
 //! their intervals, jackknife standard errors.
 
+use kvcouple_core::stats::path_steps as steps_kernel;
 use kvcouple_core::stats::{bootstrap, histogram, intervals, jackknife, moments};
 use numpy::{
     IntoPyArray, PyArray1, PyArray2, PyArrayMethods, PyReadonlyArray1, PyReadonlyArray2,
-    PyReadwriteArray1, PyUntypedArrayMethods,
+    PyReadonlyArrayDyn, PyReadwriteArray1, PyUntypedArrayMethods,
 };
 use pyo3::prelude::*;
+use pyo3::types::PyDict;
 
 use crate::errors::{guard, ShapeError};
 
@@ -169,7 +171,83 @@ pub fn count_float_keys<'py>(
     py.detach(|| guard(|| histogram::count_keys(values, counts, bits)))
 }
 
+/// The scoreboard's path steps of a batch (`values` float64, `tokens` int32 and `flags` bool:
+/// documents x policies x ..., C-contiguous, one shape): a step counts where its token was
+/// generated and its value is finite. Returns a dict: `sizes`, `sums`, `squares` and
+/// `flagged` (documents x policies; `flagged` None without flags), and per policy the counted
+/// steps' `values` (float32: the pooled percentiles' precision) and `flags` (bool, or None),
+/// document after document.
+#[pyfunction]
+#[pyo3(signature = (values, tokens, flags=None))]
+pub fn path_steps<'py>(
+    py: Python<'py>,
+    values: PyReadonlyArrayDyn<'py, f64>,
+    tokens: PyReadonlyArrayDyn<'py, i32>,
+    flags: Option<PyReadonlyArrayDyn<'py, bool>>,
+) -> PyResult<Bound<'py, PyDict>> {
+    let shape = values.shape().to_vec();
+    let same = tokens.shape() == shape.as_slice()
+        && flags.as_ref().is_none_or(|f| f.shape() == shape.as_slice());
+    if shape.len() < 2 || !same {
+        return Err(ShapeError::new_err(format!(
+            "values {shape:?}, tokens {:?} and flags must have one shape (documents, policies, \
+             ...)",
+            tokens.shape()
+        )));
+    }
+    let (documents, policies) = (shape[0], shape[1]);
+    let steps: usize = shape[2..].iter().product();
+    let contiguous = |name: &str| ShapeError::new_err(format!("{name} must be C-contiguous"));
+    let v = values.as_slice().map_err(|_| contiguous("values"))?;
+    let t = tokens.as_slice().map_err(|_| contiguous("tokens"))?;
+    let f = match &flags {
+        Some(f) => Some(f.as_slice().map_err(|_| contiguous("flags"))?),
+        None => None,
+    };
+    let out =
+        py.detach(|| guard(|| steps_kernel::path_steps(v, t, f, documents, policies, steps)))?;
+    let units = |x: Vec<f64>| x.into_pyarray(py).reshape([documents, policies]);
+    let dict = PyDict::new(py);
+    dict.set_item(
+        "sizes",
+        out.sizes.into_pyarray(py).reshape([documents, policies])?,
+    )?;
+    dict.set_item("sums", units(out.sums)?)?;
+    dict.set_item("squares", units(out.squares)?)?;
+    if f.is_some() {
+        dict.set_item("flagged", units(out.flagged)?)?;
+        let flags: Vec<_> = out.flags.into_iter().map(|x| x.into_pyarray(py)).collect();
+        dict.set_item("flags", flags)?;
+    } else {
+        dict.set_item("flagged", py.None())?;
+        dict.set_item("flags", py.None())?;
+    }
+    let values: Vec<_> = out.values.into_iter().map(|x| x.into_pyarray(py)).collect();
+    dict.set_item("values", values)?;
+    Ok(dict)
+}
+
+/// Each segment's sum and sum of squares (in order, in f64) of `values` laid end to end in
+/// segments of `sizes` (as `path_steps` sums a unit's steps).
+#[pyfunction]
+pub fn segment_sums<'py>(
+    py: Python<'py>,
+    values: PyReadonlyArray1<'py, f64>,
+    sizes: PyReadonlyArray1<'py, i64>,
+) -> PyResult<(Bound<'py, PyArray1<f64>>, Bound<'py, PyArray1<f64>>)> {
+    let v = values
+        .as_slice()
+        .map_err(|_| ShapeError::new_err("values must be contiguous"))?;
+    let s = sizes
+        .as_slice()
+        .map_err(|_| ShapeError::new_err("sizes must be contiguous"))?;
+    let (sums, squares) = py.detach(|| guard(|| steps_kernel::segment_sums(v, s)))?;
+    Ok((sums.into_pyarray(py), squares.into_pyarray(py)))
+}
+
 pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_function(wrap_pyfunction!(path_steps, m)?)?;
+    m.add_function(wrap_pyfunction!(segment_sums, m)?)?;
     m.add_function(wrap_pyfunction!(count_float_keys, m)?)?;
     m.add_function(wrap_pyfunction!(bootstrap_means, m)?)?;
     m.add_function(wrap_pyfunction!(bootstrap_counts, m)?)?;

@@ -8,11 +8,13 @@
 //! - [`jackknife`]: jackknife standard errors of many rows of leave-one-out values (the
 //!   studentized bootstrap's, inside every resample);
 //! - [`moments`]: resample means of columns and of column products (the studentized
-//!   interval's standard errors, in memory independent of resamples x documents).
+//!   interval's standard errors, in memory independent of resamples x documents);
+//! - [`path_steps`]: the scoreboard's path steps of a batch of units in one pass.
 
 pub mod bootstrap;
 pub mod histogram;
 pub mod intervals;
 pub mod jackknife;
 pub mod moments;
+pub mod path_steps;
 pub mod units;
