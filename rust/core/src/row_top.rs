@@ -60,7 +60,10 @@ fn float_argmax(values: impl Iterator<Item = f32>) -> usize {
 /// occurrence give numpy's answer; a row with a negative entry (never a distribution) takes
 /// the float path. `inf` is the format's infinity pattern.
 fn half_argmax(row: &[u16], inf: u16) -> usize {
-    let signs = row.iter().fold(0u16, |acc, &h| acc | h);
+    // The sign bits and the maximum in one pass (both vectorize).
+    let (signs, top) = row
+        .iter()
+        .fold((0u16, 0u16), |(or, max), &h| (or | h, max.max(h)));
     if signs & 0x8000 != 0 {
         let widen = |h: u16| {
             if inf == 0x7c00 {
@@ -71,7 +74,6 @@ fn half_argmax(row: &[u16], inf: u16) -> usize {
         };
         return float_argmax(row.iter().map(|&h| widen(h)));
     }
-    let top = row.iter().copied().max().unwrap_or(0);
     if top > inf {
         // A NaN: numpy names the first NaN, whatever its payload.
         return row.iter().position(|&h| h > inf).unwrap_or(0);
