@@ -16,5 +16,6 @@ pub mod histogram;
 pub mod intervals;
 pub mod jackknife;
 pub mod moments;
+mod pairwise;
 pub mod path_steps;
 pub mod units;

@@ -15,6 +15,7 @@ use rayon::prelude::*;
 
 use crate::error::{KvError, KvResult};
 use crate::parallel;
+use crate::stats::pairwise::pairwise_sum;
 
 /// Below this occurrence a replicate without branches is float noise, not an error.
 pub const NOISE_OCCURRENCE: f64 = 1e-6;
@@ -83,24 +84,18 @@ pub struct UnitInputs<'a> {
     pub branch_tv: &'a [f64],
 }
 
-/// One block's outputs (a few units), unit-major, NaN where a unit is damaged.
-struct Block {
-    out: UnitEstimates,
-}
-
-impl Block {
-    fn new(units: usize, t: usize, lags: usize) -> Self {
-        Block {
-            out: UnitEstimates {
-                values: vec![f64::NAN; units * SCALARS],
-                stderr: vec![f64::NAN; units * SCALARS],
-                survival: vec![f64::NAN; units * (t + 1)],
-                pmf: vec![f64::NAN; units * t],
-                tv_lag_num: vec![f64::NAN; units * lags],
-                tv_lag_den: vec![f64::NAN; units * lags],
-                median_tau: vec![f64::NAN; units],
-                damage: vec![None; units],
-            },
+impl UnitEstimates {
+    /// Outputs for `units` units, NaN until estimated (a damaged unit's rows stay NaN).
+    fn unestimated(units: usize, t: usize, lags: usize) -> Self {
+        UnitEstimates {
+            values: vec![f64::NAN; units * SCALARS],
+            stderr: vec![f64::NAN; units * SCALARS],
+            survival: vec![f64::NAN; units * (t + 1)],
+            pmf: vec![f64::NAN; units * t],
+            tv_lag_num: vec![f64::NAN; units * lags],
+            tv_lag_den: vec![f64::NAN; units * lags],
+            median_tau: vec![f64::NAN; units],
+            damage: vec![None; units],
         }
     }
 }
@@ -199,14 +194,14 @@ pub fn estimate_units(
             "a unit needs at least one replicate and one step".into(),
         ));
     }
-    let blocks: Vec<Block> = parallel::install(|| {
+    let blocks: Vec<UnitEstimates> = parallel::install(|| {
         (0..units.div_ceil(BLOCK))
             .into_par_iter()
             .map(|b| {
                 let (lo, hi) = (b * BLOCK, ((b + 1) * BLOCK).min(units));
-                let mut block = Block::new(hi - lo, t, lags);
+                let mut block = UnitEstimates::unestimated(hi - lo, t, lags);
                 let mut scratch = Scratch::new(shape);
-                let o = &mut block.out;
+                let o = &mut block;
                 for u in lo..hi {
                     let i = u - lo;
                     let out = UnitOut {
@@ -234,7 +229,7 @@ pub fn estimate_units(
             .collect()
     });
     let mut out = UnitEstimates::default();
-    for Block { out: b } in blocks {
+    for b in blocks {
         out.values.extend_from_slice(&b.values);
         out.stderr.extend_from_slice(&b.stderr);
         out.survival.extend_from_slice(&b.survival);
@@ -476,37 +471,6 @@ fn median(pmf: &[f64]) -> f64 {
     at as f64 + 0.5 + share
 }
 
-/// numpy's pairwise summation for a contiguous run (blocks of 8 below 128 values), so that
-/// the sums agree with the numpy reference to the last bits in most cases.
-fn pairwise_sum(x: &[f64]) -> f64 {
-    let n = x.len();
-    if n < 8 {
-        let mut s = 0.0;
-        for &v in x {
-            s += v;
-        }
-        return s;
-    }
-    if n <= 128 {
-        let mut r = [x[0], x[1], x[2], x[3], x[4], x[5], x[6], x[7]];
-        let mut i = 8;
-        while i + 8 <= n {
-            for j in 0..8 {
-                r[j] += x[i + j];
-            }
-            i += 8;
-        }
-        let mut s = ((r[0] + r[1]) + (r[2] + r[3])) + ((r[4] + r[5]) + (r[6] + r[7]));
-        while i < n {
-            s += x[i];
-            i += 1;
-        }
-        return s;
-    }
-    let half = (n / 2) - (n / 2) % 8;
-    pairwise_sum(&x[..half]) + pairwise_sum(&x[half..])
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -618,11 +582,5 @@ mod tests {
             ..inputs
         };
         assert!(estimate_units(&inputs, shape(1), 4, Estimator::Tv, true).is_err());
-    }
-
-    #[test]
-    fn pairwise_sum_matches_a_plain_sum_on_exact_values() {
-        let x: Vec<f64> = (0..300).map(|i| i as f64).collect();
-        assert_eq!(pairwise_sum(&x), 44850.0);
     }
 }
