@@ -5,9 +5,9 @@ three evicted kernels; "harsh2" is "harsh" slightly changed, so their gap is sma
 values from the exact solver (``kvcouple.synth.exact``). Each study replicate draws ``n``
 documents from the population, takes an independent RB-CMC simulation of each (the code the
 synthetic trace store writes, ``simulate_doc_policy``), runs the analysis's statistics
-(``build_table``, the Rust document bootstrap, ``evaluate_many``, ``gap_estimates``,
-``survival_band``) under every interval method and records whether each confidence set covers
-the population truth. Printed: coverage per quantity, number of documents and interval method
+(``build_table``, the Rust document bootstrap, ``summary_estimates``, ``difference_estimates``,
+``gap_estimates``, ``survival_band``) under every interval method and records whether each
+confidence set covers the population truth. Printed: coverage per quantity, number of documents and interval method
 (a Markdown table), with the Monte Carlo standard error of a coverage: a cell outside
 0.93-0.97 is in italics when it is within two standard errors of that band (consistent with
 it), in bold when it is farther (a miss that is not Monte Carlo noise).
@@ -44,7 +44,7 @@ from kvcouple import synth
 from kvcouple.analysis import stats as st
 from kvcouple.analysis.bootstrap import Bootstrap, bootstrap_table
 from kvcouple.analysis.estimates import UnitEstimate, estimate_unit
-from kvcouple.analysis.intervals import CI_METHODS, Estimate, Scale, StatFn
+from kvcouple.analysis.intervals import CI_METHODS, Estimate
 from kvcouple.analysis.units import build_table
 from kvcouple.store.schema import Record, empty_arrays
 from kvcouple.store.writer import StoreLayout
@@ -197,18 +197,13 @@ def simulate_pool(
     ]
 
 
-Stat = tuple[tuple, StatFn, bool, Scale]
-
-
-def differences(horizon: int) -> list[Stat]:
-    """Every checked paired difference with its scale, as the analysis makes them."""
-    stats: list[Stat] = []
+def differences(bs: Bootstrap, horizon: int) -> dict[tuple, Estimate]:
+    """Every checked paired difference as the analysis estimates it (``difference_estimates``)."""
+    out = {}
     for a, b in PAIRS:
-        for q in DIFFERENCES:
-            fa, fb = st.quantity_fn(a, q, horizon), st.quantity_fn(b, q, horizon)
-            scale = st.quantity_scale(q, horizon, paired=True)
-            stats.append((("diff", a, b, q), st.difference(fa, fb), False, scale))
-    return stats
+        ests = st.difference_estimates(bs, a, b, DIFFERENCES, horizon)
+        out.update({("diff", a, b, q): e for q, e in zip(DIFFERENCES, ests, strict=True)})
+    return out
 
 
 def gap_terms(bs: Bootstrap, horizon: int) -> dict[tuple, Estimate]:
@@ -243,8 +238,8 @@ def run_scenario(
     print(f"# {scenario}: population {len(docs)} documents (harsh occurrence "
           f"{min(occ):.3f}-{max(occ):.3f}, median {np.median(occ):.3f}; "
           f"{args.pool or 'fresh'} simulations each)", file=sys.stderr)  # fmt: skip
-    stats = differences(T)
-    keys = [(pol, q) for pol in POLICIES for q in SUMMARY] + [k for k, _, _, _ in stats]
+    keys = [(pol, q) for pol in POLICIES for q in SUMMARY]
+    keys += [("diff", a, b, q) for a, b in PAIRS for q in DIFFERENCES]
     keys += [("gap", a, b, t) for a, b in PAIRS for t in GAPS] + [("band", a, b) for a, b in PAIRS]
     hits = {(k, n, m): 0 for k in keys for n in sizes for m in methods}
     counted = {(k, n, m): 0 for k in keys for n in sizes for m in methods}
@@ -262,16 +257,12 @@ def run_scenario(
             base = bootstrap_table(table, args.n_boot, args.seed * 7919 + rep, args.level)
             for m in methods:
                 bs = replace(base, method=m)
-                fns, flags = [f for _, f, _, _ in stats], [d for _, _, d, _ in stats]
-                scales = [sc for _, _, _, sc in stats]
                 ests = {  # the per-policy quantities as the analysis estimates them
                     (pol, q): e
                     for pol in POLICIES
                     for q, e in zip(SUMMARY, st.summary_estimates(bs, pol, SUMMARY, T), strict=True)
                 }
-                ests.update(
-                    zip(keys[len(ests) :], bs.evaluate_many(fns, flags, scales), strict=False)
-                )
+                ests.update(differences(bs, T))
                 ests.update(gap_terms(bs, T))
                 for key, e in ests.items():
                     if not np.isfinite(e.estimate):

@@ -26,8 +26,10 @@ Intervals (``ci_method``; docs/statistics.md has the coverage study that chose t
 
 Percentile and BCa ends of all statistics are computed in one Rust call
 (``bootstrap_intervals``); an end extrapolated beyond the replicates is extrapolated on the
-quantity's scale. ``median_tau`` (discrete) always gets a percentile interval. A statistic that
-is constant over the documents gets its point as interval and ``Estimate.constant``.
+quantity's scale. A policy's median step and a paired difference of two get test-inversion
+sets when studentized (:meth:`Bootstrap.median_step`, :meth:`Bootstrap.median_difference`). A
+statistic that is constant over the documents gets its point as interval and
+``Estimate.constant``.
 
 The words of an interval (methods, :class:`Scale`, :class:`Estimate`) are in
 :mod:`kvcouple.analysis.intervals`, the p-values and Holm's correction in
@@ -58,6 +60,7 @@ from kvcouple.analysis.intervals import (
     beside_range,
     normal_scores,
 )
+from kvcouple.analysis.median_shift import MedianShiftTest, median_difference
 from kvcouple.analysis.pvalues import bootstrap_p_value, studentized_p_value
 from kvcouple.analysis.studentized import (
     DeltaMethod,
@@ -333,6 +336,27 @@ class Bootstrap:
                 lo, hi = min(lo, span[0]), max(hi, span[1])
                 t += step
         return Estimate(estimate, lo, hi, boot, method="studentized")
+
+    def median_difference(self, pmf_a: Sequence[str], pmf_b: Sequence[str]) -> Estimate | None:
+        """The paired difference ``m_b - m_a`` of two median steps (``pmf_a``, ``pmf_b``: the
+        columns of each law's ``P(tau = t)``, t = 1..T) with its confidence set by inverting
+        the studentized test of ``F_b(x + delta) = F_a(x)``
+        (:mod:`kvcouple.analysis.median_shift`); None where the columns are not complete (the
+        caller's interval stands)."""
+        return median_difference(
+            self, [self._index[c] for c in pmf_a], [self._index[c] for c in pmf_b]
+        )
+
+    def median_difference_p_value(
+        self, pmf_a: Sequence[str], pmf_b: Sequence[str], direction: str, value: float = 0.0
+    ) -> float:
+        """The p-value of :meth:`median_difference`'s test at ``value``
+        (:meth:`kvcouple.analysis.median_shift.MedianShiftTest.p_value`); NaN where the
+        columns are not complete."""
+        a, b = [self._index[c] for c in pmf_a], [self._index[c] for c in pmf_b]
+        if self.data is None or not MedianShiftTest.complete(self, a + b):
+            return math.nan
+        return MedianShiftTest(self, a, b).p_value(direction, value)
 
     def p_value(self, est: Estimate, direction: str, value: float = 0.0) -> float:
         """The bootstrap p-value matching ``est``'s interval method (see

@@ -4,6 +4,7 @@ document bootstraps."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
@@ -75,6 +76,16 @@ def run_tests(result: AnalysisResult, plan: Plan) -> list[dict[str, Any]]:
             scale = st.quantity_scale(c.metric, m.horizon, paired=c.policy is None)
             # A policy's own median step: percentile (its test-inversion set has no p-value yet).
             est = bs.evaluate(fn, c.policy is not None and c.metric in st.INVERTED_SUMMARY, scale)
+            p_value = bs.p_value(est, c.direction, c.value)
+            if c.policy is None and c.metric == "median_tau" and bs.method == "studentized":
+                # A paired median difference: the test-inversion set and its test's p-value.
+                pmf_a, pmf_b = (
+                    [f"{p}|pmf|{t}" for t in range(1, m.horizon + 1)] for p in (c.a, c.b)
+                )
+                inverted = bs.median_difference(pmf_a, pmf_b)
+                if inverted is not None:
+                    est = replace(inverted, scale=scale)
+                    p_value = bs.median_difference_p_value(pmf_a, pmf_b, c.direction, c.value)
             rows.append(
                 {
                     "comparison": c.name,
@@ -89,7 +100,7 @@ def run_tests(result: AnalysisResult, plan: Plan) -> list[dict[str, Any]]:
                     "ci_low": est.ci_low,
                     "ci_high": est.ci_high,
                     "ci_method": est.method,
-                    "p_value": bs.p_value(est, c.direction, c.value),
+                    "p_value": p_value,
                     "n_docs": bs.n_docs,
                     "doc_set": result.doc_set,
                 }

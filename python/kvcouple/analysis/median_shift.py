@@ -1,0 +1,290 @@
+"""The confidence set of a paired difference of median steps ``m_b - m_a`` by test inversion
+(docs/statistics.md, *Median steps*): the shifts ``delta`` at which the symmetric studentized
+bootstrap test of
+
+    D(delta) = F_b(x + delta) - F_a(x) = 0,  x the median of G(x) = (F_a(x) + F_b(x + delta)) / 2,
+
+accepts, ``F`` the grouped conditional CDFs of the two divergence-time laws (step t spread over
+``(t - 1/2, t + 1/2]``, :func:`kvcouple.decomposition.median_step`) and ``x`` solved again in
+every resample. At the true difference ``x = m_a`` and ``D = 0``. The delta method on the
+difference's own scale failed where either median changes class (its density jumps there, and
+with it the bootstrap-t's critical value: 0.902 in the coverage study's ``saturated``); ``D``
+is a difference of CDFs, smooth in the laws.
+
+``D``'s standard error is the delta method's with ``x`` moving with the laws (``G(x) = 1/2``):
+each law's own terms scaled by ``1 + r`` and ``1 - r``, ``r = (f_b - f_a) / (f_a + f_b)`` the
+densities' at ``x``, bounded by 1, so no density stands alone in a denominator. ``D`` does not
+decrease with ``delta`` (``D = 1 - 2 F_a(x)`` and ``x`` moves left), so the set is found by
+stepping out from the estimate and bisecting each end.
+
+Each test is O(T) per resample: the CDFs are read off cumulative sums, and a gradient is six
+numbers on the documents' cumulative pmf columns (two neighbouring steps and the total, per
+law), so that a resample's variance is one gather per document (document resamples, from their
+draw counts) or one 6 x 6 contraction of the table's covariance (resamples drawn from the
+Gaussian limit), never a (resamples x documents x steps) array.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from kvcouple import _core
+from kvcouple import decomposition as dc
+from kvcouple.analysis.intervals import Estimate
+from kvcouple.analysis.studentized import GATHER_BYTES, Resamples, studentized_estimate
+
+__all__ = ["MedianShiftTest", "median_difference"]
+
+# Each end of the set: steps out from the estimate doubling from FIRST_STEP (in steps), then
+# BISECTIONS halvings of the last bracket (its end to about 1/1000 of its distance).
+FIRST_STEP = 0.05
+BISECTIONS = 10
+# A resample's variance below this share of its second moment is rounding (sum of squares
+# less the square of the mean cancels to about 1e-16 of the terms).
+CANCELLATION = 1e-10
+
+
+@dataclass(frozen=True)
+class _Place:
+    """Where values ``y`` fall in a grouped law (rows: the table and the resamples): the
+    class ``t`` (1..T) and the share of it below ``y`` (``within``, 0..1), the CDF there, its
+    density and the law's total."""
+
+    t: np.ndarray
+    within: np.ndarray
+    cdf: np.ndarray
+    density: np.ndarray
+    total: np.ndarray
+
+
+def _place(cum: np.ndarray, y: np.ndarray) -> _Place:
+    """``y`` ((rows,) or (rows, k)) in the laws with cumulative sums ``cum`` (rows, T + 1),
+    ``cum[:, 0] = 0``. Beyond ``T + 1/2`` the CDF is 1 and below ``1/2`` it is 0 (class T
+    wholly below, class 1 wholly above)."""
+    T = cum.shape[1] - 1
+    y2 = y if y.ndim == 2 else y[:, None]
+    t = np.clip(np.ceil(y2 - 0.5), 1, T).astype(np.int64)
+    within = np.clip(y2 - (t - 0.5), 0.0, 1.0)
+    idx = np.broadcast_to(t, (cum.shape[0], t.shape[1]))
+    below = np.take_along_axis(cum, idx - 1, 1)
+    mass = np.take_along_axis(cum, idx, 1) - below
+    total = cum[:, T:]
+    inside = (y2 > 0.5) & (y2 < T + 0.5)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        cdf = (below + within * mass) / total
+        density = np.where(inside, mass / total, 0.0)
+    if y.ndim == 1:
+        return _Place(t[:, 0], within[:, 0], cdf[:, 0], density[:, 0], total[:, 0])
+    return _Place(t, within, cdf, density, total)
+
+
+def _cumulative(p: np.ndarray) -> np.ndarray:
+    """``[0, p_1, p_1 + p_2, ...]`` along the last axis."""
+    out = np.zeros(p.shape[:-1] + (p.shape[-1] + 1,))
+    np.cumsum(p, axis=-1, out=out[..., 1:])
+    return out
+
+
+class MedianShiftTest:
+    """The studentized test of ``m_b - m_a = delta`` for any ``delta`` (module docstring):
+    the two laws' cumulative sums at the table and in every resample, the documents' centred
+    cumulative columns and the resamples' draw counts (or the table's covariance, for
+    resamples drawn from the Gaussian limit), made once."""
+
+    def __init__(self, bs: Resamples, pmf_a: list[int], pmf_b: list[int]) -> None:
+        """``pmf_a``, ``pmf_b``: the table's columns of ``P(tau = t)``, t = 1..T, of each law.
+        The table's columns must be complete (:meth:`complete`)."""
+        if bs.data is None:
+            raise ValueError("a median difference's test needs the table (bootstrap_table)")
+        self.bs, self.T = bs, len(pmf_a)
+        cols = list(pmf_a) + list(pmf_b)
+        rows = np.vstack([bs.point[cols][None], bs.reps[:, cols]])
+        # Row 0: the table; rows 1..: the resamples.
+        self.cum_a, self.cum_b = _cumulative(rows[:, : self.T]), _cumulative(rows[:, self.T :])
+        self.estimate = float(dc.median_step(bs.point[pmf_b]) - dc.median_step(bs.point[pmf_a]))
+        self.boot = np.asarray(
+            dc.median_step(bs.reps[:, pmf_b].T) - dc.median_step(bs.reps[:, pmf_a].T)
+        )
+        n, T = bs.n_docs, self.T
+        self.n = n
+        self.cov: np.ndarray | None
+        if bs.moments is not None:
+            self.constant = bool((np.diag(bs.moments.gram)[cols] == 0).all())
+            # The Gaussian limit: every resample has the table's covariance, read in the
+            # cumulative columns' coordinates (L S L', L the cumulative sum with a 0 row).
+            sub = bs.moments.gram[np.ix_(cols, cols)] / n
+            lower = np.tril(np.ones((T + 1, T)), -1)
+            both = np.zeros((2 * T + 2, 2 * T))
+            both[: T + 1, :T], both[T + 1 :, T:] = lower, lower
+            self.cov = np.asarray(both @ sub @ both.T)
+            self.docs: np.ndarray | None = None
+            self.counts: np.ndarray | None = None
+        else:
+            block = bs.data[:, cols]
+            self.constant = bool((block == block[:1]).all())
+            centred = block - bs.point[cols]
+            self.docs = np.hstack([_cumulative(centred[:, :T]), _cumulative(centred[:, T:])])
+            self.cov = None
+            self.counts = _core.bootstrap_counts(n, bs.reps.shape[0], int(bs.seed)).astype(
+                np.float64
+            )
+
+    @staticmethod
+    def complete(bs: Resamples, cols: list[int]) -> bool:
+        """Whether the table's ``cols`` have every entry finite (the test reads no NaN)."""
+        if bs.moments is not None:
+            return bool(bs.moments.complete(bs.n_docs)[cols].all())
+        assert bs.data is not None
+        return bool(np.isfinite(bs.data[:, cols]).all())
+
+    def median(self, delta: float) -> np.ndarray:
+        """``x`` of every row: the first point where ``G`` reaches 1/2. ``G`` is linear between
+        its breakpoints (the class ends ``k + 1/2`` and ``k + 1/2 - delta``): read there, then
+        interpolated."""
+        edges = np.arange(self.T + 1) + 0.5
+        xs = np.unique(np.concatenate([edges, edges - delta]))
+        rows = self.cum_a.shape[0]
+        grid = np.broadcast_to(xs, (rows, xs.size))
+        g = (_place(self.cum_a, grid).cdf + _place(self.cum_b, grid + delta).cdf) / 2
+        k = np.maximum(np.argmax(g >= 0.5, axis=1), 1)[:, None]
+        g0 = np.take_along_axis(g, k - 1, 1)[:, 0]
+        g1 = np.take_along_axis(g, k, 1)[:, 0]
+        with np.errstate(invalid="ignore", divide="ignore"):
+            share = np.where(g1 > g0, (0.5 - g0) / (g1 - g0), 0.0)
+        share = np.where(np.isnan(g0 + g1), np.nan, share)
+        k = k[:, 0]
+        return np.asarray(xs[k - 1] + np.clip(share, 0.0, 1.0) * (xs[k] - xs[k - 1]))
+
+    def statistic(self, delta: float) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """``D(delta)`` of every row, and its gradient as coefficients (rows, 6) on the
+        cumulative columns at indices (rows, 6) (law a's at 0..T, law b's at T+1..2T+1)."""
+        T = self.T
+        x = self.median(delta)
+        a, b = _place(self.cum_a, x), _place(self.cum_b, x + delta)
+        with np.errstate(invalid="ignore", divide="ignore"):
+            both = a.density + b.density
+            r = np.where(both > 0, (b.density - a.density) / both, 0.0)
+            # dD/dp_s = -(1 + r)(w_a[s] - F_a)/total_a + (1 - r)(w_b[s] - F_b)/total_b, with
+            # w[s] = 1 below the class, its share at it, 0 above: sum_s w[s] d_s is the
+            # cumulative column below the class plus the share of the class's.
+            ka, kb = -(1.0 + r) / a.total, (1.0 - r) / b.total
+        coef = np.stack(
+            [ka * (1 - a.within), ka * a.within, -ka * a.cdf,
+             kb * (1 - b.within), kb * b.within, -kb * b.cdf],
+            axis=1,
+        )  # fmt: skip
+        full = np.full_like(a.t, T)
+        at = np.stack([a.t - 1, a.t, full, b.t + T, b.t + T + 1, full + T + 1], axis=1)
+        return b.cdf - a.cdf, coef, at
+
+    def _variances(self, coef: np.ndarray, at: np.ndarray) -> np.ndarray:
+        """The delta method's variance of ``D`` in every row: ``g' S g / (n - 1)`` with ``S``
+        the covariance (divisor n) of the table's columns (row 0) or of each resample's."""
+        n = self.n
+        if self.cov is not None:
+            s = self.cov[at[:, :, None], at[:, None, :]]
+            return np.einsum("ra,rab,rb->r", coef, s, coef) / max(n - 1, 1)
+        docs, counts = self.docs, self.counts
+        assert docs is not None and counts is not None
+        out = np.empty(coef.shape[0])
+        # The table's: its documents' projections on the gradient (their mean is 0).
+        proj = docs[:, at[0]] @ coef[0]
+        out[0] = float(np.mean(proj * proj))
+        # Each resample's: second moment of its drawn documents' projections less its mean's
+        # square, a block of resamples at a time (memory: GATHER_BYTES per array).
+        step = max(1, GATHER_BYTES // (8 * max(n, 1)))
+        for start in range(1, coef.shape[0], step):
+            stop = min(start + step, coef.shape[0])
+            proj = np.zeros((stop - start, n))
+            for j in range(coef.shape[1]):
+                proj += coef[start:stop, j : j + 1] * docs[:, at[start:stop, j]].T
+            c = counts[start - 1 : stop - 1]
+            mean = (c * proj).sum(1) / n
+            second = (c * proj * proj).sum(1) / n
+            # A resample whose drawn documents project alike has variance 0 (its rounding
+            # residue is no spread: the flat-resample rule of studentized_estimate holds).
+            var = second - mean * mean
+            out[start:stop] = np.where(var > CANCELLATION * second, var, 0.0)
+        return out / max(n - 1, 1)
+
+    def evaluate(self, delta: float) -> Estimate:
+        """The studentized interval of ``D(delta)`` (on its plain scale); the test accepts
+        ``delta`` where it holds 0 (:meth:`accepts`)."""
+        d, coef, at = self.statistic(delta)
+        with np.errstate(invalid="ignore"):
+            se = np.sqrt(np.maximum(self._variances(coef, at), 0.0))
+        return studentized_estimate(float(d[0]), d[1:], float(se[0]), se[1:], self.bs.level)
+
+    def accepts(self, delta: float) -> bool:
+        """Whether the test of ``m_b - m_a = delta`` accepts (``delta`` within the range
+        ``[-T, T]``)."""
+        if not abs(delta) <= self.T:
+            return False
+        e = self.evaluate(delta)
+        return bool(e.ci_low <= 0.0 <= e.ci_high)
+
+    def interval(self) -> Estimate:
+        """The estimate with the hull of the accepted shifts: stepping out from the estimate
+        until a shift is rejected, then bisecting the last bracket. No interval (NaN) where
+        the estimate itself is not accepted (too few resamples define the test)."""
+        est, nan = self.estimate, math.nan
+        out = Estimate(est, nan, nan, self.boot, method="studentized")
+        if not math.isfinite(est):
+            return out
+        if self.constant:
+            return Estimate(est, est, est, self.boot, method="studentized", se=0.0, constant=True)
+        home = self.evaluate(est)
+        if not home.ci_low <= 0.0 <= home.ci_high:
+            return out
+        ends = []
+        for sign in (1.0, -1.0):
+            good, step = 0.0, FIRST_STEP
+            while abs(est + sign * step) <= self.T and self.accepts(est + sign * step):
+                good, step = step, 2 * step
+            for _ in range(BISECTIONS):
+                mid = (good + step) / 2
+                if self.accepts(est + sign * mid):
+                    good = mid
+                else:
+                    step = mid
+            ends.append(est + sign * good)
+        return Estimate(est, min(ends), max(ends), self.boot, method="studentized", se=home.se)
+
+    def p_value(self, direction: str, value: float = 0.0) -> float:
+        """The bootstrap-t p-value of ``H0: m_b - m_a <= value`` (greater), ``>= value`` (less)
+        or ``= value``, from the test at ``value``: ``D`` grows with the shift, so
+        ``t = -D(value) / se`` measures the estimate above ``value``; ``(1 + #{t* >= t}) /
+        (m + 1)`` (greater), ``(1 + #{t* <= t}) / (m + 1)`` (less), ``t*`` the test's
+        symmetric replicates. NaN where the test is undefined."""
+        if not math.isfinite(self.estimate):
+            return math.nan
+        e = self.evaluate(min(max(value, -self.T), self.T))
+        if e.constant or e.se == 0.0:
+            d = e.estimate
+            holds = {"greater": d < 0, "less": d > 0}
+            if direction in holds:
+                return 0.0 if holds[direction] else 1.0
+            return 0.0 if d != 0 else 1.0
+        if e.tstar is None:
+            return math.nan
+        t = -e.estimate / e.se
+        m = e.tstar.size
+        greater = float((1 + np.sum(e.tstar >= t)) / (m + 1))
+        less = float((1 + np.sum(e.tstar <= t)) / (m + 1))
+        if direction == "greater":
+            return greater
+        if direction == "less":
+            return less
+        return float(min(1.0, 2 * min(greater, less)))
+
+
+def median_difference(bs: Resamples, pmf_a: list[int], pmf_b: list[int]) -> Estimate | None:
+    """The paired difference ``m_b - m_a`` of two median steps with its test-inversion set
+    (:class:`MedianShiftTest`); None where the table's pmf columns are not complete (the
+    caller's interval stands)."""
+    if bs.data is None or not MedianShiftTest.complete(bs, list(pmf_a) + list(pmf_b)):
+        return None
+    return MedianShiftTest(bs, pmf_a, pmf_b).interval()
