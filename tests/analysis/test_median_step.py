@@ -166,22 +166,39 @@ def _two_policy_store(tmp_path):
     )
 
 
-def test_paired_difference_gets_the_methods_interval_on_the_difference_scale(tmp_path):
-    # Not the percentile interval: the studentized one on [-T, T] (docs/statistics.md).
+def test_paired_difference_gets_the_test_inversion_set_on_the_difference_scale(tmp_path):
+    # Not the delta method's interval of the difference: the set of shifts the studentized
+    # test of F_b(x + delta) = F_a(x) accepts (test_median_difference.py), inside [-T, T].
+    # This store's documents share their kernels: every document's law is the same, so the
+    # set is the point, flagged constant.
     store = _two_policy_store(tmp_path)
     m = analyze(store, n_boot=300).models[0]
     T, bs = m.horizon, m.bootstrap
     assert bs is not None and bs.method == "studentized"
     (row,) = [r for r in m.tables["differences"] if r["quantity"] == "median_tau"]
-    fa, fb = (st.quantity_fn(p, "median_tau", T) for p in (row["policy_a"], row["policy_b"]))
-    scale = st.quantity_scale("median_tau", T, paired=True)
-    assert scale == Scale(-T, T)
-    want = bs.evaluate(st.difference(fa, fb), False, scale)
-    assert want.method == "studentized"
+    pmf = [_names(T, p) for p in (row["policy_a"], row["policy_b"])]
+    want = bs.median_difference(*pmf)
+    assert want is not None and want.method == "studentized" and want.constant
     assert (row["difference"], row["ci_low"], row["ci_high"]) == (
         want.estimate, want.ci_low, want.ci_high,
     )  # fmt: skip
-    assert -T <= row["ci_low"] <= row["difference"] <= row["ci_high"] <= T
+    assert row["note"] == st.CONSTANT
+    # Documents that differ: an interval around the estimate, inside [-T, T], unlike the
+    # delta method's interval of the difference.
+    rng = np.random.default_rng(4)
+    T = 8
+    cols = {**_pmf_table(_laws(rng, 20, T, "saturated"), "a").cols}
+    cols.update(_pmf_table(_laws(rng, 20, T, "never"), "b").cols)
+    bs = bootstrap_table(Table([f"d{i}" for i in range(20)], cols), 400, 2, 0.95)
+    (got,) = st.difference_estimates(bs, "a", "b", ["median_tau"], T)
+    want = bs.median_difference(_names(T, "a"), _names(T, "b"))
+    assert want is not None and not want.constant
+    assert (got.estimate, got.ci_low, got.ci_high) == (want.estimate, want.ci_low, want.ci_high)
+    assert got.scale == Scale(-T, T)
+    assert -T <= got.ci_low < got.estimate < got.ci_high <= T
+    fa, fb = (st.quantity_fn(p, "median_tau", T) for p in ("a", "b"))
+    delta = bs.evaluate(st.difference(fa, fb), False, Scale(-T, T))
+    assert (delta.ci_low, delta.ci_high) != (got.ci_low, got.ci_high)
 
 
 def test_median_gradient_in_closed_form_is_the_central_differences():

@@ -12,8 +12,11 @@ with it the bootstrap-t's critical value: 0.902 in the coverage study's ``satura
 is a difference of CDFs, smooth in the laws.
 
 ``D``'s standard error is the delta method's with ``x`` moving with the laws (``G(x) = 1/2``):
-each law's own terms scaled by ``1 + r`` and ``1 - r``, ``r = (f_b - f_a) / (f_a + f_b)`` the
-densities' at ``x``, bounded by 1, so no density stands alone in a denominator. ``D`` does not
+each law's own terms scaled by ``1 + r`` and ``1 - r``, ``r = (f_b - f_a) / (f_a + f_b)`` at
+``x``, bounded by 1, so no density stands alone in a denominator. The densities are the laws'
+frequency polygons' (:func:`_polygon`), continuous in ``x``: with the grouped laws' own, which
+jump at every class end, the standard error jumped with them and the set covered 0.87 on
+documents whose two laws are alike (tests/analysis/test_median_difference.py). ``D`` does not
 decrease with ``delta`` (``D = 1 - 2 F_a(x)`` and ``x`` moves left), so the set is found by
 stepping out from the estimate and bisecting each end.
 
@@ -50,8 +53,8 @@ CANCELLATION = 1e-10
 @dataclass(frozen=True)
 class _Place:
     """Where values ``y`` fall in a grouped law (rows: the table and the resamples): the
-    class ``t`` (1..T) and the share of it below ``y`` (``within``, 0..1), the CDF there, its
-    density and the law's total."""
+    class ``t`` (1..T) and the share of it below ``y`` (``within``, 0..1), the CDF there, the
+    density of the law's frequency polygon (:func:`_polygon`) and the law's total."""
 
     t: np.ndarray
     within: np.ndarray
@@ -66,19 +69,54 @@ def _place(cum: np.ndarray, y: np.ndarray) -> _Place:
     wholly below, class 1 wholly above)."""
     T = cum.shape[1] - 1
     y2 = y if y.ndim == 2 else y[:, None]
-    t = np.clip(np.ceil(y2 - 0.5), 1, T).astype(np.int64)
+    # An undefined y (a resample where a law has no mass) reads class 1 and stays NaN.
+    t = np.clip(np.ceil(np.nan_to_num(y2, nan=1.0) - 0.5), 1, T).astype(np.int64)
     within = np.clip(y2 - (t - 0.5), 0.0, 1.0)
     idx = np.broadcast_to(t, (cum.shape[0], t.shape[1]))
     below = np.take_along_axis(cum, idx - 1, 1)
     mass = np.take_along_axis(cum, idx, 1) - below
     total = cum[:, T:]
-    inside = (y2 > 0.5) & (y2 < T + 0.5)
     with np.errstate(invalid="ignore", divide="ignore"):
         cdf = (below + within * mass) / total
-        density = np.where(inside, mass / total, 0.0)
+    density = _polygon(cum, y2)
     if y.ndim == 1:
         return _Place(t[:, 0], within[:, 0], cdf[:, 0], density[:, 0], total[:, 0])
     return _Place(t, within, cdf, density, total)
+
+
+def _polygon(cum: np.ndarray, y: np.ndarray) -> np.ndarray:
+    """The density at ``y`` (rows, k) of the frequency polygon of the laws with cumulative
+    sums ``cum``: the class masses over the total at the class midpoints, linear between them,
+    flat in the outer half classes, 0 outside ``(1/2, T + 1/2)``. The grouped law's own
+    density jumps at every class end, and with it the standard error of ``D`` (tenfold where
+    two policies' laws are alike: the coverage of the set fell to 0.87 on such documents);
+    the polygon's moves continuously with ``x``."""
+    T = cum.shape[1] - 1
+    p = np.diff(cum, axis=1)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        p = p / cum[:, T:]
+    at = np.clip(np.nan_to_num(y, nan=1.0), 1.0, float(T))
+    left = np.clip(np.floor(at).astype(np.int64), 1, max(T - 1, 1))
+    frac = np.clip(at - left, 0.0, 1.0)
+    idx = np.broadcast_to(left, (cum.shape[0], left.shape[1]))
+    low = np.take_along_axis(p, idx - 1, 1)
+    high = np.take_along_axis(p, np.minimum(idx, T - 1), 1)
+    inside = (y > 0.5) & (y < T + 0.5)
+    return np.where(inside, (1 - frac) * low + frac * high, np.where(np.isnan(y), np.nan, 0.0))
+
+
+def _coefficients(a: _Place, b: _Place, r: np.ndarray) -> np.ndarray:
+    """``D``'s gradient as coefficients on the cumulative columns (rows, 6): ``dD/dp_s =
+    -(1 + r)(w_a[s] - F_a)/total_a + (1 - r)(w_b[s] - F_b)/total_b``, ``w[s]`` 1 below the
+    class, its share at it and 0 above, so that ``sum_s w[s] d_s`` is the cumulative column
+    below the class plus the share of the class's."""
+    with np.errstate(invalid="ignore", divide="ignore"):
+        ka, kb = -(1.0 + r) / a.total, (1.0 - r) / b.total
+    return np.stack(
+        [ka * (1 - a.within), ka * a.within, -ka * a.cdf,
+         kb * (1 - b.within), kb * b.within, -kb * b.cdf],
+        axis=1,
+    )  # fmt: skip
 
 
 def _cumulative(p: np.ndarray) -> np.ndarray:
@@ -167,15 +205,7 @@ class MedianShiftTest:
         with np.errstate(invalid="ignore", divide="ignore"):
             both = a.density + b.density
             r = np.where(both > 0, (b.density - a.density) / both, 0.0)
-            # dD/dp_s = -(1 + r)(w_a[s] - F_a)/total_a + (1 - r)(w_b[s] - F_b)/total_b, with
-            # w[s] = 1 below the class, its share at it, 0 above: sum_s w[s] d_s is the
-            # cumulative column below the class plus the share of the class's.
-            ka, kb = -(1.0 + r) / a.total, (1.0 - r) / b.total
-        coef = np.stack(
-            [ka * (1 - a.within), ka * a.within, -ka * a.cdf,
-             kb * (1 - b.within), kb * b.within, -kb * b.cdf],
-            axis=1,
-        )  # fmt: skip
+        coef = _coefficients(a, b, r)
         full = np.full_like(a.t, T)
         at = np.stack([a.t - 1, a.t, full, b.t + T, b.t + T + 1, full + T + 1], axis=1)
         return b.cdf - a.cdf, coef, at
