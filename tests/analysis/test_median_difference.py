@@ -122,7 +122,7 @@ def test_gradient_is_the_derivative_with_x_moving():
         test = _test(bs, T)
         pa, pb = a.mean(0), b.mean(0)
         for delta in (-0.7, 0.2, 1.3):
-            x = test.median(delta)[:1]
+            x = test.median(delta)[:1]  # the table's
             ends = np.concatenate([np.arange(T + 1) + 0.5, np.arange(T + 1) + 0.5 - delta])
             if np.min(np.abs(x - ends)) < 1e-3:  # a kink of the CDFs: no derivative
                 continue
@@ -144,7 +144,7 @@ def test_gradient_is_the_derivative_with_x_moving():
                 ) / (2 * h)
             np.testing.assert_allclose(grad, numeric, rtol=1e-5, atol=1e-6)
             # The test's own coefficients: the same form with the polygons' r.
-            poly = [median_shift._polygon(c[:1], y[:, None])[0, 0] for c, y in
+            poly = [median_shift._polygon(c[:1], y)[0] for c, y in
                     ((test.cum_a, x), (test.cum_b, x + delta))]  # fmt: skip
             r_poly = np.array([(poly[1] - poly[0]) / (poly[0] + poly[1])])
             np.testing.assert_allclose(
@@ -155,13 +155,17 @@ def test_gradient_is_the_derivative_with_x_moving():
 
 
 def test_polygon_density_is_the_class_masses_joined_at_midpoints():
-    cum = np.cumsum(np.array([[0.0, 0.2, 0.5, 0.1, 0.0]]), axis=1)  # T = 4, total 0.8
-    y = np.array([[0.4, 0.7, 1.0, 1.5, 2.0, 2.25, 3.0, 4.0, 4.4, 4.6]])
-    want = np.array([0.0, 0.25, 0.25, 0.4375, 0.625, 0.5, 0.125, 0.0, 0.0, 0.0])
-    np.testing.assert_allclose(median_shift._polygon(cum, y), [want], atol=1e-15)
+    y = np.array([0.4, 0.7, 1.0, 1.5, 2.0, 2.25, 3.0, 4.0, 4.4, 4.6, np.nan])
+    cum = np.tile(np.cumsum([0.0, 0.2, 0.5, 0.1, 0.0]), (y.size, 1))  # T = 4, total 0.8
+    want = np.array([0.0, 0.25, 0.25, 0.4375, 0.625, 0.5, 0.125, 0.0, 0.0, 0.0, np.nan])
+    np.testing.assert_allclose(median_shift._polygon(cum, y), want, atol=1e-15)
 
 
-def test_resamples_variances_are_their_drawn_documents():
+@pytest.mark.parametrize("grouped", [False, True])
+def test_resamples_variances_are_their_drawn_documents(grouped, monkeypatch):
+    # Both ways of reading a resample's moments: document by document, and by groups of
+    # resamples sharing their columns (many documents; forced here).
+    monkeypatch.setattr(median_shift, "GROUPED_DOCS", 0 if grouped else 10**9)
     rng = np.random.default_rng(3)
     T = 6
     a, b = _laws(rng, 14, T, "saturated")

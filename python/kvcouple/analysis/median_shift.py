@@ -48,6 +48,9 @@ BISECTIONS = 10
 # A resample's variance below this share of its second moment is rounding (sum of squares
 # less the square of the mean cancels to about 1e-16 of the terms).
 CANCELLATION = 1e-10
+# Beyond this many documents a resample's moments are read by groups of resamples sharing
+# their columns (BLAS) rather than gathered document by document.
+GROUPED_DOCS = 256
 
 
 @dataclass(frozen=True)
@@ -63,46 +66,56 @@ class _Place:
     total: np.ndarray
 
 
-def _place(cum: np.ndarray, y: np.ndarray) -> _Place:
-    """``y`` ((rows,) or (rows, k)) in the laws with cumulative sums ``cum`` (rows, T + 1),
-    ``cum[:, 0] = 0``. Beyond ``T + 1/2`` the CDF is 1 and below ``1/2`` it is 0 (class T
-    wholly below, class 1 wholly above)."""
+def _rows(cum: np.ndarray, at: np.ndarray) -> np.ndarray:
+    """``cum[i, at[i]]`` for every row ``i`` (one flat gather)."""
+    return cum.ravel()[np.arange(cum.shape[0]) * cum.shape[1] + at]
+
+
+def _class(cum: np.ndarray, y: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The class ``t`` (1..T) of each row's ``y`` and the share of it below ``y`` (0..1):
+    class T wholly below beyond ``T + 1/2``, class 1 wholly above below ``1/2``. An undefined
+    ``y`` (a resample where a law has no mass) reads class 1."""
     T = cum.shape[1] - 1
-    y2 = y if y.ndim == 2 else y[:, None]
-    # An undefined y (a resample where a law has no mass) reads class 1 and stays NaN.
-    t = np.clip(np.ceil(np.nan_to_num(y2, nan=1.0) - 0.5), 1, T).astype(np.int64)
-    within = np.clip(y2 - (t - 0.5), 0.0, 1.0)
-    idx = np.broadcast_to(t, (cum.shape[0], t.shape[1]))
-    below = np.take_along_axis(cum, idx - 1, 1)
-    mass = np.take_along_axis(cum, idx, 1) - below
-    total = cum[:, T:]
+    t = np.clip(np.ceil(np.nan_to_num(y, nan=1.0) - 0.5), 1, T).astype(np.int64)
+    return t, np.clip(y - (t - 0.5), 0.0, 1.0)
+
+
+def _cdf(cum: np.ndarray, y: np.ndarray) -> np.ndarray:
+    """The grouped CDF of each row's law (cumulative sums ``cum`` (rows, T + 1), ``cum[:, 0]
+    = 0``) at that row's ``y`` (rows,): 0 below ``1/2``, 1 beyond ``T + 1/2``."""
+    t, within = _class(cum, y)
+    below = _rows(cum, t - 1)
     with np.errstate(invalid="ignore", divide="ignore"):
-        cdf = (below + within * mass) / total
-    density = _polygon(cum, y2)
-    if y.ndim == 1:
-        return _Place(t[:, 0], within[:, 0], cdf[:, 0], density[:, 0], total[:, 0])
-    return _Place(t, within, cdf, density, total)
+        return (below + within * (_rows(cum, t) - below)) / cum[:, -1]
+
+
+def _place(cum: np.ndarray, y: np.ndarray) -> _Place:
+    """Each row's ``y`` (rows,) in its law (cumulative sums ``cum``, as :func:`_cdf`)."""
+    t, within = _class(cum, y)
+    below = _rows(cum, t - 1)
+    total = cum[:, -1]
+    with np.errstate(invalid="ignore", divide="ignore"):
+        cdf = (below + within * (_rows(cum, t) - below)) / total
+    return _Place(t, within, cdf, _polygon(cum, y), total)
 
 
 def _polygon(cum: np.ndarray, y: np.ndarray) -> np.ndarray:
-    """The density at ``y`` (rows, k) of the frequency polygon of the laws with cumulative
-    sums ``cum``: the class masses over the total at the class midpoints, linear between them,
-    flat in the outer half classes, 0 outside ``(1/2, T + 1/2)``. The grouped law's own
-    density jumps at every class end, and with it the standard error of ``D`` (tenfold where
-    two policies' laws are alike: the coverage of the set fell to 0.87 on such documents);
-    the polygon's moves continuously with ``x``."""
+    """The density at each row's ``y`` (rows,) of the frequency polygon of its law
+    (cumulative sums ``cum``): the class masses over the total at the class midpoints, linear
+    between them, flat in the outer half classes, 0 outside ``(1/2, T + 1/2)``. The grouped
+    law's own density jumps at every class end, and with it the standard error of ``D``
+    (tenfold where two policies' laws are alike: the coverage of the set fell to 0.87 on such
+    documents); the polygon's moves continuously with ``x``."""
     T = cum.shape[1] - 1
-    p = np.diff(cum, axis=1)
-    with np.errstate(invalid="ignore", divide="ignore"):
-        p = p / cum[:, T:]
     at = np.clip(np.nan_to_num(y, nan=1.0), 1.0, float(T))
-    left = np.clip(np.floor(at).astype(np.int64), 1, max(T - 1, 1))
+    left = np.clip(np.floor(at).astype(np.int64), 1, max(T - 1, 1))  # classes left, left + 1
     frac = np.clip(at - left, 0.0, 1.0)
-    idx = np.broadcast_to(left, (cum.shape[0], left.shape[1]))
-    low = np.take_along_axis(p, idx - 1, 1)
-    high = np.take_along_axis(p, np.minimum(idx, T - 1), 1)
+    low = _rows(cum, left) - _rows(cum, left - 1)
+    high = _rows(cum, np.minimum(left + 1, T)) - _rows(cum, np.minimum(left, T - 1))
     inside = (y > 0.5) & (y < T + 0.5)
-    return np.where(inside, (1 - frac) * low + frac * high, np.where(np.isnan(y), np.nan, 0.0))
+    with np.errstate(invalid="ignore", divide="ignore"):
+        density = ((1 - frac) * low + frac * high) / cum[:, -1]
+    return np.where(inside, density, np.where(np.isnan(y), np.nan, 0.0))
 
 
 def _coefficients(a: _Place, b: _Place, r: np.ndarray) -> np.ndarray:
@@ -180,21 +193,27 @@ class MedianShiftTest:
 
     def median(self, delta: float) -> np.ndarray:
         """``x`` of every row: the first point where ``G`` reaches 1/2. ``G`` is linear between
-        its breakpoints (the class ends ``k + 1/2`` and ``k + 1/2 - delta``): read there, then
-        interpolated."""
+        its breakpoints (the class ends ``k + 1/2`` and ``k + 1/2 - delta``): the first one
+        where it reaches 1/2 found by bisection over them (it is 0 at the first, 1 at the
+        last), then interpolated."""
         edges = np.arange(self.T + 1) + 0.5
         xs = np.unique(np.concatenate([edges, edges - delta]))
+
+        def average(k: np.ndarray) -> np.ndarray:
+            x = xs[k]
+            return (_cdf(self.cum_a, x) + _cdf(self.cum_b, x + delta)) / 2
+
         rows = self.cum_a.shape[0]
-        grid = np.broadcast_to(xs, (rows, xs.size))
-        g = (_place(self.cum_a, grid).cdf + _place(self.cum_b, grid + delta).cdf) / 2
-        k = np.maximum(np.argmax(g >= 0.5, axis=1), 1)[:, None]
-        g0 = np.take_along_axis(g, k - 1, 1)[:, 0]
-        g1 = np.take_along_axis(g, k, 1)[:, 0]
+        lo, hi = np.zeros(rows, np.int64), np.full(rows, xs.size - 1)
+        while (hi - lo > 1).any():  # G(xs[lo]) < 1/2 <= G(xs[hi]) (NaN: hi stays last)
+            mid = (lo + hi) // 2
+            up = average(mid) >= 0.5
+            lo, hi = np.where(up, lo, mid), np.where(up, mid, hi)
+        g0, g1 = average(hi - 1), average(hi)
         with np.errstate(invalid="ignore", divide="ignore"):
             share = np.where(g1 > g0, (0.5 - g0) / (g1 - g0), 0.0)
         share = np.where(np.isnan(g0 + g1), np.nan, share)
-        k = k[:, 0]
-        return np.asarray(xs[k - 1] + np.clip(share, 0.0, 1.0) * (xs[k] - xs[k - 1]))
+        return np.asarray(xs[hi - 1] + np.clip(share, 0.0, 1.0) * (xs[hi] - xs[hi - 1]))
 
     def statistic(self, delta: float) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """``D(delta)`` of every row, and its gradient as coefficients (rows, 6) on the
@@ -223,22 +242,57 @@ class MedianShiftTest:
         # The table's: its documents' projections on the gradient (their mean is 0).
         proj = docs[:, at[0]] @ coef[0]
         out[0] = float(np.mean(proj * proj))
-        # Each resample's: second moment of its drawn documents' projections less its mean's
-        # square, a block of resamples at a time (memory: GATHER_BYTES per array).
+        # Each resample's: the second moment of its drawn documents' projections less its
+        # mean's square.
+        moments = self._grouped if n > GROUPED_DOCS else self._gathered
+        mean, second = moments(coef[1:], at[1:], docs, counts)
+        # A resample whose drawn documents project alike has variance 0 (its rounding residue
+        # is no spread: the flat-resample rule of studentized_estimate holds).
+        var = second - mean * mean
+        out[1:] = np.where(var > CANCELLATION * second, var, 0.0)
+        return out / max(n - 1, 1)
+
+    def _gathered(
+        self, coef: np.ndarray, at: np.ndarray, docs: np.ndarray, counts: np.ndarray
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """The resamples' mean and second moment of the projections, every drawn document's
+        projection gathered, a block of resamples at a time (memory: GATHER_BYTES per array)."""
+        n = self.n
+        mean, second = np.empty(coef.shape[0]), np.empty(coef.shape[0])
         step = max(1, GATHER_BYTES // (8 * max(n, 1)))
-        for start in range(1, coef.shape[0], step):
+        for start in range(0, coef.shape[0], step):
             stop = min(start + step, coef.shape[0])
             proj = np.zeros((stop - start, n))
             for j in range(coef.shape[1]):
                 proj += coef[start:stop, j : j + 1] * docs[:, at[start:stop, j]].T
-            c = counts[start - 1 : stop - 1]
-            mean = (c * proj).sum(1) / n
-            second = (c * proj * proj).sum(1) / n
-            # A resample whose drawn documents project alike has variance 0 (its rounding
-            # residue is no spread: the flat-resample rule of studentized_estimate holds).
-            var = second - mean * mean
-            out[start:stop] = np.where(var > CANCELLATION * second, var, 0.0)
-        return out / max(n - 1, 1)
+            c = counts[start:stop]
+            mean[start:stop] = (c * proj).sum(1) / n
+            second[start:stop] = (c * proj * proj).sum(1) / n
+        return mean, second
+
+    def _grouped(
+        self, coef: np.ndarray, at: np.ndarray, docs: np.ndarray, counts: np.ndarray
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """:meth:`_gathered` for many documents: resamples that read the same six cumulative
+        columns share them, so each group's moments are two products of its draw counts with
+        the columns and their pairwise products (BLAS), contracted with the coefficients."""
+        n = self.n
+        mean, second = np.empty(coef.shape[0]), np.empty(coef.shape[0])
+        upper_i, upper_j = np.triu_indices(at.shape[1])
+        twice = np.where(upper_i == upper_j, 1.0, 2.0)
+        keys, group = np.unique(at, axis=0, return_inverse=True)
+        order = np.argsort(group.ravel(), kind="stable")
+        bounds = np.searchsorted(group.ravel()[order], np.arange(keys.shape[0] + 1))
+        for g in range(keys.shape[0]):
+            rows = order[bounds[g] : bounds[g + 1]]
+            cols = docs[:, keys[g]]  # (n, 6)
+            drawn = counts[rows]  # (rows, n)
+            first = drawn @ cols / n
+            cross = drawn @ (cols[:, upper_i] * cols[:, upper_j]) / n
+            c = coef[rows]
+            mean[rows] = (c * first).sum(1)
+            second[rows] = (cross * c[:, upper_i] * c[:, upper_j] * twice).sum(1)
+        return mean, second
 
     def evaluate(self, delta: float) -> Estimate:
         """The studentized interval of ``D(delta)`` (on its plain scale); the test accepts
