@@ -226,6 +226,43 @@ direction = "greater"
     assert below["estimate"] == summary[("harsh", "mismatch_fraction")]["estimate"]
 
 
+def test_paired_median_difference_takes_the_test_inversion_set_and_its_p_value(store, tmp_path):
+    # A plan's paired median_tau: the set of analysis/median_shift.py at 1 - alpha, and the
+    # p-value of the same test at the value, so that it rejects where the set excludes it.
+    text = PLAN.split("[[comparisons]]")[0] + "".join(
+        f"""
+[[comparisons]]
+name = "{name}"
+metric = "median_tau"
+a = "mild"
+b = "harsh"
+value = {value}
+direction = "{direction}"
+"""
+        for name, value, direction in (("zero", 0.0, "two-sided"), ("far", -3.0, "greater"))
+    )
+    result = analyze(store, plan=_plan(tmp_path, text))
+    rows = {r["comparison"]: r for r in result.tests}
+    model = result.models[0]
+    assert model.bootstrap is not None
+    bs = model.bootstrap.at_level(0.95)
+    pmf = [[f"{p}|pmf|{t}" for t in range(1, T + 1)] for p in ("mild", "harsh")]
+    want = bs.median_difference(*pmf)
+    assert want is not None and not want.constant
+    for name, direction, value in (("zero", "two-sided", 0.0), ("far", "greater", -3.0)):
+        row = rows[name]
+        assert (row["estimate"], row["ci_low"], row["ci_high"]) == (
+            want.estimate, want.ci_low, want.ci_high,
+        )  # fmt: skip
+        assert row["p_value"] == bs.median_difference_p_value(*pmf, direction, value)
+        assert -T <= row["ci_low"] <= row["estimate"] <= row["ci_high"] <= T
+    # Two-sided at 0: rejected exactly where the set excludes 0 (away from its ends).
+    zero = rows["zero"]
+    assert (zero["p_value"] < 0.05) == (not zero["ci_low"] <= 0.0 <= zero["ci_high"])
+    # Far below the set, "greater" is rejected.
+    assert rows["far"]["ci_low"] > -3.0 and rows["far"]["p_value"] < 0.05
+
+
 # ---- registry and preregistration ----
 
 
