@@ -9,7 +9,7 @@ import math
 import numpy as np
 import pytest
 
-from kvcouple.analysis import analyze
+from kvcouple.analysis import analyze, studentized
 from kvcouple.analysis import quantities as qn
 from kvcouple.analysis import stats as st
 from kvcouple.analysis.bootstrap import Bootstrap, bootstrap_table
@@ -128,6 +128,22 @@ def test_most_documents_at_one_keep_the_interval_inside_the_unit_range():
         lambda g: g("b|x") - g("a|x"), scale=st.quantity_scale("occurrence", T, paired=True)
     )
     assert -1.0 <= d.ci_low <= d.estimate <= d.ci_high <= 1.0
+
+
+def test_near_identical_resamples_do_not_set_the_critical_value(monkeypatch):
+    """SmolLM2-135M-Instruct's ``recent:retain=0.5`` on 8 documents: seven diverge with
+    probability within 1e-8 of 1 (not exactly 1), one with 0.83. A resample of only the seven
+    has a standard error of about 1e-9; studentized by it, its t* was about 14 on the logit
+    scale and the interval [0, 1]. A resample's standard error is floored at
+    RESAMPLE_SE_FLOOR of the table's (studentized.py)."""
+    x = np.array([1 - 7.3e-8, 1 - 4.4e-8, 1 - 3.2e-10, 1 - 2.1e-12,
+                  1 - 2.5e-12, 1 - 7.4e-12, 1 - 2.5e-9, 0.8266])  # fmt: skip
+    scale = st.quantity_scale("occurrence", T)
+    e = _boot({"p|x": x}).evaluate(lambda g: g("p|x"), scale=scale)
+    assert 0.8 < e.ci_low < e.estimate < e.ci_high < 1.0, e
+    monkeypatch.setattr(studentized, "RESAMPLE_SE_FLOOR", 0.0)
+    unfloored = _boot({"p|x": x}).evaluate(lambda g: g("p|x"), scale=scale)
+    assert unfloored.ci_low < 1e-6  # the interval the floor replaces
 
 
 def test_the_scale_maps_the_real_line_into_the_range():

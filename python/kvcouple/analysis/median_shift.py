@@ -13,10 +13,11 @@ is a difference of CDFs, smooth in the laws.
 
 ``D``'s standard error is the delta method's with ``x`` moving with the laws (``G(x) = 1/2``):
 each law's own terms scaled by ``1 + r`` and ``1 - r``, ``r = (f_b - f_a) / (f_a + f_b)`` at
-``x``, bounded by 1, so no density stands alone in a denominator. The densities are the laws'
-frequency polygons' (:func:`_polygon`), continuous in ``x``: with the grouped laws' own, which
-jump at every class end, the standard error jumped with them and the set covered 0.87 on
-documents whose two laws are alike (tests/analysis/test_median_difference.py). ``D`` does not
+``x``, bounded by 1, so no density stands alone in a denominator. The densities are the grouped
+laws' own (their classes' masses): the laws' frequency polygons instead (continuous in ``x``)
+covered better where one policy's law is a fixed mix of the other's and its shift, whose terms
+nearly cancel (0.95 against 0.87, tests/analysis/test_median_difference.py), but 0.865 in the
+coverage study's ``saturated-tail`` (docs/statistics.md). ``D`` does not
 decrease with ``delta`` (``D = 1 - 2 F_a(x)`` and ``x`` moves left), so the set is found by
 stepping out from the estimate and bisecting each end.
 
@@ -56,8 +57,8 @@ GROUPED_DOCS = 256
 @dataclass(frozen=True)
 class _Place:
     """Where values ``y`` fall in a grouped law (rows: the table and the resamples): the
-    class ``t`` (1..T) and the share of it below ``y`` (``within``, 0..1), the CDF there, the
-    density of the law's frequency polygon (:func:`_polygon`) and the law's total."""
+    class ``t`` (1..T) and the share of it below ``y`` (``within``, 0..1), the CDF there, its
+    density and the law's total."""
 
     t: np.ndarray
     within: np.ndarray
@@ -90,32 +91,18 @@ def _cdf(cum: np.ndarray, y: np.ndarray) -> np.ndarray:
 
 
 def _place(cum: np.ndarray, y: np.ndarray) -> _Place:
-    """Each row's ``y`` (rows,) in its law (cumulative sums ``cum``, as :func:`_cdf`)."""
+    """Each row's ``y`` (rows,) in its law (cumulative sums ``cum``, as :func:`_cdf`); the
+    density is the grouped law's own, its class's mass over the total (0 outside
+    ``(1/2, T + 1/2)``)."""
     t, within = _class(cum, y)
     below = _rows(cum, t - 1)
+    mass = _rows(cum, t) - below
     total = cum[:, -1]
+    inside = (y > 0.5) & (y < cum.shape[1] - 0.5)
     with np.errstate(invalid="ignore", divide="ignore"):
-        cdf = (below + within * (_rows(cum, t) - below)) / total
-    return _Place(t, within, cdf, _polygon(cum, y), total)
-
-
-def _polygon(cum: np.ndarray, y: np.ndarray) -> np.ndarray:
-    """The density at each row's ``y`` (rows,) of the frequency polygon of its law
-    (cumulative sums ``cum``): the class masses over the total at the class midpoints, linear
-    between them, flat in the outer half classes, 0 outside ``(1/2, T + 1/2)``. The grouped
-    law's own density jumps at every class end, and with it the standard error of ``D``
-    (tenfold where two policies' laws are alike: the coverage of the set fell to 0.87 on such
-    documents); the polygon's moves continuously with ``x``."""
-    T = cum.shape[1] - 1
-    at = np.clip(np.nan_to_num(y, nan=1.0), 1.0, float(T))
-    left = np.clip(np.floor(at).astype(np.int64), 1, max(T - 1, 1))  # classes left, left + 1
-    frac = np.clip(at - left, 0.0, 1.0)
-    low = _rows(cum, left) - _rows(cum, left - 1)
-    high = _rows(cum, np.minimum(left + 1, T)) - _rows(cum, np.minimum(left, T - 1))
-    inside = (y > 0.5) & (y < T + 0.5)
-    with np.errstate(invalid="ignore", divide="ignore"):
-        density = ((1 - frac) * low + frac * high) / cum[:, -1]
-    return np.where(inside, density, np.where(np.isnan(y), np.nan, 0.0))
+        cdf = (below + within * mass) / total
+        density = np.where(inside, mass / total, np.where(np.isnan(y), np.nan, 0.0))
+    return _Place(t, within, cdf, density, total)
 
 
 def _coefficients(a: _Place, b: _Place, r: np.ndarray) -> np.ndarray:

@@ -302,6 +302,13 @@ def _t_ends(tstar: np.ndarray, level: float) -> tuple[float, float]:
     return low, high
 
 
+# A resample's standard error is floored at this share of the table's (on the plain scale,
+# before the scale's slope): a resample that drew only near-identical documents (seven
+# documents at occurrence 1 - 1e-8 and one at 0.83, a real model's) has a tiny se*, and its
+# huge |t*| set the critical value: that interval was [0, 1].
+RESAMPLE_SE_FLOOR = 0.3
+
+
 def studentized_estimate(
     point: float,
     boot: np.ndarray,
@@ -341,7 +348,8 @@ def studentized_estimate(
     se_psi = float(scale.slope(point)) * se
     with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
         psi_b = scale.forward(boot)
-        t = (psi_b - psi) / (scale.slope(boot) * se_boot)
+        floored = np.where(se_boot > 0, np.maximum(se_boot, RESAMPLE_SE_FLOOR * se), se_boot)
+        t = (psi_b - psi) / (scale.slope(boot) * floored)
         edge = np.isinf(psi_b)
         t = np.where(edge, np.sign(psi_b) * math.inf, t)
         flat = (se_boot == 0) & np.isfinite(psi_b)
