@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from kvcouple import decomposition as dc
-from kvcouple.analysis import analyze
+from kvcouple.analysis import analyze, studentized
 from kvcouple.analysis import stats as st
 from kvcouple.analysis.bootstrap import bootstrap_table
 from kvcouple.analysis.estimates import Table
@@ -103,6 +103,24 @@ def _median(pmf: np.ndarray, T: int):
     est = bootstrap_table(_pmf_table(pmf), 200, 1, 0.95).median_step(_names(T))
     assert est is not None
     return est
+
+
+def test_near_identical_resamples_do_not_set_the_median_tests_critical_value(monkeypatch):
+    # Seven documents with nearly the same law (within 1e-9) and one spread over every step,
+    # as a real model's recent:retain=0.5 on 8 documents: a resample of only the seven has a
+    # standard error near 0, and studentized by it the test accepted everywhere ([1/2, T+1/2]).
+    # Its standard error is floored at RESAMPLE_SE_FLOOR of the table's, as for every
+    # studentized interval (test_analysis_boundaries.py).
+    T = 8
+    rng = np.random.default_rng(0)
+    base = np.array([0.45, 0.35, 0.2, 0, 0, 0, 0, 0])
+    pmf = np.array([base * (1 - 1e-9 * rng.random()) for _ in range(7)] + [np.full(T, 0.1)])
+    est = bootstrap_table(_pmf_table(pmf), 999, 0, 0.95).median_step(_names(T))
+    assert est is not None
+    assert 1.0 < est.ci_low < est.estimate < est.ci_high < 3.0, est
+    monkeypatch.setattr(studentized, "RESAMPLE_SE_FLOOR", 0.0)
+    unfloored = bootstrap_table(_pmf_table(pmf), 999, 0, 0.95).median_step(_names(T))
+    assert unfloored is not None and (unfloored.ci_low, unfloored.ci_high) == (0.5, T + 0.5)
 
 
 def test_other_methods_get_a_percentile_interval_of_the_same_median():

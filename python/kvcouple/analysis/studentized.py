@@ -303,9 +303,11 @@ def _t_ends(tstar: np.ndarray, level: float) -> tuple[float, float]:
 
 
 # A resample's standard error is floored at this share of the table's (on the plain scale,
-# before the scale's slope): a resample that drew only near-identical documents (seven
-# documents at occurrence 1 - 1e-8 and one at 0.83, a real model's) has a tiny se*, and its
-# huge |t*| set the critical value: that interval was [0, 1].
+# before the scale's slope), in every studentized interval, test and band: a resample that drew
+# only near-identical documents has a tiny se*, and its huge |t*| set the critical value (a
+# real model's 8 documents, seven at occurrence 1 - 1e-8 and one at 0.83: the occurrence's
+# interval was [0, 1]; in the survival band, a step few resampled documents inform set the
+# critical value of every step: 0.965-0.985 unfloored, 0.963-0.983 at 0.3, 0.91-0.97 at 0.5).
 RESAMPLE_SE_FLOOR = 0.3
 
 
@@ -409,7 +411,12 @@ class LinearTest:
         with np.errstate(divide="ignore", invalid="ignore"):
             # 0/0 (no spread and exactly 0) is accepted: the value is the estimate itself.
             t_obs = np.where(d == 0, 0.0, d / np.sqrt(var))
-            t = (d_boot - d) / np.sqrt(var_boot)
+            # A resample's standard error floored as in studentized_estimate.
+            se_boot = np.sqrt(var_boot)
+            se_boot = np.where(
+                se_boot > 0, np.maximum(se_boot, RESAMPLE_SE_FLOOR * np.sqrt(var)), se_boot
+            )
+            t = (d_boot - d) / se_boot
         t = np.sort(np.where(np.isfinite(t), np.abs(t), np.nan), axis=0)  # NaN sorts last
         m = np.isfinite(t).sum(0)
         k = np.ceil((m + 1) * self.level - 1e-9).astype(int)
@@ -482,13 +489,6 @@ def accepted_span(
     return lo, hi
 
 
-# A resample's standard error is floored at this share of the table's in the simultaneous
-# band: with 16 documents a step that few resampled documents inform gets a tiny se*, and its
-# huge |t*| would set the band's critical value for every step (coverage study, saturated /
-# rare / never: 0.965-0.985 unfloored, 0.963-0.983 at 0.3, 0.91-0.97 at 0.5 of the table's).
-BAND_SE_FLOOR = 0.3
-
-
 def sup_t_band(
     point: np.ndarray,
     boot: np.ndarray,
@@ -496,12 +496,12 @@ def sup_t_band(
     se_boot: np.ndarray,
     level: float,
     scale: Scale,
-    se_floor: float = BAND_SE_FLOOR,
+    se_floor: float = RESAMPLE_SE_FLOOR,
 ) -> tuple[np.ndarray, np.ndarray, float]:
     """A simultaneous band over the statistics ``point`` (k,) (a curve's steps), studentized
     on ``scale``: ``back(psi_j -+ c se_psi_j)`` with ``c`` the ``level`` quantile over
     resamples of ``max_j |t*_j|``, ``t*_j = (psi*_j - psi_j) / (scale'(theta*_j) se*_j)`` and
-    ``se*_j`` floored at ``se_floor`` times the table's (:data:`BAND_SE_FLOOR`). The rules of
+    ``se*_j`` floored at ``se_floor`` times the table's (:data:`RESAMPLE_SE_FLOOR`). The rules of
     :func:`studentized_estimate` for resamples that cannot be studentized hold per step; a
     step constant over the documents (or at an end of the range) is its point. Returns the
     band's ends (k,) and ``c``."""
