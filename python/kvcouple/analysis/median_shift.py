@@ -31,13 +31,14 @@ Gaussian limit), never a (resamples x documents x steps) array.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
 from kvcouple import _core
 from kvcouple import decomposition as dc
 from kvcouple.analysis.intervals import Estimate
+from kvcouple.analysis.pvalues import studentized_p_value
 from kvcouple.analysis.studentized import GATHER_BYTES, Resamples, studentized_estimate
 
 __all__ = ["MedianShiftTest", "median_difference"]
@@ -333,23 +334,8 @@ class MedianShiftTest:
         if not math.isfinite(self.estimate):
             return math.nan
         e = self.evaluate(min(max(value, -self.T), self.T))
-        if e.constant or e.se == 0.0:
-            d = e.estimate
-            holds = {"greater": d < 0, "less": d > 0}
-            if direction in holds:
-                return 0.0 if holds[direction] else 1.0
-            return 0.0 if d != 0 else 1.0
-        if e.tstar is None:
-            return math.nan
-        t = -e.estimate / e.se
-        m = e.tstar.size
-        greater = float((1 + np.sum(e.tstar >= t)) / (m + 1))
-        less = float((1 + np.sum(e.tstar <= t)) / (m + 1))
-        if direction == "greater":
-            return greater
-        if direction == "less":
-            return less
-        return float(min(1.0, 2 * min(greater, less)))
+        # -D(value) on the plain scale tested against 0: the interval's own p-value.
+        return studentized_p_value(replace(e, estimate=-e.estimate), direction, 0.0)
 
 
 def median_difference(bs: Resamples, pmf_a: list[int], pmf_b: list[int]) -> Estimate | None:
