@@ -117,7 +117,7 @@ def test_near_identical_resamples_do_not_set_the_median_tests_critical_value(mon
     pmf = np.array([base * (1 - 1e-9 * rng.random()) for _ in range(7)] + [np.full(T, 0.1)])
     est = bootstrap_table(_pmf_table(pmf), 999, 0, 0.95).median_step(_names(T))
     assert est is not None
-    assert 1.0 < est.ci_low < est.estimate < est.ci_high < 3.0, est
+    assert 1.0 < est.ci_low < est.estimate < est.ci_high < 6.0, est
     monkeypatch.setattr(studentized, "RESAMPLE_SE_FLOOR", 0.0)
     unfloored = bootstrap_table(_pmf_table(pmf), 999, 0, 0.95).median_step(_names(T))
     assert unfloored is not None and (unfloored.ci_low, unfloored.ci_high) == (0.5, T + 0.5)

@@ -303,12 +303,16 @@ def _t_ends(tstar: np.ndarray, level: float) -> tuple[float, float]:
 
 
 # A resample's standard error is floored at this share of the table's (on the plain scale,
-# before the scale's slope), in every studentized interval, test and band: a resample that drew
-# only near-identical documents has a tiny se*, and its huge |t*| set the critical value (a
-# real model's 8 documents, seven at occurrence 1 - 1e-8 and one at 0.83: the occurrence's
-# interval was [0, 1]; in the survival band, a step few resampled documents inform set the
-# critical value of every step: 0.965-0.985 unfloored, 0.963-0.983 at 0.3, 0.91-0.97 at 0.5).
-RESAMPLE_SE_FLOOR = 0.3
+# before the scale's slope) in every studentized interval and in the tests the median steps
+# and Fieller's set invert: a resample that drew only near-identical documents has a tiny
+# se*, and its huge |t*| set the critical value (a real model's 8 documents, seven at
+# occurrence 1 - 1e-8 and one at 0.83: the occurrence's interval was [0, 1]). 0.1 fixes that
+# and moves the coverage study's cells by at most 0.005; 0.3 moved some by 0.02.
+RESAMPLE_SE_FLOOR = 0.1
+# The same floor in the simultaneous band, where a step that few resampled documents inform
+# set the critical value of every step (coverage study, saturated / rare / never: 0.965-0.985
+# unfloored, 0.963-0.983 at 0.3, 0.91-0.97 at 0.5 of the table's).
+BAND_SE_FLOOR = 0.3
 
 
 def studentized_estimate(
@@ -496,12 +500,12 @@ def sup_t_band(
     se_boot: np.ndarray,
     level: float,
     scale: Scale,
-    se_floor: float = RESAMPLE_SE_FLOOR,
+    se_floor: float = BAND_SE_FLOOR,
 ) -> tuple[np.ndarray, np.ndarray, float]:
     """A simultaneous band over the statistics ``point`` (k,) (a curve's steps), studentized
     on ``scale``: ``back(psi_j -+ c se_psi_j)`` with ``c`` the ``level`` quantile over
     resamples of ``max_j |t*_j|``, ``t*_j = (psi*_j - psi_j) / (scale'(theta*_j) se*_j)`` and
-    ``se*_j`` floored at ``se_floor`` times the table's (:data:`RESAMPLE_SE_FLOOR`). The rules of
+    ``se*_j`` floored at ``se_floor`` times the table's (:data:`BAND_SE_FLOOR`). The rules of
     :func:`studentized_estimate` for resamples that cannot be studentized hold per step; a
     step constant over the documents (or at an end of the range) is its point. Returns the
     band's ends (k,) and ``c``."""
