@@ -208,6 +208,8 @@ def summary_scale(a: argparse.Namespace) -> None:
           "`kvcouple analyze` (s) | read / CLI | CLI peak RSS (MB) | "
           "with figures and report.html (s) | read / that | its peak RSS (MB) |")  # fmt: skip
     print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    # CPU seconds beside the wall clock: on a shared machine the steadier ratio.
+    cpu_lines = []
     for docs in a.docs:
         store = Path(a.dir) / f"summary_{docs}.zarr"
         write = None
@@ -238,6 +240,20 @@ def summary_scale(a: argparse.Namespace) -> None:
               f"| {full['seconds']:.1f} | {read['seconds'] / full['seconds']:.2f} "
               f"| {full['peak_rss_mb']:.0f} |",
               flush=True)  # fmt: skip
+        cpu = {
+            k: r["cpu_seconds"]
+            for k, r in (
+                ("read", read),
+                ("analysis", analysis),
+                ("CLI", cli),
+                ("with figures", full),
+            )
+        }
+        cpu_lines.append(f"{docs} documents, CPU seconds: " + ", ".join(
+            f"{k} {v:.1f}" + ("" if k == "read" else f" (read / that {cpu['read'] / v:.2f})")
+            for k, v in cpu.items()))  # fmt: skip
+    for line in cpu_lines:
+        print(line)
 
 
 MODES = {
