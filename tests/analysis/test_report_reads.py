@@ -100,3 +100,17 @@ def test_an_unobserved_tail_is_flagged_and_given_as_an_interval(tmp_path):
     assert "sharp interval" in md.split("## Headline", 1)[1].split("\n## ", 1)[0]
     assert "| sharp interval, lower end |" in md
     assert "collapses" not in md
+
+
+def test_few_documents_are_flagged_with_what_the_coverage_study_measured(full_report, tmp_path):
+    _, md, _ = full_report
+    flags = md.split("## Flags", 1)[1].split("\n## ", 1)[0]
+    assert "12 documents. A sample this small can miss" in flags
+    assert "docs/statistics.md" in flags
+    pairs = {SNAP: synth.random_pair(5, 5, seed=2, closeness=0.7)}
+    store = write_synthetic_trace_store(
+        tmp_path / "many.zarr", pairs, horizon=6, replicates=4, branches=1, docs=32, seed=0
+    )
+    out = write_report(analyze(store, n_boot=200, seed=0), tmp_path / "r", figures=False)
+    flags = (out / "report.md").read_text().split("## Flags", 1)[1].split("\n## ", 1)[0]
+    assert "A sample this small" not in flags
