@@ -37,7 +37,8 @@ Bound = float | str  # a number, or "T" / "T+1/2" / "1/T" / "-1/T" / "-inf" / "i
 # the values at which the studentized test accepts, a percentile interval under the other
 # methods; a ratio whose denominator may be near 0: Fieller's set, unbounded when the
 # denominator is not clear of 0; the median step: the steps where the test of its CDF = 1/2
-# accepts).
+# accepts, and its paired difference the shifts where the test of F_b(x + delta) = F_a(x)
+# accepts, analysis/median_shift.py).
 INTERVALS = ("bootstrap", "test-inversion")
 
 # A per-policy quantity as a function of the means of one policy's per-document columns
@@ -422,7 +423,9 @@ def markdown() -> str:
         "is unbounded",
         "- test-inversion: studentized, the set of values the studentized bootstrap test "
         "accepts (a ratio: Fieller's set; the median step: where the test of its CDF = 1/2 "
-        "accepts, Brookmeyer and Crowley's); under the other methods, a percentile interval",
+        "accepts, Brookmeyer and Crowley's; a paired difference of median steps: the shifts "
+        "`delta` where the test of `F_b(x + delta) = F_a(x)` accepts, `x` the median of the "
+        "two laws' average); under the other methods, a percentile interval",
         "",
     ]
     lines += ["## Units", "", *(f"- {u}: {d}" for u, d in UNITS.items()), ""]
