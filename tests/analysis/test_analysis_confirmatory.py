@@ -263,6 +263,42 @@ direction = "{direction}"
     assert rows["far"]["ci_low"] > -3.0 and rows["far"]["p_value"] < 0.05
 
 
+def test_a_policys_median_step_takes_the_test_inversion_set_and_its_p_value(store, tmp_path):
+    # A plan's median_tau of one policy: the summary's test-inversion set (not a percentile
+    # interval) and the p-value of the same test at the value.
+    text = PLAN.split("[[comparisons]]")[0] + "".join(
+        f"""
+[[comparisons]]
+name = "{name}"
+metric = "median_tau"
+policy = "harsh"
+value = {value}
+direction = "{direction}"
+"""
+        for name, value, direction in (("at two", 2.0, "two-sided"), ("far", 0.75, "greater"))
+    )
+    result = analyze(store, plan=_plan(tmp_path, text))
+    rows = {r["comparison"]: r for r in result.tests}
+    model = result.models[0]
+    assert model.bootstrap is not None
+    bs = model.bootstrap.at_level(0.95)
+    pmf = [f"harsh|pmf|{t}" for t in range(1, T + 1)]
+    want = bs.median_step(pmf)
+    assert want is not None and not want.constant and want.method == "studentized"
+    summary = {(r["policy"], r["quantity"]): r for r in model.tables["summary"]}
+    assert summary[("harsh", "median_tau")]["ci_low"] == want.ci_low
+    for name, direction, value in (("at two", "two-sided", 2.0), ("far", "greater", 0.75)):
+        row = rows[name]
+        assert row["ci_method"] == "studentized"
+        assert (row["estimate"], row["ci_low"], row["ci_high"]) == (
+            want.estimate, want.ci_low, want.ci_high,
+        )  # fmt: skip
+        assert row["p_value"] == bs.median_step_p_value(pmf, direction, value)
+    two = rows["at two"]
+    assert (two["p_value"] < 0.05) == (not two["ci_low"] <= 2.0 <= two["ci_high"])
+    assert rows["far"]["ci_low"] > 0.75 and rows["far"]["p_value"] < 0.05
+
+
 # ---- registry and preregistration ----
 
 

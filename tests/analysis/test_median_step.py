@@ -123,6 +123,52 @@ def test_near_identical_resamples_do_not_set_the_median_tests_critical_value(mon
     assert unfloored is not None and (unfloored.ci_low, unfloored.ci_high) == (0.5, T + 0.5)
 
 
+@pytest.mark.parametrize("shape", ["saturated", "never"])
+def test_p_value_inverts_the_set(shape):
+    # The p-value of the test at a value is below 1 - level exactly where the set excludes
+    # the value (away from the set's ends, which bisection places to ~1e-3 of a class), so a
+    # plan rejects where the summary's interval excludes.
+    rng = np.random.default_rng(11)
+    T = 8
+    bs = bootstrap_table(_pmf_table(_laws(rng, 24, T, shape)), 999, 2, 0.95)
+    est = bs.median_step(_names(T))
+    assert est is not None and est.ci_low < est.ci_high
+    width = est.ci_high - est.ci_low
+    assert bs.median_step_p_value(_names(T), "two-sided", est.estimate) > 0.9
+    for value in np.linspace(0.6, T + 0.4, 157):
+        p = bs.median_step_p_value(_names(T), "two-sided", float(value))
+        margin = min(abs(value - est.ci_low), abs(value - est.ci_high))
+        if margin > 0.01 * width:
+            assert (p < 0.05) == (not est.ci_low <= value <= est.ci_high), (value, p, est)
+    # One-sided: H0 "median <= value" far below the set is rejected, "median >= value" not.
+    below = est.ci_low - 0.5 * width
+    if below > 0.5:
+        assert bs.median_step_p_value(_names(T), "greater", below) < 0.025
+        assert bs.median_step_p_value(_names(T), "less", below) > 0.9
+    above = est.ci_high + 0.5 * width
+    if above < T + 0.5:
+        assert bs.median_step_p_value(_names(T), "less", above) < 0.025
+        assert bs.median_step_p_value(_names(T), "greater", above) > 0.9
+
+
+def test_p_value_outside_the_range_constant_or_incomplete():
+    T = 6
+    rng = np.random.default_rng(3)
+    bs = bootstrap_table(_pmf_table(_laws(rng, 16, T, "saturated")), 200, 1, 0.95)
+    # The median lies in (1/2, T + 1/2]: beyond it the estimate decides.
+    assert bs.median_step_p_value(_names(T), "greater", 0.5) == 0.0
+    assert bs.median_step_p_value(_names(T), "less", 0.5) == 1.0
+    assert bs.median_step_p_value(_names(T), "less", T + 0.5) == 0.0
+    same = bootstrap_table(_pmf_table(np.tile([0.2, 0.5, 0.1, 0, 0, 0], (10, 1))), 200, 1, 0.95)
+    m = dc.median_step(np.array([0.2, 0.5, 0.1, 0, 0, 0]))
+    assert same.median_step_p_value(_names(T), "two-sided", m) == 1.0
+    assert same.median_step_p_value(_names(T), "two-sided", m + 0.3) == 0.0
+    holed = np.tile([0.3, 0.3, 0.2, 0.1, 0.0, 0.0], (12, 1)) + np.linspace(0, 0.05, 12)[:, None]
+    holed[3, 2] = np.nan
+    bs = bootstrap_table(_pmf_table(holed), 200, 1, 0.95)
+    assert math.isnan(bs.median_step_p_value(_names(T), "two-sided", 2.0))
+
+
 def test_other_methods_get_a_percentile_interval_of_the_same_median():
     rng = np.random.default_rng(2)
     T = 8

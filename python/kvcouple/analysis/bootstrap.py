@@ -299,10 +299,8 @@ class Bootstrap:
         T = len(idx)
         boot = np.asarray(dc.median_step(self.reps[:, idx].T), np.float64)
         estimate = float(dc.median_step(self.point[idx]))
-        if self.data is None:
-            return None
-        block = self.data[:, idx]  # one gather of the pmf columns for every class
-        if not np.isfinite(block).all():
+        block = self._complete_block(idx)
+        if block is None:
             return None
         if not math.isfinite(estimate):
             return Estimate(estimate, math.nan, math.nan, boot, method="studentized")
@@ -311,16 +309,7 @@ class Bootstrap:
         home = min(max(math.ceil(estimate - 0.5), 1), T)  # the estimate's class
 
         def accepted(t: int) -> tuple[float, float] | None:
-            weights = np.zeros((T, 2))
-            weights[: t - 1, 0], weights[t:, 0], weights[t - 1] = 0.5, -0.5, (-t, 1.0)
-            sub = self._combined(block, idx, weights)
-            test = LinearTest(
-                sub,
-                lambda g: g("c0"),
-                lambda g: -g("c1"),
-                np.array([sub.point[0], -sub.point[1]]),
-                np.column_stack([sub.reps[:, 0], -sub.reps[:, 1]]),
-            )
+            test = self._median_class_test(block, idx, t)
             # The estimate is accepted (its statistic is 0): on the grid of its own class.
             return accepted_span(test, t - 0.5, t + 0.5, estimate if t == home else None)
 
@@ -336,6 +325,48 @@ class Bootstrap:
                 lo, hi = min(lo, span[0]), max(hi, span[1])
                 t += step
         return Estimate(estimate, lo, hi, boot, method="studentized")
+
+    def _complete_block(self, idx: list[int]) -> np.ndarray | None:
+        """The table's columns ``idx`` (one gather), None without the table or where an
+        entry is not finite."""
+        if self.data is None:
+            return None
+        block = self.data[:, idx]
+        return block if np.isfinite(block).all() else None
+
+    def _median_class_test(self, block: np.ndarray, idx: list[int], t: int) -> LinearTest:
+        """The test of ``F(x) = 1/2`` for ``x`` in step t's class (:meth:`median_step`): at
+        angle ``arctan(x)``, ``d = cos(phi) total (F(x) - 1/2)`` (``block``: the pmf columns
+        ``idx``)."""
+        T = len(idx)
+        weights = np.zeros((T, 2))
+        weights[: t - 1, 0], weights[t:, 0], weights[t - 1] = 0.5, -0.5, (-t, 1.0)
+        sub = self._combined(block, idx, weights)
+        return LinearTest(
+            sub,
+            lambda g: g("c0"),
+            lambda g: -g("c1"),
+            np.array([sub.point[0], -sub.point[1]]),
+            np.column_stack([sub.reps[:, 0], -sub.reps[:, 1]]),
+        )
+
+    def median_step_p_value(self, pmf: Sequence[str], direction: str, value: float) -> float:
+        """The p-value of :meth:`median_step`'s test at ``value``: ``H0: median <= value``
+        (greater), ``>= value`` (less) or ``= value``. The median lies above ``value`` where
+        ``F(value) < 1/2``, so the test's ``-d`` is the evidence (:meth:`LinearTest.p_value`).
+        A value outside ``(1/2, T + 1/2)``, or a law constant over the documents, is decided
+        by the estimate alone; NaN where the columns are not complete."""
+        idx = [self._index[c] for c in pmf]
+        T = len(idx)
+        estimate = float(dc.median_step(self.point[idx]))
+        block = self._complete_block(idx)
+        if block is None or not math.isfinite(estimate):
+            return math.nan
+        if not 0.5 < value < T + 0.5 or (block == block[:1]).all():
+            sure = Estimate(estimate, estimate, estimate, np.array([]), se=0.0, constant=True)
+            return studentized_p_value(sure, direction, value)
+        t = min(max(math.ceil(value - 0.5), 1), T)
+        return self._median_class_test(block, idx, t).p_value(math.atan(value), direction)
 
     def median_difference(self, pmf_a: Sequence[str], pmf_b: Sequence[str]) -> Estimate | None:
         """The paired difference ``m_b - m_a`` of two median steps (``pmf_a``, ``pmf_b``: the

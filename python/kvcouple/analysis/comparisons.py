@@ -74,9 +74,16 @@ def run_tests(result: AnalysisResult, plan: Plan) -> list[dict[str, Any]]:
                 fb = st.quantity_fn(str(c.b), c.metric, m.horizon)
                 fn = st.difference(fa, fb)
             scale = st.quantity_scale(c.metric, m.horizon, paired=c.policy is None)
-            # A policy's own median step: percentile (its test-inversion set has no p-value yet).
             est = bs.evaluate(fn, c.policy is not None and c.metric in st.INVERTED_SUMMARY, scale)
             p_value = bs.p_value(est, c.direction, c.value)
+            if c.policy is not None and c.metric == "median_tau" and bs.method == "studentized":
+                # A policy's median step: the summary's test-inversion set and its test's
+                # p-value at the value.
+                pmf = [f"{c.policy}|pmf|{t}" for t in range(1, m.horizon + 1)]
+                inverted = bs.median_step(pmf)
+                if inverted is not None:
+                    est = replace(inverted, scale=scale)
+                    p_value = bs.median_step_p_value(pmf, c.direction, c.value)
             if c.policy is None and c.metric == "median_tau" and bs.method == "studentized":
                 # A paired median difference: the test-inversion set and its test's p-value.
                 pmf_a, pmf_b = (

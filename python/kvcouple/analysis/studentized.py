@@ -27,6 +27,7 @@ from kvcouple.analysis.intervals import (
     Statistic,
     beside_range,
 )
+from kvcouple.analysis.pvalues import studentized_p_value
 
 
 class Resamples(Protocol):
@@ -403,8 +404,10 @@ class LinearTest:
         )
         self.point, self.boot, self.level = point, boot, bs.level
 
-    def accepts(self, phi: np.ndarray) -> np.ndarray:
-        """Whether the test of each angle of ``phi`` accepts."""
+    def _studentized(self, phi: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """At each angle of ``phi`` (k,): the statistic ``d``, its standard error and the
+        resamples' ``t* = (d* - d) / se*`` (resamples, k), ``se*`` floored as in
+        :func:`studentized_estimate`."""
         cov, cov_boot, point, boot = self.cov, self.cov_boot, self.point, self.boot
         c, s = np.cos(phi), np.sin(phi)
         var = cov[0] * c * c - 2 * cov[1] * c * s + cov[2] * s * s
@@ -413,14 +416,17 @@ class LinearTest:
         d = point[0] * c - point[1] * s
         d_boot = boot[:, :1] * c - boot[:, 1:2] * s
         with np.errstate(divide="ignore", invalid="ignore"):
+            se, se_boot = np.sqrt(var), np.sqrt(var_boot)
+            se_boot = np.where(se_boot > 0, np.maximum(se_boot, RESAMPLE_SE_FLOOR * se), se_boot)
+            return d, se, (d_boot - d) / se_boot
+
+    def accepts(self, phi: np.ndarray) -> np.ndarray:
+        """Whether the test of each angle of ``phi`` accepts."""
+        d, se, t = self._studentized(phi)
+        boot = self.boot
+        with np.errstate(divide="ignore", invalid="ignore"):
             # 0/0 (no spread and exactly 0) is accepted: the value is the estimate itself.
-            t_obs = np.where(d == 0, 0.0, d / np.sqrt(var))
-            # A resample's standard error floored as in studentized_estimate.
-            se_boot = np.sqrt(var_boot)
-            se_boot = np.where(
-                se_boot > 0, np.maximum(se_boot, RESAMPLE_SE_FLOOR * np.sqrt(var)), se_boot
-            )
-            t = (d_boot - d) / se_boot
+            t_obs = np.where(d == 0, 0.0, d / se)
         t = np.sort(np.where(np.isfinite(t), np.abs(t), np.nan), axis=0)  # NaN sorts last
         m = np.isfinite(t).sum(0)
         k = np.ceil((m + 1) * self.level - 1e-9).astype(int)
@@ -428,6 +434,25 @@ class LinearTest:
         high = np.where(k <= m, t[np.clip(k - 1, 0, t.shape[0] - 1), cols], np.inf)
         enough = (m >= boot.shape[0] / 2) & np.isfinite(t_obs)
         return np.asarray(enough & (np.abs(t_obs) <= high))
+
+    def p_value(self, phi: float, direction: str) -> float:
+        """The bootstrap-t p-value of the test at ``phi`` for ``-d`` against 0 (``d = cos(phi)
+        num - sin(phi) den``): ``H0: -d <= 0`` (greater), ``>= 0`` (less) or ``= 0``, with the
+        symmetric ``t*`` that :meth:`accepts` reads (:func:`studentized_p_value`), so that the
+        two-sided p-value is below ``1 - level`` where the test rejects. NaN where fewer than
+        half the resamples give a ``t*``."""
+        ds, ses, ts = self._studentized(np.array([phi]))
+        d, se, t = float(ds[0]), float(ses[0]), ts[:, 0]
+        if not (math.isfinite(d) and se >= 0):
+            return math.nan
+        est = Estimate(-d, math.nan, math.nan, self.boot[:, 0], method="studentized", se=se)
+        if se == 0:  # no spread: the sign of d decides (studentized_p_value's degenerate rule)
+            return studentized_p_value(est, direction, 0.0)
+        finite = t[np.isfinite(t)]
+        if finite.size < self.boot.shape[0] / 2:
+            return math.nan
+        tstar = np.sort(np.concatenate([finite, -finite]))
+        return studentized_p_value(replace(est, tstar=tstar), direction, 0.0)
 
     def edge(self, a: float, b: float) -> float:
         """The boundary between angles ``a`` and ``b`` where acceptance changes, by
