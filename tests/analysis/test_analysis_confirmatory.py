@@ -226,30 +226,35 @@ direction = "greater"
     assert below["estimate"] == summary[("harsh", "mismatch_fraction")]["estimate"]
 
 
-def test_paired_median_difference_takes_the_test_inversion_set_and_its_p_value(store, tmp_path):
-    # A plan's paired median_tau: the set of analysis/median_shift.py at 1 - alpha, and the
-    # p-value of the same test at the value, so that it rejects where the set excludes it.
+def _median_tests(store, tmp_path, who: str, cases: tuple[tuple[str, float, str], ...]):
+    """A plan of median_tau comparisons (``who``: the policy or pair lines; ``cases``: name,
+    value, direction) analysed: its rows by name and the bootstrap at the plan's level."""
     text = PLAN.split("[[comparisons]]")[0] + "".join(
         f"""
 [[comparisons]]
 name = "{name}"
 metric = "median_tau"
-a = "mild"
-b = "harsh"
+{who}
 value = {value}
 direction = "{direction}"
 """
-        for name, value, direction in (("zero", 0.0, "two-sided"), ("far", -3.0, "greater"))
+        for name, value, direction in cases
     )
     result = analyze(store, plan=_plan(tmp_path, text))
-    rows = {r["comparison"]: r for r in result.tests}
     model = result.models[0]
     assert model.bootstrap is not None
-    bs = model.bootstrap.at_level(0.95)
+    return {r["comparison"]: r for r in result.tests}, model.bootstrap.at_level(0.95), model
+
+
+def test_paired_median_difference_takes_the_test_inversion_set_and_its_p_value(store, tmp_path):
+    # A plan's paired median_tau: the set of analysis/median_shift.py at 1 - alpha, and the
+    # p-value of the same test at the value, so that it rejects where the set excludes it.
+    cases = (("zero", 0.0, "two-sided"), ("far", -3.0, "greater"))
+    rows, bs, _ = _median_tests(store, tmp_path, 'a = "mild"\nb = "harsh"', cases)
     pmf = [[f"{p}|pmf|{t}" for t in range(1, T + 1)] for p in ("mild", "harsh")]
     want = bs.median_difference(*pmf)
     assert want is not None and not want.constant
-    for name, direction, value in (("zero", "two-sided", 0.0), ("far", "greater", -3.0)):
+    for name, value, direction in cases:
         row = rows[name]
         assert (row["estimate"], row["ci_low"], row["ci_high"]) == (
             want.estimate, want.ci_low, want.ci_high,
@@ -266,28 +271,14 @@ direction = "{direction}"
 def test_a_policys_median_step_takes_the_test_inversion_set_and_its_p_value(store, tmp_path):
     # A plan's median_tau of one policy: the summary's test-inversion set (not a percentile
     # interval) and the p-value of the same test at the value.
-    text = PLAN.split("[[comparisons]]")[0] + "".join(
-        f"""
-[[comparisons]]
-name = "{name}"
-metric = "median_tau"
-policy = "harsh"
-value = {value}
-direction = "{direction}"
-"""
-        for name, value, direction in (("at two", 2.0, "two-sided"), ("far", 0.75, "greater"))
-    )
-    result = analyze(store, plan=_plan(tmp_path, text))
-    rows = {r["comparison"]: r for r in result.tests}
-    model = result.models[0]
-    assert model.bootstrap is not None
-    bs = model.bootstrap.at_level(0.95)
+    cases = (("at two", 2.0, "two-sided"), ("far", 0.75, "greater"))
+    rows, bs, model = _median_tests(store, tmp_path, 'policy = "harsh"', cases)
     pmf = [f"harsh|pmf|{t}" for t in range(1, T + 1)]
     want = bs.median_step(pmf)
     assert want is not None and not want.constant and want.method == "studentized"
     summary = {(r["policy"], r["quantity"]): r for r in model.tables["summary"]}
     assert summary[("harsh", "median_tau")]["ci_low"] == want.ci_low
-    for name, direction, value in (("at two", "two-sided", 2.0), ("far", "greater", 0.75)):
+    for name, value, direction in cases:
         row = rows[name]
         assert row["ci_method"] == "studentized"
         assert (row["estimate"], row["ci_low"], row["ci_high"]) == (
