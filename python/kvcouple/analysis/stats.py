@@ -441,27 +441,33 @@ def _undefined_reason(bs: Bootstrap, policy: str, name: str) -> str:
     return UNDEFINED
 
 
-def _curve_docs(bs: Bootstrap, policy: str, points: Sequence[tuple[str, int]]) -> list[int]:
+def _positive_counts(bs: Bootstrap) -> np.ndarray | None:
+    """Each column's number of documents with a positive entry (None without the table): one
+    pass over contiguous blocks of the table's rows (8 MB), every column at once."""
+    if bs.data is None:
+        return None
+    data = bs.data
+    counts = np.zeros(data.shape[1], np.int64)
+    step = max(1, (8 << 20) // (8 * max(data.shape[1], 1)))
+    for start in range(0, data.shape[0], step):
+        counts += np.count_nonzero(data[start : start + step] > 0, axis=0)
+    return counts
+
+
+def _curve_docs(
+    bs: Bootstrap, policy: str, points: Sequence[tuple[str, int]], positive: np.ndarray | None
+) -> list[int]:
     """Documents that inform each curve point: all for survival and pmf; for the hazard at t
     those not certainly diverged before t (S_{t-1} > 0); for branch TV at a lag those whose
-    branches reached it. One pass over blocks of the table's rows for every point."""
+    branches reached it (``positive``: :func:`_positive_counts`)."""
     out = [bs.n_docs] * len(points)
-    if bs.data is None:
+    if positive is None:
         return out
     index = {n: j for j, n in enumerate(bs.names)}
-    asked = [
-        (i, index[f"{policy}|S|{x - 1}" if curve == "hazard" else f"{policy}|tvd|{x}"])
-        for i, (curve, x) in enumerate(points)
-        if curve not in ("survival", "pmf")
-    ]
-    if asked:
-        cols = np.array([j for _, j in asked], np.int64)
-        counts = np.zeros(len(cols), np.int64)
-        step = max(1, (8 << 20) // (8 * len(cols)))  # 8 MB of gathered columns at a time
-        for start in range(0, bs.data.shape[0], step):
-            counts += (bs.data[start : start + step, cols] > 0).sum(0)
-        for (i, _), c in zip(asked, counts.tolist(), strict=True):
-            out[i] = int(c)
+    for i, (curve, x) in enumerate(points):
+        if curve not in ("survival", "pmf"):
+            name = f"{policy}|S|{x - 1}" if curve == "hazard" else f"{policy}|tvd|{x}"
+            out[i] = int(positive[index[name]])
     return out
 
 
@@ -478,6 +484,7 @@ def summarise(
     absent (undefined, unobserved, too few documents)."""
     summary, curves, diffs, gaps, surv = [], [], [], [], []
     names = list(SUMMARY_DEFINITIONS)
+    positive = _positive_counts(bs)
     for pol in policies:
         own = [quantity_scale(n, horizon) for n in names]
         ests = summary_estimates(bs, pol, names, horizon)
@@ -493,7 +500,7 @@ def summarise(
                     "note": _note(e, _undefined_reason(bs, pol, name), scale),
                 }
             )
-        curves += _curve_rows(bs, pol, horizon, lags)
+        curves += _curve_rows(bs, pol, horizon, lags, positive)
     for a, b in policy_pairs(policies, reference):
         for name, e in zip(names, difference_estimates(bs, a, b, names, horizon), strict=True):
             reasons = {_undefined_reason(bs, p, name) for p in (a, b)} - {UNDEFINED}
@@ -521,13 +528,15 @@ def summarise(
     }
 
 
-def _curve_rows(bs: Bootstrap, pol: str, horizon: int, lags: int) -> list[dict[str, Any]]:
+def _curve_rows(
+    bs: Bootstrap, pol: str, horizon: int, lags: int, positive: np.ndarray | None
+) -> list[dict[str, Any]]:
     """One policy's curves with pointwise bands inside [0, 1]; a point informed by fewer than
     :data:`STUDENTIZED_MIN_DOCS` documents gets no band (NaN, and a note saying so)."""
     cfns = curve_fns(pol, horizon, lags)
     scales = [quantity_scale(curve, horizon) for curve, _ in cfns]
     rows = []
-    informed = _curve_docs(bs, pol, list(cfns))
+    informed = _curve_docs(bs, pol, list(cfns), positive)
     for (curve, x), e, docs in zip(
         cfns, bs.evaluate_many(list(cfns.values()), None, scales), informed, strict=True
     ):
