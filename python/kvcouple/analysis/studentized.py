@@ -152,9 +152,14 @@ class TableMoments:
         point, count = column_means(mat)
         center = np.where(count > 0, point, 0.0)
         gram = np.zeros((mat.shape[1], mat.shape[1]))
-        for b in _row_blocks(mat):
-            x = mat[b] - center
-            x[~np.isfinite(x)] = 0.0
+        blocks = _row_blocks(mat)
+        buffer = np.empty((blocks[0].stop - blocks[0].start if blocks else 0, mat.shape[1]))
+        for b in blocks:  # one buffer for every block, masked only where it holds NaN or inf
+            x = buffer[: b.stop - b.start]
+            np.subtract(mat[b], center, out=x)
+            finite = np.isfinite(x)
+            if not finite.all():
+                np.copyto(x, 0.0, where=~finite)
             gram += x.T @ x
         return cls(point, count, gram)
 
