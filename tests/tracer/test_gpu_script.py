@@ -59,7 +59,12 @@ def test_gpu_script_cpu_size_path(tmp_path, capsys):
     assert report["sides_batched"] is False  # (CUDA's efficient kernel only)
     for r in rows:
         forced = r["decode"]["off_matrix_attention"]
-        assert forced["trace_ms_per_step"] > 0 and forced["ratio_to_generate"] > 0
+        assert "error" not in forced
+        # A difference of two wall times (clipped at 0 when a busy machine makes the shorter
+        # horizon slower): its sign is timing, not the script's; the ratio follows it.
+        ms = forced["trace_ms_per_step"]
+        assert ms >= 0 and forced["over_floor"] == pytest.approx(ms / r["decode"]["floor_ms"])
+        assert (forced["ratio_to_generate"] is None) == (ms == 0)
     from kvcouple.tracer import lse_attention
 
     assert lse_attention.FORCE_MATRIX is False  # restored
@@ -89,7 +94,8 @@ def test_gpu_script_records_a_failing_mode_and_goes_on(tmp_path, monkeypatch):
     report = module.main([*args, "off,graphs", "--short-docs", "2", "--out", str(out)])
     decode = report["results"][0]["decode"]
     assert decode["graphs"] == {"error": "RuntimeError: boom: cudagraphs"}
-    assert decode["off"]["trace_ms_per_step"] > 0 and decode["generate_ms_per_step"] > 0
+    # Measured (timings are differences of wall times, >= 0: their size is not the test's).
+    assert decode["off"]["trace_ms_per_step"] >= 0 and decode["generate_ms_per_step"] >= 0
     assert json.loads(out.read_text()) == json.loads(json.dumps(report))
     assert "partial" not in report
 
@@ -117,4 +123,4 @@ def test_gpu_script_measures_every_length_eagerly_before_compiling(tmp_path, mon
     assert compiled and eager_40 and min(compiled) > max(eager_40)
     for row in report["results"]:  # each length's compiled mode recorded beside its eager one
         assert row["decode"]["graphs"] == {"error": "RuntimeError: not compiled in this test"}
-        assert row["decode"]["off"]["trace_ms_per_step"] > 0
+        assert row["decode"]["off"]["trace_ms_per_step"] >= 0
