@@ -59,12 +59,11 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-import numpy as np
-
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from measure import cpu_seconds, peak_rss_mb  # noqa: E402  (the benchmarks folder)
+from codec_candidates import codecs  # noqa: E402  (the benchmarks folder)
+from measure import best_seconds, cpu_seconds, peak_rss_mb  # noqa: E402
 from summary_stores import (  # noqa: E402
     engine_summary_read,
     run_summary_analysis,
@@ -483,15 +482,6 @@ def _s3_fetch_floors(url: str, store: Path, repeats: int) -> dict[str, float]:
     return best
 
 
-def _time(fn, repeats: int = 5) -> float:
-    best = float("inf")
-    for _ in range(repeats):
-        t = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t)
-    return best
-
-
 def kernels_in_memory(a: argparse.Namespace) -> None:
     import torch
 
@@ -500,9 +490,9 @@ def kernels_in_memory(a: argparse.Namespace) -> None:
 
     p, q = _distributions(torch.Generator().manual_seed(1), a.rows)
     gb = 2 * p.nbytes / 1e9
-    tv = _time(lambda: kvcouple.total_variation(p, q))
-    plain = _time(lambda: kvcouple.plain_pass(p, q))
-    allq = _time(lambda: kvcouple.divergences(p, q, renormalize=True))
+    tv = best_seconds(lambda: kvcouple.total_variation(p, q))
+    plain = best_seconds(lambda: kvcouple.plain_pass(p, q))
+    allq = best_seconds(lambda: kvcouple.divergences(p, q, renormalize=True))
     print(
         f"in memory, {a.rows} rows x 128,256 float16 ({gb:.2f} GB): TV-only "
         f"{gb / tv:.2f} GB/s, plain memory pass {gb / plain:.2f} GB/s, all divergences "
@@ -510,50 +500,6 @@ def kernels_in_memory(a: argparse.Namespace) -> None:
         f"all divergences / TV-only {allq / tv:.2f}",
         flush=True,
     )
-
-
-CODECS = {
-    "none": None,
-    "zstd-1": ("Zstd", {"level": 1}),
-    "zstd-3": ("Zstd", {"level": 3}),
-    "blosc-lz4-shuffle": ("Blosc", {"cname": "lz4", "clevel": 5, "shuffle": 1}),
-    "blosc-zstd-1-shuffle": ("Blosc", {"cname": "zstd", "clevel": 1, "shuffle": 1}),
-    "blosc-zstd-3-bitshuffle": ("Blosc", {"cname": "zstd", "clevel": 3, "shuffle": 2}),
-    "gzip-1": ("GZip", {"level": 1}),
-}
-
-
-def codec_table(rows: np.ndarray, label: str) -> None:
-    import numcodecs
-
-    raw = np.ascontiguousarray(rows).tobytes()
-    print(f"codecs on {label} ({len(raw) / 1e6:.0f} MB raw, one thread):")
-    for name, spec in CODECS.items():
-        if spec is None:
-            print(f"  {name:24s} ratio 1.00")
-            continue
-        codec = getattr(numcodecs, spec[0])(**spec[1])
-        enc = codec.encode(raw)
-        t = _time(lambda c=codec, e=enc: c.decode(e), 3)
-        print(
-            f"  {name:24s} ratio {len(raw) / len(enc):.2f}  decode {len(raw) / t / 1e9:.2f} GB/s raw"
-        )
-
-
-def codecs(a: argparse.Namespace) -> None:
-    import torch
-
-    from make_synthetic_store import _distributions
-
-    p, _ = _distributions(torch.Generator().manual_seed(2), 128)
-    codec_table(p, "synthetic 128k-vocabulary rows")
-    if a.model_store:
-        import zarr
-
-        g = zarr.open_group(a.model_store, mode="r")
-        rows = np.asarray(g["p"][...])
-        rows = rows[np.isfinite(rows).all(-1)]
-        codec_table(rows, f"the model's rows from {a.model_store}")
 
 
 def main(argv: list[str] | None = None) -> int:

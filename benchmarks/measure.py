@@ -1,8 +1,11 @@
-"""What the benchmarks measure of their own process: peak resident memory and CPU seconds."""
+"""What the benchmarks measure of their own process: peak resident memory, CPU seconds and the
+best wall time of a call."""
 
 from __future__ import annotations
 
 import resource
+import time
+from collections.abc import Callable
 
 
 def peak_rss_mb() -> float:
@@ -21,3 +24,13 @@ def peak_rss_mb() -> float:
 def cpu_seconds() -> float:
     r = resource.getrusage(resource.RUSAGE_SELF)
     return r.ru_utime + r.ru_stime
+
+
+def best_seconds(fn: Callable[[], object], repeats: int = 5) -> float:
+    """The fastest of ``repeats`` wall times of ``fn()``."""
+    best = float("inf")
+    for _ in range(repeats):
+        t = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t)
+    return best
