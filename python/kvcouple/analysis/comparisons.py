@@ -79,16 +79,14 @@ def run_tests(result: AnalysisResult, plan: Plan) -> list[dict[str, Any]]:
             if c.policy is not None and c.metric == "median_tau" and bs.method == "studentized":
                 # A policy's median step: the summary's test-inversion set and its test's
                 # p-value at the value.
-                pmf = [f"{c.policy}|pmf|{t}" for t in range(1, m.horizon + 1)]
+                pmf = st.pmf_columns(c.policy, m.horizon)
                 inverted = bs.median_step(pmf)
                 if inverted is not None:
                     est = replace(inverted, scale=scale)
                     p_value = bs.median_step_p_value(pmf, c.direction, c.value)
             if c.policy is None and c.metric == "median_tau" and bs.method == "studentized":
                 # A paired median difference: the test-inversion set and its test's p-value.
-                pmf_a, pmf_b = (
-                    [f"{p}|pmf|{t}" for t in range(1, m.horizon + 1)] for p in (c.a, c.b)
-                )
+                pmf_a, pmf_b = (st.pmf_columns(str(p), m.horizon) for p in (c.a, c.b))
                 inverted = bs.median_difference(pmf_a, pmf_b)
                 if inverted is not None:
                     est = replace(inverted, scale=scale)

@@ -53,6 +53,7 @@ __all__ = [
     "gap_estimates",
     "gap_fns",
     "gap_rows",
+    "pmf_columns",
     "policy_pairs",
     "pooled_gap_fns",
     "quantity_fn",
@@ -144,6 +145,11 @@ def quantity_fn(policy: str, name: str, horizon: int) -> StatFn:
     return Statistic(value, by_column)
 
 
+def pmf_columns(policy: str, horizon: int) -> list[str]:
+    """The table's columns of ``policy``'s ``P(tau = t)``, t = 1..T (the median step's law)."""
+    return [f"{policy}|pmf|{t}" for t in range(1, horizon + 1)]
+
+
 def summary_estimates(
     bs: Bootstrap, policy: str, names: Sequence[str], horizon: int
 ) -> list[Estimate]:
@@ -156,8 +162,7 @@ def summary_estimates(
     ests = bs.evaluate_many([quantity_fn(policy, n, horizon) for n in names], inverted, scales)
     if bs.method == "studentized" and "median_tau" in names:
         i = list(names).index("median_tau")
-        pmf = [f"{policy}|pmf|{t}" for t in range(1, horizon + 1)]
-        median = bs.median_step(pmf)
+        median = bs.median_step(pmf_columns(policy, horizon))
         if median is not None:
             ests[i] = replace(median, scale=scales[i])
     return ests
@@ -176,8 +181,7 @@ def difference_estimates(
     ests = bs.evaluate_many(fns, None, scales)
     if bs.method == "studentized" and "median_tau" in names:
         i = list(names).index("median_tau")
-        pmf = [[f"{p}|pmf|{t}" for t in range(1, horizon + 1)] for p in (a, b)]
-        median = bs.median_difference(*pmf)
+        median = bs.median_difference(pmf_columns(a, horizon), pmf_columns(b, horizon))
         if median is not None:
             ests[i] = replace(median, scale=scales[i])
     return ests

@@ -321,6 +321,12 @@ RESAMPLE_SE_FLOOR = 0.1
 BAND_SE_FLOOR = 0.3
 
 
+def floored_se(se_boot: np.ndarray, se: np.ndarray | float) -> np.ndarray:
+    """The resamples' standard errors floored at :data:`RESAMPLE_SE_FLOOR` of the table's
+    ``se``; a resample with no spread (0) keeps its 0 (studentized by the table's instead)."""
+    return np.where(se_boot > 0, np.maximum(se_boot, RESAMPLE_SE_FLOOR * se), se_boot)
+
+
 def studentized_estimate(
     point: float,
     boot: np.ndarray,
@@ -360,8 +366,7 @@ def studentized_estimate(
     se_psi = float(scale.slope(point)) * se
     with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
         psi_b = scale.forward(boot)
-        floored = np.where(se_boot > 0, np.maximum(se_boot, RESAMPLE_SE_FLOOR * se), se_boot)
-        t = (psi_b - psi) / (scale.slope(boot) * floored)
+        t = (psi_b - psi) / (scale.slope(boot) * floored_se(se_boot, se))
         edge = np.isinf(psi_b)
         t = np.where(edge, np.sign(psi_b) * math.inf, t)
         flat = (se_boot == 0) & np.isfinite(psi_b)
@@ -421,9 +426,8 @@ class LinearTest:
         d = point[0] * c - point[1] * s
         d_boot = boot[:, :1] * c - boot[:, 1:2] * s
         with np.errstate(divide="ignore", invalid="ignore"):
-            se, se_boot = np.sqrt(var), np.sqrt(var_boot)
-            se_boot = np.where(se_boot > 0, np.maximum(se_boot, RESAMPLE_SE_FLOOR * se), se_boot)
-            return d, se, (d_boot - d) / se_boot
+            se = np.sqrt(var)
+            return d, se, (d_boot - d) / floored_se(np.sqrt(var_boot), se)
 
     def accepts(self, phi: np.ndarray) -> np.ndarray:
         """Whether the test of each angle of ``phi`` accepts."""
