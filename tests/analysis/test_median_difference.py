@@ -232,6 +232,8 @@ def test_p_value_inverts_the_set():
     assert est is not None
     width = est.ci_high - est.ci_low
     assert bs.median_difference_p_value(*names, "two-sided", est.estimate) == 1.0
+    with pytest.raises(ValueError, match="finite"):
+        bs.median_difference_p_value(*names, "two-sided", math.inf)
     for inside in (0.7 * est.ci_low + 0.3 * est.estimate, 0.7 * est.ci_high + 0.3 * est.estimate):
         assert bs.median_difference_p_value(*names, "two-sided", inside) > 0.05
     for outside in (est.ci_low - 0.2 * width, est.ci_high + 0.2 * width):

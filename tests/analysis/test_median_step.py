@@ -163,6 +163,8 @@ def test_p_value_outside_the_range_constant_or_incomplete():
     m = dc.median_step(np.array([0.2, 0.5, 0.1, 0, 0, 0]))
     assert same.median_step_p_value(_names(T), "two-sided", m) == 1.0
     assert same.median_step_p_value(_names(T), "two-sided", m + 0.3) == 0.0
+    with pytest.raises(ValueError, match="finite"):
+        bs.median_step_p_value(_names(T), "two-sided", math.nan)
     holed = np.tile([0.3, 0.3, 0.2, 0.1, 0.0, 0.0], (12, 1)) + np.linspace(0, 0.05, 12)[:, None]
     holed[3, 2] = np.nan
     bs = bootstrap_table(_pmf_table(holed), 200, 1, 0.95)

@@ -356,6 +356,8 @@ class Bootstrap:
         ``F(value) < 1/2``, so the test's ``-d`` is the evidence (:meth:`LinearTest.p_value`).
         A value outside ``(1/2, T + 1/2)``, or a law constant over the documents, is decided
         by the estimate alone; NaN where the columns are not complete."""
+        if not math.isfinite(value):
+            raise ValueError(f"the tested value of a median step must be finite, got {value!r}")
         idx = [self._index[c] for c in pmf]
         T = len(idx)
         estimate = float(dc.median_step(self.point[idx]))
@@ -384,6 +386,8 @@ class Bootstrap:
         """The p-value of :meth:`median_difference`'s test at ``value``
         (:meth:`kvcouple.analysis.median_shift.MedianShiftTest.p_value`); NaN where the
         columns are not complete."""
+        if not math.isfinite(value):
+            raise ValueError(f"the tested median difference must be finite, got {value!r}")
         a, b = [self._index[c] for c in pmf_a], [self._index[c] for c in pmf_b]
         if self.data is None or not MedianShiftTest.complete(self, a + b):
             return math.nan
