@@ -474,11 +474,14 @@ def bootstrap_table(
     level: float,
     method: str = DEFAULT_CI_METHOD,
     gaussian: bool | None = None,
+    moments: TableMoments | None = None,
 ) -> Bootstrap:
     """The table's column means and ``n_boot`` resamples of them (seeded). Studentized
     intervals of :data:`~kvcouple.analysis.intervals.GAUSSIAN_MIN_DOCS` documents or more
     draw the resamples' means from their Gaussian limit (:func:`gaussian_means`) instead of
-    resampling the documents; ``gaussian`` True or False forces the choice (studentized)."""
+    resampling the documents; ``gaussian`` True or False forces the choice (studentized).
+    ``moments``: the table's, made as it was read (:class:`~kvcouple.analysis.studentized.
+    RunningMoments`); used by the Gaussian limit, made here when not given."""
     if not 0 <= int(seed) < 2**64:
         raise ValueError(f"the bootstrap seed must be an integer in [0, 2**64), got {seed}")
     if int(n_boot) < 1:
@@ -493,10 +496,16 @@ def bootstrap_table(
     if gaussian is None:
         gaussian = n >= intervals.GAUSSIAN_MIN_DOCS
     gaussian = bool(gaussian) and method == "studentized" and n >= STUDENTIZED_MIN_DOCS
-    moments = None
+    if not gaussian:
+        moments = None
     if gaussian:
         # The same passes give the means and the cross moments the standard errors read.
-        moments = TableMoments.of(mat)
+        if moments is None:
+            moments = TableMoments.of(mat)
+        elif moments.count.shape != (mat.shape[1],) or np.any(moments.count > n):
+            raise ValueError(
+                f"moments of {moments.count.shape[0]} columns for a table of {mat.shape[1]}"
+            )
         point = moments.point
         reps = gaussian_means(mat, point, int(n_boot), int(seed), moments)
     else:

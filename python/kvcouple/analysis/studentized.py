@@ -168,6 +168,77 @@ class TableMoments:
         return self.count == rows
 
 
+class RunningMoments:
+    """:class:`TableMoments` of rows given a block at a time (:meth:`add`), so that they are
+    made while the table is still being read. Each block is centred at the first block's
+    means ``c`` and the sums are recentred exactly at the end: with ``d = m - c``,
+    ``gram = G - d P - (d P)' + d d' N``, where ``G``, ``P`` and ``N`` are the sums over
+    the rows of ``x x'``, ``f x'`` and ``f f'`` (``x``: the row minus ``c``, non-finite
+    entries 0; ``f``: its finite mask). Blocks without a non-finite entry add to ``P`` and
+    ``N`` through their column sums and row count alone (no extra products). Equal to
+    :meth:`TableMoments.of` of the same rows up to rounding (``c`` is near ``m``, so
+    nothing cancels)."""
+
+    def __init__(self, cols: int) -> None:
+        self.cols = cols
+        self.rows = 0
+        self.center: np.ndarray | None = None
+        self.gram = np.zeros((cols, cols))
+        self.total = np.zeros(cols)  # sum of x over finite entries
+        self.count = np.zeros(cols)
+        self.dense_total = np.zeros(cols)  # sum of x over the blocks with every entry finite
+        self.dense_rows = 0
+        self.cross: np.ndarray | None = None  # sum f x' over the other blocks
+        self.pairs: np.ndarray | None = None  # sum f f' over the other blocks
+
+    def add(self, block: np.ndarray) -> None:
+        """Add ``block`` (rows x cols); any number of rows."""
+        if block.ndim != 2 or block.shape[1] != self.cols:
+            raise ValueError(f"a block of {self.cols} columns, got shape {block.shape}")
+        if not block.shape[0]:
+            return
+        if self.center is None:
+            first, _ = column_means(block)
+            self.center = np.where(np.isfinite(first), first, 0.0)
+        x = block - self.center
+        finite = np.isfinite(x)
+        dense = bool(finite.all())
+        if not dense:
+            np.copyto(x, 0.0, where=~finite)
+        self.gram += x.T @ x
+        sums = x.sum(0)
+        self.total += sums
+        self.rows += block.shape[0]
+        if dense:
+            self.count += block.shape[0]
+            self.dense_total += sums
+            self.dense_rows += block.shape[0]
+            return
+        f = finite.astype(np.float64)
+        self.count += f.sum(0)
+        if self.cross is None or self.pairs is None:
+            self.cross = np.zeros((self.cols, self.cols))
+            self.pairs = np.zeros((self.cols, self.cols))
+        self.cross += f.T @ x
+        self.pairs += f.T @ f
+
+    def moments(self) -> TableMoments:
+        """The moments of every row added."""
+        center = self.center if self.center is not None else np.zeros(self.cols)
+        has = self.count > 0
+        shift = np.where(has, self.total / np.maximum(self.count, 1), 0.0)
+        point = np.where(has, center + shift, np.nan)
+        # P and N: the dense blocks' parts (every row counts in every column) plus the rest.
+        cross = np.broadcast_to(self.dense_total, (self.cols, self.cols)).copy()
+        pairs = np.full((self.cols, self.cols), float(self.dense_rows))
+        if self.cross is not None and self.pairs is not None:
+            cross += self.cross
+            pairs += self.pairs
+        dp = shift[:, None] * cross
+        gram = self.gram - dp - dp.T + np.outer(shift, shift) * pairs
+        return TableMoments(point, self.count.copy(), gram)
+
+
 class DeltaMethod:
     """Delta-method standard errors of statistics of column means, of the table and inside
     every resample: ``se^2 = grad' S grad / (n - 1)`` with ``S`` the covariance (divisor n) of

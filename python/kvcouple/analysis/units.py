@@ -12,12 +12,14 @@ cost the table (8 bytes a cell) and ~200 bytes a unit, not a Python object graph
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+import threading
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 
 import numpy as np
 
 from kvcouple.analysis.estimates import SCALARS, BatchUnits, Table, UnitBatch, UnitEstimate
+from kvcouple.analysis.studentized import GATHER_BYTES, RunningMoments, TableMoments
 
 __all__ = ["TableLayout", "UnitColumns", "UnitView", "build_table"]
 
@@ -152,9 +154,15 @@ class TableLayout:
 class UnitColumns:
     """Every analysed document's units of one store: ``slots`` rows, filled by :meth:`put`
     (each slot once; any order, any thread: rows are disjoint), then :meth:`finish` keeps the
-    filled slots in slot order."""
+    filled slots in slot order.
 
-    def __init__(self, layout: TableLayout, slots: int) -> None:
+    With ``moments``, the table's :class:`~kvcouple.analysis.studentized.TableMoments` (the
+    Gram matrix the Gaussian-limit resamples need) are made while the rows come in: a block
+    of slots is added once every slot in it is settled (:meth:`settle`: filled, or given up
+    by a damaged document), blocks in slot order whatever order the batches came back in, so
+    the result does not depend on the threads' timing."""
+
+    def __init__(self, layout: TableLayout, slots: int, moments: bool = False) -> None:
         self.layout = layout
         P = len(layout.policies)
         self.matrix = np.zeros((slots, layout.width))
@@ -162,6 +170,65 @@ class UnitColumns:
         self.median_tau = np.full((slots, P), np.nan)
         self.tail_observed = np.zeros((slots, P), bool)
         self.filled = np.zeros(slots, bool)
+        self._running = RunningMoments(layout.width) if moments else None
+        self._settled = np.zeros(slots, bool)
+        self._added = 0  # slots before this one are in the running moments
+        self._block = max(1, GATHER_BYTES // (8 * max(layout.width, 1)))
+        self._adding = threading.Lock()
+
+    @property
+    def running(self) -> bool:
+        """Whether the moments are made as the rows come in."""
+        return self._running is not None
+
+    def settle(self, slots: Iterable[int]) -> None:
+        """Mark ``slots`` as settled (their rows filled, or never to be) and add every block
+        of settled slots from the last one added to the running moments. A thread that finds
+        another adding returns at once: that one adds what is ready when it finishes, and
+        :meth:`moments` adds the rest."""
+        if self._running is None:
+            return
+        self._settled[np.fromiter(slots, np.int64)] = True
+        while self._adding.acquire(blocking=False):
+            try:
+                if not self._add_ready(final=False):
+                    return
+            finally:
+                self._adding.release()
+
+    def _add_ready(self, final: bool) -> bool:
+        """Add the next block if settled (any settled remainder when ``final``): whether one
+        was added."""
+        assert self._running is not None
+        start, n = self._added, self.matrix.shape[0]
+        stop = min(start + self._block, n)
+        if start >= n:
+            return False
+        if not final:
+            if stop - start < self._block and stop < n:
+                return False
+            if not self._settled[start:stop].all():
+                return False
+        filled = self.filled[start:stop]
+        rows = self.matrix[start:stop]
+        self._running.add(rows if filled.all() else rows[filled])
+        self._added = stop
+        return True
+
+    def moments(self) -> TableMoments | None:
+        """The filled rows' moments (None unless made with ``moments``): call before
+        :meth:`finish` moves the rows, once every batch is folded."""
+        if self._running is None:
+            return None
+        with self._adding:
+            while self._add_ready(final=True):
+                pass
+            if self._running.rows != int(self.filled.sum()):
+                raise RuntimeError(
+                    f"the running moments hold {self._running.rows} rows of "
+                    f"{int(self.filled.sum())} filled: a row was filled after its block was added"
+                )
+            return self._running.moments()
 
     def put(self, slot: int, units: Mapping[str, UnitEstimate]) -> UnitView:
         self.layout.fill(self.matrix[slot], units)
