@@ -59,21 +59,30 @@ fn layout_of(key: &str, meta: &str) -> Result<Stored, Problem> {
 /// Every chunk's decoded bytes, in order; the first problem (in chunk order) otherwise.
 pub fn decode_chunks(source: &dyn ChunkSource, chunks: &[Chunk]) -> Result<Vec<Vec<u8>>, Problem> {
     // A call holds many documents' chunks of a few variables: each metadata document is
-    // parsed once.
-    let mut parsed: HashMap<&str, Stored> = HashMap::new();
+    // parsed once, and hashed only where the chunks move to another variable's (the same
+    // document given again is the same slice: a metadata document is kilobytes, hashing it
+    // for every chunk cost more than a fifth of a summary store's read).
+    let mut layouts: Vec<Stored> = Vec::new();
+    let mut layout_of_meta: HashMap<&str, usize> = HashMap::new();
+    let mut last: Option<(&str, usize)> = None;
     // The chunks by object: a shard's inner chunks are decoded from one read of it.
     let mut groups: Vec<(Stored, Vec<usize>)> = Vec::new();
-    let mut group_of: HashMap<(&str, &str), usize> = HashMap::new();
+    let mut group_of: HashMap<(&str, usize), usize> = HashMap::new();
     for (i, c) in chunks.iter().enumerate() {
-        let stored = match parsed.get(c.meta) {
-            Some(stored) => stored.clone(),
-            None => {
-                let stored = layout_of(c.key, c.meta)?;
-                parsed.insert(c.meta, stored.clone());
-                stored
-            }
+        let m = match last {
+            Some((meta, m)) if std::ptr::eq(meta, c.meta) => m,
+            _ => match layout_of_meta.get(c.meta) {
+                Some(&m) => m,
+                None => {
+                    layouts.push(layout_of(c.key, c.meta)?);
+                    layout_of_meta.insert(c.meta, layouts.len() - 1);
+                    layouts.len() - 1
+                }
+            },
         };
-        match (&stored, c.inner) {
+        last = Some((c.meta, m));
+        let stored = &layouts[m];
+        match (stored, c.inner) {
             (Stored::Chunks(_), None) => {}
             (Stored::Shards(s), Some(inner)) if inner < s.per_shard => {}
             (Stored::Chunks(_), Some(inner)) => {
@@ -94,8 +103,8 @@ pub fn decode_chunks(source: &dyn ChunkSource, chunks: &[Chunk]) -> Result<Vec<V
                 })
             }
         }
-        let g = *group_of.entry((c.key, c.meta)).or_insert_with(|| {
-            groups.push((stored, Vec::new()));
+        let g = *group_of.entry((c.key, m)).or_insert_with(|| {
+            groups.push((stored.clone(), Vec::new()));
             groups.len() - 1
         });
         groups[g].1.push(i);
@@ -212,6 +221,60 @@ mod tests {
         let short = stored(&[1, 2, 3]);
         let err = decode(META, &["t/c/0/0"], &[("t/c/0/0", Some(&short[..]))]);
         assert!(matches!(err, Err(Problem::Decode { .. })));
+    }
+
+    #[test]
+    fn chunks_of_several_variables_in_any_order_each_read_with_their_own_layout() {
+        // Two variables of the same key prefix: `t` of four int32 per chunk and `w` of two.
+        // Their metadata documents come as separate copies of equal text (not the same
+        // slice) and the chunks alternate: each chunk is read with its own layout.
+        let two = META.replace("[1, 4]", "[1, 2]");
+        let (t_copy, w_copy) = (META.to_string(), two.clone());
+        let (a, b) = (stored(&[1, 2, 3, 4]), stored(&[8, 9]));
+        let objects = [("t/c/0/0", Some(&a[..])), ("w/c/0/0", Some(&b[..]))];
+        let source = FetchedObjects::new(objects.iter().copied());
+        let chunks = [
+            Chunk {
+                key: "t/c/0/0",
+                meta: META,
+                inner: None,
+            },
+            Chunk {
+                key: "w/c/0/0",
+                meta: &two,
+                inner: None,
+            },
+            Chunk {
+                key: "t/c/0/0",
+                meta: &t_copy,
+                inner: None,
+            },
+            Chunk {
+                key: "w/c/0/0",
+                meta: &w_copy,
+                inner: None,
+            },
+            Chunk {
+                key: "w/c/0/0",
+                meta: &two,
+                inner: None,
+            },
+        ];
+        let got = decode_chunks(&source, &chunks).unwrap();
+        let lens: Vec<usize> = got.iter().map(Vec::len).collect();
+        assert_eq!(lens, vec![16, 8, 16, 8, 8]);
+        assert_eq!(got[0], got[2]);
+        assert_eq!(got[1], got[4]);
+        // The same chunk asked with the other variable's layout is refused, not misread.
+        let wrong = [Chunk {
+            key: "t/c/0/0",
+            meta: &two,
+            inner: None,
+        }];
+        assert!(matches!(
+            decode_chunks(&source, &wrong),
+            Err(Problem::Decode { .. })
+        ));
     }
 
     #[test]
