@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from kvcouple.analysis.estimates import SCALARS, BatchUnits, UnitBatch
-from kvcouple.analysis.studentized import RunningMoments, TableMoments
+from kvcouple.analysis.moments import RunningMoments, TableMoments
 from kvcouple.analysis.units import TableLayout, UnitColumns
 
 

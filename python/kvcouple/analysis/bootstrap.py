@@ -61,13 +61,12 @@ from kvcouple.analysis.intervals import (
     normal_scores,
 )
 from kvcouple.analysis.median_shift import MedianShiftTest, median_difference
+from kvcouple.analysis.moments import TableMoments, column_means
 from kvcouple.analysis.pvalues import bootstrap_p_value, studentized_p_value
 from kvcouple.analysis.studentized import (
     DeltaMethod,
     LinearTest,
-    TableMoments,
     accepted_span,
-    column_means,
     fieller_set,
     studentized_estimate,
 )
@@ -480,7 +479,7 @@ def bootstrap_table(
     intervals of :data:`~kvcouple.analysis.intervals.GAUSSIAN_MIN_DOCS` documents or more
     draw the resamples' means from their Gaussian limit (:func:`gaussian_means`) instead of
     resampling the documents; ``gaussian`` True or False forces the choice (studentized).
-    ``moments``: the table's, made as it was read (:class:`~kvcouple.analysis.studentized.
+    ``moments``: the table's, made as it was read (:class:`~kvcouple.analysis.moments.
     RunningMoments`); used by the Gaussian limit, made here when not given."""
     if not 0 <= int(seed) < 2**64:
         raise ValueError(f"the bootstrap seed must be an integer in [0, 2**64), got {seed}")

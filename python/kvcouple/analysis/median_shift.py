@@ -38,8 +38,9 @@ import numpy as np
 from kvcouple import _core
 from kvcouple import decomposition as dc
 from kvcouple.analysis.intervals import Estimate
+from kvcouple.analysis.moments import GATHER_BYTES
 from kvcouple.analysis.pvalues import studentized_p_value
-from kvcouple.analysis.studentized import GATHER_BYTES, Resamples, studentized_estimate
+from kvcouple.analysis.studentized import Resamples, studentized_estimate
 
 __all__ = ["MedianShiftTest", "median_difference"]
 

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from kvcouple.analysis.estimates import SCALARS, BatchUnits, Table, UnitBatch, UnitEstimate
-from kvcouple.analysis.studentized import GATHER_BYTES, RunningMoments, TableMoments
+from kvcouple.analysis.moments import GATHER_BYTES, RunningMoments, TableMoments
 
 __all__ = ["TableLayout", "UnitColumns", "UnitView", "build_table"]
 
@@ -156,7 +156,7 @@ class UnitColumns:
     (each slot once; any order, any thread: rows are disjoint), then :meth:`finish` keeps the
     filled slots in slot order.
 
-    With ``moments``, the table's :class:`~kvcouple.analysis.studentized.TableMoments` (the
+    With ``moments``, the table's :class:`~kvcouple.analysis.moments.TableMoments` (the
     Gram matrix the Gaussian-limit resamples need) are made while the rows come in: a block
     of slots is added once every slot in it is settled (:meth:`settle`: filled, or given up
     by a damaged document), blocks in slot order whatever order the batches came back in, so
