@@ -46,8 +46,8 @@ from kvcouple.analysis.bootstrap import Bootstrap, bootstrap_table
 from kvcouple.analysis.estimates import UnitEstimate, estimate_unit
 from kvcouple.analysis.intervals import CI_METHODS, Estimate
 from kvcouple.analysis.units import build_table
+from kvcouple.store.create import StoreLayout
 from kvcouple.store.schema import Record, empty_arrays
-from kvcouple.store.writer import StoreLayout
 from kvcouple.synth.trace_store import as_emitter_pair, simulate_doc_policy
 
 POLICIES = ("mild", "harsh", "harsh2")

@@ -64,9 +64,9 @@ def add_text(store: Path, pieces: list[bytes], prompts: list[list[int]]) -> Path
     import numpy as np
     import zarr
 
+    from kvcouple.store.create import create_array as _create_array
     from kvcouple.store.schema import TEXT_VARIABLES
     from kvcouple.store.text import TEXT_ATTR, TextTables, TokenTable
-    from kvcouple.store.writer import _create_array
     from store_helpers import set_root_attr
 
     text = TextTables([np.asarray(p, np.int32) for p in prompts], TokenTable.of(pieces), "test")

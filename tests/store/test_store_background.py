@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 
 from kvcouple.store.background import BackgroundWriter, host_record_bytes, queue_bound
+from kvcouple.store.create import StoreLayout
 from kvcouple.store.schema import Record
-from kvcouple.store.writer import StoreLayout
 
 
 class _SlowWriter:

@@ -27,10 +27,10 @@ from kvcouple.cli import main
 from kvcouple.errors import StoreError
 from kvcouple.store import sharding as sharding_module
 from kvcouple.store import writer as writer_module
+from kvcouple.store.create import StoreLayout, docs_per_shard
 from kvcouple.store.parts import part_documents, parts_overlap
 from kvcouple.store.schema import Record
 from kvcouple.store.sharding import MAX_DOCS_PER_SHARD
-from kvcouple.store.writer import StoreLayout, docs_per_shard
 from kvcouple.synth.trace_store import write_synthetic_trace_store
 
 pytestmark = pytest.mark.skipif(

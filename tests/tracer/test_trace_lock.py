@@ -61,7 +61,7 @@ sys.exit(main(sys.argv[4:]))
 
 
 # 4 documents: one stored object per document; 48: a sharded store, 3 documents a shard
-# (kvcouple.store.writer.docs_per_shard), whose --shard parts are whole shards.
+# (kvcouple.store.create.docs_per_shard), whose --shard parts are whole shards.
 DOCS = {4: 1, 48: 3}
 
 

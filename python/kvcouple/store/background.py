@@ -28,8 +28,9 @@ from typing import Protocol
 
 import numpy as np
 
+from kvcouple.store.create import StoreLayout
 from kvcouple.store.schema import variables
-from kvcouple.store.writer import StoreLayout, TraceStoreWriter
+from kvcouple.store.writer import TraceStoreWriter
 
 __all__ = [
     "BackgroundWriter",

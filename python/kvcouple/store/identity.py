@@ -6,8 +6,8 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from kvcouple.store.create import StoreLayout
 from kvcouple.store.schema import Record
-from kvcouple.store.writer import StoreLayout
 
 __all__ = ["run_identity"]
 

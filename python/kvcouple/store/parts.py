@@ -2,7 +2,7 @@
 tracer and the writer lock share.
 
 A store written with Zarr sharding keeps ``docs_per_shard`` consecutive documents in one
-stored object per variable (:func:`kvcouple.store.writer.docs_per_shard`). Two processes must
+stored object per variable (:func:`kvcouple.store.create.docs_per_shard`). Two processes must
 never write the same object, so parts are made of whole Zarr shards: part ``i`` of ``N`` owns
 the documents ``d`` with ``(d // docs_per_shard) mod N == i``. With one document per object
 (``docs_per_shard == 1``, stores without sharding) that is ``d mod N == i``, as before.

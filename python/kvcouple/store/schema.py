@@ -2,7 +2,7 @@
 
 Schema version 5: a store of many documents may be written with Zarr v3 sharding, many
 documents per stored object, each document and policy still its own chunk inside
-(:func:`kvcouple.store.writer.docs_per_shard`), and ``--shard i/N`` writers own whole Zarr
+(:func:`kvcouple.store.create.docs_per_shard`), and ``--shard i/N`` writers own whole Zarr
 shards (:mod:`kvcouple.store.parts`); version 4 stores read as before.
 Schema version 4: the store may keep its text (:data:`TEXT_VARIABLES`: the prompts' token ids
 and the bytes of every token id, so that text is shown without the model; attribute
@@ -78,7 +78,7 @@ READABLE_VERSIONS = (2, 3, 4, 5)
 CHECKSUMS_SINCE = 3
 # The first version that may keep the text (TEXT_VARIABLES), where the tracer had a tokenizer.
 TEXT_SINCE = 4
-# The first version whose writer may shard (kvcouple.store.writer.docs_per_shard) and whose
+# The first version whose writer may shard (kvcouple.store.create.docs_per_shard) and whose
 # --shard i/N parts are whole Zarr shards (kvcouple.store.parts).
 SHARDS_SINCE = 5
 

@@ -34,11 +34,12 @@ from kvcouple._core import __version__ as kvcouple_version
 from kvcouple.errors import InvalidInputError
 from kvcouple.kernels import couple, divergences
 from kvcouple.resources import check_memory
+from kvcouple.store.create import StoreLayout
 from kvcouple.store.geometry import is_url
 from kvcouple.store.identity import run_identity
 from kvcouple.store.lock import writer_lock
 from kvcouple.store.schema import Record, empty_arrays, variables
-from kvcouple.store.writer import StoreLayout, TraceStoreWriter
+from kvcouple.store.writer import TraceStoreWriter
 from kvcouple.synth.pairs import KernelPair, check_seed, load_pair, pair_from_mapping
 
 _BELOW_ONE = 1.0 - 2.0**-53

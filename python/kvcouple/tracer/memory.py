@@ -48,7 +48,7 @@ from kvcouple.policies import Policy
 from kvcouple.policies.base import query_needs
 from kvcouple.resources import available_memory
 from kvcouple.store.background import document_bytes, host_record_bytes, queue_bound
-from kvcouple.store.writer import StoreLayout
+from kvcouple.store.create import StoreLayout
 from kvcouple.tracer.shape import ModelShape, choose_layout
 
 __all__ = [

@@ -22,8 +22,8 @@ from kvcouple.errors import InvalidInputError
 from kvcouple.policies import Policy, parse_policy
 from kvcouple.store import StoreLayout
 from kvcouple.store.background import format_host
+from kvcouple.store.create import docs_per_shard as store_docs_per_shard
 from kvcouple.store.parts import part_documents
-from kvcouple.store.writer import docs_per_shard as store_docs_per_shard
 from kvcouple.tracer.distributed import WorkerInfo, format_workers, run_budget
 from kvcouple.tracer.memory import (
     DocumentFootprint,
