@@ -7,12 +7,31 @@ import math
 
 import numpy as np
 
-from kvcouple.analysis.estimates import SCALARS, UnitEstimate, estimate_units
+from kvcouple.analysis.estimates import SCALARS, UnitBatch, UnitEstimate, estimate_units
 from kvcouple.analysis.reading import SUMMARY_READ
 from kvcouple.reference.estimates import estimate_unit as reference_unit
 from kvcouple.store.reader import TraceStoreReader
 
 RTOL = 1e-12
+
+
+def random_unit_batch(
+    rng: np.random.Generator, docs: int, policies: list[str], T: int, lags: int
+) -> UnitBatch:
+    """A batch of ``docs`` documents' units of ``policies`` with random values of the right
+    shapes (survival decreasing; a fifth of the median steps NaN)."""
+    units = docs * len(policies)
+    return UnitBatch(
+        list(policies),
+        rng.random((units, len(SCALARS))) * 10,
+        rng.random((units, len(SCALARS))),
+        np.sort(rng.random((units, T + 1)))[:, ::-1].copy(),
+        rng.random((units, T)) / T,
+        rng.random((units, lags)) * 3,
+        rng.random((units, lags)),
+        np.where(rng.random(units) < 0.2, np.nan, rng.integers(1, T, units)),
+        True,
+    )
 
 
 def _close(got: float, want: float, what: str) -> None:

@@ -9,9 +9,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from kvcouple.analysis.estimates import SCALARS, BatchUnits, UnitBatch
+from kvcouple.analysis.estimates import BatchUnits
 from kvcouple.analysis.moments import RunningMoments, TableMoments
 from kvcouple.analysis.units import TableLayout, UnitColumns
+from units_helpers import random_unit_batch
 
 
 def _assert_moments_close(got: TableMoments, want: TableMoments) -> None:
@@ -66,18 +67,7 @@ def test_a_block_of_another_width_is_refused():
 
 
 def _batch(rng, docs, T, lags):
-    units = docs
-    return UnitBatch(
-        ["a"],
-        rng.random((units, len(SCALARS))) * 10,
-        rng.random((units, len(SCALARS))),
-        np.sort(rng.random((units, T + 1)))[:, ::-1].copy(),
-        rng.random((units, T)) / T,
-        rng.random((units, lags)) * 3,
-        rng.random((units, lags)),
-        np.where(rng.random(units) < 0.2, np.nan, rng.integers(1, T, units)),
-        True,
-    )
+    return random_unit_batch(rng, docs, ["a"], T, lags)
 
 
 def _fill(order: list[list[int]], damaged: set[int], slots: int, seed: int) -> UnitColumns:

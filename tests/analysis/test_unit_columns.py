@@ -7,23 +7,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from kvcouple.analysis.estimates import SCALARS, BatchUnits, UnitBatch
+from kvcouple.analysis.estimates import BatchUnits
 from kvcouple.analysis.units import TableLayout, UnitColumns
+from units_helpers import random_unit_batch
 
-
-def _batch(rng, docs, policies, T, lags):
-    units = docs * len(policies)
-    return UnitBatch(
-        list(policies),
-        rng.random((units, len(SCALARS))) * 10,
-        rng.random((units, len(SCALARS))),
-        np.sort(rng.random((units, T + 1)))[:, ::-1].copy(),
-        rng.random((units, T)) / T,
-        rng.random((units, lags)) * 3,
-        rng.random((units, lags)),
-        np.where(rng.random(units) < 0.2, np.nan, rng.integers(1, T, units)),
-        True,
-    )
+_batch = random_unit_batch
 
 
 @pytest.mark.parametrize(("T", "lags", "window"), [(8, 8, 7), (64, 65, 64), (64, 17, 12)])
