@@ -23,7 +23,8 @@ class SchemaVersionError(StoreError):
 
 
 class ResourceLimitError(InvalidInputError):
-    """A request whose buffers would not fit in the memory available (refused before allocating)."""
+    """A request whose buffers would not fit in the memory available, or whose work is beyond
+    what one call does (refused before allocating or starting)."""
 
 
 class MissingExtraError(ImportError):

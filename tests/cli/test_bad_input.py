@@ -364,6 +364,32 @@ def test_memory_limits_are_checked_before_allocating(tmp_path, monkeypatch):
     assert not (tmp_path / "s.zarr").exists()
 
 
+def test_a_simulation_beyond_its_work_limit_is_refused_before_it_starts(
+    tmp_path, capsys, monkeypatch
+):
+    """-N 2000000 -K 2000000 (a fuzzed line: 33 hours of simulation here) is refused at once,
+    naming the product; at the limit a simulation runs, one branch step beyond it is refused."""
+    import kvcouple.synth.estimators as estimators
+    from kvcouple.errors import ResourceLimitError
+
+    path = tmp_path / "p.npz"
+    synth.save_pair(synth.random_pair(3, 2, seed=0), path)
+    start = time.monotonic()
+    argv = ["synth", "estimate", "--pair", str(path), "-T", "3", "-N", "2000000", "-K", "2000000"]
+    code, err = _cli(argv, capsys)
+    assert code == 2
+    _one_error_line(err, "2000000 x 2000000 x 3", "branch steps")
+    assert time.monotonic() - start < 10
+    pair = synth.random_pair(3, 2, seed=0)
+    monkeypatch.setattr(estimators, "MAX_BRANCH_STEPS", 4 * 5 * 3)
+    got = synth.simulate(pair, 3, replicates=4, branches=5)
+    assert got["occurrence"].shape == (4,)
+    with pytest.raises(ResourceLimitError, match="4 x 5 x 4 = 80 branch steps"):
+        synth.simulate(pair, 4, replicates=4, branches=5)
+    with pytest.raises(ResourceLimitError, match="5 x 5 x 3"):
+        synth.estimate(pair, 3, replicates=5, branches=5)
+
+
 def test_exact_horizon_limit_is_checked_before_solving(tmp_path, capsys):
     path = tmp_path / "p.npz"
     synth.save_pair(synth.random_pair(16, 16, seed=1), path)

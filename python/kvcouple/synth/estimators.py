@@ -16,7 +16,7 @@ import numpy.typing as npt
 from kvcouple import _core
 from kvcouple import decomposition as dc
 from kvcouple.deprecation import RenamedKeys, module_getattr, warn_renamed
-from kvcouple.errors import InvalidInputError
+from kvcouple.errors import InvalidInputError, ResourceLimitError
 from kvcouple.resources import check_memory
 from kvcouple.synth.exact import json_values, resolved_window
 from kvcouple.synth.pairs import KernelPair, check_seed
@@ -56,6 +56,11 @@ def resolve_estimator(estimator: str | None, method: str | None, where: str) -> 
 
 
 # The per-replicate values every estimator returns (MonteCarloEstimate.values' keys).
+# The branch steps one call simulates at most (replicates x branches x horizon): about ten
+# minutes on two cores (~1e8 a second). Beyond is a slip of the keyboard (-K 2000000 with
+# -N 2000000 is 33 hours here), refused before it starts rather than run for a day.
+MAX_BRANCH_STEPS = 2**36
+
 REPLICATE_KEYS = (
     "occurrence",
     "occupation",
@@ -126,11 +131,22 @@ def simulate(
         An unknown ``estimator`` or ``trace``, a bad seed, or an out-of-range horizon, window,
         replicate or branch count.
     kvcouple.errors.ResourceLimitError
-        The per-replicate outputs would not fit in the memory available.
+        The per-replicate outputs would not fit in the memory available, or the simulation
+        is beyond :data:`MAX_BRANCH_STEPS` branch steps.
     """
     chosen = resolve_estimator(estimator, method, "simulate")
     if trace not in ("horizon", "window"):
         raise InvalidInputError(f"trace must be 'horizon' or 'window', got {trace!r}")
+    sizes = (replicates, branches, horizon)
+    if all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in sizes):
+        steps = replicates * branches * horizon
+        if steps > MAX_BRANCH_STEPS:
+            raise ResourceLimitError(
+                f"replicates x branches x horizon = {replicates} x {branches} x {horizon} = "
+                f"{steps:.3g} branch steps, beyond the {MAX_BRANCH_STEPS:.3g} one simulation "
+                "runs (about ten minutes on two cores): lower the replicates or the branches, "
+                "or split the run over seeds"
+            )
     # Per-replicate outputs: about a dozen values plus two per lag, refused beyond memory.
     if isinstance(replicates, int) and replicates > 0:
         lags = (
@@ -310,7 +326,8 @@ def estimate(
         An unknown ``estimator`` or ``trace``, a bad seed, or an out-of-range horizon, window,
         replicate or branch count.
     kvcouple.errors.ResourceLimitError
-        The per-replicate outputs would not fit in the memory available.
+        The per-replicate outputs would not fit in the memory available, or the simulation
+        is beyond :data:`MAX_BRANCH_STEPS` branch steps.
     """
     chosen = resolve_estimator(estimator, method, "estimate")
     raw = simulate(
