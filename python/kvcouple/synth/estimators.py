@@ -56,10 +56,10 @@ def resolve_estimator(estimator: str | None, method: str | None, where: str) -> 
 
 
 # The per-replicate values every estimator returns (MonteCarloEstimate.values' keys).
-# The branch steps one call simulates at most (replicates x branches x horizon): about ten
-# minutes on two cores (~1e8 a second). Beyond is a slip of the keyboard (-K 2000000 with
-# -N 2000000 is 33 hours here), refused before it starts rather than run for a day.
-MAX_BRANCH_STEPS = 2**36
+# The branch steps one call simulates at most (replicates x branches x horizon): about three
+# hours on two cores (~1e8 a second; Ctrl-C stops it). Beyond is a slip of the keyboard (-K
+# 2000000 with -N 2000000 is 33 hours here), refused before it starts rather than run a day.
+MAX_BRANCH_STEPS = 2**40
 
 REPLICATE_KEYS = (
     "occurrence",
@@ -71,6 +71,22 @@ REPLICATE_KEYS = (
     "interval_lower",
     "interval_upper",
 )
+
+
+def _check_work(replicates: int, branches: object, horizon: object) -> None:
+    """Refuse a simulation of more than :data:`MAX_BRANCH_STEPS` branch steps (bad sizes are
+    the core's to name)."""
+    if not all(isinstance(v, int) and not isinstance(v, bool) for v in (branches, horizon)):
+        return
+    assert isinstance(branches, int) and isinstance(horizon, int)
+    steps = replicates * branches * horizon
+    if branches > 0 and horizon > 0 and steps > MAX_BRANCH_STEPS:
+        raise ResourceLimitError(
+            f"replicates x branches x horizon = {replicates} x {branches} x {horizon} = "
+            f"{steps:.3g} branch steps, beyond the {MAX_BRANCH_STEPS:.3g} one simulation runs "
+            "(about three hours on two cores): lower the replicates or the branches, or split "
+            "the run over seeds"
+        )
 
 
 def simulate(
@@ -137,16 +153,6 @@ def simulate(
     chosen = resolve_estimator(estimator, method, "simulate")
     if trace not in ("horizon", "window"):
         raise InvalidInputError(f"trace must be 'horizon' or 'window', got {trace!r}")
-    sizes = (replicates, branches, horizon)
-    if all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in sizes):
-        steps = replicates * branches * horizon
-        if steps > MAX_BRANCH_STEPS:
-            raise ResourceLimitError(
-                f"replicates x branches x horizon = {replicates} x {branches} x {horizon} = "
-                f"{steps:.3g} branch steps, beyond the {MAX_BRANCH_STEPS:.3g} one simulation "
-                "runs (about ten minutes on two cores): lower the replicates or the branches, "
-                "or split the run over seeds"
-            )
     # Per-replicate outputs: about a dozen values plus two per lag, refused beyond memory.
     if isinstance(replicates, int) and replicates > 0:
         lags = (
@@ -156,6 +162,7 @@ def simulate(
         )
         if replicates * lags <= 2**27:  # beyond, the core refuses with its own message
             check_memory(f"replicates = {replicates}", 8 * replicates * (16 + 2 * lags))
+            _check_work(replicates, branches, horizon)
     out = _core.synth_simulate(
         pair.arrays(),
         horizon,
