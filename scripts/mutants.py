@@ -249,16 +249,26 @@ MUTANTS = [
         STORE,
         (
             "            for name, value in values.items():\n"
-            "                self._group[name][doc] = value\n"
-            '            self._group["completed"][doc] = True',
-            '            self._group["completed"][doc] = True\n'
+            "                self._array(name)[doc] = value\n"
+            '            self._array("completed")[doc] = True',
+            '            self._array("completed")[doc] = True\n'
             "            for name, value in values.items():\n"
-            "                self._group[name][doc] = value",
+            "                self._array(name)[doc] = value",
+        ),
+    ),
+    m(
+        "W1s",
+        "store/writer.py",
+        "a shard's completed flags written before its documents' data",
+        STORE,
+        (
+            'for name, values in [*held.arrays.items(), ("completed", flags)]:',
+            'for name, values in [("completed", flags), *held.arrays.items()]:',
         ),
     ),
     m(
         "W2",
-        "store/writer.py",
+        "store/resume.py",
         "resume accepts a store made with other settings",
         STORE + ["tests/analysis/test_analysis_consistency.py"],
         ("        if old == new:\n            continue", "        if True:\n            continue"),
