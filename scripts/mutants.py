@@ -260,7 +260,7 @@ MUTANTS = [
         "W1s",
         "store/writer.py",
         "a shard's completed flags written before its documents' data",
-        STORE,
+        STORE + ["tests/store/test_store_sharding.py"],
         (
             'for name, values in [*held.arrays.items(), ("completed", flags)]:',
             'for name, values in [("completed", flags), *held.arrays.items()]:',

@@ -126,6 +126,34 @@ def test_a_run_stopped_mid_shard_resumes_to_the_uninterrupted_store(stores, tmp_
     assert xr.open_zarr(path).load().identical(xr.open_zarr(sharded).load())
 
 
+def test_a_fault_while_writing_a_shard_leaves_its_documents_unfinished(
+    stores, tmp_path, monkeypatch
+):
+    """A write that fails inside a shard (its third variable's file): the shard's documents
+    read unfinished (the flags are its last file), the shards before stay done, and a rerun
+    completes the store as an uninterrupted run writes it."""
+    sharded, _ = stores
+    path = tmp_path / "fault.zarr"
+    original = writer_module.TraceStoreWriter._write_shard_file
+    written: list[tuple[str, int]] = []
+
+    def failing(self, name, k, values):
+        if k == 1 and len([w for w in written if w[1] == 1]) == 2:
+            raise OSError(f"injected fault writing shard {k} of {name}")
+        written.append((name, k))
+        return original(self, name, k, values)
+
+    monkeypatch.setattr(writer_module.TraceStoreWriter, "_write_shard_file", failing)
+    with pytest.raises(OSError, match="injected fault writing shard 1"):
+        synth(path)
+    monkeypatch.undo()
+    assert ("completed", 0) in written and ("completed", 1) not in written
+    done = np.asarray(zarr.open_group(str(path), mode="r")["completed"][...])
+    assert done.tolist() == [True] * 4 + [False] * (DOCS - 4)
+    synth(path)
+    assert xr.open_zarr(path).load().identical(xr.open_zarr(sharded).load())
+
+
 _WRITE = """
 import sys
 import numpy as np
