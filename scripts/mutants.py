@@ -36,6 +36,8 @@ ANALYSIS = [
     "tests/analysis/test_analysis_exact_aggregates.py",
 ]
 PLAN = ["tests/analysis/test_analysis_plan.py"]
+# The per-unit estimates are Rust's; the numpy reference is held to them here.
+REFERENCE = ["tests/analysis/test_unit_estimates_reference.py"]
 STORE = ["tests/store/test_store_faults.py", "tests/analysis/test_analysis_store.py"]
 POLICIES = ["tests/tracer/test_policies.py"]
 KERNELS = ["tests/kernels/test_kernels.py", "tests/kernels/test_coupling.py"]
@@ -63,14 +65,14 @@ MUTANTS = [
         "E1",
         "reference/estimates.py",
         "RB-CMC weights W_t instead of W_{t-1}",
-        ANALYSIS,
-        ("    mass = w_prev * h  #", "    mass = w * h  #"),
+        REFERENCE,
+        ("    return w, w_prev * h", "    return w, w * h"),
     ),
     m(
         "E2",
         "reference/estimates.py",
         "window lags shifted by one (0..L_w-1 instead of 1..L_w)",
-        ANALYSIS,
+        REFERENCE,
         (
             "per_lag[:, :, 1 : obs_window + 1].sum(2)",
             "per_lag[:, :, 0:obs_window].sum(2)",
@@ -81,28 +83,28 @@ MUTANTS = [
         "E3",
         "reference/estimates.py",
         "occupation counts step t itself: (T - t + 1)",
-        ANALYSIS,
-        ("occupation = mass @ (T - steps)", "occupation = mass @ (T - steps + 1)"),
+        REFERENCE,
+        ('"occupation": mass @ (T - steps),', '"occupation": mass @ (T - steps + 1),'),
     ),
     m(
         "E4",
         "reference/estimates.py",
         "tail exposure off by one lag",
-        ANALYSIS,
+        REFERENCE,
         ("np.maximum(T - steps - obs_window, 0.0)", "np.maximum(T - steps - obs_window - 1, 0.0)"),
     ),
     m(
         "E5",
         "reference/estimates.py",
         "mean divergence time counts from 0",
-        ANALYSIS,
-        ("tau_mass = mass @ steps", "tau_mass = mass @ (steps - 1)"),
+        REFERENCE,
+        ('"tau_mass": mass @ steps,', '"tau_mass": mass @ (steps - 1),'),
     ),
     m(
         "E6",
         "reference/estimates.py",
         "unobserved mismatch (-1) counted as a mismatch",
-        ANALYSIS,
+        REFERENCE,
         (
             "np.maximum(np.asarray(branch_mismatch, np.float64), 0.0)",
             "np.abs(np.asarray(branch_mismatch, np.float64))",
@@ -112,7 +114,7 @@ MUTANTS = [
         "E7",
         "reference/estimates.py",
         "branches summed instead of averaged",
-        ANALYSIS,
+        REFERENCE,
         (
             "win = per_lag[:, :, 1 : obs_window + 1].sum(2).mean(1)",
             "win = per_lag[:, :, 1 : obs_window + 1].sum(2).sum(1)",
@@ -122,7 +124,7 @@ MUTANTS = [
         "E8",
         "reference/estimates.py",
         "survival curve shifted (W_{t-1} for W_t)",
-        ANALYSIS,
+        REFERENCE,
         (
             "survival = np.concatenate([[1.0], w.mean(0)])",
             "survival = np.concatenate([[1.0], w_prev.mean(0)])",
@@ -132,58 +134,43 @@ MUTANTS = [
         "E9",
         "reference/estimates.py",
         "median divergence time off by one",
-        ANALYSIS,
-        (
-            "float(np.searchsorted(cum, total / 2.0) + 1)",
-            "float(np.searchsorted(cum, total / 2.0))",
-        ),
+        REFERENCE,
+        ("return float(dc.median_step(pmf))", "return float(dc.median_step(pmf)) - 1.0"),
     ),
     m(
         "E10",
         "reference/estimates.py",
         "branch TV denominator summed over branches",
-        ANALYSIS,
-        ("tv_lag_den = (reached.mean(1) * weight)", "tv_lag_den = (reached.sum(1) * weight)"),
+        REFERENCE,
+        ("den = (reached.mean(1) * weight)", "den = (reached.sum(1) * weight)"),
     ),
-    # --- across-document statistics (analysis/stats.py, analysis/pvalues.py) ------------------
+    # --- across-document statistics (analysis/quantities.py, stats.py, units.py, pvalues.py) ----
     m(
         "S1",
-        "analysis/stats.py",
-        "rho as a mean of per-document ratios",
+        "analysis/quantities.py",
+        "rho over the occurrence instead of the occupation",
         ANALYSIS,
         (
-            '        for i in range(horizon + 1):\n            t.cols[f"{pol}|S|{i}"]',
-            '        t.cols[f"{pol}|rho_doc"] = np.array([u.values["post_mismatches"] / '
-            'u.values["occupation"] if u.values["occupation"] > 0 else np.nan for u in us])\n'
-            '        for i in range(horizon + 1):\n            t.cols[f"{pol}|S|{i}"]',
-        ),
-        (
-            '"rho": lambda g: _ratio(m(g, "post_mismatches"), m(g, "occupation")),',
-            '"rho": lambda g: m(g, "rho_doc"),',
+            'dc.rho(c("post_mismatches"), c("occupation"))',
+            'dc.rho(c("post_mismatches"), c("occurrence"))',
         ),
     ),
     m(
         "S2",
-        "analysis/stats.py",
+        "analysis/quantities.py",
         "first_mismatch and exposure swapped",
         ANALYSIS,
-        (
-            '"first_mismatch": lambda g: m(g, "occurrence") / T,',
-            '"first_mismatch": lambda g: m(g, "occupation") / T,',
-        ),
-        (
-            '"exposure": lambda g: m(g, "occupation") / T,',
-            '"exposure": lambda g: m(g, "occurrence") / T,',
-        ),
+        ('dc.first_mismatch(c("occurrence"), T)', 'dc.first_mismatch(c("occupation"), T)'),
+        ('dc.exposure(c("occupation"), T)', 'dc.exposure(c("occurrence"), T)'),
     ),
     m(
         "S3",
-        "analysis/stats.py",
+        "analysis/quantities.py",
         "E[M]/T divided by T - 1",
         ANALYSIS,
         (
-            '"mismatch_fraction": lambda g: m(g, "expected_mismatches") / T,',
-            '"mismatch_fraction": lambda g: m(g, "expected_mismatches") / (T - 1),',
+            'dc.mismatch_fraction(c("expected_mismatches"), T)',
+            'dc.mismatch_fraction(c("expected_mismatches"), T - 1)',
         ),
     ),
     m(
@@ -212,10 +199,13 @@ MUTANTS = [
     ),
     m(
         "S7",
-        "analysis/stats.py",
-        "early window starts at lag 0",
+        "analysis/units.py",
+        "early window starts at lag 0 (a batch of documents' rows)",
         ANALYSIS,
-        ('("early", range(1, half + 1)),', '("early", range(0, half + 1)),'),
+        (
+            "len(batch.policies)\n        early = slice(1, self.split + 1)",
+            "len(batch.policies)\n        early = slice(0, self.split + 1)",
+        ),
     ),
     m(
         "S9",
@@ -233,13 +223,10 @@ MUTANTS = [
     ),
     m(
         "S11",
-        "analysis/stats.py",
+        "analysis/quantities.py",
         "mean divergence time divided by T instead of the occurrence",
         ANALYSIS,
-        (
-            '"mean_tau": lambda g: _ratio(m(g, "tau_mass"), m(g, "occurrence")),',
-            '"mean_tau": lambda g: m(g, "tau_mass") / T,',
-        ),
+        ('dc.ratio(c("tau_mass"), c("occurrence"))', 'c("tau_mass") / T'),
     ),
     # --- store writer (store/writer.py) -----------------------------------------------------
     m(
