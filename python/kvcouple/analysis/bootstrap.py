@@ -495,8 +495,6 @@ def bootstrap_table(
     if gaussian is None:
         gaussian = n >= intervals.GAUSSIAN_MIN_DOCS
     gaussian = bool(gaussian) and method == "studentized" and n >= STUDENTIZED_MIN_DOCS
-    if not gaussian:
-        moments = None
     if gaussian:
         # The same passes give the means and the cross moments the standard errors read.
         if moments is None:
@@ -508,6 +506,7 @@ def bootstrap_table(
         point = moments.point
         reps = gaussian_means(mat, point, int(n_boot), int(seed), moments)
     else:
+        moments = None  # each interval makes the resamples' moments it needs
         point = column_means(mat)[0]
         reps = _core.bootstrap_means(mat, int(n_boot), int(seed))
     if n < 2:  # one document: no jackknife

@@ -76,11 +76,10 @@ REPLICATE_KEYS = (
 def _check_work(replicates: int, branches: object, horizon: object) -> None:
     """Refuse a simulation of more than :data:`MAX_BRANCH_STEPS` branch steps (bad sizes are
     the core's to name)."""
-    if not all(isinstance(v, int) and not isinstance(v, bool) for v in (branches, horizon)):
+    if type(branches) is not int or type(horizon) is not int or branches < 1 or horizon < 1:
         return
-    assert isinstance(branches, int) and isinstance(horizon, int)
     steps = replicates * branches * horizon
-    if branches > 0 and horizon > 0 and steps > MAX_BRANCH_STEPS:
+    if steps > MAX_BRANCH_STEPS:
         raise ResourceLimitError(
             f"replicates x branches x horizon = {replicates} x {branches} x {horizon} = "
             f"{steps:.3g} branch steps, beyond the {MAX_BRANCH_STEPS:.3g} one simulation runs "
