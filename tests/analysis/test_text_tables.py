@@ -130,7 +130,12 @@ def test_every_kind_of_double_as_repr_writes_it():
     rng = np.random.default_rng(4)
     bits = rng.integers(0, 2**63 - 1, 100_000, dtype=np.int64).view(np.float64)
     halves = np.round(rng.normal(0, 1e17, 50_000)) / 8
-    values = np.concatenate([bits[np.isfinite(bits)], -bits[:1000], halves])
+    # Magnitudes on both sides of fixed notation's ends (1e-4 and 1e16), and the doubles
+    # next to those ends, where the writer switches between Ryu's layout and its own.
+    spread = rng.normal(0, 1, 100_000) * 10.0 ** rng.uniform(-6, 18, 100_000)
+    ends = np.array([1e-4, 1e16, 1e-5, 1e15])
+    edges = np.concatenate([ends, np.nextafter(ends, 0), np.nextafter(ends, np.inf)])
+    values = np.concatenate([bits[np.isfinite(bits)], -bits[:1000], halves, spread, edges, -edges])
     none = np.zeros((len(values), 0), np.uint32)
     text = ColumnRows([("x", "number", 0)], values[:, None], values[:, None] > 0, none, [])
     got = b"".join(text.blocks("csv")).decode().split("\r\n")[:-1]

@@ -32,7 +32,7 @@ def _import_figures() -> None:
 def _analyze(args: argparse.Namespace) -> int:
     from kvcouple.analysis.console import format_decomposition, run_stamp
     from kvcouple.analysis.engine import analyze
-    from kvcouple.analysis.report import write_report
+    from kvcouple.analysis.report import DocumentFiles, write_report
     from kvcouple.errors import InvalidInputError, MissingExtraError, require
 
     out_dir = Path(args.out)
@@ -48,29 +48,38 @@ def _analyze(args: argparse.Namespace) -> int:
     if figures:
         # matplotlib's import (~0.5 s of Python) while the analysis runs, mostly in Rust.
         threading.Thread(target=_import_figures, daemon=True).start()
-    result = analyze(
-        args.stores,
-        window=args.window,
-        estimator=args.estimator,
-        allow_incomplete=args.allow_incomplete,
-        scheduler=args.scheduler,
-        worker_threads=args.worker_threads,
-        recompute=not args.no_recompute,
-        tolerance=args.tolerance,
-        n_boot=args.n_boot,
-        seed=args.seed,
-        ci=args.ci,
-        ci_method=args.ci_method,
-        early_late_split=args.early_late_split,
-        reference=args.reference,
-        pool_models=True if args.pool_models else None,
-        plan=args.plan,
-        doc_set=args.docs,
-        allow_unregistered=args.not_preregistered,
-        io_threads=args.io_threads,
-        progress=not args.quiet,
+    # per_document.csv (and results.json's rows) written while the statistics run.
+    documents = DocumentFiles(out_dir)
+    try:
+        result = analyze(
+            args.stores,
+            window=args.window,
+            estimator=args.estimator,
+            allow_incomplete=args.allow_incomplete,
+            scheduler=args.scheduler,
+            worker_threads=args.worker_threads,
+            recompute=not args.no_recompute,
+            tolerance=args.tolerance,
+            n_boot=args.n_boot,
+            seed=args.seed,
+            ci=args.ci,
+            ci_method=args.ci_method,
+            early_late_split=args.early_late_split,
+            reference=args.reference,
+            pool_models=True if args.pool_models else None,
+            plan=args.plan,
+            doc_set=args.docs,
+            allow_unregistered=args.not_preregistered,
+            io_threads=args.io_threads,
+            progress=not args.quiet,
+            on_documents=documents.start,
+        )
+    except BaseException:
+        documents.discard()
+        raise
+    out = write_report(
+        result, out_dir, figures=figures, html_report=not args.no_figures, documents=documents
     )
-    out = write_report(result, args.out, figures=figures, html_report=not args.no_figures)
     for s in result.skipped:
         print(
             f"skipped {terminal(s['doc_id'])} ({terminal(s['store'])}): {terminal(s['reason'])}",

@@ -13,8 +13,8 @@ from __future__ import annotations
 import contextlib
 import math
 import os
-from collections.abc import Mapping
-from dataclasses import replace
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -24,9 +24,10 @@ from kvcouple.analysis import intervals
 from kvcouple.analysis import stats as st
 from kvcouple.analysis.bootstrap import bootstrap_table
 from kvcouple.analysis.comparisons import pool_gaps, run_tests
-from kvcouple.analysis.estimates import ESTIMATORS, BatchUnits, observation_window
+from kvcouple.analysis.estimates import ESTIMATORS, BatchUnits, Table, observation_window
+from kvcouple.analysis.moments import TableMoments
 from kvcouple.analysis.plan import DEFAULTS, Plan, PlanError, load_plan, registration_status
-from kvcouple.analysis.results import AnalysisResult, ModelResult
+from kvcouple.analysis.results import AnalysisResult, DocumentsReady, ModelResult, StoreDocuments
 from kvcouple.analysis.scoreboard import BatchScores, DocScores, ScoreboardPool
 from kvcouple.analysis.tasks import (
     DocResult,
@@ -173,6 +174,7 @@ def analyze(
     io_threads: int = 2,
     storage_options: dict[str, Any] | None = None,
     progress: bool = False,
+    on_documents: Callable[[DocumentsReady], None] | None = None,
 ) -> AnalysisResult:
     """Analyse one or more trace stores (one per model), as ``kvcouple analyze`` does.
 
@@ -234,6 +236,12 @@ def analyze(
         Options passed to the storage backend (for example S3 credentials). Default None.
     progress : bool
         Show a progress bar. Default False.
+    on_documents : callable, optional
+        Called once every document is read and before the statistics run, with their
+        estimates (:class:`~kvcouple.analysis.results.DocumentsReady`): work on the
+        per-document results (``kvcouple analyze`` writes ``per_document.csv`` in a thread)
+        then runs beside the statistics (which keep to one BLAS thread, always: their numbers
+        do not depend on the machine's cores). Default None.
 
     Returns
     -------
@@ -296,12 +304,30 @@ def analyze(
     )
     skipped = _unread(readers)
     strict = not allow_incomplete or doc_set == "confirmatory"
-    models = _estimate_models(labels, folds, results, cfg, strict, skipped)
+    finished = _finish_stores(labels, folds, results, strict, skipped)
+    plan_hash = the_plan.hash if the_plan else "none"
+    if on_documents is not None:
+        on_documents(
+            DocumentsReady(
+                [
+                    StoreDocuments(f.label, f.store.reader.policies, f.store.reader.horizon, f.docs)
+                    for f in finished
+                ],
+                cfg["estimator"],
+                doc_set,
+                plan_hash,
+                preregistration,
+            )
+        )
+    # One BLAS thread: the numbers then do not depend on the machine's cores (a product's
+    # rounding does on its threads), and on_documents' work has the other cores.
+    with threadpool_limits(1, user_api="blas"):
+        models = [_model_result(f, cfg) for f in finished]
     result = AnalysisResult(
         models,
         cfg["estimator"],
         doc_set,
-        the_plan.hash if the_plan else "none",
+        plan_hash,
         the_plan.name if the_plan else None,
         skipped=skipped,
         preregistration=preregistration,
@@ -467,17 +493,28 @@ class _StoreFold:
         return results
 
 
-def _estimate_models(
+@dataclass
+class _Finished:
+    """One store's documents once read: the undamaged ones, in slot order in its table, with
+    the table's moments (made while reading, where the Gaussian limit needs them)."""
+
+    label: str
+    store: _StoreFold
+    docs: list[DocResult]
+    moments: TableMoments | None
+    table: Table
+
+
+def _finish_stores(
     labels: list[str],
     folds: list[_StoreFold],
     results: list[DocResult],
-    cfg: dict[str, Any],
     strict: bool,
     skipped: list[dict[str, str]],
-) -> list[ModelResult]:
+) -> list[_Finished]:
     """Step 4: per store, its documents' results (a damaged one raises when ``strict``, else
-    is added to ``skipped``) and the across-document statistics."""
-    models = []
+    is added to ``skipped``), the table's moments and its rows moved into place."""
+    finished = []
     pos = 0
     for label, store in zip(labels, folds, strict=True):
         reader, sel = store.reader, store.selected
@@ -492,8 +529,15 @@ def _estimate_models(
         good = [d for d in docs if d.error is None]
         if not good:
             raise StoreError(f"{reader.path}: no finished, undamaged documents to analyse")
-        models.append(_model_result(label, store, good, cfg))
-    return models
+        columns = store.columns
+        views = [d.units for d in good]
+        if not all(isinstance(v, UnitView) and v.columns is columns for v in views):
+            raise RuntimeError("a document's units were not folded into its store's table")
+        moments = columns.moments()  # before finish() moves the rows
+        columns.finish([v for v in views if isinstance(v, UnitView)])
+        table = columns.table([d.doc_id for d in good])
+        finished.append(_Finished(label, store, good, moments, table))
+    return finished
 
 
 def _settings_record(
@@ -523,7 +567,7 @@ def _settings_record(
 
 
 def _compare(result: AnalysisResult, cfg: dict[str, Any], plan: Plan | None) -> None:
-    """Step 5: the comparisons across models (pooled gaps) and the plan's tests."""
+    """Step 6: the comparisons across models (pooled gaps) and the plan's tests."""
     if cfg["pool_models"]:
         result.pooled = pool_gaps(result.models, cfg)
     if plan is not None:
@@ -535,17 +579,11 @@ def _model_labels(readers: list[TraceStoreReader]) -> list[str]:
     return [lab if labels.count(lab) == 1 else f"{lab}#{k}" for k, lab in enumerate(labels)]
 
 
-def _model_result(
-    label: str, store: _StoreFold, docs: list[DocResult], cfg: dict[str, Any]
-) -> ModelResult:
+def _model_result(finished: _Finished, cfg: dict[str, Any]) -> ModelResult:
+    """Step 5: one store's across-document statistics."""
+    store, docs, table = finished.store, finished.docs, finished.table
     reader, columns = store.reader, store.columns
     T, L = reader.horizon, reader.window
-    views = [d.units for d in docs]
-    if not all(isinstance(v, UnitView) and v.columns is columns for v in views):
-        raise RuntimeError("a document's units were not folded into its store's table")
-    moments = columns.moments()  # before finish() moves the rows
-    columns.finish([v for v in views if isinstance(v, UnitView)])
-    table = columns.table([d.doc_id for d in docs])
     n_boot = cfg["n_boot"]
     # The resamples' means and their cross moments (n_boot x columns, and about three column
     # pairs per column) are doubles; nothing is (n_boot x documents): refuse before
@@ -555,9 +593,10 @@ def _model_result(
         8 * 4 * n_boot * columns.layout.width,
     )
     bs = bootstrap_table(
-        table, n_boot, cfg["seed"], cfg["ci_level"], cfg["ci_method"], moments=moments
+        table, n_boot, cfg["seed"], cfg["ci_level"], cfg["ci_method"], moments=finished.moments
     )
     tables = st.summarise(bs, reader.policies, T, L + 1, cfg["reference"])
+    label = finished.label
     return ModelResult(
         label, reader.path, reader.policies, T, L, store.obs_window, docs, tables, bs, table,
         store.scoreboard.rows(label),

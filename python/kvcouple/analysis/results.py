@@ -13,7 +13,7 @@ from kvcouple.analysis.estimates import Table
 from kvcouple.analysis.tasks import DocResult
 from kvcouple.store.reader import TraceStoreReader
 
-__all__ = ["AnalysisResult", "ModelResult"]
+__all__ = ["AnalysisResult", "DocumentsReady", "ModelResult", "StoreDocuments"]
 
 
 @dataclass
@@ -44,6 +44,42 @@ class ModelResult:
         if self.reader is None:
             self.reader = TraceStoreReader(self.store)
         return self.reader
+
+
+@dataclass(frozen=True)
+class StoreDocuments:
+    """One store's analysed documents, each with its estimates (its :class:`DocResult`'s
+    ``units``), as they stand once read and before the statistics."""
+
+    model: str
+    policies: list[str]
+    horizon: int
+    docs: list[DocResult]
+
+
+@dataclass(frozen=True)
+class DocumentsReady:
+    """What :func:`kvcouple.analysis.analyze` hands its ``on_documents`` callback once every
+    document is read and before the statistics run: the per-document estimates of every store
+    and the stamps every output row carries (those of the :class:`AnalysisResult` to come).
+    Its documents are the result's (``models[i].docs``); nothing in them changes after."""
+
+    models: list[StoreDocuments]
+    estimator: str
+    doc_set: str
+    plan_hash: str
+    preregistration: str
+
+    @classmethod
+    def of(cls, result: AnalysisResult) -> DocumentsReady:
+        """The documents of a finished analysis, as its ``on_documents`` was handed them."""
+        return cls(
+            [StoreDocuments(m.model, m.policies, m.horizon, m.docs) for m in result.models],
+            result.estimator,
+            result.doc_set,
+            result.plan_hash,
+            result.preregistration,
+        )
 
 
 @dataclass

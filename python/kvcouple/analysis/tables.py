@@ -17,12 +17,17 @@ import numpy as np
 from kvcouple import _core
 from kvcouple.analysis.estimates import SCALARS
 from kvcouple.analysis.reading import TOLERANCE
-from kvcouple.analysis.results import AnalysisResult
+from kvcouple.analysis.results import (
+    AnalysisResult,
+    DocumentsReady,
+    ModelResult,
+    StoreDocuments,
+)
 from kvcouple.analysis.scoreboard import scoreboard_rows
 from kvcouple.analysis.units import UnitView
 
 
-def table_meta(result: AnalysisResult) -> dict[str, Any]:
+def table_meta(result: AnalysisResult | DocumentsReady) -> dict[str, Any]:
     """The columns every row carries: plan hash, estimator, document set, preregistration."""
     return {
         "plan_hash": result.plan_hash,
@@ -49,11 +54,9 @@ def tidy_tables(result: AnalysisResult) -> dict[str, list[dict[str, Any]]]:
             "scoreboard",
         )
     }
-    per_document: list[Rows] = []
     for m in result.models:
         for name in ("summary", "curves", "differences", "gap_attribution", "survival_differences"):
             out[name] += [{"model": m.model, **row, **meta} for row in m.tables.get(name, [])]
-        per_document.append(_per_document(m, meta))
         board = (
             m.scoreboard
             if m.scoreboard is not None
@@ -73,7 +76,7 @@ def tidy_tables(result: AnalysisResult) -> dict[str, list[dict[str, Any]]]:
                     **meta,
                 }
             )
-    out["per_document"] = Rows.chain(per_document)  # type: ignore[assignment]
+    out["per_document"] = per_document_table(result.models, meta)  # type: ignore[assignment]
     for name, rows in result.pooled.items():  # across models: "model" names the pool
         out[name] += [{**row, **meta} for row in rows]
     out["recompute_check"] = [{**r, **meta} for r in result.checks()]
@@ -92,7 +95,16 @@ def _scalar_columns(horizon: int) -> tuple[list[str], np.ndarray]:
     return [c for n in names for c in (n, f"{n}_se")], scale
 
 
-def _per_document(m: Any, meta: dict[str, Any]) -> Rows:
+def per_document_table(
+    models: Sequence[ModelResult | StoreDocuments], meta: dict[str, Any]
+) -> Rows:
+    """The per-document table (``per_document.csv``): every model's rows one after another,
+    each carrying ``meta``. The same rows from the :class:`DocumentsReady` an analysis hands
+    its ``on_documents`` callback as from its result."""
+    return Rows.chain([_per_document(m, meta) for m in models])
+
+
+def _per_document(m: ModelResult | StoreDocuments, meta: dict[str, Any]) -> Rows:
     """One row per (document, policy) of model ``m``: its scalars and their standard errors,
     median tau and whether the tail was observed. Read as columns from the table the units
     live in (:class:`~kvcouple.analysis.units.UnitView`), else unit by unit; the rows are

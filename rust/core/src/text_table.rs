@@ -203,6 +203,13 @@ pub fn push_float_repr(x: f64, out: &mut String) {
         out.push_str(if x > 0.0 { "inf" } else { "-inf" });
         return;
     }
+    let mut buffer = ryu::Buffer::new();
+    // Where Python writes fixed notation (decimal exponents -4..15), Ryu writes the same
+    // text (the same shortest digits, laid out alike): taken as it is, the common case.
+    if (1e-4..1e16).contains(&x.abs()) {
+        out.push_str(buffer.format_finite(x));
+        return;
+    }
     if x.is_sign_negative() {
         out.push('-');
     }
@@ -210,7 +217,6 @@ pub fn push_float_repr(x: f64, out: &mut String) {
         out.push_str("0.0");
         return;
     }
-    let mut buffer = ryu::Buffer::new();
     let mut bytes = [0u8; 24];
     let (len, exp) = shortest_digits(buffer.format_finite(x.abs()), &mut bytes);
     // ASCII digits only.
