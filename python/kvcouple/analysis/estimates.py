@@ -168,13 +168,14 @@ def estimate_units(
         return np.ascontiguousarray(np.concatenate(parts), dtype)  # (docs x policies, ...)
 
     mismatch = stacked("branch_mismatch", np.int8)
-    T, L = stacked("hazard", np.float64).shape[-1], mismatch.shape[-1] - 1
+    hazard = stacked("hazard", np.float64)
+    T, L = hazard.shape[-1], mismatch.shape[-1] - 1
     if not 0 <= obs_window <= L:
         raise ValueError(
             f"the observation window must be in 0..{L} (the stored window), got {obs_window}"
         )
     out = _core.estimate_units(
-        stacked("hazard", np.float64),
+        hazard,
         stacked("branch_step", np.int64),
         mismatch,
         stacked("branch_tv", np.float64),
