@@ -330,7 +330,9 @@ class Bootstrap:
         entry is not finite."""
         if self.data is None:
             return None
-        block = self.data[:, idx]
+        # Columns next to each other (a law's pmf): a view, not a copy of them all.
+        run = len(idx) > 0 and idx == list(range(idx[0], idx[0] + len(idx)))
+        block = self.data[:, idx[0] : idx[0] + len(idx)] if run else self.data[:, idx]
         return block if np.isfinite(block).all() else None
 
     def _median_class_test(self, block: np.ndarray, idx: list[int], t: int) -> LinearTest:
