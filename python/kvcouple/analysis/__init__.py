@@ -7,10 +7,13 @@ document-level bootstrap statistics, prespecified plans, and reports.
 
 from kvcouple.analysis.engine import AnalysisResult, Options, analyze
 from kvcouple.analysis.plan import Plan, PlanError, load_plan
-from kvcouple.analysis.report import write_report
+from kvcouple.analysis.report import DocumentFiles, write_report
+from kvcouple.analysis.results import DocumentsReady
 
 __all__ = [
     "AnalysisResult",
+    "DocumentFiles",
+    "DocumentsReady",
     "Options",
     "Plan",
     "PlanError",
