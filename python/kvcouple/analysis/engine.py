@@ -305,29 +305,12 @@ def analyze(
     skipped = _unread(readers)
     strict = not allow_incomplete or doc_set == "confirmatory"
     finished = _finish_stores(labels, folds, results, strict, skipped)
-    plan_hash = the_plan.hash if the_plan else "none"
-    if on_documents is not None:
-        on_documents(
-            DocumentsReady(
-                [
-                    StoreDocuments(f.label, f.store.reader.policies, f.store.reader.horizon, f.docs)
-                    for f in finished
-                ],
-                cfg["estimator"],
-                doc_set,
-                plan_hash,
-                preregistration,
-            )
-        )
-    # One BLAS thread: the numbers then do not depend on the machine's cores (a product's
-    # rounding does on its threads), and on_documents' work has the other cores.
-    with threadpool_limits(1, user_api="blas"):
-        models = [_model_result(f, cfg) for f in finished]
+    # estimator, document set, plan hash: the result's first fields; then its stamp.
+    stamps = (cfg["estimator"], doc_set, the_plan.hash if the_plan else "none", preregistration)
+    models = _statistics(finished, cfg, stamps, on_documents)
     result = AnalysisResult(
         models,
-        cfg["estimator"],
-        doc_set,
-        plan_hash,
+        *stamps[:3],
         the_plan.name if the_plan else None,
         skipped=skipped,
         preregistration=preregistration,
@@ -579,8 +562,28 @@ def _model_labels(readers: list[TraceStoreReader]) -> list[str]:
     return [lab if labels.count(lab) == 1 else f"{lab}#{k}" for k, lab in enumerate(labels)]
 
 
+def _statistics(
+    finished: list[_Finished],
+    cfg: dict[str, Any],
+    stamps: tuple[str, str, str, str],
+    on_documents: Callable[[DocumentsReady], None] | None,
+) -> list[ModelResult]:
+    """Step 5: every store's across-document statistics, once ``on_documents`` has the
+    documents (``stamps``: estimator, document set, plan hash, preregistration)."""
+    if on_documents is not None:
+        stores = [
+            StoreDocuments(f.label, f.store.reader.policies, f.store.reader.horizon, f.docs)
+            for f in finished
+        ]
+        on_documents(DocumentsReady(stores, *stamps))
+    # One BLAS thread: the numbers then do not depend on the machine's cores (a product's
+    # rounding does on its threads), and on_documents' work has the other cores.
+    with threadpool_limits(1, user_api="blas"):
+        return [_model_result(f, cfg) for f in finished]
+
+
 def _model_result(finished: _Finished, cfg: dict[str, Any]) -> ModelResult:
-    """Step 5: one store's across-document statistics."""
+    """One store's across-document statistics."""
     store, docs, table = finished.store, finished.docs, finished.table
     reader, columns = store.reader, store.columns
     T, L = reader.horizon, reader.window

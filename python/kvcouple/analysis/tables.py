@@ -115,31 +115,41 @@ def _per_document(m: ModelResult | StoreDocuments, meta: dict[str, Any]) -> Rows
     table = views[0].columns if views else None
     if len(views) != len(docs) or any(v.columns is not table for v in views):
         table = None
-    per_policy: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
-    for pol in m.policies:
-        if table is not None:
-            slots = [v.slot for v in views]
-            values, stderr = table.scalar_rows(slots, pol)
-            k = table.layout.policies.index(pol)
-            median = table.median_tau[slots, k]
-            tail = table.tail_observed[slots, k]
-        else:
-            units = [d.units[pol] for d in docs]  # type: ignore[index]
-            n = len(SCALARS)
-            values = np.array([[u.values[k] for k in SCALARS] for u in units]).reshape(-1, n)
-            stderr = np.array([[u.stderr[k] for k in SCALARS] for u in units]).reshape(-1, n)
-            median = np.array([u.median_tau for u in units], np.float64)
-            tail = np.array([u.tail_observed for u in units], bool)
-        both = np.empty((len(docs), 2 * len(SCALARS)))
-        both[:, 0::2], both[:, 1::2] = values / scale, stderr / scale
-        per_policy.append((both, median, tail))
+    made: list[list[tuple[np.ndarray, np.ndarray, np.ndarray]]] = []
+
+    def per_policy() -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:
+        # Gathered when the rows are first made (in DocumentFiles' thread, beside the
+        # statistics, which only read the table), then kept.
+        if made:
+            return made[0]
+        out: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
+        for pol in m.policies:
+            if table is not None:
+                slots = [v.slot for v in views]
+                values, stderr = table.scalar_rows(slots, pol)
+                k = table.layout.policies.index(pol)
+                median = table.median_tau[slots, k]
+                tail = table.tail_observed[slots, k]
+            else:
+                units = [d.units[pol] for d in docs]  # type: ignore[index]
+                n = len(SCALARS)
+                values = np.array([[u.values[k] for k in SCALARS] for u in units]).reshape(-1, n)
+                stderr = np.array([[u.stderr[k] for k in SCALARS] for u in units]).reshape(-1, n)
+                median = np.array([u.median_tau for u in units], np.float64)
+                tail = np.array([u.tail_observed for u in units], bool)
+            both = np.empty((len(docs), 2 * len(SCALARS)))
+            both[:, 0::2], both[:, 1::2] = values / scale, stderr / scale
+            out.append((both, median, tail))
+        made.append(out)
+        return made[0]
+
     keys = ["model", "doc_id", "policy", *columns, "median_tau", "tail_observed", *meta]
     rest = list(meta.values())
     ids = [d.doc_id for d in docs]
 
     def rows() -> Iterator[dict[str, Any]]:
         for i, doc_id in enumerate(ids):
-            for pol, (both, median, tail) in zip(m.policies, per_policy, strict=True):
+            for pol, (both, median, tail) in zip(m.policies, per_policy(), strict=True):
                 row = [m.model, doc_id, pol, *both[i].tolist(), float(median[i]), bool(tail[i])]
                 yield dict(zip(keys, row + rest, strict=True))
 
@@ -150,12 +160,12 @@ def _per_document(m: ModelResult | StoreDocuments, meta: dict[str, Any]) -> Rows
             return None
         n, P, width = len(ids), len(m.policies), len(columns) + 1
         numbers = np.empty((n, P, width))
-        for k, (both, median, _) in enumerate(per_policy):
+        for k, (both, median, _) in enumerate(per_policy()):
             numbers[:, k, :-1], numbers[:, k, -1] = both, median
         codes = np.zeros((n, P, len(labels)), np.uint32)
         codes[:, :, 1] = np.arange(n, dtype=np.uint32)[:, None]
         codes[:, :, 2] = np.arange(P, dtype=np.uint32)[None, :]
-        flags = np.stack([tail for _, _, tail in per_policy], axis=1).astype(bool)
+        flags = np.stack([tail for _, _, tail in per_policy()], axis=1).astype(bool)
         spec = [("model", "label", 0), ("doc_id", "label", 1), ("policy", "label", 2)]
         spec += [(c, "number", j) for j, c in enumerate([*columns, "median_tau"])]
         spec += [("tail_observed", "flag", 0)]
