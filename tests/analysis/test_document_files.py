@@ -128,3 +128,37 @@ def test_files_of_another_analysis_are_refused(store, tmp_path):
     assert not list((tmp_path / "a").iterdir())
     with pytest.raises(RuntimeError, match="twice"):
         documents.start(DocumentsReady.of(first))
+
+
+def _markov_pairs() -> dict[str, dict[str, object]]:
+    """Two Markov pairs on 6 tokens whose divergence is neither certain nor rare."""
+    rng = np.random.default_rng(0)
+    P = rng.dirichlet(np.ones(6), size=6)
+
+    def towards(w: float) -> np.ndarray:
+        return (1 - w) * P + w * rng.dirichlet(np.ones(6) * 0.3, size=6)
+
+    return {"mild": {"P": P, "Q": towards(0.15)}, "harsh": {"P": P, "Q": towards(0.3)}}
+
+
+def test_the_statistics_do_not_depend_on_the_blas_threads(tmp_path):
+    # From GAUSSIAN_MIN_DOCS documents the intervals multiply the table's columns (546 here)
+    # over the documents and decompose their covariance; a product's rounding depends on its
+    # BLAS threads, so the statistics keep to one whatever the caller allows.
+    from threadpoolctl import threadpool_limits
+
+    from kvcouple.analysis.intervals import GAUSSIAN_MIN_DOCS
+
+    path = write_synthetic_trace_store(
+        tmp_path / "many.zarr", _markov_pairs(), horizon=64, window=64, branches=2,
+        replicates=2, docs=[d % 6 for d in range(GAUSSIAN_MIN_DOCS)], seed=5,
+    )  # fmt: skip
+    got = []
+    for threads in (1, 4):
+        with threadpool_limits(threads, user_api="blas"):
+            result = analyze(path)
+        assert result.settings["bootstrap_draws"][str(path)] == "gaussian limit"
+        write_report(result, tmp_path / f"t{threads}", figures=False, html_report=False)
+        got.append(_files(tmp_path / f"t{threads}"))
+    for name in got[0]:
+        assert got[0][name] == got[1][name], name
