@@ -39,6 +39,7 @@ PLAN = ["tests/analysis/test_analysis_plan.py"]
 # The per-unit estimates are Rust's; the numpy reference is held to them here.
 REFERENCE = ["tests/analysis/test_unit_estimates_reference.py"]
 STORE = ["tests/store/test_store_faults.py", "tests/analysis/test_analysis_store.py"]
+REPORT = ["tests/analysis/test_document_files.py"]
 POLICIES = ["tests/tracer/test_policies.py"]
 KERNELS = ["tests/kernels/test_kernels.py", "tests/kernels/test_coupling.py"]
 TORCH_COUPLING = ["tests/kernels/test_torch_coupling.py"]
@@ -227,6 +228,27 @@ MUTANTS = [
         "mean divergence time divided by T instead of the occurrence",
         ANALYSIS,
         ('dc.ratio(c("tau_mass"), c("occurrence"))', 'c("tau_mass") / T'),
+    ),
+    # --- the report's files (analysis/report.py, analysis/engine.py) -------------------------
+    m(
+        "R1",
+        "analysis/report.py",
+        "a failed analysis's per-document files left in the output folder",
+        REPORT,
+        (
+            "        for part in self._parts.values():\n            part.unlink(missing_ok=True)\n",
+            "        for part in self._parts.values():\n            pass\n",
+        ),
+    ),
+    m(
+        "R2",
+        "analysis/engine.py",
+        "the statistics on the caller's BLAS threads",
+        REPORT,
+        (
+            '    with threadpool_limits(1, user_api="blas"):\n        return [_model_result(',
+            "    with contextlib.nullcontext():\n        return [_model_result(",
+        ),
     ),
     # --- store writer (store/writer.py) -----------------------------------------------------
     m(
