@@ -55,16 +55,24 @@ def set_num_threads(n: int) -> None: ...
 def get_num_threads() -> int: ...
 
 # --- tables.rs ---
-def format_table_rows(
-    columns: list[tuple[str, str, int]],
-    numbers: npt.NDArray[np.float64],
-    flags: npt.NDArray[np.bool_],
-    codes: npt.NDArray[np.uint32],
-    labels: list[list[str]],
-    format: str,
-    start: int,
-    stop: int,
-) -> bytes: ...
+@final
+class TextColumns:
+    """A table given column-wise, taken once and then written a block of rows at a time:
+    ``columns`` (name, kind, j) in order, kind "number", "flag" or "label" reading column j of
+    ``numbers`` (rows x width, float64), ``flags`` (rows x width, bool) or ``codes`` (rows x
+    width, uint32: indices into ``labels[j]``)."""
+
+    def __new__(
+        cls,
+        columns: list[tuple[str, str, int]],
+        numbers: npt.NDArray[np.float64],
+        flags: npt.NDArray[np.bool_],
+        codes: npt.NDArray[np.uint32],
+        labels: list[list[str]],
+    ) -> TextColumns: ...
+    def text(self, format: str, start: int, stop: int) -> bytes: ...
+    @property
+    def rows(self) -> int: ...
 
 # --- stats.rs ---
 def bootstrap_means(

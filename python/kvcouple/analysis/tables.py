@@ -9,6 +9,7 @@ import itertools
 import math
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 from typing import Any, overload
 
@@ -185,7 +186,7 @@ def _per_document(m: ModelResult | StoreDocuments, meta: dict[str, Any]) -> Rows
 class ColumnRows:
     """A table's rows column-wise: ``columns`` (name, kind, j) in order, each reading column j
     of ``numbers`` (rows x width), ``flags`` or ``codes`` (indices into ``labels[j]``). The
-    Rust writer takes them so (:func:`kvcouple._core.format_table_rows`), and a reader of
+    Rust writer takes them so (:class:`kvcouple._core.TextColumns`), and a reader of
     many rows takes a column as an array (:meth:`column`)."""
 
     columns: list[tuple[str, str, int]]
@@ -212,18 +213,20 @@ class ColumnRows:
         """Rows ``start..stop`` as ``fmt`` text: "csv" (as ``csv.writer`` writes them) or
         "json" (as ``json.dumps`` writes a list of the row dicts, between its brackets, with
         non-finite numbers null)."""
-        return _core.format_table_rows(
+        return self._engine.text(fmt, start, stop)
+
+    @cached_property
+    def _engine(self) -> _core.TextColumns:
+        # The Rust writer's copy of the labels, made once for every block and format.
+        return _core.TextColumns(
             self.columns,
             np.ascontiguousarray(self.numbers, np.float64),
             np.ascontiguousarray(self.flags, np.bool_),
             np.ascontiguousarray(self.codes, np.uint32),
             self.labels,
-            fmt,
-            start,
-            stop,
         )
 
-    def blocks(self, fmt: str, rows: int = 1 << 14) -> Iterator[bytes]:
+    def blocks(self, fmt: str, rows: int = 1 << 12) -> Iterator[bytes]:
         """All rows as ``fmt`` text, ``rows`` at a time (JSON: the blocks joined by ", ")."""
         for start in range(0, len(self), rows):
             yield self.text(fmt, start, min(start + rows, len(self)))
