@@ -13,22 +13,20 @@ from __future__ import annotations
 import contextlib
 import math
 import os
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass, replace
+from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
 from threadpoolctl import threadpool_limits  # type: ignore[import-untyped]
 
-from kvcouple.analysis import intervals
 from kvcouple.analysis import stats as st
 from kvcouple.analysis.bootstrap import bootstrap_table
 from kvcouple.analysis.comparisons import pool_gaps, run_tests
-from kvcouple.analysis.estimates import ESTIMATORS, BatchUnits, Table, observation_window
-from kvcouple.analysis.moments import TableMoments
+from kvcouple.analysis.estimates import ESTIMATORS
+from kvcouple.analysis.folds import FinishedStore, StoreFold, finish_stores
 from kvcouple.analysis.plan import DEFAULTS, Plan, PlanError, load_plan, registration_status
 from kvcouple.analysis.results import AnalysisResult, DocumentsReady, ModelResult, StoreDocuments
-from kvcouple.analysis.scoreboard import BatchScores, DocScores, ScoreboardPool
 from kvcouple.analysis.tasks import (
     DocResult,
     Options,
@@ -37,7 +35,6 @@ from kvcouple.analysis.tasks import (
     connect_client,
     run_docs,
 )
-from kvcouple.analysis.units import TableLayout, UnitColumns, UnitView
 from kvcouple.errors import InvalidInputError, StoreError
 from kvcouple.resources import check_memory
 from kvcouple.store.reader import TraceStoreReader
@@ -292,19 +289,19 @@ def analyze(
         the_plan, readers, paths, labels, doc_set, allow_unregistered
     )
     options = Options(
-        None,  # each store's own observation window: _StoreFold resolves it, once
+        None,  # each store's own observation window: StoreFold resolves it, once
         cfg["estimator"],
         recompute,
         tolerance,
         io_threads,
     )
-    folds = [_StoreFold(reader, sel, cfg) for reader, sel in zip(readers, selected, strict=True)]
+    folds = [StoreFold(reader, sel, cfg) for reader, sel in zip(readers, selected, strict=True)]
     results = _read_documents(
         readers, selected, options, client, scheduler, worker_threads, progress, folds
     )
     skipped = _unread(readers)
     strict = not allow_incomplete or doc_set == "confirmatory"
-    finished = _finish_stores(labels, folds, results, strict, skipped)
+    finished = finish_stores(labels, folds, results, strict, skipped)
     # estimator, document set, plan hash: the result's first fields; then its stamp.
     stamps = (cfg["estimator"], doc_set, the_plan.hash if the_plan else "none", preregistration)
     models = _statistics(finished, cfg, stamps, on_documents)
@@ -375,7 +372,7 @@ def _read_documents(
     scheduler: str | None,
     worker_threads: int | None,
     progress: bool,
-    folds: list[_StoreFold],
+    folds: list[StoreFold],
 ) -> list[DocResult]:
     """Step 3: one task per selected document of every store (locally or on a Dask cluster),
     in store then document order, each batch folded into its store's columns as it returns."""
@@ -395,7 +392,7 @@ def _read_documents(
         else contextlib.nullcontext()
     )
     try:
-        # Each store's documents with its own observation window, resolved once (_StoreFold).
+        # Each store's documents with its own observation window, resolved once (StoreFold).
         per_store = {f.reader: replace(options, window=f.obs_window) for f in folds}
         with blas:
             return run_docs(tasks, per_store, the_client, worker_threads, progress, fold)
@@ -415,112 +412,6 @@ def _unread(readers: list[TraceStoreReader]) -> list[dict[str, str]]:
         for i, why in reader.flag_errors.items():
             skipped.append({"store": reader.path, "doc_id": reader.doc_ids[i], "reason": why})
     return skipped
-
-
-class _StoreFold:
-    """One store's accumulators while its documents are read: the table's rows
-    (:class:`~kvcouple.analysis.units.UnitColumns`) and the scoreboard, one slot per selected
-    document. Each returning result's units become a view of its row and its scoreboard
-    arrays are pooled and dropped, so memory is the table plus a few numbers per document."""
-
-    def __init__(self, reader: TraceStoreReader, selected: list[int], cfg: dict[str, Any]) -> None:
-        T, L = reader.horizon, reader.window
-        self.obs_window = observation_window(L, cfg["window"])
-        split = None if cfg["early_late_split"] == "half" else int(cfg["early_late_split"])
-        layout = TableLayout.of(reader.policies, T, L + 1, self.obs_window, split)
-        check_memory(
-            f"the table of {len(selected)} documents x {layout.width} quantities",
-            8 * len(selected) * layout.width,
-        )
-        self.reader = reader
-        self.selected = selected
-        self.slot = {d: i for i, d in enumerate(selected)}
-        # The Gram matrix of Gaussian-limit resamples is made while the rows come in.
-        many = len(selected) >= intervals.GAUSSIAN_MIN_DOCS
-        gaussian = cfg["ci_method"] == "studentized" and many
-        self.columns = UnitColumns(layout, len(selected), moments=gaussian)
-        self.scoreboard = ScoreboardPool(reader.policies, len(selected))
-
-    def fold(self, results: list[DocResult]) -> list[DocResult]:
-        # A batch's scores go in at once where the batch came back whole; others one by one.
-        scored: list[tuple[int, Mapping[str, DocScores]]] = []
-        score_batches: dict[int, list[tuple[int, BatchScores]]] = {}
-        for r in results:
-            if isinstance(r.scores, BatchScores):
-                score_batches.setdefault(id(r.scores.batch), []).append(
-                    (self.slot[r.doc], r.scores)
-                )
-            elif r.scores:
-                scored.append((self.slot[r.doc], r.scores))
-        for whole in score_batches.values():
-            batch = whole[0][1].batch
-            if [v.d for _, v in whole] == list(range(batch.docs)):
-                self.scoreboard.put_batch([slot for slot, _ in whole], batch)
-            else:
-                scored += whole
-        self.scoreboard.put_many([slot for slot, _ in scored], [s for _, s in scored])
-        # Units of one engine batch go in at once; others (built elsewhere) one by one.
-        batches: dict[int, list[DocResult]] = {}
-        for r in results:
-            if isinstance(r.units, BatchUnits):
-                batches.setdefault(id(r.units.batch), []).append(r)
-            elif r.units is not None:
-                r.units = self.columns.put(self.slot[r.doc], r.units)
-            r.scores = None
-        for group in batches.values():
-            units = [r.units for r in group if isinstance(r.units, BatchUnits)]
-            views = self.columns.put_batch([self.slot[r.doc] for r in group], units)
-            for r, view in zip(group, views, strict=True):
-                r.units = view
-        self.columns.settle(self.slot[r.doc] for r in results)
-        return results
-
-
-@dataclass
-class _Finished:
-    """One store's documents once read: the undamaged ones, in slot order in its table, with
-    the table's moments (made while reading, where the Gaussian limit needs them)."""
-
-    label: str
-    store: _StoreFold
-    docs: list[DocResult]
-    moments: TableMoments | None
-    table: Table
-
-
-def _finish_stores(
-    labels: list[str],
-    folds: list[_StoreFold],
-    results: list[DocResult],
-    strict: bool,
-    skipped: list[dict[str, str]],
-) -> list[_Finished]:
-    """Step 4: per store, its documents' results (a damaged one raises when ``strict``, else
-    is added to ``skipped``), the table's moments and its rows moved into place."""
-    finished = []
-    pos = 0
-    for label, store in zip(labels, folds, strict=True):
-        reader, sel = store.reader, store.selected
-        docs = results[pos : pos + len(sel)]
-        pos += len(sel)
-        bad = [d for d in docs if d.error is not None]
-        if bad and strict:
-            more = f" (and {len(bad) - 1} more damaged documents)" if len(bad) > 1 else ""
-            raise StoreError(f"{bad[0].error}{more}")
-        for d in bad:
-            skipped.append({"store": reader.path, "doc_id": d.doc_id, "reason": str(d.error)})
-        good = [d for d in docs if d.error is None]
-        if not good:
-            raise StoreError(f"{reader.path}: no finished, undamaged documents to analyse")
-        columns = store.columns
-        views = [d.units for d in good]
-        if not all(isinstance(v, UnitView) and v.columns is columns for v in views):
-            raise RuntimeError("a document's units were not folded into its store's table")
-        moments = columns.moments()  # before finish() moves the rows
-        columns.finish([v for v in views if isinstance(v, UnitView)])
-        table = columns.table([d.doc_id for d in good])
-        finished.append(_Finished(label, store, good, moments, table))
-    return finished
 
 
 def _settings_record(
@@ -563,7 +454,7 @@ def _model_labels(readers: list[TraceStoreReader]) -> list[str]:
 
 
 def _statistics(
-    finished: list[_Finished],
+    finished: list[FinishedStore],
     cfg: dict[str, Any],
     stamps: tuple[str, str, str, str],
     on_documents: Callable[[DocumentsReady], None] | None,
@@ -582,7 +473,7 @@ def _statistics(
         return [_model_result(f, cfg) for f in finished]
 
 
-def _model_result(finished: _Finished, cfg: dict[str, Any]) -> ModelResult:
+def _model_result(finished: FinishedStore, cfg: dict[str, Any]) -> ModelResult:
     """One store's across-document statistics."""
     store, docs, table = finished.store, finished.docs, finished.table
     reader, columns = store.reader, store.columns

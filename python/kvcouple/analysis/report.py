@@ -62,25 +62,22 @@ def _output(out: Path, name: str) -> Path:
 JSON_BLOCK = 4096  # rows of a large table encoded at a time
 
 
-def _write_json(path: Path, payload: dict[str, Any], opened: bool = False) -> None:
-    """``payload`` as JSON, one top-level key per line (readable at a glance) and each value
-    compact: the C encoder (an indented dump takes Python's, ~10x slower: seconds for the
-    per-document table of 10k documents). A table is written a block of rows at a time, so
-    the text of 100k documents' rows is never held whole. Non-finite floats are null.
-    ``opened``: ``path`` already holds the object's first keys (:class:`DocumentFiles`), and
-    ``payload``'s follow them."""
-    with path.open("a" if opened else "w") as f:
-        if not opened:
-            f.write("{")
-        for i, (key, value) in enumerate(payload.items()):
-            f.write(",\n" if i or opened else "\n")
-            f.write(f"{json.dumps(str(key))}: ")
+def _append_json(path: Path, payload: dict[str, Any]) -> None:
+    """``payload``'s keys after those already in ``path`` (its first, written by
+    :class:`DocumentFiles`), then the object's end: one top-level key per line (readable at a
+    glance) and each value compact, by the C encoder (an indented dump takes Python's, ~10x
+    slower: seconds for the per-document table of 10k documents). A table is written a block
+    of rows at a time, so the text of 100k documents' rows is never held whole. Non-finite
+    floats are null."""
+    with path.open("a") as f:
+        for key, value in payload.items():
+            f.write(f",\n{json.dumps(str(key))}: ")
             _write_json_value(f, value)
         f.write("\n}\n")
 
 
 def _write_json_value(f: IO[str], value: Any) -> None:
-    """One value of :func:`_write_json` at the position of ``f`` (a text file)."""
+    """One value of ``results.json`` at the position of ``f`` (a text file)."""
     text = value.text_columns() if isinstance(value, Rows) else None
     if text is not None:  # column-wise in Rust (ASCII: json.dumps's escapes)
         f.write("[")
@@ -315,7 +312,7 @@ def _write_report(
     # results.json's other keys and the other CSVs in two threads while the figures are drawn.
     with ThreadPoolExecutor(2) as pool:
         writers = [
-            pool.submit(_write_json, documents.part("results.json"), payload, True),
+            pool.submit(_append_json, documents.part("results.json"), payload),
             pool.submit(_write_csvs, out, rest),
         ]
         images = _draw_figures(result, tables, out) if figures else {}
