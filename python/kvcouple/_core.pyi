@@ -161,10 +161,10 @@ def store_encode_shard(
 
 # --- units.rs ---
 def estimate_units(
-    hazard: npt.NDArray[np.float64],
-    branch_step: npt.NDArray[np.int64],
+    hazard: npt.NDArray[np.float32] | npt.NDArray[np.float64],
+    branch_step: npt.NDArray[np.int32] | npt.NDArray[np.int64],
     branch_mismatch: npt.NDArray[np.int8],
-    branch_tv: npt.NDArray[np.float64],
+    branch_tv: npt.NDArray[np.float32] | npt.NDArray[np.float64],
     obs_window: int,
     estimator: str,
     tail_observed: bool,

@@ -17,6 +17,7 @@ from units_helpers import random_unit_batch
 
 def _assert_moments_close(got: TableMoments, want: TableMoments) -> None:
     np.testing.assert_array_equal(got.count, want.count)
+    np.testing.assert_array_equal(got.positive, want.positive)
     np.testing.assert_array_equal(np.isnan(got.point), np.isnan(want.point))
     finite = ~np.isnan(want.point)
     np.testing.assert_allclose(got.point[finite], want.point[finite], rtol=1e-12, atol=1e-12)
@@ -59,6 +60,9 @@ def test_running_moments_equal_the_two_passes(nan_rate, block):
     # A column that does not vary has no spread at all (the Gaussian limit keeps it exact).
     assert got.gram[3, 3] == 0.0 and got.point[3] == 0.1
     assert got.gram[4, 4] == 0.0 and got.point[4] == 64.0
+    # The documents with a positive entry (NaN is not, inf is): the curves' counts.
+    np.testing.assert_array_equal(got.positive, (mat > 0).sum(0))
+    assert got.positive[2] == 0 and got.positive[3] == len(mat)
 
 
 def test_a_block_of_another_width_is_refused():

@@ -10,9 +10,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from kvcouple import synth
+from kvcouple import _core, synth
 from kvcouple.analysis.estimates import estimate_units
-from kvcouple.errors import StoreError
+from kvcouple.errors import ShapeError, StoreError
 from kvcouple.reference.estimates import estimate_unit as reference_unit
 from kvcouple.synth.trace_store import write_synthetic_trace_store
 from units_helpers import assert_store_matches_reference
@@ -72,3 +72,35 @@ def test_damage_is_refused_with_the_reference_words(field, index, value):
             obs_window=3, doc_id="d0", policy="ab"[pol],
         )  # fmt: skip
     assert str(rust.value) == str(numpy.value)
+
+
+@pytest.mark.parametrize("estimator", ["indicator", "tv"])
+@pytest.mark.parametrize("damaged", [None, "hazard", "branch_step"])
+def test_stored_dtypes_are_read_as_they_are(estimator, damaged):
+    """The Rust call reads float32 hazards and TVs and int32 steps as traced (no converted
+    copy of the batch): the same bits as the batch converted to float64 and int64, NaN and
+    infinite TVs and the damage it names included."""
+    rng = np.random.default_rng(11)
+    units, R, T, K, L = 9, 4, 16, 2, 17
+    hazard = rng.uniform(0, 0.3, (units, R, T)).astype(np.float32)
+    steps = rng.integers(1, T + 1, (units, R, K)).astype(np.int32)
+    mismatch = rng.integers(-1, 2, (units, R, K, L)).astype(np.int8)
+    tv = rng.uniform(0, 1, (units, R, K, L)).astype(np.float32)
+    tv[0, 0, 0, 3], tv[1, 1, 1, 4], tv[2, 0, 1, 5] = np.nan, np.inf, -np.inf
+    if damaged == "hazard":
+        hazard[4, 2, 7] = 1.5
+    elif damaged == "branch_step":
+        steps[5, 1, 0] = T + 3
+    stored = _core.estimate_units(hazard, steps, mismatch, tv, 6, estimator, True)
+    wide = _core.estimate_units(
+        hazard.astype(np.float64), steps.astype(np.int64), mismatch, tv.astype(np.float64),
+        6, estimator, True,
+    )  # fmt: skip
+    assert stored["damage"] == wide["damage"] and bool(stored["damage"]) == (damaged is not None)
+    for key, values in wide.items():
+        if key != "damage":
+            assert values.tobytes() == stored[key].tobytes(), key
+    with pytest.raises(ShapeError, match="both of one dtype"):
+        _core.estimate_units(hazard, steps, mismatch, tv.astype(np.float64), 6, estimator, True)
+    with pytest.raises(ShapeError, match="int32 or int64"):
+        _core.estimate_units(hazard, steps.astype(np.int16), mismatch, tv, 6, estimator, True)

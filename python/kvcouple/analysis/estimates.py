@@ -160,25 +160,30 @@ def estimate_units(
     if not summaries:
         return []
 
-    def stacked(name: str, dtype: type) -> np.ndarray:
+    def stacked(name: str) -> np.ndarray:  # (docs x policies, ...), as stored
         if isinstance(summaries, SummaryBatch) and name in summaries.stacks:
             v = summaries.stacks[name]  # the engine's stack: (docs, policies, ...)
-            return np.ascontiguousarray(v.reshape(-1, *v.shape[2:]), dtype)
-        parts = [np.asarray(s[name]) for s in summaries]
-        return np.ascontiguousarray(np.concatenate(parts), dtype)  # (docs x policies, ...)
+            return v.reshape(-1, *v.shape[2:])
+        return np.concatenate([np.asarray(s[name]) for s in summaries])
 
-    mismatch = stacked("branch_mismatch", np.int8)
-    hazard = stacked("hazard", np.float64)
+    def native(v: np.ndarray, kinds: tuple[type, ...]) -> np.ndarray:
+        """``v`` C-contiguous in its own dtype where the Rust call reads it as stored
+        (float32 as traced, int32 steps), else converted to the first of ``kinds``."""
+        return np.ascontiguousarray(v, v.dtype if v.dtype in kinds else kinds[0])
+
+    mismatch = native(stacked("branch_mismatch"), (np.int8,))
+    hazard, tv = stacked("hazard"), stacked("branch_tv")
+    floats = (np.float32,) if hazard.dtype == tv.dtype == np.float32 else (np.float64,)
     T, L = hazard.shape[-1], mismatch.shape[-1] - 1
     if not 0 <= obs_window <= L:
         raise ValueError(
             f"the observation window must be in 0..{L} (the stored window), got {obs_window}"
         )
     out = _core.estimate_units(
-        hazard,
-        stacked("branch_step", np.int64),
+        native(hazard, floats),
+        native(stacked("branch_step"), (np.int64, np.int32)),
         mismatch,
-        stacked("branch_tv", np.float64),
+        native(tv, floats),
         int(obs_window),
         estimator,
         L >= T - 1,

@@ -102,13 +102,23 @@ def _row_blocks(mat: np.ndarray) -> list[slice]:
 def column_means(mat: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Each column's mean over its finite entries (NaN where it has none) and their count, in
     one pass over blocks of rows (the bootstrap's point estimates)."""
+    point, count, _ = _column_sums(mat, positive=False)
+    return point, count
+
+
+def _column_sums(mat: np.ndarray, positive: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """:func:`column_means` and, where asked (else zeros), each column's number of positive
+    entries, in the same pass."""
     total, count = np.zeros(mat.shape[1]), np.zeros(mat.shape[1])
+    positives = np.zeros(mat.shape[1], np.int64)
     for b in _row_blocks(mat):
         finite = np.isfinite(mat[b])
         total += np.where(finite, mat[b], 0.0).sum(0)
         count += finite.sum(0)
+        if positive:
+            positives += (mat[b] > 0).sum(0)
     with np.errstate(invalid="ignore", divide="ignore"):
-        return np.where(count > 0, total / np.maximum(count, 1), np.nan), count
+        return np.where(count > 0, total / np.maximum(count, 1), np.nan), count, positives
 
 
 @dataclass
@@ -116,15 +126,17 @@ class TableMoments:
     """Two passes over the table's rows (in GATHER_BYTES blocks, memory independent of the
     documents): each column's mean over its finite entries, their count, and the Gram matrix
     of the centred columns with NaN entries as 0 (``gram[j, k] = sum_i (x_ij - m_j)(x_ik -
-    m_k)`` over the documents where both are finite)."""
+    m_k)`` over the documents where both are finite); and each column's number of positive
+    entries (the documents that inform a hazard or a lag's branch TV: the curves' counts)."""
 
     point: np.ndarray  # (cols,) NaN where a column has no finite entry
     count: np.ndarray  # (cols,)
     gram: np.ndarray  # (cols, cols)
+    positive: np.ndarray  # (cols,) int64
 
     @classmethod
     def of(cls, mat: np.ndarray) -> TableMoments:
-        point, count = column_means(mat)
+        point, count, positive = _column_sums(mat, positive=True)
         center = np.where(count > 0, point, 0.0)
         gram = np.zeros((mat.shape[1], mat.shape[1]))
         blocks = _row_blocks(mat)
@@ -136,7 +148,7 @@ class TableMoments:
             if not finite.all():
                 np.copyto(x, 0.0, where=~finite)
             gram += x.T @ x
-        return cls(point, count, gram)
+        return cls(point, count, gram, positive)
 
     def complete(self, rows: int) -> np.ndarray:
         """Columns with every entry finite."""
@@ -161,6 +173,7 @@ class RunningMoments:
         self.gram = np.zeros((cols, cols))
         self.total = np.zeros(cols)  # sum of x over finite entries
         self.count = np.zeros(cols)
+        self.positive = np.zeros(cols, np.int64)
         self.dense_total = np.zeros(cols)  # sum of x over the blocks with every entry finite
         self.dense_rows = 0
         self.cross: np.ndarray | None = None  # sum f x' over the other blocks
@@ -175,6 +188,7 @@ class RunningMoments:
         if self.center is None:
             first, _ = column_means(block)
             self.center = np.where(np.isfinite(first), first, 0.0)
+        self.positive += (block > 0).sum(0)
         x = block - self.center
         finite = np.isfinite(x)
         dense = bool(finite.all())
@@ -211,4 +225,4 @@ class RunningMoments:
             pairs += self.pairs
         dp = shift[:, None] * cross
         gram = self.gram - dp - dp.T + np.outer(shift, shift) * pairs
-        return TableMoments(point, self.count.copy(), gram)
+        return TableMoments(point, self.count.copy(), gram, self.positive.copy())

@@ -446,10 +446,13 @@ def _undefined_reason(bs: Bootstrap, policy: str, name: str) -> str:
 
 
 def _positive_counts(bs: Bootstrap) -> np.ndarray | None:
-    """Each column's number of documents with a positive entry (None without the table): one
-    pass over contiguous blocks of the table's rows (8 MB), every column at once."""
+    """Each column's number of documents with a positive entry (None without the table): the
+    table's moments' where they were made (as the rows were read), else one pass over
+    contiguous blocks of the table's rows (8 MB), every column at once."""
     if bs.data is None:
         return None
+    if bs.moments is not None:
+        return bs.moments.positive
     data = bs.data
     counts = np.zeros(data.shape[1], np.int64)
     step = max(1, (8 << 20) // (8 * max(data.shape[1], 1)))

@@ -1,12 +1,14 @@
 //! The per-unit RB-CMC estimates of a batch of (document, policy) units
 //! (`kvcouple-core::stats::units`), for the analysis engine.
 
+use kvcouple_core::error::KvResult;
 use kvcouple_core::stats::units::{
-    estimate_units as estimate, Estimator, UnitDamage, UnitInputs, UnitShape, SCALARS,
+    estimate_units as estimate, Estimator, UnitDamage, UnitEstimates, UnitInputs, UnitShape,
+    SCALARS,
 };
 use numpy::{
-    IntoPyArray, PyArray1, PyArray2, PyArrayMethods, PyReadonlyArray3, PyReadonlyArray4,
-    PyUntypedArrayMethods,
+    IntoPyArray, PyArray1, PyArray2, PyArray3, PyArray4, PyArrayMethods, PyReadonlyArray,
+    PyReadonlyArray4, PyUntypedArrayMethods,
 };
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
@@ -18,21 +20,74 @@ use crate::errors::{guard, ShapeError};
 /// step).
 type Damage = (usize, &'static str, i64, i64, f64);
 
-/// Estimates of `units` (document, policy) pairs: `hazard` (units, R, T) doubles,
-/// `branch_step` (units, R, K) int64, `branch_mismatch` (units, R, K, lags) int8 and
-/// `branch_tv` (units, R, K, lags) doubles, every one C-contiguous. Returns a dict of arrays
-/// (`values`, `stderr`: units x 10 scalars; `survival` units x (T + 1); `pmf` units x T;
-/// `tv_lag_num`, `tv_lag_den` units x lags; `median_tau` units) and `damage`, a list of
+/// A batch's stored floats (`hazard`, `branch_tv`): both float32, as traced, or both float64.
+enum Floats<'a> {
+    F32(&'a [f32], &'a [f32]),
+    F64(&'a [f64], &'a [f64]),
+}
+
+/// A batch's `branch_step`: int32, as traced, or int64.
+enum Steps<'a> {
+    I32(&'a [i32]),
+    I64(&'a [i64]),
+}
+
+fn contiguous<'a, T: numpy::Element, D: numpy::ndarray::Dimension>(
+    a: &'a PyReadonlyArray<'_, T, D>,
+    name: &str,
+) -> PyResult<&'a [T]> {
+    a.as_slice()
+        .map_err(|_| ShapeError::new_err(format!("{name} must be C-contiguous")))
+}
+
+/// The estimates of a batch whatever its stored types (read as stored, no converted copy).
+fn estimate_any(
+    floats: Floats<'_>,
+    steps: Steps<'_>,
+    mismatch: &[i8],
+    shape: UnitShape,
+    (obs_window, which, tail_observed): (usize, Estimator, bool),
+) -> KvResult<UnitEstimates> {
+    macro_rules! run {
+        ($h:expr, $s:expr, $tv:expr) => {
+            estimate(
+                &UnitInputs {
+                    hazard: $h,
+                    branch_step: $s,
+                    branch_mismatch: mismatch,
+                    branch_tv: $tv,
+                },
+                shape,
+                obs_window,
+                which,
+                tail_observed,
+            )
+        };
+    }
+    match (floats, steps) {
+        (Floats::F32(h, tv), Steps::I32(s)) => run!(h, s, tv),
+        (Floats::F32(h, tv), Steps::I64(s)) => run!(h, s, tv),
+        (Floats::F64(h, tv), Steps::I32(s)) => run!(h, s, tv),
+        (Floats::F64(h, tv), Steps::I64(s)) => run!(h, s, tv),
+    }
+}
+
+/// Estimates of `units` (document, policy) pairs: `hazard` (units, R, T) and `branch_tv`
+/// (units, R, K, lags) floats (both float32, as traced, or both float64), `branch_step`
+/// (units, R, K) int32 or int64 and `branch_mismatch` (units, R, K, lags) int8, every one
+/// C-contiguous: read as stored, no converted copy. Returns a dict of arrays (`values`,
+/// `stderr`: units x 10 scalars; `survival` units x (T + 1); `pmf` units x T; `tv_lag_num`,
+/// `tv_lag_den` units x lags; `median_tau` units) and `damage`, a list of
 /// `(unit, kind, i, j, value)` for the units not estimated.
 #[pyfunction]
 #[pyo3(signature = (hazard, branch_step, branch_mismatch, branch_tv, obs_window, estimator, tail_observed))]
 #[allow(clippy::too_many_arguments)]
 pub fn estimate_units<'py>(
     py: Python<'py>,
-    hazard: PyReadonlyArray3<'py, f64>,
-    branch_step: PyReadonlyArray3<'py, i64>,
+    hazard: &Bound<'py, PyAny>,
+    branch_step: &Bound<'py, PyAny>,
     branch_mismatch: PyReadonlyArray4<'py, i8>,
-    branch_tv: PyReadonlyArray4<'py, f64>,
+    branch_tv: &Bound<'py, PyAny>,
     obs_window: usize,
     estimator: &str,
     tail_observed: bool,
@@ -46,7 +101,47 @@ pub fn estimate_units<'py>(
             )))
         }
     };
-    let (h, b) = (hazard.shape(), branch_mismatch.shape());
+    let typed = |what: &str| ShapeError::new_err(what.to_string());
+    let (h32, tv32) = (
+        hazard.cast::<PyArray3<f32>>().ok().map(|a| a.readonly()),
+        branch_tv.cast::<PyArray4<f32>>().ok().map(|a| a.readonly()),
+    );
+    let (h64, tv64) = (
+        hazard.cast::<PyArray3<f64>>().ok().map(|a| a.readonly()),
+        branch_tv.cast::<PyArray4<f64>>().ok().map(|a| a.readonly()),
+    );
+    let (floats, h) = match (&h32, &tv32, &h64, &tv64) {
+        (Some(h), Some(tv), _, _) => (
+            Floats::F32(contiguous(h, "hazard")?, contiguous(tv, "branch_tv")?),
+            h.shape(),
+        ),
+        (_, _, Some(h), Some(tv)) => (
+            Floats::F64(contiguous(h, "hazard")?, contiguous(tv, "branch_tv")?),
+            h.shape(),
+        ),
+        _ => {
+            return Err(typed(
+                "hazard (3-d) and branch_tv (4-d) must be float32 arrays or float64 arrays, \
+                 both of one dtype",
+            ))
+        }
+    };
+    let (s32, s64) = (
+        branch_step
+            .cast::<PyArray3<i32>>()
+            .ok()
+            .map(|a| a.readonly()),
+        branch_step
+            .cast::<PyArray3<i64>>()
+            .ok()
+            .map(|a| a.readonly()),
+    );
+    let steps = match (&s32, &s64) {
+        (Some(s), _) => Steps::I32(contiguous(s, "branch_step")?),
+        (_, Some(s)) => Steps::I64(contiguous(s, "branch_step")?),
+        _ => return Err(typed("branch_step must be a 3-d int32 or int64 array")),
+    };
+    let b = branch_mismatch.shape();
     let shape = UnitShape {
         units: h[0],
         replicates: h[1],
@@ -54,18 +149,9 @@ pub fn estimate_units<'py>(
         branches: b[2],
         lags: b[3],
     };
-    let contiguous = |name: &str| ShapeError::new_err(format!("{name} must be C-contiguous"));
-    let inputs = UnitInputs {
-        hazard: hazard.as_slice().map_err(|_| contiguous("hazard"))?,
-        branch_step: branch_step
-            .as_slice()
-            .map_err(|_| contiguous("branch_step"))?,
-        branch_mismatch: branch_mismatch
-            .as_slice()
-            .map_err(|_| contiguous("branch_mismatch"))?,
-        branch_tv: branch_tv.as_slice().map_err(|_| contiguous("branch_tv"))?,
-    };
-    let out = py.detach(|| guard(|| estimate(&inputs, shape, obs_window, which, tail_observed)))?;
+    let mismatch = contiguous(&branch_mismatch, "branch_mismatch")?;
+    let settings = (obs_window, which, tail_observed);
+    let out = py.detach(|| guard(|| estimate_any(floats, steps, mismatch, shape, settings)))?;
     let (u, t, lags) = (shape.units, shape.horizon, shape.lags);
     let dict = PyDict::new(py);
     let matrix = |v: Vec<f64>, cols: usize| -> PyResult<Bound<'py, PyArray2<f64>>> {

@@ -75,13 +75,24 @@ pub struct UnitEstimates {
     pub damage: Vec<Option<UnitDamage>>,
 }
 
+/// A stored float (`float32` as traced, or `float64`), read as `f64`: the batch is estimated
+/// from the stored values without a converted copy.
+pub trait StoredFloat: Copy + Send + Sync + Into<f64> {}
+impl StoredFloat for f32 {}
+impl StoredFloat for f64 {}
+
+/// A stored step (`int32` as traced, or `int64`), read as `i64`.
+pub trait StoredStep: Copy + Send + Sync + Into<i64> {}
+impl StoredStep for i32 {}
+impl StoredStep for i64 {}
+
 /// The inputs of a batch, each unit-major and C-contiguous: `hazard` units x R x T,
 /// `branch_step` units x R x K, `branch_mismatch` and `branch_tv` units x R x K x lags.
-pub struct UnitInputs<'a> {
-    pub hazard: &'a [f64],
-    pub branch_step: &'a [i64],
+pub struct UnitInputs<'a, F: StoredFloat = f64, S: StoredStep = i64> {
+    pub hazard: &'a [F],
+    pub branch_step: &'a [S],
     pub branch_mismatch: &'a [i8],
-    pub branch_tv: &'a [f64],
+    pub branch_tv: &'a [F],
 }
 
 impl UnitEstimates {
@@ -111,14 +122,17 @@ struct UnitOut<'o> {
     median_tau: &'o mut f64,
 }
 
-/// Buffers reused from unit to unit (a block allocates once, not per unit and replicate).
+/// Buffers reused from unit to unit (a block allocates once, not per unit and replicate),
+/// and the weights of the mass sums, which depend on the step alone.
 struct Scratch {
     survival_sum: Vec<f64>,
     pmf_sum: Vec<f64>,
     per_rep: Vec<[f64; SCALARS]>,
     occurrence: Vec<f64>,
-    mass: Vec<f64>,
+    prev: Vec<f64>,
+    mass: Vec<f64>, // R x T
     terms: Vec<f64>,
+    weights: Weights,
     per_lag: Vec<f64>,
     reached_mean: Vec<f64>,
     tv_mean: Vec<f64>,
@@ -127,16 +141,38 @@ struct Scratch {
     column: Vec<f64>,
 }
 
+/// The weights of a step's divergence mass (step s = 1..T): the occupation's `T - s`, the
+/// tail exposure's `max(T - s - L_w, 0)` and the first divergence's `s`.
+struct Weights {
+    occupation: Vec<f64>,
+    tail_exposure: Vec<f64>,
+    step: Vec<f64>,
+}
+
+impl Weights {
+    fn new(t: usize, obs_window: usize) -> Self {
+        let (tf, lw) = (t as f64, obs_window as f64);
+        let steps = || (1..=t).map(|s| s as f64);
+        Weights {
+            occupation: steps().map(|x| tf - x).collect(),
+            tail_exposure: steps().map(|x| (tf - x - lw).max(0.0)).collect(),
+            step: steps().collect(),
+        }
+    }
+}
+
 impl Scratch {
-    fn new(shape: UnitShape) -> Self {
+    fn new(shape: UnitShape, obs_window: usize) -> Self {
         let (r, t, lags) = (shape.replicates, shape.horizon, shape.lags);
         Scratch {
             survival_sum: vec![0.0; t],
             pmf_sum: vec![0.0; t],
             per_rep: vec![[0.0; SCALARS]; r],
             occurrence: vec![0.0; r],
-            mass: vec![0.0; t],
+            prev: vec![0.0; r],
+            mass: vec![0.0; r * t],
             terms: vec![0.0; t],
+            weights: Weights::new(t, obs_window),
             per_lag: vec![0.0; lags],
             reached_mean: vec![0.0; lags],
             tv_mean: vec![0.0; lags],
@@ -152,8 +188,8 @@ const BLOCK: usize = 32;
 
 /// The estimates of every unit of a batch (all cores). `obs_window` is `L_w` (at most
 /// `lags - 1`); `tail_observed` whether branches were traced to the horizon (`L >= T - 1`).
-pub fn estimate_units(
-    inputs: &UnitInputs<'_>,
+pub fn estimate_units<F: StoredFloat, S: StoredStep>(
+    inputs: &UnitInputs<'_, F, S>,
     shape: UnitShape,
     obs_window: usize,
     estimator: Estimator,
@@ -194,24 +230,34 @@ pub fn estimate_units(
             "a unit needs at least one replicate and one step".into(),
         ));
     }
-    let blocks: Vec<UnitEstimates> = parallel::install(|| {
-        (0..units.div_ceil(BLOCK))
-            .into_par_iter()
-            .map(|b| {
-                let (lo, hi) = (b * BLOCK, ((b + 1) * BLOCK).min(units));
-                let mut block = UnitEstimates::unestimated(hi - lo, t, lags);
-                let mut scratch = Scratch::new(shape);
-                let o = &mut block;
-                for u in lo..hi {
-                    let i = u - lo;
+    // Each block of units writes its rows of the batch's outputs in place.
+    let mut out = UnitEstimates::unestimated(units, t, lags);
+    let rows = |width: usize| BLOCK * width;
+    let o = &mut out;
+    let parts = (
+        o.values.par_chunks_mut(rows(SCALARS)),
+        o.stderr.par_chunks_mut(rows(SCALARS)),
+        o.survival.par_chunks_mut(rows(t + 1)),
+        o.pmf.par_chunks_mut(rows(t)),
+        o.tv_lag_num.par_chunks_mut(rows(lags)),
+        o.tv_lag_den.par_chunks_mut(rows(lags)),
+        o.median_tau.par_chunks_mut(BLOCK),
+        o.damage.par_chunks_mut(BLOCK),
+    );
+    parallel::install(|| {
+        parts.into_par_iter().enumerate().for_each(
+            |(b, (values, stderr, survival, pmf, num, den, median_tau, damage))| {
+                let mut scratch = Scratch::new(shape, obs_window);
+                for (i, d) in damage.iter_mut().enumerate() {
+                    let u = b * BLOCK + i;
                     let out = UnitOut {
-                        values: &mut o.values[i * SCALARS..(i + 1) * SCALARS],
-                        stderr: &mut o.stderr[i * SCALARS..(i + 1) * SCALARS],
-                        survival: &mut o.survival[i * (t + 1)..(i + 1) * (t + 1)],
-                        pmf: &mut o.pmf[i * t..(i + 1) * t],
-                        num: &mut o.tv_lag_num[i * lags..(i + 1) * lags],
-                        den: &mut o.tv_lag_den[i * lags..(i + 1) * lags],
-                        median_tau: &mut o.median_tau[i],
+                        values: &mut values[i * SCALARS..(i + 1) * SCALARS],
+                        stderr: &mut stderr[i * SCALARS..(i + 1) * SCALARS],
+                        survival: &mut survival[i * (t + 1)..(i + 1) * (t + 1)],
+                        pmf: &mut pmf[i * t..(i + 1) * t],
+                        num: &mut num[i * lags..(i + 1) * lags],
+                        den: &mut den[i * lags..(i + 1) * lags],
+                        median_tau: &mut median_tau[i],
                     };
                     let unit = UnitRecords {
                         hazard: &inputs.hazard[u * r * t..(u + 1) * r * t],
@@ -220,40 +266,28 @@ pub fn estimate_units(
                         tv: &inputs.branch_tv[u * r * k * lags..(u + 1) * r * k * lags],
                     };
                     let settings = (shape, obs_window, estimator, tail_observed);
-                    if let Err(d) = one_unit(&unit, settings, &mut scratch, out) {
-                        o.damage[i] = Some(d);
+                    if let Err(e) = one_unit(&unit, settings, &mut scratch, out) {
+                        *d = Some(e);
                     }
                 }
-                block
-            })
-            .collect()
+            },
+        )
     });
-    let mut out = UnitEstimates::default();
-    for b in blocks {
-        out.values.extend_from_slice(&b.values);
-        out.stderr.extend_from_slice(&b.stderr);
-        out.survival.extend_from_slice(&b.survival);
-        out.pmf.extend_from_slice(&b.pmf);
-        out.tv_lag_num.extend_from_slice(&b.tv_lag_num);
-        out.tv_lag_den.extend_from_slice(&b.tv_lag_den);
-        out.median_tau.extend_from_slice(&b.median_tau);
-        out.damage.extend_from_slice(&b.damage);
-    }
     Ok(out)
 }
 
 /// One unit's stored records (its rows of the batch's inputs).
-struct UnitRecords<'a> {
-    hazard: &'a [f64],
-    branch_step: &'a [i64],
+struct UnitRecords<'a, F, S> {
+    hazard: &'a [F],
+    branch_step: &'a [S],
     mismatch: &'a [i8],
-    tv: &'a [f64],
+    tv: &'a [F],
 }
 
 /// One unit's estimates, written to `out` only once every check has passed (a damaged unit's
 /// rows stay NaN).
-fn one_unit(
-    unit: &UnitRecords<'_>,
+fn one_unit<F: StoredFloat, S: StoredStep>(
+    unit: &UnitRecords<'_, F, S>,
     (shape, obs_window, estimator, tail_observed): (UnitShape, usize, Estimator, bool),
     scratch: &mut Scratch,
     out: UnitOut<'_>,
@@ -274,12 +308,12 @@ fn one_unit(
     // Hazards checked and clipped at 1 (the tracer's float noise may exceed it by 1e-6); NaN
     // and inf are outside the range. One branch-free pass, the position only where one is bad.
     let allowed = |h: f64| (0.0..=1.0 + 1e-6).contains(&h);
-    if !hazard.iter().fold(true, |ok, &h| ok & allowed(h)) {
-        let i = hazard.iter().position(|&h| !allowed(h)).unwrap_or(0);
+    if !hazard.iter().fold(true, |ok, &h| ok & allowed(h.into())) {
+        let i = hazard.iter().position(|&h| !allowed(h.into())).unwrap_or(0);
         return Err(UnitDamage::Hazard {
             replicate: i / t,
             step: i % t,
-            value: hazard[i],
+            value: hazard[i].into(),
         });
     }
     let Scratch {
@@ -287,8 +321,10 @@ fn one_unit(
         pmf_sum,
         per_rep,
         occurrence,
+        prev,
         mass,
         terms,
+        weights,
         per_lag,
         reached_mean,
         tv_mean,
@@ -296,35 +332,37 @@ fn one_unit(
         den,
         column,
     } = scratch;
-    survival_sum.fill(0.0);
-    pmf_sum.fill(0.0);
-    let (tf, lw) = (t as f64, obs_window as f64);
-    for rep in 0..r {
-        let h = &hazard[rep * t..(rep + 1) * t];
-        let mut prev = 1.0;
-        for s in 0..t {
-            let hs = h[s].min(1.0);
-            let w = prev * (1.0 - hs);
-            mass[s] = prev * hs;
-            survival_sum[s] += w;
-            pmf_sum[s] += mass[s];
-            prev = w;
+    // Survival weights, every replicate a step at a time (independent chains side by side);
+    // each step's sums over replicates taken in replicate order, as one at a time would.
+    prev.fill(1.0);
+    for s in 0..t {
+        let (mut w_sum, mut m_sum) = (0.0, 0.0);
+        for (rep, p) in prev.iter_mut().enumerate() {
+            let hs = hazard[rep * t + s].into().min(1.0);
+            let w = *p * (1.0 - hs);
+            let m = *p * hs;
+            mass[rep * t + s] = m;
+            w_sum += w;
+            m_sum += m;
+            *p = w;
         }
+        survival_sum[s] = w_sum;
+        pmf_sum[s] = m_sum;
+    }
+    for rep in 0..r {
+        let mass = &mass[rep * t..(rep + 1) * t];
         let occ = pairwise_sum(mass);
         occurrence[rep] = occ;
-        let occupation = weighted_sum(mass, terms, |x| tf - x);
-        let tail_exposure = weighted_sum(mass, terms, |x| (tf - x - lw).max(0.0));
-        let tau_mass = weighted_sum(mass, terms, |x| x);
         let s = &mut per_rep[rep];
         s[0] = occ;
-        s[1] = occupation;
-        s[6] = tail_exposure;
-        s[9] = tau_mass;
+        s[1] = weighted_sum(mass, terms, &weights.occupation);
+        s[6] = weighted_sum(mass, terms, &weights.tail_exposure);
+        s[9] = weighted_sum(mass, terms, &weights.step);
     }
     // Branches: recorded where branch_step > 0; a diverging replicate without one is damage.
     for rep in 0..r {
         let steps = &branch_step[rep * k..(rep + 1) * k];
-        if occurrence[rep] > NOISE_OCCURRENCE && !steps.iter().all(|&s| s > 0) {
+        if occurrence[rep] > NOISE_OCCURRENCE && !steps.iter().all(|&s| s.into() > 0) {
             return Err(UnitDamage::MissingBranch {
                 replicate: rep,
                 occurrence: occurrence[rep],
@@ -333,15 +371,15 @@ fn one_unit(
     }
     for rep in 0..r {
         let steps = &branch_step[rep * k..(rep + 1) * k];
-        if let Some(b) = steps.iter().position(|&s| s > t as i64) {
+        if let Some(b) = steps.iter().position(|&s| s.into() > t as i64) {
             return Err(UnitDamage::BranchPastHorizon {
                 replicate: rep,
                 branch: b,
-                step: steps[b],
+                step: steps[b].into(),
             });
         }
     }
-    let (rf, kf) = (r as f64, k as f64);
+    let (rf, per_branch, per_rep_count) = (r as f64, Divisor::new(k), Divisor::new(r));
     num.fill(0.0);
     den.fill(0.0);
     for rep in 0..r {
@@ -350,7 +388,7 @@ fn one_unit(
         reached_mean.fill(0.0);
         tv_mean.fill(0.0);
         for b in 0..k {
-            let has = branch_step[rep * k + b] > 0;
+            let has = branch_step[rep * k + b].into() > 0;
             let at = (rep * k + b) * lags;
             let (flags, tvs) = (&mismatch[at..at + lags], &tv[at..at + lags]);
             if has {
@@ -362,6 +400,7 @@ fn one_unit(
                     }
                     Estimator::Tv => {
                         for (v, &x) in per_lag.iter_mut().zip(tvs) {
+                            let x: f64 = x.into();
                             *v = if x.is_nan() {
                                 0.0
                             } else if x.is_infinite() {
@@ -380,8 +419,9 @@ fn one_unit(
                 for ((reached, mean), &x) in
                     reached_mean.iter_mut().zip(tv_mean.iter_mut()).zip(tvs)
                 {
+                    let x: f64 = x.into();
                     let finite = x.is_finite();
-                    *reached += f64::from(u8::from(finite));
+                    *reached += if finite { 1.0 } else { 0.0 };
                     *mean += if finite { x } else { 0.0 };
                 }
             } else {
@@ -390,11 +430,13 @@ fn one_unit(
             win += pairwise_sum(&per_lag[1..=obs_window]);
             tail += pairwise_sum(&per_lag[obs_window + 1..]);
         }
-        let win = win / kf * occ;
-        let tail = tail / kf * occ;
-        for l in 0..lags {
-            num[l] += tv_mean[l] / kf * occ;
-            den[l] += reached_mean[l] / kf * occ;
+        let win = per_branch.of(win) * occ;
+        let tail = per_branch.of(tail) * occ;
+        for (n, &x) in num.iter_mut().zip(tv_mean.iter()) {
+            *n += per_branch.of(x) * occ;
+        }
+        for (d, &x) in den.iter_mut().zip(reached_mean.iter()) {
+            *d += per_branch.of(x) * occ;
         }
         let s = &mut per_rep[rep];
         s[4] = win;
@@ -413,7 +455,7 @@ fn one_unit(
         for (c, v) in column.iter_mut().zip(per_rep.iter()) {
             *c = v[q];
         }
-        let mean = pairwise_sum(column) / rf;
+        let mean = per_rep_count.of(pairwise_sum(column));
         out.values[q] = mean;
         out.stderr[q] = f64::NAN;
         if r > 1 {
@@ -423,27 +465,51 @@ fn one_unit(
             out.stderr[q] = (pairwise_sum(column) / (rf - 1.0)).sqrt() / rf.sqrt();
         }
     }
-    for (p, x) in out.pmf.iter_mut().zip(pmf_sum.iter()) {
-        *p = x / rf;
+    for (p, &x) in out.pmf.iter_mut().zip(pmf_sum.iter()) {
+        *p = per_rep_count.of(x);
     }
     out.survival[0] = 1.0;
-    for (w, x) in out.survival[1..].iter_mut().zip(survival_sum.iter()) {
-        *w = x / rf;
+    for (w, &x) in out.survival[1..].iter_mut().zip(survival_sum.iter()) {
+        *w = per_rep_count.of(x);
     }
-    for (o, x) in out.num.iter_mut().zip(num.iter()) {
-        *o = x / rf;
+    for (o, &x) in out.num.iter_mut().zip(num.iter()) {
+        *o = per_rep_count.of(x);
     }
-    for (o, x) in out.den.iter_mut().zip(den.iter()) {
-        *o = x / rf;
+    for (o, &x) in out.den.iter_mut().zip(den.iter()) {
+        *o = per_rep_count.of(x);
     }
     *out.median_tau = median(out.pmf);
     Ok(())
 }
 
-/// `sum_s mass[s] f(s + 1)`, summed pairwise as numpy sums (`terms` is a buffer).
-fn weighted_sum(mass: &[f64], terms: &mut [f64], f: impl Fn(f64) -> f64) -> f64 {
-    for (s, (term, &m)) in terms.iter_mut().zip(mass).enumerate() {
-        *term = m * f((s + 1) as f64);
+/// Division by a count: by multiplication with its reciprocal where that is exact (a power of
+/// two: the same bits as the division, at a fraction of its cost), else by division.
+#[derive(Clone, Copy)]
+struct Divisor {
+    by: f64,
+    inverse: Option<f64>,
+}
+
+impl Divisor {
+    fn new(count: usize) -> Self {
+        let by = count as f64;
+        let inverse = count.is_power_of_two().then(|| 1.0 / by);
+        Divisor { by, inverse }
+    }
+
+    #[inline]
+    fn of(self, x: f64) -> f64 {
+        match self.inverse {
+            Some(inverse) => x * inverse,
+            None => x / self.by,
+        }
+    }
+}
+
+/// `sum_s mass[s] weight[s]`, summed pairwise as numpy sums (`terms` is a buffer).
+fn weighted_sum(mass: &[f64], terms: &mut [f64], weight: &[f64]) -> f64 {
+    for ((term, &m), &w) in terms.iter_mut().zip(mass).zip(weight) {
+        *term = m * w;
     }
     pairwise_sum(terms)
 }
