@@ -5,6 +5,7 @@ the analysis or the writing fails."""
 
 from __future__ import annotations
 
+import gc
 import json
 from pathlib import Path
 
@@ -162,3 +163,37 @@ def test_the_statistics_do_not_depend_on_the_blas_threads(tmp_path):
         got.append(_files(tmp_path / f"t{threads}"))
     for name in got[0]:
         assert got[0][name] == got[1][name], name
+
+
+def _hugepage_advice() -> bool:
+    switch = np._core.multiarray._set_madvise_hugepage  # type: ignore[attr-defined]
+    before = switch(True)
+    switch(before)
+    return bool(before)
+
+
+@pytest.mark.parametrize("user_set", [False, True])
+def test_the_command_leaves_the_process_as_it_found_it(store, tmp_path, monkeypatch, user_set):
+    """``kvcouple analyze`` runs with numpy's huge-page advice off (unless the user set
+    NUMPY_MADVISE_HUGEPAGE) and the start-up objects out of the garbage collector's walks; a
+    caller that runs ``main`` in-process gets both back as they were (its files are those of
+    the functions: test_the_command_and_the_functions_give_the_same_files)."""
+    if user_set:
+        monkeypatch.setenv("NUMPY_MADVISE_HUGEPAGE", "1")
+    before = _hugepage_advice()
+    seen: list[tuple[bool, int]] = []
+    real = engine_module.analyze
+
+    def watched(*args, **kwargs):
+        seen.append((_hugepage_advice(), gc.get_freeze_count()))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(engine_module, "analyze", watched)
+    out = str(tmp_path / "cli")
+    assert (
+        main(["analyze", str(store), "--out", out, "--no-figures", "--quiet", "--n-boot", "50"])
+        == 0
+    )
+    advice, frozen = seen[0]
+    assert advice is (before if user_set else False) and frozen > 1000
+    assert _hugepage_advice() is before and gc.get_freeze_count() == 0
