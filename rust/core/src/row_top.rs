@@ -56,14 +56,24 @@ fn float_argmax(values: impl Iterator<Item = f32>) -> usize {
 }
 
 /// Argmax of half bits. For halves without the sign bit the bit patterns sort as the values
-/// (NaNs above infinity), so one integer max (which vectorizes) and a search for its first
-/// occurrence give numpy's answer; a row with a negative entry (never a distribution) takes
-/// the float path. `inf` is the format's infinity pattern.
+/// (NaNs above infinity), so an integer maximum and a search for its first occurrence give
+/// numpy's answer; a row with a negative entry (never a distribution) takes the float path.
+/// `inf` is the format's infinity pattern. One pass: blocks of the row, each block's maximum
+/// and sign bits vectorised (as i16, which orders the patterns below the sign bit as u16
+/// does, and SSE2 has), the first block holding the row's maximum kept, and only that block
+/// searched again.
 fn half_argmax(row: &[u16], inf: u16) -> usize {
-    // The sign bits and the maximum in one pass (both vectorize).
-    let (signs, top) = row
-        .iter()
-        .fold((0u16, 0u16), |(or, max), &h| (or | h, max.max(h)));
+    const BLOCK: usize = 64;
+    let (mut signs, mut top, mut top_block) = (0u16, i16::MIN, 0usize);
+    for (b, block) in row.chunks(BLOCK).enumerate() {
+        let (or, max) = block.iter().fold((0u16, i16::MIN), |(or, max), &h| {
+            (or | h, max.max(h as i16))
+        });
+        signs |= or;
+        if max > top {
+            (top, top_block) = (max, b);
+        }
+    }
     if signs & 0x8000 != 0 {
         let widen = |h: u16| {
             if inf == 0x7c00 {
@@ -74,11 +84,13 @@ fn half_argmax(row: &[u16], inf: u16) -> usize {
         };
         return float_argmax(row.iter().map(|&h| widen(h)));
     }
+    let top = top as u16; // no sign bit anywhere: the i16 maximum is the u16 one
     if top > inf {
         // A NaN: numpy names the first NaN, whatever its payload.
         return row.iter().position(|&h| h > inf).unwrap_or(0);
     }
-    row.iter().position(|&h| h == top).unwrap_or(0)
+    let start = top_block * BLOCK;
+    start + row[start..].iter().position(|&h| h == top).unwrap_or(0)
 }
 
 #[cfg(test)]
@@ -94,6 +106,36 @@ mod tests {
         let exp = ((bits >> 23) & 0xff) as i32 - 127 + 15;
         let mant = (bits >> 13) & 0x3ff;
         ((exp as u32) << 10 | mant) as u16
+    }
+
+    #[test]
+    fn block_argmax_is_the_first_maximum_of_the_widened_row() {
+        // Rows of several blocks (the last partial), the maximum repeated in later blocks or
+        // in the last one, a NaN, a negative entry: numpy's argmax of the widened values.
+        let widen = |h: u16| crate::half::f16_to_f32(h);
+        let mut state = 12345u32;
+        let mut next = move || {
+            state = state.wrapping_mul(1_664_525).wrapping_add(1_013_904_223);
+            state >> 8
+        };
+        for case in 0..200 {
+            let n = 1 + (next() as usize % 1000);
+            let mut row: Vec<u16> = (0..n).map(|_| (next() % 0x3c00) as u16).collect();
+            let at = next() as usize % n;
+            row[at] = 0x3c00; // 1.0, the maximum
+            if case % 3 == 0 {
+                let again = next() as usize % n;
+                row[again] = 0x3c00; // a tie: the first wins
+            }
+            if case % 17 == 0 {
+                row[next() as usize % n] = 0x7e01; // a NaN
+            }
+            if case % 23 == 0 {
+                row[next() as usize % n] = 0x8400; // a negative entry
+            }
+            let want = float_argmax(row.iter().map(|&h| widen(h)));
+            assert_eq!(half_argmax(&row, 0x7c00), want, "case {case}, length {n}");
+        }
     }
 
     #[test]

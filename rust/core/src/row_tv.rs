@@ -11,6 +11,7 @@ use crate::error::{KvError, KvResult};
 use crate::half::{tv_and_sums_f16, tv_f16, BLOCK};
 use crate::parallel;
 use crate::row_check::{check_one_row, RowViolation};
+use crate::row_top::top_delta_one;
 use crate::rows::{check_lengths, check_same_dtype, Rows};
 
 const LANES: usize = 8;
@@ -92,6 +93,33 @@ pub fn row_tv_checked(
             .collect()
     });
     Ok(per_row.into_iter().collect())
+}
+
+/// [`row_tv_checked`] with each row's top-token delta ([`crate::row_top::top_delta_one`]) made
+/// right after its TV, while the row is still in cache (a second pass over the block's rows
+/// read them from memory again): `[tv, delta]` per row, row after row.
+pub fn row_tv_checked_top(
+    p: Rows,
+    q: Rows,
+    rows: usize,
+    vocab: usize,
+    tolerance: f64,
+) -> KvResult<Result<Vec<f64>, (usize, RowViolation)>> {
+    check_tv_shapes(&p, &q, rows, vocab)?;
+    let per_row: Vec<Result<[f64; 2], (usize, RowViolation)>> = parallel::install(|| {
+        (0..rows)
+            .into_par_iter()
+            .with_min_len(4)
+            .map(|r| {
+                let tv = checked_row(&p, &q, r, vocab, tolerance)?;
+                Ok([tv, top_delta_one(&p, &q, r * vocab, vocab)])
+            })
+            .collect()
+    });
+    Ok(per_row
+        .into_iter()
+        .collect::<Result<Vec<[f64; 2]>, _>>()
+        .map(|pairs| pairs.into_iter().flatten().collect()))
 }
 
 fn checked_row(
@@ -221,6 +249,15 @@ mod tests {
         let tv = row_tv(Rows::F16(&p), Rows::F16(&q), rows, vocab).unwrap();
         let fused = row_tv_checked(Rows::F16(&p), Rows::F16(&q), rows, vocab, tol).unwrap();
         assert_eq!(fused.unwrap(), tv);
+        // With the top-token deltas: each row's TV, then its delta (as the separate pass).
+        let delta = crate::row_top::row_top_delta(Rows::F16(&p), Rows::F16(&q), rows, vocab);
+        let top = row_tv_checked_top(Rows::F16(&p), Rows::F16(&q), rows, vocab, tol).unwrap();
+        let want: Vec<f64> = tv
+            .iter()
+            .zip(delta.unwrap())
+            .flat_map(|(&t, d)| [t, d])
+            .collect();
+        assert_eq!(top.unwrap(), want);
         // Row 2 of q all NaN (unrecorded): allowed, its TV NaN.
         let mut q2 = q.clone();
         q2[2 * vocab..3 * vocab].fill(0x7e00);
@@ -244,6 +281,8 @@ mod tests {
             matches!(err, Err((0, RowViolation::Entry { row: 3, col: 5, value })) if value < 0.0),
             "{err:?}"
         );
+        let top = row_tv_checked_top(Rows::F16(&p), Rows::F16(&q3), rows, vocab, tol).unwrap();
+        assert!(matches!(top, Err((1, RowViolation::Sum { row: 1, .. }))));
         assert_eq!(
             row_check(Rows::F16(&p), rows, vocab, tol).unwrap(),
             err.err().map(|e| e.1)
