@@ -7,7 +7,6 @@ import contextlib
 import gc
 import importlib
 import json
-import os
 import sys
 import threading
 from collections.abc import Iterator
@@ -18,6 +17,7 @@ from kvcouple import cliargs
 from kvcouple.analysis.engine import DEFAULT_N_BOOT
 from kvcouple.analysis.estimates import ESTIMATORS
 from kvcouple.analysis.intervals import CI_METHODS, DEFAULT_CI_METHOD
+from kvcouple.analysis.memory import small_pages
 from kvcouple.errors import StoreError, debug_requested
 from kvcouple.textsafe import terminal
 
@@ -31,33 +31,6 @@ def _import_figures() -> None:
             importlib.import_module(module)
         except Exception:  # noqa: BLE001 (the report's own import says what is wrong)
             return
-
-
-# numpy's switch for its huge-page advice (numpy 1.x: numpy.core; absent: nothing to switch).
-_HUGEPAGE_ENV = "NUMPY_MADVISE_HUGEPAGE"
-
-
-@contextlib.contextmanager
-def small_pages() -> Iterator[None]:
-    """numpy's huge-page advice off while the command runs, unless the user set
-    ``NUMPY_MADVISE_HUGEPAGE`` themselves. numpy advises the kernel to back every array of
-    4 MB or more with 2 MB pages; an analysis's batches allocate and free such arrays by the
-    thousand in the allocator's per-thread heaps, and every page given back and touched again
-    is then zeroed 2 MB at a time (100k documents: about 1 CPU-second of the kernel's page
-    zeroing, a third of the command's system time). Only the speed changes, never a number;
-    the previous setting is restored (a caller may run ``main`` again in-process)."""
-    import numpy as np
-
-    core = getattr(np, "_core", None) or getattr(np, "core", None)
-    switch = getattr(getattr(core, "multiarray", None), "_set_madvise_hugepage", None)
-    if switch is None or _HUGEPAGE_ENV in os.environ:
-        yield
-        return
-    before = switch(False)
-    try:
-        yield
-    finally:
-        switch(before)
 
 
 @contextlib.contextmanager

@@ -25,6 +25,7 @@ from kvcouple.analysis.bootstrap import bootstrap_table
 from kvcouple.analysis.comparisons import pool_gaps, run_tests
 from kvcouple.analysis.estimates import ESTIMATORS
 from kvcouple.analysis.folds import FinishedStore, StoreFold, finish_stores
+from kvcouple.analysis.memory import on_small_pages
 from kvcouple.analysis.plan import DEFAULTS, Plan, PlanError, load_plan, registration_status
 from kvcouple.analysis.results import AnalysisResult, DocumentsReady, ModelResult, StoreDocuments
 from kvcouple.analysis.tasks import (
@@ -147,6 +148,7 @@ def resolve_settings(plan: Plan | None, given: dict[str, Any]) -> dict[str, Any]
     return out
 
 
+@on_small_pages  # the batches' arrays off 2 MB pages (kvcouple.analysis.memory)
 def analyze(
     stores: str | os.PathLike[str] | list[str | os.PathLike[str]],
     *,
