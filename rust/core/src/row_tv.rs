@@ -77,33 +77,17 @@ fn one_row(p: &Rows, q: &Rows, base: usize, vocab: usize) -> f64 {
 /// side (0: `p`, 1: `q`). Half-precision rows are read once: the TV and both sums share the
 /// loop, and only a row holding a NaN, an infinity or a negative entry is scanned again to say
 /// which.
+///
+/// With `with_top`, each row's top-token delta ([`crate::row_top::top_delta_one`]) is made
+/// right after its TV, while the row is still in cache (a second pass over the block's rows
+/// read them from memory again): `[tv, delta]` per row, row after row.
 pub fn row_tv_checked(
     p: Rows,
     q: Rows,
     rows: usize,
     vocab: usize,
     tolerance: f64,
-) -> KvResult<Result<Vec<f64>, (usize, RowViolation)>> {
-    check_tv_shapes(&p, &q, rows, vocab)?;
-    let per_row: Vec<Result<f64, (usize, RowViolation)>> = parallel::install(|| {
-        (0..rows)
-            .into_par_iter()
-            .with_min_len(4)
-            .map(|r| checked_row(&p, &q, r, vocab, tolerance))
-            .collect()
-    });
-    Ok(per_row.into_iter().collect())
-}
-
-/// [`row_tv_checked`] with each row's top-token delta ([`crate::row_top::top_delta_one`]) made
-/// right after its TV, while the row is still in cache (a second pass over the block's rows
-/// read them from memory again): `[tv, delta]` per row, row after row.
-pub fn row_tv_checked_top(
-    p: Rows,
-    q: Rows,
-    rows: usize,
-    vocab: usize,
-    tolerance: f64,
+    with_top: bool,
 ) -> KvResult<Result<Vec<f64>, (usize, RowViolation)>> {
     check_tv_shapes(&p, &q, rows, vocab)?;
     let per_row: Vec<Result<[f64; 2], (usize, RowViolation)>> = parallel::install(|| {
@@ -112,14 +96,21 @@ pub fn row_tv_checked_top(
             .with_min_len(4)
             .map(|r| {
                 let tv = checked_row(&p, &q, r, vocab, tolerance)?;
-                Ok([tv, top_delta_one(&p, &q, r * vocab, vocab)])
+                let top = with_top.then(|| top_delta_one(&p, &q, r * vocab, vocab));
+                Ok([tv, top.unwrap_or(f64::NAN)])
             })
             .collect()
     });
+    let width = if with_top { 2 } else { 1 };
     Ok(per_row
         .into_iter()
         .collect::<Result<Vec<[f64; 2]>, _>>()
-        .map(|pairs| pairs.into_iter().flatten().collect()))
+        .map(|values| {
+            values
+                .into_iter()
+                .flat_map(|v| v.into_iter().take(width))
+                .collect()
+        }))
 }
 
 fn checked_row(
@@ -247,11 +238,11 @@ mod tests {
         let q: Vec<u16> = (10..10 + rows as u32).flat_map(halves).collect();
         let tol = 1e-3;
         let tv = row_tv(Rows::F16(&p), Rows::F16(&q), rows, vocab).unwrap();
-        let fused = row_tv_checked(Rows::F16(&p), Rows::F16(&q), rows, vocab, tol).unwrap();
+        let fused = row_tv_checked(Rows::F16(&p), Rows::F16(&q), rows, vocab, tol, false).unwrap();
         assert_eq!(fused.unwrap(), tv);
         // With the top-token deltas: each row's TV, then its delta (as the separate pass).
         let delta = crate::row_top::row_top_delta(Rows::F16(&p), Rows::F16(&q), rows, vocab);
-        let top = row_tv_checked_top(Rows::F16(&p), Rows::F16(&q), rows, vocab, tol).unwrap();
+        let top = row_tv_checked(Rows::F16(&p), Rows::F16(&q), rows, vocab, tol, true).unwrap();
         let want: Vec<f64> = tv
             .iter()
             .zip(delta.unwrap())
@@ -261,7 +252,7 @@ mod tests {
         // Row 2 of q all NaN (unrecorded): allowed, its TV NaN.
         let mut q2 = q.clone();
         q2[2 * vocab..3 * vocab].fill(0x7e00);
-        let fused = row_tv_checked(Rows::F16(&p), Rows::F16(&q2), rows, vocab, tol).unwrap();
+        let fused = row_tv_checked(Rows::F16(&p), Rows::F16(&q2), rows, vocab, tol, false).unwrap();
         let fused = fused.unwrap();
         assert!(fused[2].is_nan() && fused[1] == tv[1]);
         // A negative entry in p's row 3 and a short row 1 of q: row 1 comes first.
@@ -271,17 +262,17 @@ mod tests {
             .iter_mut()
             .take(vocab / 2)
             .for_each(|h| *h = 0);
-        let err = row_tv_checked(Rows::F16(&p), Rows::F16(&q3), rows, vocab, tol).unwrap();
+        let err = row_tv_checked(Rows::F16(&p), Rows::F16(&q3), rows, vocab, tol, false).unwrap();
         assert!(
             matches!(err, Err((1, RowViolation::Sum { row: 1, .. }))),
             "{err:?}"
         );
-        let err = row_tv_checked(Rows::F16(&p), Rows::F16(&q), rows, vocab, tol).unwrap();
+        let err = row_tv_checked(Rows::F16(&p), Rows::F16(&q), rows, vocab, tol, false).unwrap();
         assert!(
             matches!(err, Err((0, RowViolation::Entry { row: 3, col: 5, value })) if value < 0.0),
             "{err:?}"
         );
-        let top = row_tv_checked_top(Rows::F16(&p), Rows::F16(&q3), rows, vocab, tol).unwrap();
+        let top = row_tv_checked(Rows::F16(&p), Rows::F16(&q3), rows, vocab, tol, true).unwrap();
         assert!(matches!(top, Err((1, RowViolation::Sum { row: 1, .. }))));
         assert_eq!(
             row_check(Rows::F16(&p), rows, vocab, tol).unwrap(),

@@ -12,7 +12,7 @@ use rayon::prelude::*;
 use kvcouple_core::parallel;
 use kvcouple_core::row_check::RowViolation;
 use kvcouple_core::row_top::row_top_delta;
-use kvcouple_core::row_tv::{row_tv, row_tv_checked, row_tv_checked_top};
+use kvcouple_core::row_tv::{row_tv, row_tv_checked};
 use kvcouple_core::rows::{Dtype, Rows};
 
 use crate::direct;
@@ -122,12 +122,8 @@ pub(crate) fn consume(
     if let Some(tol) = tolerance {
         // Checked and computed in one pass over the rows; each row's top-token delta, where
         // asked, made while the row is still in cache.
-        let checked = if output == BlockOutput::Tv {
-            row_tv_checked(pr, qr, rows, vocab, tol)
-        } else {
-            row_tv_checked_top(pr, qr, rows, vocab, tol)
-        };
-        return match checked {
+        let with_top = output == BlockOutput::TvTopDelta;
+        return match row_tv_checked(pr, qr, rows, vocab, tol, with_top) {
             Ok(Ok(values)) => Ok(values),
             Ok(Err((side, v))) => Err(value_problem(if side == 0 { p } else { q }, block, v)),
             Err(e) => Err(unsupported(e)),
