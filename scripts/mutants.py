@@ -40,6 +40,8 @@ PLAN = ["tests/analysis/test_analysis_plan.py"]
 REFERENCE = ["tests/analysis/test_unit_estimates_reference.py"]
 STORE = ["tests/store/test_store_faults.py", "tests/analysis/test_analysis_store.py"]
 REPORT = ["tests/analysis/test_document_files.py"]
+MEMORY = ["tests/analysis/test_memory.py"]
+MOMENTS = ["tests/analysis/test_running_moments.py"]
 POLICIES = ["tests/tracer/test_policies.py"]
 KERNELS = ["tests/kernels/test_kernels.py", "tests/kernels/test_coupling.py"]
 TORCH_COUPLING = ["tests/kernels/test_torch_coupling.py"]
@@ -249,6 +251,41 @@ MUTANTS = [
             '    with threadpool_limits(1, user_api="blas"):\n        return [_model_result(',
             "    with contextlib.nullcontext():\n        return [_model_result(",
         ),
+    ),
+    # --- how an analysis runs (analysis/memory.py) and what it counts as it reads ------------
+    m(
+        "H1",
+        "analysis/memory.py",
+        "numpy's huge-page advice left off after the analysis",
+        MEMORY,
+        (
+            "            if _depth == 0:\n                _SWITCH(_before)",
+            "            if _depth < 0:\n                _SWITCH(_before)",
+        ),
+    ),
+    m(
+        "H2",
+        "analysis/memory.py",
+        "the user's NUMPY_MADVISE_HUGEPAGE overridden",
+        MEMORY,
+        ("if _SWITCH is None or HUGEPAGE_ENV in os.environ:", "if _SWITCH is None:"),
+    ),
+    m(
+        "C1",
+        "analysis/moments.py",
+        "the curves' documents counted where an entry is 0 too",
+        MOMENTS,
+        (
+            "        self.positive += (block > 0).sum(0)",
+            "        self.positive += (block >= 0).sum(0)",
+        ),
+    ),
+    m(
+        "C2",
+        "analysis/stats.py",
+        "the curves' documents: every finite entry instead of the positive ones",
+        MOMENTS,
+        ("        return bs.moments.positive", "        return bs.moments.count.astype(np.int64)"),
     ),
     # --- store writer (store/writer.py) -----------------------------------------------------
     m(

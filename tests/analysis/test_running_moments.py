@@ -9,9 +9,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from kvcouple import analysis, synth
 from kvcouple.analysis.estimates import BatchUnits
 from kvcouple.analysis.moments import RunningMoments, TableMoments
 from kvcouple.analysis.units import TableLayout, UnitColumns
+from kvcouple.synth import trace_store
 from units_helpers import random_unit_batch
 
 
@@ -39,6 +41,7 @@ def _awkward_table(rng: np.random.Generator, rows: int, nan_rate: float) -> np.n
     mat[:, 2] = np.nan  # no finite entry
     mat[:, 3] = 0.1  # constant, not a binary fraction
     mat[:, 4] = np.where(rng.random(rows) < 0.5, np.nan, 64.0)  # constant where finite
+    mat[:, 7] = np.where(rng.random(rows) < 0.3, 0.0, np.abs(mat[:, 7]))  # 0 is not positive
     if nan_rate:
         mat[rng.integers(rows), 5] = np.inf
         mat[rng.integers(rows), 6] = -np.inf
@@ -170,3 +173,36 @@ def test_an_analysis_of_many_documents_has_the_intervals_of_the_two_passes(tmp_p
                 got,
                 exp,
             )
+    _assert_curves_count_the_positive_entries(m)
+
+
+def _assert_curves_count_the_positive_entries(m) -> int:
+    """The curves' documents (counted with the moments as the rows came in): a hazard's those
+    not certainly diverged before its step, a lag's branch TV those whose branches reached
+    it, the table's positive entries. Returns the points informed by fewer than all."""
+    names, mat = m.table.matrix()
+    column = {n: j for j, n in enumerate(names)}
+    informed = {"hazard": lambda p, x: f"{p}|S|{x - 1}", "branch_tv": lambda p, x: f"{p}|tvd|{x}"}
+    fewer = 0
+    for row in m.tables["curves"]:
+        if row["curve"] in informed:
+            j = column[informed[row["curve"]](row["policy"], row["x"])]
+            assert row["n_docs"] == int((mat[:, j] > 0).sum()), row
+            fewer += row["n_docs"] < len(m.docs)
+    return fewer
+
+
+def test_the_curves_count_the_documents_that_inform_them(tmp_path, monkeypatch):
+    """Paths that stop early (absorbing EOS): later lags' branch TVs are informed by fewer
+    documents, counted as the rows come in (the Gaussian limit's moments)."""
+    pairs = {
+        "a": synth.random_pair(5, 3, seed=1, closeness=0.5, absorbing=True),
+        "b": synth.random_pair(5, 3, seed=2, closeness=0.3, absorbing=True),
+    }
+    path = trace_store.write_synthetic_trace_store(
+        tmp_path / "s.zarr", pairs, horizon=12, branches=2, replicates=4, docs=40, seed=5
+    )
+    monkeypatch.setattr(analysis.intervals, "GAUSSIAN_MIN_DOCS", 30)
+    (m,) = analysis.analyze(path, n_boot=50).models
+    assert m.bootstrap.gaussian and m.bootstrap.moments is not None
+    assert _assert_curves_count_the_positive_entries(m) > 0
