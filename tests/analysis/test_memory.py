@@ -9,26 +9,32 @@ import threading
 import numpy as np
 import pytest
 
-from kvcouple.analysis import analyze
+from kvcouple.analysis import analyze, memory
 from kvcouple.analysis import engine as engine_module
 from kvcouple.analysis.memory import small_pages
 from kvcouple.synth.trace_store import write_synthetic_trace_store
 
+# numpy's own switch (numpy 2: numpy._core; numpy 1.x: numpy.core), as the module finds it.
+SWITCH = memory._SWITCH
+pytestmark = pytest.mark.skipif(SWITCH is None, reason="this numpy has no huge-page switch")
+
 
 def advice() -> bool:
-    switch = np._core.multiarray._set_madvise_hugepage  # type: ignore[attr-defined]
-    before = switch(True)
-    switch(before)
+    assert SWITCH is not None
+    before = SWITCH(True)
+    SWITCH(before)
     return bool(before)
 
 
 @pytest.fixture(autouse=True)
 def advice_on(monkeypatch):
     monkeypatch.delenv("NUMPY_MADVISE_HUGEPAGE", raising=False)
-    switch = np._core.multiarray._set_madvise_hugepage  # type: ignore[attr-defined]
-    before = switch(True)
+    if SWITCH is None:
+        yield
+        return
+    before = SWITCH(True)
     yield
-    switch(before)
+    SWITCH(before)
 
 
 def test_off_inside_and_restored_after():
