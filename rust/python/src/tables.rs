@@ -86,9 +86,15 @@ impl TextColumns {
                 )))
             }
         };
-        let numbers: PyReadonlyArray2<'py, f64> = self.numbers.bind(py).readonly();
-        let flags: PyReadonlyArray2<'py, bool> = self.flags.bind(py).readonly();
-        let codes: PyReadonlyArray2<'py, u32> = self.codes.bind(py).readonly();
+        // try_readonly: a borrow conflict is an error, not a panic across the boundary.
+        let busy = |e: numpy::BorrowError| {
+            pyo3::exceptions::PyRuntimeError::new_err(format!("the columns cannot be read: {e}"))
+        };
+        let numbers: PyReadonlyArray2<'py, f64> =
+            self.numbers.bind(py).try_readonly().map_err(busy)?;
+        let flags: PyReadonlyArray2<'py, bool> =
+            self.flags.bind(py).try_readonly().map_err(busy)?;
+        let codes: PyReadonlyArray2<'py, u32> = self.codes.bind(py).try_readonly().map_err(busy)?;
         let slice = |what: &str| ShapeError::new_err(format!("{what} must be C-contiguous"));
         let table = TextTable {
             names: &self.names,

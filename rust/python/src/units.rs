@@ -6,9 +6,10 @@ use kvcouple_core::stats::units::{
     estimate_units as estimate, Estimator, UnitDamage, UnitEstimates, UnitInputs, UnitShape,
     SCALARS,
 };
+use numpy::ndarray::{Ix3, Ix4};
 use numpy::{
-    IntoPyArray, PyArray1, PyArray2, PyArray3, PyArray4, PyArrayMethods, PyReadonlyArray,
-    PyReadonlyArray4, PyUntypedArrayMethods,
+    IntoPyArray, PyArray, PyArray1, PyArray2, PyArrayMethods, PyReadonlyArray, PyReadonlyArray4,
+    PyUntypedArrayMethods,
 };
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
@@ -30,6 +31,20 @@ enum Floats<'a> {
 enum Steps<'a> {
     I32(&'a [i32]),
     I64(&'a [i64]),
+}
+
+/// `a` as an array of `T` and dimension `D`: None where it is not one; an error (not a panic)
+/// where it is but something holds it for writing.
+fn read_as<'py, T: numpy::Element, D: numpy::ndarray::Dimension>(
+    a: &Bound<'py, PyAny>,
+    name: &str,
+) -> PyResult<Option<PyReadonlyArray<'py, T, D>>> {
+    match a.cast::<PyArray<T, D>>() {
+        Err(_) => Ok(None),
+        Ok(array) => array.try_readonly().map(Some).map_err(|e| {
+            pyo3::exceptions::PyRuntimeError::new_err(format!("{name} cannot be read: {e}"))
+        }),
+    }
 }
 
 fn contiguous<'a, T: numpy::Element, D: numpy::ndarray::Dimension>(
@@ -103,12 +118,12 @@ pub fn estimate_units<'py>(
     };
     let typed = |what: &str| ShapeError::new_err(what.to_string());
     let (h32, tv32) = (
-        hazard.cast::<PyArray3<f32>>().ok().map(|a| a.readonly()),
-        branch_tv.cast::<PyArray4<f32>>().ok().map(|a| a.readonly()),
+        read_as::<f32, Ix3>(hazard, "hazard")?,
+        read_as::<f32, Ix4>(branch_tv, "branch_tv")?,
     );
     let (h64, tv64) = (
-        hazard.cast::<PyArray3<f64>>().ok().map(|a| a.readonly()),
-        branch_tv.cast::<PyArray4<f64>>().ok().map(|a| a.readonly()),
+        read_as::<f64, Ix3>(hazard, "hazard")?,
+        read_as::<f64, Ix4>(branch_tv, "branch_tv")?,
     );
     let (floats, h) = match (&h32, &tv32, &h64, &tv64) {
         (Some(h), Some(tv), _, _) => (
@@ -127,14 +142,8 @@ pub fn estimate_units<'py>(
         }
     };
     let (s32, s64) = (
-        branch_step
-            .cast::<PyArray3<i32>>()
-            .ok()
-            .map(|a| a.readonly()),
-        branch_step
-            .cast::<PyArray3<i64>>()
-            .ok()
-            .map(|a| a.readonly()),
+        read_as::<i32, Ix3>(branch_step, "branch_step")?,
+        read_as::<i64, Ix3>(branch_step, "branch_step")?,
     );
     let steps = match (&s32, &s64) {
         (Some(s), _) => Steps::I32(contiguous(s, "branch_step")?),
