@@ -1,6 +1,7 @@
 """Shared fixtures and hypothesis profiles."""
 
 import os
+import signal
 
 from hypothesis import HealthCheck, settings
 
@@ -10,6 +11,12 @@ settings.register_profile(
 )
 settings.register_profile("thorough", max_examples=1000, deadline=None)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+
+# A suite started in the background by a shell without job control (`make test &`) inherits
+# SIGINT ignored, and so would every command it starts: the Ctrl-C tests would then press a key
+# nobody listens to. Commands started from a terminal get the default, which this restores.
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 # The real model (SmolLM2-135M-Instruct from the package index; kvcouple.testing.real_model):
