@@ -1,6 +1,11 @@
 # Developer tasks. `make help` lists them. CI (.ci/run) runs: install, lint, test, wheel-smoke.
 PYTHON ?= python3
 PYTEST_ARGS ?=
+# The suite's test files spread over worker processes (pytest-xdist; a file's tests stay on one
+# worker, so its module fixtures are built once). Most tests wait on subprocesses, files or one
+# core: on 2 cores, 2 workers take half the time of one. At most 4: each holds torch and models.
+# PYTEST_WORKERS=0 runs the suite in this process.
+PYTEST_WORKERS ?= auto
 
 .PHONY: help install develop fmt lint stubtest test test-rust test-python bench wheel wheel-aarch64 wheel-check sdist sdist-check wheel-smoke first-contact compat-py310 docs docs-test demo mutants clean
 
@@ -31,8 +36,8 @@ stubtest: ## Check python/kvcouple/_core.pyi against the built module
 test-rust: ## The pure-Rust crates on their own (core, store, fetch)
 	cargo test -p kvcouple-core -p kvcouple-store -p kvcouple-fetch
 
-test-python: ## The Python suite, notebooks included
-	$(PYTHON) -m pytest -q $(PYTEST_ARGS)
+test-python: ## The Python suite, notebooks included (PYTEST_WORKERS processes)
+	$(PYTHON) -m pytest -q -n $(PYTEST_WORKERS) --maxprocesses 4 --dist loadfile $(PYTEST_ARGS)
 
 test: test-rust stubtest test-python ## Everything: cargo test, stub check, pytest (notebooks too)
 

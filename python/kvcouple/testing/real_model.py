@@ -15,6 +15,7 @@ module docstrings, which every machine that runs Python has: nothing is shipped 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import subprocess
@@ -22,6 +23,7 @@ import sys
 import tempfile
 import warnings
 import zipfile
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +36,7 @@ SMOLLM2_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db
 
 __all__ = [
     "SMOLLM2_GGUF",
+    "cache_lock",
     "convert_gguf",
     "default_cache",
     "fetch_smollm2",
@@ -62,9 +65,32 @@ def fetch_smollm2(cache: str | os.PathLike[str] | None = None, *, timeout: float
     kvcouple.errors.InvalidInputError
         The extracted file's sha256 is not the expected one.
     """
+    folder = Path(cache) if cache is not None else default_cache()
+    with cache_lock(folder):
+        return _fetch(folder, timeout)
+
+
+@contextlib.contextmanager
+def cache_lock(folder: Path) -> Iterator[None]:
+    """One process at a time fetches or converts into the cache ``folder`` (test workers run
+    side by side and share it: a second converter would replace the converted folder under
+    the first one's readers). An advisory lock on ``folder/.lock`` (``fcntl``; where Python
+    has none, as on Windows, nothing is locked)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    try:
+        import fcntl
+    except ImportError:  # pragma: no cover - not POSIX
+        yield
+        return
+    with open(folder / ".lock", "a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)  # released when the handle closes
+        yield
+
+
+def _fetch(folder: Path, timeout: float) -> Path:
+    """:func:`fetch_smollm2`'s work, under the caller's :func:`cache_lock`."""
     from kvcouple.models import file_sha256
 
-    folder = Path(cache) if cache is not None else default_cache()
     target = folder / "smollm2" / SMOLLM2_GGUF
     if target.is_file():
         if file_sha256(target) == SMOLLM2_SHA256:  # 0.3 s: a damaged cache is not a model
@@ -154,11 +180,12 @@ def _portable(folder: Path) -> None:
 def smollm2_folder(cache: str | os.PathLike[str] | None = None) -> Path:
     """SmolLM2-135M-Instruct as a Hugging Face model folder, fetched and converted once."""
     folder = Path(cache) if cache is not None else default_cache()
-    gguf = fetch_smollm2(folder)  # checked: a damaged file takes its converted folder with it
-    out = folder / "smollm2" / "hf"
-    if (out / "config.json").is_file() and (out / "model.safetensors").is_file():
-        return out
-    return convert_gguf(gguf, out)
+    with cache_lock(folder):  # a second process waits, then finds the folder converted
+        gguf = _fetch(folder, 300)  # checked: a damaged file takes its converted folder along
+        out = folder / "smollm2" / "hf"
+        if (out / "config.json").is_file() and (out / "model.safetensors").is_file():
+            return out
+        return convert_gguf(gguf, out)
 
 
 # Modules whose docstrings are long prose (about 500 to 2,700 tokens on CPython 3.10 to 3.13);
