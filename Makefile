@@ -6,6 +6,9 @@ PYTEST_ARGS ?=
 # core: on 2 cores, 2 workers take half the time of one. At most 4: each holds torch and models.
 # PYTEST_WORKERS=0 runs the suite in this process.
 PYTEST_WORKERS ?= auto
+# DOCS_ARGS=--reuse: the docs build keeps notebooks already executed from their source (CI: by
+# the test suite, just before).
+DOCS_ARGS ?=
 
 .PHONY: help install develop fmt lint stubtest test test-rust test-python bench wheel wheel-aarch64 wheel-check sdist sdist-check wheel-smoke first-contact compat-py310 docs docs-test demo mutants clean
 
@@ -128,7 +131,7 @@ mutants: ## Mutation testing (slow, not in CI): cargo-mutants on rust/core, then
 	$(PYTHON) scripts/mutants.py $(MUTANTS_PY_ARGS)
 
 docs: ## The docs site in build/site: executed notebooks, API and CLI reference (mkdocs --strict)
-	$(PYTHON) scripts/build_docs.py
+	$(PYTHON) scripts/build_docs.py $(DOCS_ARGS)
 
 docs-test: ## Headless chromium: every page of build/site (figures load, no error cells), the report's text views
 	$(PYTHON) -m pytest -q -p no:cacheprovider -rs tests/docs/test_docs_site.py tests/docs/test_report_text_browser.py

@@ -2,14 +2,19 @@
 reference, assemble ``build/docs-src`` and run ``mkdocs build --strict`` into ``build/site``.
 
     python scripts/build_docs.py            # everything
-    python scripts/build_docs.py --reuse    # keep notebooks executed by an earlier build
+    python scripts/build_docs.py --reuse    # keep notebooks executed from the same source
 
-A notebook that raises fails the build (nbclient stops at the first error cell).
+A notebook that raises fails the build (nbclient stops at the first error cell). Executed
+notebooks are kept in ``build/notebooks-executed``, each stamped with its source's sha256;
+the test suite executes them there with this script's :func:`execute`
+(``tests/docs/test_notebooks.py``), so CI's docs build, run after the tests on the same
+checkout, reuses them (``--reuse``) instead of running every notebook a second time.
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import re
@@ -23,26 +28,45 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 SRC = ROOT / "build" / "docs-src"
 SITE = ROOT / "build" / "site"
+EXECUTED = ROOT / "build" / "notebooks-executed"
+
+
+def source_sha256(notebook: Path) -> str:
+    """The stamp an executed notebook carries of the source it ran."""
+    return hashlib.sha256(notebook.read_bytes()).hexdigest()
 
 
 def execute(notebook: Path, out: Path, timeout: int) -> float:
-    """Run ``notebook`` top to bottom in a scratch folder; write it with outputs to ``out``."""
+    """Run ``notebook`` top to bottom in a scratch folder; write it with outputs to ``out``
+    (only if every cell ran), stamped with its source's sha256."""
     import nbclient
     import nbformat
 
     nb = nbformat.read(notebook, as_version=4)
-    os.environ.pop("MPLBACKEND", None)  # the kernel's inline backend: figures become outputs
+    # The kernel's inline backend, whatever the caller's: figures become outputs.
+    env = {k: v for k, v in os.environ.items() if k != "MPLBACKEND"}
     start = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="kvcouple-docs-") as cwd:
         client = nbclient.NotebookClient(
             nb, timeout=timeout, kernel_name="python3", resources={"metadata": {"path": cwd}}
         )
-        client.execute()
+        client.execute(env=env)
     seconds = time.perf_counter() - start
     nb.metadata["kvcouple_execution_seconds"] = round(seconds, 1)
+    nb.metadata["kvcouple_source_sha256"] = source_sha256(notebook)
     out.parent.mkdir(parents=True, exist_ok=True)
-    nbformat.write(nb, out)
+    part = out.with_name(f".{out.name}.part")
+    nbformat.write(nb, part)
+    os.replace(part, out)  # whole or absent
     return seconds
+
+
+def executed_from(notebook: Path, out: Path) -> bool:
+    """Whether ``out`` holds ``notebook`` executed from its current source."""
+    if not out.is_file():
+        return False
+    stamp = json.loads(out.read_text()).get("metadata", {}).get("kvcouple_source_sha256")
+    return stamp == source_sha256(notebook)
 
 
 def notebook_title(path: Path) -> str:
@@ -118,8 +142,6 @@ def bundle_mathjax(dst: Path) -> None:
 
 
 def assemble(reuse: bool, timeout: int) -> list[tuple[str, str]]:
-    executed = ROOT / "build" / "notebooks-executed"
-    keep = executed if reuse else None
     if SRC.exists():
         shutil.rmtree(SRC)
     SRC.mkdir(parents=True)
@@ -133,8 +155,10 @@ def assemble(reuse: bool, timeout: int) -> list[tuple[str, str]]:
                 shutil.copy2(md, dst)
     tutorials = []
     for nb in sorted((ROOT / "notebooks").glob("*.ipynb")):
-        out = executed / nb.name
-        if keep is None or not out.exists() or out.stat().st_mtime < nb.stat().st_mtime:
+        out = EXECUTED / nb.name
+        if reuse and executed_from(nb, out):
+            print(f"== {nb.name}: executed from this source already", flush=True)
+        else:
             print(f"== executing {nb.name}", flush=True)
             seconds = execute(nb, out, timeout)
             print(f"   {seconds:.0f} s", flush=True)
@@ -173,7 +197,9 @@ def build(tutorials: list[tuple[str, str]]) -> None:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--reuse", action="store_true", help="keep already executed notebooks")
+    parser.add_argument(
+        "--reuse", action="store_true", help="keep notebooks already executed from their source"
+    )
     parser.add_argument("--timeout", type=int, default=900, help="seconds per notebook cell")
     args = parser.parse_args()
     tutorials = assemble(args.reuse, args.timeout)
