@@ -278,7 +278,16 @@ class EngineReads:
         stacks: dict[str, np.ndarray] = {}
         cell = 0
         for i, (name, a) in enumerate(zip(names, arrays, strict=True)):
-            stack = np.empty((n, *a.shape[1:]), a.dtype)
+            shape = (n, *a.shape[1:])
+            if len(at0[i]) == 1 and grids[i][1:] == a.shape[1:] and stored[i] == a.dtype:
+                # One chunk holds a document's whole variable, unpadded: the engine's run of
+                # the batch's chunks is the stack itself (no copy of the batch).
+                stack = decoded[cell].view(a.dtype).reshape(shape)
+                if stack.flags.aligned:
+                    stacks[name] = stack
+                    cell += 1
+                    continue
+            stack = np.empty(shape, a.dtype)
             for _, where, _ in at0[i]:
                 chunks = np.frombuffer(decoded[cell], stored[i]).reshape((n, *grids[i][1:]))
                 inner_sel = tuple(slice(0, w.stop - w.start) for w in where)
