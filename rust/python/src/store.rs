@@ -4,7 +4,7 @@ use std::ops::Range;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 
 use kvcouple_core::rows::Dtype;
-use kvcouple_store::chunks::{decode_chunks, Chunk};
+use kvcouple_store::chunks::{decode_runs, Chunk};
 use kvcouple_store::fetched::{chunks_tv, FetchedVariable};
 use kvcouple_store::local::{blocks_tv, LocalVariable};
 use kvcouple_store::source::{ChunkSource, FetchedObjects, LocalFiles};
@@ -285,13 +285,7 @@ pub fn store_decode_chunks<'py>(
                 inner,
             })
             .collect();
-        decode_chunks(source, &items).map(|decoded| {
-            if group == 1 {
-                decoded
-            } else {
-                decoded.chunks(group).map(|run| run.concat()).collect()
-            }
-        })
+        decode_runs(source, &items, group)
     })?;
     // Each run's bytes move into a numpy array (no copy under the GIL).
     Ok(match result {

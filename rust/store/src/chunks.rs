@@ -58,6 +58,66 @@ fn layout_of(key: &str, meta: &str) -> Result<Stored, Problem> {
 
 /// Every chunk's decoded bytes, in order; the first problem (in chunk order) otherwise.
 pub fn decode_chunks(source: &dyn ChunkSource, chunks: &[Chunk]) -> Result<Vec<Vec<u8>>, Problem> {
+    decode_runs(source, chunks, 1)
+}
+
+/// The chunks' decoded bytes in runs of `group` consecutive chunks (the last run may be
+/// shorter): run r holds chunks `r * group ..` one after another, each decoded straight into
+/// its place (a batch of documents' chunks of a variable: one buffer, no per-chunk copies);
+/// the first problem (in chunk order) otherwise. `group` 0 is taken as 1.
+pub fn decode_runs(
+    source: &dyn ChunkSource,
+    chunks: &[Chunk],
+    group: usize,
+) -> Result<Vec<Vec<u8>>, Problem> {
+    let group = group.max(1);
+    let (groups, sizes) = by_object(chunks)?;
+    // Zeroed runs: large ones come from the allocator as fresh zero pages, not written twice.
+    let mut runs: Vec<Vec<u8>> = sizes
+        .chunks(group)
+        .map(|run| vec![0u8; run.iter().sum()])
+        .collect();
+    let mut slots: Vec<Option<&mut [u8]>> = Vec::with_capacity(chunks.len());
+    for (run, run_sizes) in runs.iter_mut().zip(sizes.chunks(group)) {
+        let mut rest = run.as_mut_slice();
+        for &size in run_sizes {
+            let (slot, tail) = rest.split_at_mut(size);
+            slots.push(Some(slot));
+            rest = tail;
+        }
+    }
+    let work: Vec<(&Stored, &[usize], Vec<&mut [u8]>)> = groups
+        .iter()
+        .map(|(stored, members)| {
+            let outs = members.iter().filter_map(|&i| slots[i].take()).collect();
+            (stored, members.as_slice(), outs)
+        })
+        .collect();
+    let results: Vec<Vec<Result<(), Problem>>> = parallel::install(|| {
+        work.into_par_iter()
+            .map(|(stored, members, outs)| decode_group(source, chunks, stored, members, outs))
+            .collect()
+    });
+    let mut first: Option<(usize, Problem)> = None;
+    for ((_, members), results) in groups.iter().zip(results) {
+        for (&i, result) in members.iter().zip(results) {
+            if let Err(problem) = result {
+                if first.as_ref().is_none_or(|(j, _)| i < *j) {
+                    first = Some((i, problem));
+                }
+            }
+        }
+    }
+    match first {
+        Some((_, problem)) => Err(problem),
+        None => Ok(runs),
+    }
+}
+
+/// The chunks by stored object (a shard's inner chunks are decoded from one read of it), and
+/// each chunk's decoded size; unsupported layouts and inner indices refused.
+#[allow(clippy::type_complexity)]
+fn by_object(chunks: &[Chunk]) -> Result<(Vec<(Stored, Vec<usize>)>, Vec<usize>), Problem> {
     // A call holds many documents' chunks of a few variables: each metadata document is
     // parsed once, and hashed only where the chunks move to another variable's (the same
     // document given again is the same slice: a metadata document is kilobytes, hashing it
@@ -65,9 +125,9 @@ pub fn decode_chunks(source: &dyn ChunkSource, chunks: &[Chunk]) -> Result<Vec<V
     let mut layouts: Vec<Stored> = Vec::new();
     let mut layout_of_meta: HashMap<&str, usize> = HashMap::new();
     let mut last: Option<(&str, usize)> = None;
-    // The chunks by object: a shard's inner chunks are decoded from one read of it.
     let mut groups: Vec<(Stored, Vec<usize>)> = Vec::new();
     let mut group_of: HashMap<(&str, usize), usize> = HashMap::new();
+    let mut sizes = Vec::with_capacity(chunks.len());
     for (i, c) in chunks.iter().enumerate() {
         let m = match last {
             Some((meta, m)) if std::ptr::eq(meta, c.meta) => m,
@@ -103,46 +163,47 @@ pub fn decode_chunks(source: &dyn ChunkSource, chunks: &[Chunk]) -> Result<Vec<V
                 })
             }
         }
+        sizes.push(decoded_bytes(stored));
         let g = *group_of.entry((c.key, m)).or_insert_with(|| {
             groups.push((stored.clone(), Vec::new()));
             groups.len() - 1
         });
         groups[g].1.push(i);
     }
-    let decoded: Vec<Vec<Result<Vec<u8>, Problem>>> = parallel::install(|| {
-        groups
-            .par_iter()
-            .map(|(stored, members)| decode_group(source, chunks, stored, members))
-            .collect()
-    });
-    let mut out: Vec<Option<Result<Vec<u8>, Problem>>> = vec![None; chunks.len()];
-    for ((_, members), results) in groups.iter().zip(decoded) {
-        for (&i, result) in members.iter().zip(results) {
-            out[i] = Some(result);
-        }
-    }
-    out.into_iter()
-        .map(|r| r.expect("every chunk is in one group"))
-        .collect()
+    Ok((groups, sizes))
 }
 
-/// The decoded bytes of the chunks `members` of `chunks`, all of one object.
+/// The bytes of one decoded chunk of a variable stored so.
+fn decoded_bytes(stored: &Stored) -> usize {
+    match stored {
+        Stored::Chunks(layout) => layout.chunk.iter().product::<u64>() as usize * layout.itemsize,
+        Stored::Shards(shard) => shard.inner_bytes,
+    }
+}
+
+/// The chunks `members` of `chunks`, all of one object, decoded into `outs` (one slot each,
+/// of its decoded size); each chunk's problem.
 fn decode_group(
     source: &dyn ChunkSource,
     chunks: &[Chunk],
     stored: &Stored,
     members: &[usize],
-) -> Vec<Result<Vec<u8>, Problem>> {
+    mut outs: Vec<&mut [u8]>,
+) -> Vec<Result<(), Problem>> {
     let key = chunks[members[0]].key;
+    let want = decoded_bytes(stored);
     let mut buffers = direct::take();
     let out = match stored {
-        Stored::Chunks(layout) => {
-            let want = layout.chunk.iter().product::<u64>() as usize * layout.itemsize;
-            let one = buffers
-                .decode(source, key, want, layout.crc32c)
-                .map(|()| bytemuck::cast_slice::<u64, u8>(&buffers.decoded)[..want].to_vec());
-            vec![one; members.len()]
-        }
+        Stored::Chunks(layout) => match buffers.decode(source, key, want, layout.crc32c) {
+            Ok(()) => {
+                let bytes = &bytemuck::cast_slice::<u64, u8>(&buffers.decoded)[..want];
+                for out in outs.iter_mut() {
+                    out.copy_from_slice(bytes);
+                }
+                vec![Ok(()); members.len()]
+            }
+            Err(problem) => vec![Err(problem); members.len()],
+        },
         Stored::Shards(shard) => {
             let inners: Vec<u64> = members
                 .iter()
@@ -153,7 +214,9 @@ fn decode_group(
                 })
                 .collect();
             buffers
-                .decode_shard(source, key, shard, &inners)
+                .decode_shard(source, key, shard, &inners, |j, bytes| {
+                    outs[j].copy_from_slice(bytes)
+                })
                 .unwrap_or_else(|whole| vec![Err(whole); members.len()])
         }
     };

@@ -381,24 +381,27 @@ impl Buffers {
     }
 
     /// The inner chunks `inners` (linear indices, each < `shard.per_shard`) of the shard
-    /// object `key` of `source`, each decoded and checked as [`Self::decode`] does, in order.
-    /// The outer error is the shard's (absent object, damaged index); an inner chunk's
-    /// problem names the shard's key and the inner chunk (an absent one: "`key` (inner chunk
-    /// i)", as [`Problem::Missing`] has no message).
+    /// object `key` of `source`, each decoded and checked as [`Self::decode`] does, in order:
+    /// inner chunk `inners[j]`'s bytes are handed to `emit(j, bytes)`. The outer error is the
+    /// shard's (absent object, damaged index); an inner chunk's problem names the shard's key
+    /// and the inner chunk (an absent one: "`key` (inner chunk i)", as [`Problem::Missing`]
+    /// has no message).
     pub fn decode_shard(
         &mut self,
         source: &dyn ChunkSource,
         key: &str,
         shard: &Sharded,
         inners: &[u64],
-    ) -> Result<Vec<Result<Vec<u8>, Problem>>, Problem> {
+        mut emit: impl FnMut(usize, &[u8]),
+    ) -> Result<Vec<Result<(), Problem>>, Problem> {
         let want = shard.inner_bytes;
         let mut file = std::mem::take(&mut self.file);
         let out = source.stored(key, &mut file).and_then(|object| {
             let (entries, data) = shard.index(key, object)?;
             Ok(inners
                 .iter()
-                .map(|&inner| {
+                .enumerate()
+                .map(|(j, &inner)| {
                     let Some(range) = inner_range(key, entries, &data, inner)? else {
                         return Err(Problem::Missing {
                             key: format!("{key} (inner chunk {inner})"),
@@ -406,7 +409,8 @@ impl Buffers {
                     };
                     self.decode_stored(&object[range], key, want, shard.inner.crc32c)
                         .map_err(|p| of_inner(p, inner))?;
-                    Ok(bytemuck::cast_slice::<u64, u8>(&self.decoded)[..want].to_vec())
+                    emit(j, &bytemuck::cast_slice::<u64, u8>(&self.decoded)[..want]);
+                    Ok(())
                 })
                 .collect())
         });

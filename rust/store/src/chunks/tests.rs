@@ -467,3 +467,77 @@ fn sharded_layouts_are_read_or_unsupported() {
     );
     assert!(matches!(err, Err(Problem::Decode { .. })), "{err:?}");
 }
+
+#[test]
+fn runs_are_the_chunks_one_after_another_and_the_first_problem_is_in_chunk_order() {
+    let (s0, s1) = (shard(&shard_values(0), true), shard(&shard_values(1), true));
+    let (a, b) = (stored(&[1, -2, 3, 4]), stored(&[5, 6, 7, i32::MAX]));
+    let objects = [
+        ("h/0.0.0", Some(&s0[..])),
+        ("h/1.0.0", Some(&s1[..])),
+        ("t/c/0/0", Some(&a[..])),
+        ("t/c/1/0", Some(&b[..])),
+    ];
+    let source = FetchedObjects::new(objects.iter().copied());
+    // Two variables' chunks of three "documents", inner chunks out of their shards' order and
+    // one object asked twice: every grouping of them gives the same bytes as chunk by chunk.
+    let chunks = [
+        Chunk {
+            key: "h/1.0.0",
+            meta: SHARDED,
+            inner: Some(3),
+        },
+        Chunk {
+            key: "h/0.0.0",
+            meta: SHARDED,
+            inner: Some(0),
+        },
+        Chunk {
+            key: "h/1.0.0",
+            meta: SHARDED,
+            inner: Some(0),
+        },
+        Chunk {
+            key: "t/c/1/0",
+            meta: META,
+            inner: None,
+        },
+        Chunk {
+            key: "t/c/0/0",
+            meta: META,
+            inner: None,
+        },
+        Chunk {
+            key: "t/c/1/0",
+            meta: META,
+            inner: None,
+        },
+    ];
+    let each = decode_chunks(&source, &chunks).unwrap();
+    assert_eq!(each.len(), 6);
+    for group in [1, 2, 3, 4, 6] {
+        let runs = decode_runs(&source, &chunks, group).unwrap();
+        let expected: Vec<Vec<u8>> = each.chunks(group).map(|run| run.concat()).collect();
+        assert_eq!(runs, expected, "runs of {group}");
+    }
+    assert_eq!(decode_runs(&source, &chunks, 0).unwrap(), each);
+    // The fifth chunk damaged and the first and third chunks' shard absent: the first is
+    // named, whatever the runs.
+    let mut flipped = a.clone();
+    flipped[3] ^= 0x10;
+    let damaged = [
+        ("h/0.0.0", Some(&s0[..])),
+        ("t/c/0/0", Some(&flipped[..])),
+        ("t/c/1/0", Some(&b[..])),
+    ];
+    let source = FetchedObjects::new(damaged.iter().copied());
+    for group in [1, 2, 3, 6] {
+        let err = decode_runs(&source, &chunks, group);
+        assert!(
+            matches!(err, Err(Problem::Missing { ref key }) if key == "h/1.0.0"),
+            "runs of {group}: {err:?}"
+        );
+    }
+    let err = decode_runs(&source, &chunks[3..], 2);
+    assert!(matches!(err, Err(Problem::Checksum { ref key, .. }) if key == "t/c/0/0"));
+}
