@@ -514,7 +514,26 @@ fn runs_are_the_chunks_one_after_another_and_the_first_problem_is_in_chunk_order
         },
     ];
     let each = decode_chunks(&source, &chunks).unwrap();
-    assert_eq!(each.len(), 6);
+    let ints: Vec<Vec<i32>> = each
+        .iter()
+        .map(|v| {
+            v.chunks_exact(4)
+                .map(|w| i32::from_le_bytes([w[0], w[1], w[2], w[3]]))
+                .collect()
+        })
+        .collect();
+    let (x, y) = (vec![1, -2, 3, 4], vec![5, 6, 7, i32::MAX]);
+    assert_eq!(
+        ints,
+        vec![
+            vec![13, -3, 7],
+            vec![0, 0, 7],
+            vec![10, 0, 7],
+            y.clone(),
+            x,
+            y
+        ]
+    );
     for group in [1, 2, 3, 4, 6] {
         let runs = decode_runs(&source, &chunks, group).unwrap();
         let expected: Vec<Vec<u8>> = each.chunks(group).map(|run| run.concat()).collect();
