@@ -200,14 +200,15 @@ fn decode_inner(
         })
         .collect();
     let got = decode_chunks(&source, &chunks)?;
-    Ok(got
-        .iter()
-        .map(|v| {
-            v.chunks_exact(4)
-                .map(|w| i32::from_le_bytes([w[0], w[1], w[2], w[3]]))
-                .collect()
-        })
-        .collect())
+    Ok(got.iter().map(|v| ints(v)).collect())
+}
+
+/// Little-endian int32 values.
+fn ints(bytes: &[u8]) -> Vec<i32> {
+    bytes
+        .chunks_exact(4)
+        .map(|w| i32::from_le_bytes([w[0], w[1], w[2], w[3]]))
+        .collect()
 }
 
 #[test]
@@ -514,17 +515,10 @@ fn runs_are_the_chunks_one_after_another_and_the_first_problem_is_in_chunk_order
         },
     ];
     let each = decode_chunks(&source, &chunks).unwrap();
-    let ints: Vec<Vec<i32>> = each
-        .iter()
-        .map(|v| {
-            v.chunks_exact(4)
-                .map(|w| i32::from_le_bytes([w[0], w[1], w[2], w[3]]))
-                .collect()
-        })
-        .collect();
+    let values: Vec<Vec<i32>> = each.iter().map(|v| ints(v)).collect();
     let (x, y) = (vec![1, -2, 3, 4], vec![5, 6, 7, i32::MAX]);
     assert_eq!(
-        ints,
+        values,
         vec![
             vec![13, -3, 7],
             vec![0, 0, 7],
