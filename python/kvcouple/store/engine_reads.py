@@ -254,10 +254,16 @@ class EngineReads:
                 else:
                     objs = at // per_shard[i]
                     lins = lin0 + (at % per_shard[i]) * inner_step[i]
-                named = {int(o): geometry.chunk_key(names[i], (int(o), *rest)) for o in set(objs)}
                 which += [i] * len(docs)
-                keys += [named[int(o)] for o in objs]
                 inner += lins.tolist()
+                # A batch is mostly one shard: its key repeated, not looked up document by
+                # document; else a key per stored object, each document's found by index.
+                if len(objs) and (objs == objs[0]).all():
+                    keys += [geometry.chunk_key(names[i], (int(objs[0]), *rest))] * len(docs)
+                    continue
+                objects, of_doc = np.unique(objs, return_inverse=True)
+                named = [geometry.chunk_key(names[i], (o, *rest)) for o in objects.tolist()]
+                keys += np.array(named, dtype=object)[of_doc].tolist()
         # Each cell's documents come back as one run of bytes (group): one object per cell.
         n = len(docs)
         if remote:
