@@ -63,9 +63,10 @@ def execute(notebook: Path, out: Path, timeout: int) -> float:
 
 def executed_from(notebook: Path, out: Path) -> bool:
     """Whether ``out`` holds ``notebook`` executed from its current source."""
-    if not out.is_file():
+    try:
+        stamp = json.loads(out.read_text()).get("metadata", {}).get("kvcouple_source_sha256")
+    except (OSError, ValueError):  # absent or not a notebook: executed again
         return False
-    stamp = json.loads(out.read_text()).get("metadata", {}).get("kvcouple_source_sha256")
     return stamp == source_sha256(notebook)
 
 

@@ -59,3 +59,5 @@ def test_the_docs_build_reuses_a_notebook_only_executed_from_its_source(tmp_path
     out.write_text(json.dumps({"cells": [], "metadata": {}, "nbformat": 4}))  # no stamp
     source.write_text(json.dumps({"cells": [], "metadata": {}, "nbformat": 4}))
     assert not docs.executed_from(source, out)
+    out.write_text('{"cells": [')  # cut short
+    assert not docs.executed_from(source, out)
