@@ -132,6 +132,7 @@ def store_decode_chunks(
     chunks: list[bytes | None] | None = None,
     inner: list[int] | None = None,
     group: int | None = None,
+    runs: list[int] | None = None,
 ) -> tuple[list[npt.NDArray[np.uint8]], tuple[str, str, str] | None]: ...
 def store_chunks_tv(
     p_meta: str,

@@ -294,8 +294,9 @@ def test_inner_indices_are_checked(store):
 
 def test_grouped_chunks_come_back_joined_in_runs(store):
     """``group=n``: every n consecutive chunks' bytes as one object (a cell of a batch of
-    documents), the same bytes as joining them; a group that does not divide the keys is
-    refused."""
+    documents), ``runs``: the next ``runs[r]`` chunks' as object r (a variable's stack); the
+    same bytes as joining them. A group that does not divide the keys, runs that do not add up
+    to them, or both given, are refused."""
     meta = (store / "hazard" / "zarr.json").read_text()
     keys = ["hazard/0.0.0.0", "hazard/2.0.0.0", "hazard/0.0.0.0", "hazard/1.0.0.0"]
     args = ([meta], [0] * 4, keys)
@@ -311,6 +312,18 @@ def test_grouped_chunks_come_back_joined_in_runs(store):
     for bad in (0, 3):
         with pytest.raises(ShapeError, match="group must divide"):
             _core.store_decode_chunks(*args, **kw, group=bad)
+    for runs in ([4], [1, 3], [0, 2, 2], [1, 1, 1, 1]):
+        joined, problem = _core.store_decode_chunks(*args, **kw, runs=runs)
+        assert problem is None
+        ends = np.cumsum([0, *runs])
+        assert [bytes(b) for b in joined] == [
+            b"".join(bytes(b) for b in single[a:b]) for a, b in zip(ends[:-1], ends[1:])
+        ]
+    for bad in ([], [3], [2, 3]):
+        with pytest.raises(ShapeError, match="runs must add up"):
+            _core.store_decode_chunks(*args, **kw, runs=bad)
+    with pytest.raises(InvalidInputError, match="not both"):
+        _core.store_decode_chunks(*args, **kw, group=2, runs=[2, 2])
 
 
 def test_shards_on_object_storage_are_left_to_zarr_python(store, monkeypatch):

@@ -59,9 +59,9 @@ def test_the_engine_reads_every_summary_variable_as_zarr_python_does(store, monk
     assert not reader.engine_reads.no_direct
 
 
-def rewrite(path, name, *, chunks_of_docs=1, codec="zstd"):
-    """``name`` re-written by zarr-python with another codec or several documents per chunk,
-    its attributes and dimension names kept."""
+def rewrite(path, name, *, chunks_of_docs=1, codec="zstd", chunks=None):
+    """``name`` re-written by zarr-python with another codec, several documents per chunk or
+    other ``chunks``, its attributes and dimension names kept."""
     group = zarr.open_group(str(path), mode="r+")
     old = group[name]
     data, attrs, dims = old[...], dict(old.attrs), old.metadata.dimension_names
@@ -73,7 +73,7 @@ def rewrite(path, name, *, chunks_of_docs=1, codec="zstd"):
         name,
         shape=data.shape,
         dtype=data.dtype,
-        chunks=(chunks_of_docs,) + data.shape[1:],
+        chunks=chunks or (chunks_of_docs,) + data.shape[1:],
         compressors=compressors,
         fill_value=old.fill_value,
         dimension_names=dims,
@@ -109,6 +109,37 @@ def test_a_layout_the_engine_does_not_read_falls_back_to_the_same_analysis(
     assert before.keys() == after.keys() and len(before) == 4 * len(PAIRS)
     for key, values in before.items():
         assert after[key] == values, key  # exactly: the same stored numbers
+
+
+@pytest.mark.skipif(not ZARR3, reason="rewrites arrays with zarr-python 3's API")
+@pytest.mark.parametrize(
+    "chunks",
+    [(1, 1, 2, 4), (1, 2, 2, 6), (1, 1, 5, 6)],
+    ids=["padded-cells", "replicates-split", "a-cell-per-policy"],
+)
+def test_a_batch_reads_any_one_document_chunking_as_zarr_python_does(
+    store, tmp_path, monkeypatch, chunks
+):
+    """A batch's stacks, whatever cells a document's chunk is cut into: padded edge cells and
+    cells splitting a later axis are placed cell by cell; cells splitting only the policy axis
+    are asked document after document and their run taken as the stack."""
+    copy = tmp_path / "copy.zarr"
+    shutil.copytree(store, copy)
+    rewrite(copy, "hazard", chunks=chunks)
+    reader = TraceStoreReader(copy)
+
+    def no_fallback(*_):
+        raise AssertionError("the engine did not read these variables")
+
+    monkeypatch.setattr(reader.engine_reads, "_read_concurrently", no_fallback)
+    names = ("hazard", "branch_tv", "kept_length", "tokens")
+    docs = [3, 0, 2]
+    got = reader.read_summaries(docs, names)
+    assert got is not None and not reader.engine_reads.no_direct
+    group = zarr.open_group(str(store), mode="r")
+    for k, doc in enumerate(docs):
+        for n in names:
+            np.testing.assert_array_equal(got[k][n], group[n][doc], err_msg=f"{n}[{doc}]")
 
 
 def per_doc(path):

@@ -241,38 +241,63 @@ class EngineReads:
             int(np.prod([s // g for s, g in zip(sh[1:], gr[1:], strict=True)], dtype=np.int64))
             for sh, gr in zip(shards, grids, strict=True)
         ]
+        # A variable whose cells split only its first per-document axis, unpadded, and keep
+        # every later axis whole: its chunks asked document after document (each document's
+        # cells in order) come back as its stack itself, one run (no copy of the batch).
+        stored = [np.dtype(a.dtype).newbyteorder("<") for a in arrays]
+        whole = [
+            a.ndim >= 2
+            and a.shape[1] > 0
+            and grids[i][2:] == a.shape[2:]
+            and a.shape[1] % grids[i][1] == 0
+            and stored[i] == a.dtype
+            for i, a in enumerate(arrays)
+        ]
         # Cell by cell, every document's chunk (the engine reads each stored object once).
         at = np.asarray(docs, np.int64)
+        n = len(docs)
         which: list[int] = []
         keys: list[str] = []
         inner: list[int] = []
+        runs: list[int] = []
         for i, cells_i in enumerate(at0):
+            cell_keys: list[list[str]] = []
+            cell_inner: list[np.ndarray] = []
             for _, _, (obj0, lin0) in cells_i:
                 rest = tuple(obj0[1:])
                 if lin0 < 0:
-                    objs, lins = at, np.full(len(docs), -1, np.int64)
+                    objs, lins = at, np.full(n, -1, np.int64)
                 else:
                     objs = at // per_shard[i]
                     lins = lin0 + (at % per_shard[i]) * inner_step[i]
-                which += [i] * len(docs)
-                inner += lins.tolist()
+                cell_inner.append(lins)
                 # A batch is mostly one shard: its key repeated, not looked up document by
                 # document; else a key per stored object, each document's found by index.
-                if len(objs) and (objs == objs[0]).all():
-                    keys += [geometry.chunk_key(names[i], (int(objs[0]), *rest))] * len(docs)
+                if n and (objs == objs[0]).all():
+                    cell_keys.append([geometry.chunk_key(names[i], (int(objs[0]), *rest))] * n)
                     continue
                 objects, of_doc = np.unique(objs, return_inverse=True)
                 named = [geometry.chunk_key(names[i], (o, *rest)) for o in objects.tolist()]
-                keys += np.array(named, dtype=object)[of_doc].tolist()
-        # Each cell's documents come back as one run of bytes (group): one object per cell.
-        n = len(docs)
+                cell_keys.append(np.array(named, dtype=object)[of_doc].tolist())
+            which += [i] * (n * len(cells_i))
+            if whole[i] and len(cells_i) > 1:
+                # Document-major: document d's cells, then document d + 1's.
+                keys += [k for per_doc in zip(*cell_keys) for k in per_doc]
+                inner += np.stack(cell_inner, axis=1).reshape(-1).tolist()
+                runs.append(n * len(cells_i))
+                continue
+            for k, lins in zip(cell_keys, cell_inner, strict=True):
+                keys += k
+                inner += lins.tolist()
+                runs.append(n)
+        # Each run comes back as one object: a variable's stack, or one cell's documents.
         if remote:
             _, got = self.object_storage.summary_objects(names, docs[0])
-            decoded, problem = _core.store_decode_chunks(metas, which, keys, chunks=got, group=n)
+            decoded, problem = _core.store_decode_chunks(metas, which, keys, chunks=got, runs=runs)
         else:
             sharded = any(k >= 0 for k in inner)
             decoded, problem = _core.store_decode_chunks(
-                metas, which, keys, root=self.path, inner=inner if sharded else None, group=n
+                metas, which, keys, root=self.path, inner=inner if sharded else None, runs=runs
             )
         if problem is not None:
             if problem[0] == "unsupported":
@@ -280,19 +305,18 @@ class EngineReads:
                 return None, False, None
             return None, True, problem
         # Stored little endian (the layout the engine reads); edge chunks are padded.
-        stored = [np.dtype(a.dtype).newbyteorder("<") for a in arrays]
         stacks: dict[str, np.ndarray] = {}
         cell = 0
         for i, (name, a) in enumerate(zip(names, arrays, strict=True)):
             shape = (n, *a.shape[1:])
-            if len(at0[i]) == 1 and grids[i][1:] == a.shape[1:] and stored[i] == a.dtype:
-                # One chunk holds a document's whole variable, unpadded: the engine's run of
-                # the batch's chunks is the stack itself (no copy of the batch).
+            single = len(at0[i]) == 1 and grids[i][1:] == a.shape[1:] and stored[i] == a.dtype
+            if whole[i] or single:
+                # The run is the batch's stack (document after document, each whole): taken
+                # as it is, copied only where the engine's buffer is not aligned for the dtype.
                 stack = decoded[cell].view(a.dtype).reshape(shape)
-                if stack.flags.aligned:
-                    stacks[name] = stack
-                    cell += 1
-                    continue
+                stacks[name] = stack if stack.flags.aligned else stack.copy()
+                cell += 1
+                continue
             stack = np.empty(shape, a.dtype)
             for _, where, _ in at0[i]:
                 chunks = np.frombuffer(decoded[cell], stored[i]).reshape((n, *grids[i][1:]))

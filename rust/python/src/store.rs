@@ -210,9 +210,10 @@ fn fetched<'a>(
 /// the inner chunk is named in the message, or after the key where it is absent). Read and
 /// decoded in parallel with the GIL released. With `group`, every `group` consecutive
 /// chunks' bytes come back joined as one (a variable's cell for a batch of documents: one
-/// object, not one per document).
+/// object, not one per document); with `runs`, run r joins the next `runs[r]` chunks (a
+/// variable's every cell of a batch, document after document: its stack in one object).
 #[pyfunction]
-#[pyo3(signature = (metas, which, keys, *, root=None, chunks=None, inner=None, group=None))]
+#[pyo3(signature = (metas, which, keys, *, root=None, chunks=None, inner=None, group=None, runs=None))]
 #[allow(clippy::too_many_arguments)]
 pub fn store_decode_chunks<'py>(
     py: Python<'py>,
@@ -223,19 +224,36 @@ pub fn store_decode_chunks<'py>(
     chunks: Option<Vec<Option<PyBackedBytes>>>,
     inner: Option<Vec<i64>>,
     group: Option<usize>,
+    runs: Option<Vec<usize>>,
 ) -> PyResult<(Vec<Bound<'py, PyArray1<u8>>>, Option<ProblemTuple>)> {
     if which.len() != keys.len() || which.iter().any(|&w| w >= metas.len()) {
         return Err(ShapeError::new_err(
             "which must name a metadata document for every key",
         ));
     }
-    let group = group.unwrap_or(1);
-    if group == 0 || !keys.len().is_multiple_of(group) {
-        return Err(ShapeError::new_err(format!(
-            "group must divide the {} keys into runs of at least one, got {group}",
-            keys.len()
-        )));
-    }
+    let runs = match (group, runs) {
+        (Some(_), Some(_)) => {
+            return Err(InvalidInputError::new_err("give group or runs, not both"));
+        }
+        (None, Some(runs)) if runs.iter().sum::<usize>() != keys.len() => {
+            return Err(ShapeError::new_err(format!(
+                "runs must add up to the {} keys, got {} in all",
+                keys.len(),
+                runs.iter().sum::<usize>()
+            )));
+        }
+        (None, Some(runs)) => runs,
+        (group, None) => {
+            let group = group.unwrap_or(1);
+            if group == 0 || !keys.len().is_multiple_of(group) {
+                return Err(ShapeError::new_err(format!(
+                    "group must divide the {} keys into runs of at least one, got {group}",
+                    keys.len()
+                )));
+            }
+            vec![group; keys.len() / group]
+        }
+    };
     let inner: Vec<Option<u64>> = match inner {
         None => vec![None; keys.len()],
         Some(inner) if inner.len() != keys.len() => {
@@ -285,7 +303,7 @@ pub fn store_decode_chunks<'py>(
                 inner,
             })
             .collect();
-        decode_runs(source, &items, group)
+        decode_runs(source, &items, &runs)
     })?;
     // Each run's bytes move into a numpy array (no copy under the GIL).
     Ok(match result {

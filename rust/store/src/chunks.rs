@@ -58,27 +58,42 @@ fn layout_of(key: &str, meta: &str) -> Result<Stored, Problem> {
 
 /// Every chunk's decoded bytes, in order; the first problem (in chunk order) otherwise.
 pub fn decode_chunks(source: &dyn ChunkSource, chunks: &[Chunk]) -> Result<Vec<Vec<u8>>, Problem> {
-    decode_runs(source, chunks, 1)
+    decode_runs(source, chunks, &vec![1; chunks.len()])
 }
 
-/// The chunks' decoded bytes in runs of `group` consecutive chunks (the last run may be
-/// shorter): run r holds chunks `r * group ..` one after another, each decoded straight into
-/// its place (a batch of documents' chunks of a variable: one buffer, no per-chunk copies);
-/// the first problem (in chunk order) otherwise. `group` 0 is taken as 1.
+/// The chunks' decoded bytes in runs of consecutive chunks, `runs[r]` chunks in run r (the
+/// lengths sum to the number of chunks): each run's chunks one after another, each decoded
+/// straight into its place (a batch of documents' chunks of a variable: one buffer, no
+/// per-chunk copies); the first problem (in chunk order) otherwise.
 pub fn decode_runs(
     source: &dyn ChunkSource,
     chunks: &[Chunk],
-    group: usize,
+    runs: &[usize],
 ) -> Result<Vec<Vec<u8>>, Problem> {
-    let group = group.max(1);
+    if runs.iter().sum::<usize>() != chunks.len() {
+        return Err(Problem::Unsupported {
+            message: format!(
+                "runs of {} chunks in all for {} chunks",
+                runs.iter().sum::<usize>(),
+                chunks.len()
+            ),
+        });
+    }
     let (groups, sizes) = by_object(chunks)?;
     // Zeroed runs: large ones come from the allocator as fresh zero pages, not written twice.
-    let mut runs: Vec<Vec<u8>> = sizes
-        .chunks(group)
+    let mut run_sizes: Vec<&[usize]> = Vec::with_capacity(runs.len());
+    let mut rest = sizes.as_slice();
+    for &len in runs {
+        let (run, tail) = rest.split_at(len);
+        run_sizes.push(run);
+        rest = tail;
+    }
+    let mut out: Vec<Vec<u8>> = run_sizes
+        .iter()
         .map(|run| vec![0u8; run.iter().sum()])
         .collect();
     let mut slots: Vec<Option<&mut [u8]>> = Vec::with_capacity(chunks.len());
-    for (run, run_sizes) in runs.iter_mut().zip(sizes.chunks(group)) {
+    for (run, &run_sizes) in out.iter_mut().zip(&run_sizes) {
         let mut rest = run.as_mut_slice();
         for &size in run_sizes {
             let (slot, tail) = rest.split_at_mut(size);
@@ -110,7 +125,7 @@ pub fn decode_runs(
     }
     match first {
         Some((_, problem)) => Err(problem),
-        None => Ok(runs),
+        None => Ok(out),
     }
 }
 

@@ -528,12 +528,34 @@ fn runs_are_the_chunks_one_after_another_and_the_first_problem_is_in_chunk_order
             y
         ]
     );
-    for group in [1, 2, 3, 4, 6] {
-        let runs = decode_runs(&source, &chunks, group).unwrap();
-        let expected: Vec<Vec<u8>> = each.chunks(group).map(|run| run.concat()).collect();
-        assert_eq!(runs, expected, "runs of {group}");
+    for lengths in [
+        vec![1; 6],
+        vec![2, 2, 2],
+        vec![3, 3],
+        vec![4, 2],
+        vec![6],
+        vec![1, 4, 1],
+        vec![0, 5, 0, 1],
+    ] {
+        let runs = decode_runs(&source, &chunks, &lengths).unwrap();
+        let mut at = 0;
+        let expected: Vec<Vec<u8>> = lengths
+            .iter()
+            .map(|&len| {
+                at += len;
+                each[at - len..at].concat()
+            })
+            .collect();
+        assert_eq!(runs, expected, "runs of {lengths:?}");
     }
-    assert_eq!(decode_runs(&source, &chunks, 0).unwrap(), each);
+    // Lengths that do not add up to the chunks are refused, not a panic.
+    for lengths in [vec![], vec![5], vec![4, 3]] {
+        let err = decode_runs(&source, &chunks, &lengths);
+        assert!(
+            matches!(err, Err(Problem::Unsupported { .. })),
+            "{lengths:?}: {err:?}"
+        );
+    }
     // The fifth chunk damaged and the first and third chunks' shard absent: the first is
     // named, whatever the runs.
     let mut flipped = a.clone();
@@ -544,13 +566,13 @@ fn runs_are_the_chunks_one_after_another_and_the_first_problem_is_in_chunk_order
         ("t/c/1/0", Some(&b[..])),
     ];
     let source = FetchedObjects::new(damaged.iter().copied());
-    for group in [1, 2, 3, 6] {
-        let err = decode_runs(&source, &chunks, group);
+    for lengths in [vec![1; 6], vec![2, 2, 2], vec![3, 3], vec![6], vec![1, 5]] {
+        let err = decode_runs(&source, &chunks, &lengths);
         assert!(
             matches!(err, Err(Problem::Missing { ref key }) if key == "h/1.0.0"),
-            "runs of {group}: {err:?}"
+            "runs of {lengths:?}: {err:?}"
         );
     }
-    let err = decode_runs(&source, &chunks[3..], 2);
+    let err = decode_runs(&source, &chunks[3..], &[2, 1]);
     assert!(matches!(err, Err(Problem::Checksum { ref key, .. }) if key == "t/c/0/0"));
 }
