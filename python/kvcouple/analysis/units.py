@@ -114,8 +114,12 @@ class TableLayout:
                 f"units of {batch.survival.shape[1] - 1} steps and {batch.tv_lag_num.shape[1]} "
                 f"lags in a table of {T} steps and {self.lags} lags"
             )
+        # Consecutive documents from the first (a whole batch): each policy's units are every
+        # P-th row, read as a strided view rather than gathered.
+        run = bool(docs.size) and docs[0] == 0 and bool(np.all(np.diff(docs) == 1))
         for k, pol in enumerate(self.policies):
-            u = docs * P + batch.policies.index(pol)
+            j = batch.policies.index(pol)
+            u: slice | np.ndarray = slice(j, j + P * len(docs), P) if run else docs * P + j
             at = k * self.per_policy
             rows[:, at : at + n] = batch.values[u]
             at += n
