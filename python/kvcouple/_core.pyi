@@ -1,5 +1,6 @@
 # Type stubs of the private compiled module kvcouple._core (checked by `make stubtest`).
 # Sections are grouped by the Rust binding file that defines them.
+import os
 from typing import Any, final
 
 import numpy as np
@@ -71,6 +72,9 @@ class TextColumns:
         labels: list[list[str]],
     ) -> TextColumns: ...
     def text(self, format: str, start: int, stop: int) -> bytes: ...
+    def append_to(
+        self, csv: str | os.PathLike[str], json: str | os.PathLike[str], block_rows: int = 32768
+    ) -> None: ...
     @property
     def rows(self) -> int: ...
 

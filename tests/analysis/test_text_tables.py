@@ -70,6 +70,21 @@ def test_json_rows_are_what_json_dumps_writes():
     assert json.loads("[" + got + "]") == json_safe(dicts)
 
 
+@pytest.mark.parametrize("block_rows", [1, 777, 1 << 15])
+def test_both_files_in_one_pass_are_what_each_format_writes(tmp_path, block_rows):
+    """``append_to``: the CSV and JSON rows appended after what the files hold, the bytes
+    each format writes alone, whatever the block of rows."""
+    text, _ = _table(np.random.default_rng(4), 3000)
+    csv_path, json_path = tmp_path / "t.csv", tmp_path / "t.json"
+    csv_path.write_text("header\r\n")
+    json_path.write_text("[")
+    text._engine.append_to(csv_path, json_path, block_rows)
+    assert csv_path.read_bytes() == b"header\r\n" + text.text("csv", 0, len(text))
+    assert json_path.read_bytes() == b"[" + text.text("json", 0, len(text))
+    with pytest.raises(OSError, match="missing.csv"):
+        text.append_to(tmp_path / "missing.csv", json_path)
+
+
 def test_chained_tables_keep_their_labels():
     rng = np.random.default_rng(2)
     (a, da), (b, db) = _table(rng, 50), _table(rng, 70)

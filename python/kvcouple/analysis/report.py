@@ -46,6 +46,7 @@ from kvcouple.analysis.tables import (
     table_meta,
     tidy_tables,
     write_csv,
+    write_csv_header,
 )
 from kvcouple.analysis.text_html import with_text
 from kvcouple.errors import InvalidInputError, MissingExtraError, require
@@ -136,10 +137,20 @@ class DocumentFiles:
         self._thread.start()
 
     def _write(self, rows: Rows) -> None:
+        csv_part, json_part = self._parts["per_document.csv"], self._parts["results.json"]
         try:
-            rows.text_columns()
-            write_csv(self._parts["per_document.csv"], rows)
-            with self._parts["results.json"].open("w") as f:
+            text = rows.text_columns()
+            if text is not None and rows.keys:
+                # Both files in one pass in Rust, the GIL released throughout (it is the
+                # statistics' meanwhile).
+                write_csv_header(csv_part, rows.keys)
+                json_part.write_text('{\n"per_document": [')
+                text.append_to(csv_part, json_part)
+                with json_part.open("a") as f:
+                    f.write("]")
+                return
+            write_csv(csv_part, rows)
+            with json_part.open("w") as f:
                 f.write('{\n"per_document": ')
                 _write_json_value(f, rows)
         except BaseException as e:  # raised where the caller waits (wait)

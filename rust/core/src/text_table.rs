@@ -118,6 +118,26 @@ impl TextTable<'_> {
 
     /// Rows `start..stop` as text in `format`.
     pub fn format(&self, format: TextFormat, start: usize, stop: usize) -> KvResult<Vec<u8>> {
+        let json = format == TextFormat::JsonRows;
+        let (csv_text, json_text) = self.format_as(start, stop, !json, json)?;
+        Ok(if json { json_text } else { csv_text })
+    }
+
+    /// Rows `start..stop` as CSV and as JSON rows at once (each number formatted once for
+    /// both): the same bytes as [`Self::format`] gives for each.
+    pub fn format_both(&self, start: usize, stop: usize) -> KvResult<(Vec<u8>, Vec<u8>)> {
+        self.format_as(start, stop, true, true)
+    }
+
+    /// The rows in the formats asked (an empty text for the other), chunk by chunk on all
+    /// cores.
+    fn format_as(
+        &self,
+        start: usize,
+        stop: usize,
+        csv: bool,
+        json: bool,
+    ) -> KvResult<(Vec<u8>, Vec<u8>)> {
         self.check(start, stop)?;
         let keys: Vec<String> = self
             .names
@@ -132,65 +152,94 @@ impl TextTable<'_> {
             .step_by(CHUNK)
             .map(|a| (a, (a + CHUNK).min(stop)))
             .collect();
-        let parts: Vec<String> = chunks
+        let parts: Vec<(String, String)> = chunks
             .into_par_iter()
             .map(|(a, b)| {
-                let mut out = String::with_capacity((b - a) * 64 * self.sources.len().max(1));
+                let size = (b - a) * 64 * self.sources.len().max(1);
+                let mut out = RowText {
+                    csv: csv.then(|| String::with_capacity(size)),
+                    json: json.then(|| String::with_capacity(size)),
+                    number: String::new(),
+                };
                 for r in a..b {
-                    self.row(format, r, r == start, &keys, &mut out);
+                    self.row(r, r == start, &keys, &mut out);
                 }
-                out
+                (out.csv.unwrap_or_default(), out.json.unwrap_or_default())
             })
             .collect();
-        let mut out = Vec::with_capacity(parts.iter().map(String::len).sum());
-        for p in parts {
-            out.extend_from_slice(p.as_bytes());
-        }
-        Ok(out)
+        let joined = |text: &dyn Fn(&(String, String)) -> &String| {
+            let mut out = Vec::with_capacity(parts.iter().map(|p| text(p).len()).sum());
+            for p in &parts {
+                out.extend_from_slice(text(p).as_bytes());
+            }
+            out
+        };
+        Ok((joined(&|p| &p.0), joined(&|p| &p.1)))
     }
 
-    fn row(&self, format: TextFormat, r: usize, first: bool, keys: &[String], out: &mut String) {
-        let json = format == TextFormat::JsonRows;
-        if json {
-            out.push_str(if first { "{" } else { ", {" });
+    fn row(&self, r: usize, first: bool, keys: &[String], out: &mut RowText) {
+        let RowText { csv, json, number } = out;
+        if let Some(json) = json.as_mut() {
+            json.push_str(if first { "{" } else { ", {" });
         }
         for (i, source) in self.sources.iter().enumerate() {
             if i > 0 {
-                out.push_str(if json { ", " } else { "," });
+                if let Some(csv) = csv.as_mut() {
+                    csv.push(',');
+                }
+                if let Some(json) = json.as_mut() {
+                    json.push_str(", ");
+                }
             }
-            if json {
-                out.push_str(&keys[i]);
+            if let Some(json) = json.as_mut() {
+                json.push_str(&keys[i]);
             }
             match *source {
                 ColumnSource::Number(j) => {
                     let x = self.numbers[r * self.number_width + j];
-                    if json && !x.is_finite() {
-                        out.push_str("null");
-                    } else {
-                        push_float_repr(x, out);
+                    number.clear();
+                    push_float_repr(x, number);
+                    if let Some(csv) = csv.as_mut() {
+                        csv.push_str(number);
+                    }
+                    if let Some(json) = json.as_mut() {
+                        json.push_str(if x.is_finite() { number } else { "null" });
                     }
                 }
                 ColumnSource::Flag(j) => {
                     let f = self.flags[r * self.flag_width + j];
-                    out.push_str(match (json, f) {
-                        (true, true) => "true",
-                        (true, false) => "false",
-                        (false, true) => "True",
-                        (false, false) => "False",
-                    });
+                    if let Some(csv) = csv.as_mut() {
+                        csv.push_str(if f { "True" } else { "False" });
+                    }
+                    if let Some(json) = json.as_mut() {
+                        json.push_str(if f { "true" } else { "false" });
+                    }
                 }
                 ColumnSource::Label(j) => {
                     let label = &self.labels[j][self.codes[r * self.code_width + j] as usize];
-                    if json {
-                        push_json_string(label, out);
-                    } else {
-                        push_csv_field(label, out);
+                    if let Some(csv) = csv.as_mut() {
+                        push_csv_field(label, csv);
+                    }
+                    if let Some(json) = json.as_mut() {
+                        push_json_string(label, json);
                     }
                 }
             }
         }
-        out.push_str(if json { "}" } else { "\r\n" });
+        if let Some(csv) = csv.as_mut() {
+            csv.push_str("\r\n");
+        }
+        if let Some(json) = json.as_mut() {
+            json.push('}');
+        }
     }
+}
+
+/// Where a row's text goes: each format asked, and a buffer for a number's text.
+struct RowText {
+    csv: Option<String>,
+    json: Option<String>,
+    number: String,
 }
 
 /// `x` as Python's `repr(float)` writes it.
@@ -406,8 +455,16 @@ mod tests {
             "{\"id\": \"a\", \"x\": 0.5, \"ok\": true}, \
              {\"id\": \"b,c\", \"x\": null, \"ok\": false}"
         );
+        // Both at once: the same bytes, for every range of rows.
+        for (a, b) in [(0, 2), (0, 1), (1, 2), (1, 1)] {
+            let both = table.format_both(a, b).unwrap();
+            assert_eq!(both.0, table.format(TextFormat::Csv, a, b).unwrap());
+            assert_eq!(both.1, table.format(TextFormat::JsonRows, a, b).unwrap());
+        }
         assert!(table.format(TextFormat::Csv, 1, 3).is_err());
+        assert!(table.format_both(1, 3).is_err());
         table.codes = &[0, 2];
+        assert!(table.format_both(0, 2).is_err());
         assert!(table.format(TextFormat::Csv, 0, 2).is_err());
     }
 }

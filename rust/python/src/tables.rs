@@ -2,8 +2,12 @@
 
 use kvcouple_core::text_table::{ColumnSource, TextFormat, TextTable};
 use numpy::{PyArray2, PyArrayMethods, PyReadonlyArray2, PyUntypedArrayMethods};
+use pyo3::exceptions::PyOSError;
 use pyo3::prelude::*;
 use pyo3::types::PyBytes;
+use std::fs::OpenOptions;
+use std::io::Write;
+use std::path::{Path, PathBuf};
 
 use crate::errors::{guard, ShapeError};
 
@@ -86,17 +90,91 @@ impl TextColumns {
                 )))
             }
         };
-        // try_readonly: a borrow conflict is an error, not a panic across the boundary.
+        let (numbers, flags, codes) = self.read_only(py)?;
+        let table = self.table(&numbers, &flags, &codes)?;
+        let text = py.detach(|| guard(|| table.format(format, start, stop)))?;
+        Ok(PyBytes::new(py, &text))
+    }
+
+    /// Every row appended to the file `csv` as CSV and to the file `json` as JSON rows (the
+    /// bytes `text` gives for each), a block of `block_rows` rows at a time, each number
+    /// formatted once for both; the GIL is released until the last is written. A file that
+    /// cannot be written raises `OSError` naming it.
+    #[pyo3(signature = (csv, json, block_rows=32768))]
+    fn append_to(
+        &self,
+        py: Python<'_>,
+        csv: PathBuf,
+        json: PathBuf,
+        block_rows: usize,
+    ) -> PyResult<()> {
+        let (numbers, flags, codes) = self.read_only(py)?;
+        let table = self.table(&numbers, &flags, &codes)?;
+        let open = |path: &PathBuf| {
+            OpenOptions::new()
+                .append(true)
+                .open(path)
+                .map_err(|e| io_error(path, e))
+        };
+        let (mut csv_file, mut json_file) = (open(&csv)?, open(&json)?);
+        let block = block_rows.max(1);
+        py.detach(|| -> PyResult<()> {
+            for start in (0..table.rows).step_by(block) {
+                let stop = (start + block).min(table.rows);
+                let (csv_text, json_text) = guard(|| table.format_both(start, stop))?;
+                csv_file
+                    .write_all(&csv_text)
+                    .map_err(|e| io_error(&csv, e))?;
+                // JSON blocks are joined by ", " (the rows of one list).
+                if start > 0 {
+                    json_file.write_all(b", ").map_err(|e| io_error(&json, e))?;
+                }
+                json_file
+                    .write_all(&json_text)
+                    .map_err(|e| io_error(&json, e))?;
+            }
+            Ok(())
+        })
+    }
+
+    /// Rows in the table.
+    #[getter]
+    fn rows(&self, py: Python<'_>) -> usize {
+        self.numbers.bind(py).shape()[0]
+    }
+}
+
+#[allow(clippy::type_complexity)]
+impl TextColumns {
+    /// The columns borrowed read-only for a call (try_readonly: a borrow conflict is an
+    /// error, not a panic across the boundary).
+    fn read_only<'py>(
+        &self,
+        py: Python<'py>,
+    ) -> PyResult<(
+        PyReadonlyArray2<'py, f64>,
+        PyReadonlyArray2<'py, bool>,
+        PyReadonlyArray2<'py, u32>,
+    )> {
         let busy = |e: numpy::BorrowError| {
             pyo3::exceptions::PyRuntimeError::new_err(format!("the columns cannot be read: {e}"))
         };
-        let numbers: PyReadonlyArray2<'py, f64> =
-            self.numbers.bind(py).try_readonly().map_err(busy)?;
-        let flags: PyReadonlyArray2<'py, bool> =
-            self.flags.bind(py).try_readonly().map_err(busy)?;
-        let codes: PyReadonlyArray2<'py, u32> = self.codes.bind(py).try_readonly().map_err(busy)?;
+        Ok((
+            self.numbers.bind(py).try_readonly().map_err(busy)?,
+            self.flags.bind(py).try_readonly().map_err(busy)?,
+            self.codes.bind(py).try_readonly().map_err(busy)?,
+        ))
+    }
+
+    /// The core's view of the columns.
+    fn table<'a>(
+        &'a self,
+        numbers: &'a PyReadonlyArray2<'_, f64>,
+        flags: &'a PyReadonlyArray2<'_, bool>,
+        codes: &'a PyReadonlyArray2<'_, u32>,
+    ) -> PyResult<TextTable<'a>> {
         let slice = |what: &str| ShapeError::new_err(format!("{what} must be C-contiguous"));
-        let table = TextTable {
+        Ok(TextTable {
             names: &self.names,
             sources: &self.sources,
             rows: numbers.shape()[0],
@@ -107,16 +185,12 @@ impl TextColumns {
             codes: codes.as_slice().map_err(|_| slice("codes"))?,
             code_width: codes.shape()[1],
             labels: &self.labels,
-        };
-        let text = py.detach(|| guard(|| table.format(format, start, stop)))?;
-        Ok(PyBytes::new(py, &text))
+        })
     }
+}
 
-    /// Rows in the table.
-    #[getter]
-    fn rows(&self, py: Python<'_>) -> usize {
-        self.numbers.bind(py).shape()[0]
-    }
+fn io_error(path: &Path, e: std::io::Error) -> PyErr {
+    PyOSError::new_err(format!("{}: {e}", path.display()))
 }
 
 pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
