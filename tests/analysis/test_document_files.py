@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import gc
 import json
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -15,6 +16,7 @@ import pytest
 from kvcouple.analysis import analyze
 from kvcouple.analysis import engine as engine_module
 from kvcouple.analysis import report as report_module
+from kvcouple.analysis import tables as tables_module
 from kvcouple.analysis.report import DocumentFiles, write_report
 from kvcouple.analysis.results import DocumentsReady
 from kvcouple.cli import main
@@ -96,22 +98,51 @@ def test_a_failed_analysis_leaves_the_earlier_report_as_it_was(
     assert not [p for p in out.iterdir() if p.name.startswith(".")]
 
 
-def test_a_failed_write_is_raised_and_leaves_the_earlier_report(store, tmp_path, monkeypatch):
+@pytest.mark.parametrize("failing", ["header", "rows", "row by row"])
+def test_a_failed_write_is_raised_and_leaves_the_earlier_report(
+    store, tmp_path, monkeypatch, failing
+):
+    """A full disk while the per-document files are written (their header, their rows in
+    Rust, or row by row where the rows are not column-wise) is raised; the earlier report in
+    ``out`` is left as it was, and nothing hidden is left beside it."""
     out = tmp_path / "out"
     before = _earlier_report(store, out)
     result = analyze(store, n_boot=50)
-    real = report_module.write_csv
 
-    def full_disk(path, rows, columns=None):
-        if path.name.startswith(".per_document.csv"):
-            raise OSError(28, "No space left on device")
-        return real(path, rows, columns)
+    def full_disk(*_args, **_kwargs):
+        raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(report_module, "write_csv", full_disk)
+    if failing == "header":
+        monkeypatch.setattr(report_module, "write_csv_header", full_disk)
+    elif failing == "rows":
+        monkeypatch.setattr(tables_module.ColumnRows, "append_to", full_disk)
+    else:
+        monkeypatch.setattr(tables_module.Rows, "text_columns", lambda self: None)
+        real = report_module.write_csv
+
+        def full_for_documents(path, rows, columns=None):
+            if path.name.startswith(".per_document.csv"):
+                full_disk()
+            return real(path, rows, columns)
+
+        monkeypatch.setattr(report_module, "write_csv", full_for_documents)
     with pytest.raises(OSError, match="No space left"):
         write_report(result, out, figures=False, html_report=False)
     assert _files(out) == before
     assert not [p for p in out.iterdir() if p.name.startswith(".")]
+
+
+def test_a_replaced_report_leaves_nothing_hidden(store, tmp_path):
+    """Writing over an earlier report: its replaced files (kept under hidden names until a
+    thread removes them) are gone once that thread ends."""
+    out = tmp_path / "out"
+    _earlier_report(store, out)
+    write_report(analyze(store, n_boot=50), out, figures=False, html_report=False)
+    for thread in threading.enumerate():
+        if thread.name == "kvcouple-replaced-files":
+            thread.join()
+    assert not [p for p in out.iterdir() if p.name.startswith(".")]
+    assert (out / "per_document.csv").read_text().startswith("model,")
 
 
 def test_files_of_another_analysis_are_refused(store, tmp_path):

@@ -70,7 +70,7 @@ def test_json_rows_are_what_json_dumps_writes():
     assert json.loads("[" + got + "]") == json_safe(dicts)
 
 
-@pytest.mark.parametrize("block_rows", [1, 777, 1 << 15])
+@pytest.mark.parametrize("block_rows", [1, 777, 4096])
 def test_both_files_in_one_pass_are_what_each_format_writes(tmp_path, block_rows):
     """``append_to``: the CSV and JSON rows appended after what the files hold, the bytes
     each format writes alone, whatever the block of rows."""

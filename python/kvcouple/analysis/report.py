@@ -99,6 +99,11 @@ def _write_json_value(f: IO[str], value: Any) -> None:
         f.write(_dumps(value))
 
 
+def _remove(paths: list[Path]) -> None:
+    for path in paths:
+        path.unlink(missing_ok=True)
+
+
 class DocumentFiles:
     """The per-document table's files, written in a thread while the statistics run:
     ``per_document.csv``, and ``results.json`` up to the end of its first key,
@@ -178,10 +183,25 @@ class DocumentFiles:
         return self._parts[name]
 
     def commit(self) -> None:
-        """Rename the finished files into place."""
+        """Rename the finished files into place. Where one replaces an earlier report's file,
+        that file keeps a hidden name until a thread removes it: freeing a large file's pages
+        (results.json, 200 MB at 100k documents) made the renames take 0.2 s. The thread is
+        not a daemon: the interpreter waits for it before exiting."""
+        replaced = []
         for name, part in list(self._parts.items()):
-            os.replace(part, _output(self.out, name))
+            final = _output(self.out, name)
+            old = final.with_name(f".{name}.{os.getpid()}.replaced")
+            try:
+                os.link(final, old)
+                replaced.append(old)
+            except OSError:  # no earlier file, or a file system without hard links
+                pass
+            os.replace(part, final)
             del self._parts[name]
+        if replaced:
+            threading.Thread(
+                target=_remove, args=(replaced,), name="kvcouple-replaced-files"
+            ).start()
 
     def discard(self) -> None:
         """Wait for the thread and remove what it wrote (the analysis or the report failed)."""

@@ -100,7 +100,7 @@ impl TextColumns {
     /// bytes `text` gives for each), a block of `block_rows` rows at a time, each number
     /// formatted once for both; the GIL is released until the last is written. A file that
     /// cannot be written raises `OSError` naming it.
-    #[pyo3(signature = (csv, json, block_rows=32768))]
+    #[pyo3(signature = (csv, json, block_rows=4096))]
     fn append_to(
         &self,
         py: Python<'_>,
