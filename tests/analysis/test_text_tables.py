@@ -70,15 +70,16 @@ def test_json_rows_are_what_json_dumps_writes():
     assert json.loads("[" + got + "]") == json_safe(dicts)
 
 
+@pytest.mark.parametrize("threads", [0, 1])
 @pytest.mark.parametrize("block_rows", [1, 777, 4096])
-def test_both_files_in_one_pass_are_what_each_format_writes(tmp_path, block_rows):
+def test_both_files_in_one_pass_are_what_each_format_writes(tmp_path, block_rows, threads):
     """``append_to``: the CSV and JSON rows appended after what the files hold, the bytes
     each format writes alone, whatever the block of rows."""
     text, _ = _table(np.random.default_rng(4), 3000)
     csv_path, json_path = tmp_path / "t.csv", tmp_path / "t.json"
     csv_path.write_text("header\r\n")
     json_path.write_text("[")
-    text._engine.append_to(csv_path, json_path, block_rows)
+    text._engine.append_to(csv_path, json_path, block_rows, threads)
     assert csv_path.read_bytes() == b"header\r\n" + text.text("csv", 0, len(text))
     assert json_path.read_bytes() == b"[" + text.text("json", 0, len(text))
     with pytest.raises(OSError, match="missing.csv"):

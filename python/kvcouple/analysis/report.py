@@ -33,6 +33,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import IO, Any
 
+from kvcouple import _core
 from kvcouple.analysis.figures import make_figures
 from kvcouple.analysis.report_html import html_page
 from kvcouple.analysis.report_sections import markdown_report
@@ -147,10 +148,11 @@ class DocumentFiles:
             text = rows.text_columns()
             if text is not None and rows.keys:
                 # Both files in one pass in Rust, the GIL released throughout (it is the
-                # statistics' meanwhile).
+                # statistics' meanwhile), on the cores the statistics leave: on two, a second
+                # formatting thread only took the statistics' core from them.
                 write_csv_header(csv_part, rows.keys)
                 json_part.write_text('{\n"per_document": [')
-                text.append_to(csv_part, json_part)
+                text.append_to(csv_part, json_part, threads=max(1, _core.get_num_threads() - 1))
                 with json_part.open("a") as f:
                     f.write("]")
                 return

@@ -215,10 +215,11 @@ class ColumnRows:
         non-finite numbers null)."""
         return self._engine.text(fmt, start, stop)
 
-    def append_to(self, csv_path: Path, json_path: Path) -> None:
+    def append_to(self, csv_path: Path, json_path: Path, threads: int = 0) -> None:
         """Every row appended to ``csv_path`` as CSV and to ``json_path`` as JSON rows (the
-        bytes :meth:`text` gives), in one pass in Rust with the GIL released throughout."""
-        self._engine.append_to(csv_path, json_path)
+        bytes :meth:`text` gives), in one pass in Rust with the GIL released throughout, on at
+        most ``threads`` of the kernels' threads (0: all)."""
+        self._engine.append_to(csv_path, json_path, threads=threads)
 
     @cached_property
     def _engine(self) -> _core.TextColumns:

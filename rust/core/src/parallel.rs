@@ -47,6 +47,19 @@ pub fn num_threads() -> usize {
     }
 }
 
+/// Run `f` on at most `threads` threads of the configured pool's count (`0`: all of them):
+/// work that runs beside other work holding the rest of the cores.
+pub fn install_at_most<R: Send>(threads: usize, f: impl FnOnce() -> R + Send) -> KvResult<R> {
+    if threads == 0 || threads >= num_threads() {
+        return Ok(install(f));
+    }
+    let pool = ThreadPoolBuilder::new()
+        .num_threads(threads)
+        .build()
+        .map_err(|e| KvError::InvalidArgument(format!("cannot start {threads} threads: {e}")))?;
+    Ok(pool.install(f))
+}
+
 /// Run `f` inside the configured pool.
 pub fn install<R: Send>(f: impl FnOnce() -> R + Send) -> R {
     let pool = slot().read().unwrap_or_else(|e| e.into_inner()).clone();

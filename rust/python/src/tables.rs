@@ -1,5 +1,6 @@
 //! Wrapper of `kvcouple-core::text_table`: a table's rows as CSV or JSON text.
 
+use kvcouple_core::parallel;
 use kvcouple_core::text_table::{ColumnSource, TextFormat, TextTable};
 use numpy::{PyArray2, PyArrayMethods, PyReadonlyArray2, PyUntypedArrayMethods};
 use pyo3::exceptions::PyOSError;
@@ -98,15 +99,17 @@ impl TextColumns {
 
     /// Every row appended to the file `csv` as CSV and to the file `json` as JSON rows (the
     /// bytes `text` gives for each), a block of `block_rows` rows at a time, each number
-    /// formatted once for both; the GIL is released until the last is written. A file that
-    /// cannot be written raises `OSError` naming it.
-    #[pyo3(signature = (csv, json, block_rows=4096))]
+    /// formatted once for both, on at most `threads` threads (`0`: the pool's all); the GIL is
+    /// released until the last is written. A file that cannot be written raises `OSError`
+    /// naming it.
+    #[pyo3(signature = (csv, json, block_rows=4096, threads=0))]
     fn append_to(
         &self,
         py: Python<'_>,
         csv: PathBuf,
         json: PathBuf,
         block_rows: usize,
+        threads: usize,
     ) -> PyResult<()> {
         let (numbers, flags, codes) = self.read_only(py)?;
         let table = self.table(&numbers, &flags, &codes)?;
@@ -118,7 +121,7 @@ impl TextColumns {
         };
         let (mut csv_file, mut json_file) = (open(&csv)?, open(&json)?);
         let block = block_rows.max(1);
-        py.detach(|| -> PyResult<()> {
+        let write = || -> PyResult<()> {
             for start in (0..table.rows).step_by(block) {
                 let stop = (start + block).min(table.rows);
                 let (csv_text, json_text) = guard(|| table.format_both(start, stop))?;
@@ -134,7 +137,8 @@ impl TextColumns {
                     .map_err(|e| io_error(&json, e))?;
             }
             Ok(())
-        })
+        };
+        py.detach(|| guard(|| parallel::install_at_most(threads, write)))?
     }
 
     /// Rows in the table.
