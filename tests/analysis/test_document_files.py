@@ -17,6 +17,7 @@ from kvcouple.analysis import analyze
 from kvcouple.analysis import engine as engine_module
 from kvcouple.analysis import report as report_module
 from kvcouple.analysis import tables as tables_module
+from kvcouple.analysis.cli import COMMAND_GC_THRESHOLD
 from kvcouple.analysis.report import DocumentFiles, write_report
 from kvcouple.analysis.results import DocumentsReady
 from kvcouple.cli import main
@@ -203,10 +204,13 @@ def test_the_command_leaves_the_garbage_collector_as_it_found_it(store, tmp_path
     test_the_command_and_the_functions_give_the_same_files; numpy's huge-page advice:
     test_memory)."""
     seen: list[int] = []
+    thresholds: list[tuple[int, ...]] = []
     real = engine_module.analyze
+    before = gc.get_threshold()
 
     def watched(*args, **kwargs):
         seen.append(gc.get_freeze_count())
+        thresholds.append(gc.get_threshold())
         return real(*args, **kwargs)
 
     monkeypatch.setattr(engine_module, "analyze", watched)
@@ -216,3 +220,6 @@ def test_the_command_leaves_the_garbage_collector_as_it_found_it(store, tmp_path
         == 0
     )
     assert seen[0] > 1000 and gc.get_freeze_count() == 0
+    # Young objects collected in larger batches while it ran, and the thresholds restored.
+    assert thresholds[0][0] == COMMAND_GC_THRESHOLD != before[0]
+    assert thresholds[0][1:] == before[1:] and gc.get_threshold() == before
