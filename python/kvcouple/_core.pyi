@@ -91,7 +91,7 @@ def count_float_keys(
     values: npt.NDArray[np.float32], counts: npt.NDArray[np.int64], bits: int
 ) -> None: ...
 def path_steps(
-    values: npt.NDArray[np.float64],
+    values: npt.NDArray[np.float32] | npt.NDArray[np.float64],
     tokens: npt.NDArray[np.int32],
     flags: npt.NDArray[np.bool_] | None = None,
 ) -> dict[str, Any]: ...

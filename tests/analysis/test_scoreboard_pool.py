@@ -203,3 +203,24 @@ def test_path_steps_refuses_arrays_of_different_shapes():
         _core.path_steps(kl, np.zeros((2, 2, 3), np.int32), np.zeros((2, 3), bool))
     with pytest.raises(ValueError, match="segments"):
         _core.segment_sums(np.zeros(3), np.array([1, 1], np.int64))
+    with pytest.raises(ValueError, match="float32 or float64"):
+        _core.path_steps(kl.astype(np.int32), np.zeros((2, 2, 3), np.int32))
+
+
+def test_path_steps_read_stored_float32_as_their_doubles():
+    """KL stored as float32 is read as it is: the same counts, sums and pooled steps as its
+    doubles given."""
+    from kvcouple import _core
+
+    rng = np.random.default_rng(3)
+    kl = rng.exponential(0.3, (5, 2, 4, 16)).astype(np.float32)
+    kl[rng.random(kl.shape) < 0.1] = np.nan
+    tokens = np.where(rng.random(kl.shape) < 0.1, -1, 7).astype(np.int32)
+    agree = rng.random(kl.shape) < 0.5
+    narrow = _core.path_steps(kl, tokens, agree)
+    wide = _core.path_steps(kl.astype(np.float64), tokens, agree)
+    assert narrow.keys() == wide.keys()
+    for key in narrow:  # arrays, or one array per policy
+        a, b = narrow[key], wide[key]
+        for x, y in zip(a, b, strict=True) if isinstance(a, list) else [(a, b)]:
+            np.testing.assert_array_equal(x, y, err_msg=key)

@@ -145,9 +145,11 @@ class ScoreBatch:
 
     def __init__(self, policies: list[str], stacks: Mapping[str, np.ndarray]) -> None:
         agree = stacks.get("top1_agree")
-        # One pass in Rust: a step counts where its token was generated and its KL is finite.
+        kl = stacks["kl_pq"]
+        # One pass in Rust: a step counts where its token was generated and its KL is finite
+        # (float32 as stored read as it is; the sums are of its doubles either way).
         got = _core.path_steps(
-            np.ascontiguousarray(stacks["kl_pq"], np.float64),
+            np.ascontiguousarray(kl, kl.dtype if kl.dtype == np.float32 else np.float64),
             np.ascontiguousarray(stacks["tokens"], np.int32),
             None if agree is None else np.ascontiguousarray(agree, np.bool_),
         )

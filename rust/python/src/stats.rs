@@ -3,6 +3,7 @@
 
 use kvcouple_core::stats::path_steps as steps_kernel;
 use kvcouple_core::stats::{bootstrap, histogram, intervals, jackknife, moments};
+use numpy::ndarray::IxDyn;
 use numpy::{
     IntoPyArray, PyArray1, PyArray2, PyArrayMethods, PyReadonlyArray1, PyReadonlyArray2,
     PyReadonlyArrayDyn, PyReadwriteArray1, PyUntypedArrayMethods,
@@ -11,6 +12,7 @@ use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
 use crate::errors::{guard, ShapeError};
+use crate::units::{contiguous, read_as};
 
 /// Column means of `n_boot` document resamples of `values` (docs x cols); NaN entries skipped.
 #[pyfunction]
@@ -181,11 +183,22 @@ pub fn count_float_keys<'py>(
 #[pyo3(signature = (values, tokens, flags=None))]
 pub fn path_steps<'py>(
     py: Python<'py>,
-    values: PyReadonlyArrayDyn<'py, f64>,
+    values: &Bound<'py, PyAny>,
     tokens: PyReadonlyArrayDyn<'py, i32>,
     flags: Option<PyReadonlyArrayDyn<'py, bool>>,
 ) -> PyResult<Bound<'py, PyDict>> {
-    let shape = values.shape().to_vec();
+    // Read as stored (float32 as traced), or as float64: no converted copy.
+    let narrow = read_as::<f32, IxDyn>(values, "values")?;
+    let wide = read_as::<f64, IxDyn>(values, "values")?;
+    let shape = match (&narrow, &wide) {
+        (Some(v), _) => v.shape().to_vec(),
+        (_, Some(v)) => v.shape().to_vec(),
+        _ => {
+            return Err(ShapeError::new_err(
+                "values must be a float32 or float64 array",
+            ))
+        }
+    };
     let same = tokens.shape() == shape.as_slice()
         && flags.as_ref().is_none_or(|f| f.shape() == shape.as_slice());
     if shape.len() < 2 || !same {
@@ -197,15 +210,22 @@ pub fn path_steps<'py>(
     }
     let (documents, policies) = (shape[0], shape[1]);
     let steps: usize = shape[2..].iter().product();
-    let contiguous = |name: &str| ShapeError::new_err(format!("{name} must be C-contiguous"));
-    let v = values.as_slice().map_err(|_| contiguous("values"))?;
-    let t = tokens.as_slice().map_err(|_| contiguous("tokens"))?;
+    let t = contiguous(&tokens, "tokens")?;
     let f = match &flags {
-        Some(f) => Some(f.as_slice().map_err(|_| contiguous("flags"))?),
+        Some(f) => Some(contiguous(f, "flags")?),
         None => None,
     };
-    let out =
-        py.detach(|| guard(|| steps_kernel::path_steps(v, t, f, documents, policies, steps)))?;
+    let out = if let Some(v) = &narrow {
+        let v = contiguous(v, "values")?;
+        py.detach(|| guard(|| steps_kernel::path_steps(v, t, f, documents, policies, steps)))?
+    } else if let Some(v) = &wide {
+        let v = contiguous(v, "values")?;
+        py.detach(|| guard(|| steps_kernel::path_steps(v, t, f, documents, policies, steps)))?
+    } else {
+        return Err(ShapeError::new_err(
+            "values must be a float32 or float64 array",
+        ));
+    };
     let units = |x: Vec<f64>| x.into_pyarray(py).reshape([documents, policies]);
     let dict = PyDict::new(py);
     dict.set_item(

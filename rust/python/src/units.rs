@@ -35,7 +35,7 @@ enum Steps<'a> {
 
 /// `a` as an array of `T` and dimension `D`: None where it is not one; an error (not a panic)
 /// where it is but something holds it for writing.
-fn read_as<'py, T: numpy::Element, D: numpy::ndarray::Dimension>(
+pub(crate) fn read_as<'py, T: numpy::Element, D: numpy::ndarray::Dimension>(
     a: &Bound<'py, PyAny>,
     name: &str,
 ) -> PyResult<Option<PyReadonlyArray<'py, T, D>>> {
@@ -47,7 +47,7 @@ fn read_as<'py, T: numpy::Element, D: numpy::ndarray::Dimension>(
     }
 }
 
-fn contiguous<'a, T: numpy::Element, D: numpy::ndarray::Dimension>(
+pub(crate) fn contiguous<'a, T: numpy::Element, D: numpy::ndarray::Dimension>(
     a: &'a PyReadonlyArray<'_, T, D>,
     name: &str,
 ) -> PyResult<&'a [T]> {

@@ -6,6 +6,7 @@
 //! folded alone and one folded in a batch get the same doubles.
 
 use crate::error::{KvError, KvResult};
+use crate::stats::units::StoredFloat;
 
 /// The steps of a batch: `units = documents x policies`, unit `(d, p)` at `d * policies + p`.
 #[derive(Clone, Debug, Default, PartialEq)]
@@ -26,9 +27,10 @@ pub struct PathSteps {
 }
 
 /// The path steps of `documents x policies` units of `steps` steps each (`values`, `tokens`
-/// and `flags`: documents x policies x steps, C order).
-pub fn path_steps(
-    values: &[f64],
+/// and `flags`: documents x policies x steps, C order; `values` float32 as stored, or
+/// float64: the same sums, each value taken as a double).
+pub fn path_steps<F: StoredFloat>(
+    values: &[F],
     tokens: &[i32],
     flags: Option<&[bool]>,
     documents: usize,
@@ -79,7 +81,7 @@ pub fn path_steps(
             let unit = d * policies + p;
             let (mut size, mut sum, mut square, mut flagged) = (0i64, 0.0f64, 0.0f64, 0.0f64);
             for i in unit * steps..(unit + 1) * steps {
-                let v = values[i];
+                let v: f64 = values[i].into();
                 let keep = tokens[i] >= 0 && v.is_finite();
                 let x = if keep { v } else { 0.0 };
                 kept[k] = v as f32;
@@ -183,12 +185,19 @@ mod tests {
         let none = path_steps(&values, &tokens, None, 2, 2, 3).unwrap();
         assert!(none.flagged.is_empty() && none.flags.is_empty());
         assert_eq!(none.values, got.values);
+        // Stored float32 values: the same steps and sums as their doubles given.
+        let narrow: Vec<f32> = values.iter().map(|&v| v as f32).collect();
+        let wide: Vec<f64> = narrow.iter().map(|&v| f64::from(v)).collect();
+        assert_eq!(
+            path_steps(&narrow, &tokens, Some(&flags), 2, 2, 3).unwrap(),
+            path_steps(&wide, &tokens, Some(&flags), 2, 2, 3).unwrap()
+        );
     }
 
     #[test]
     fn shapes_are_checked() {
-        assert!(path_steps(&[1.0; 5], &[1; 6], None, 1, 2, 3).is_err());
-        assert!(path_steps(&[1.0; 6], &[1; 6], Some(&[true; 5]), 1, 2, 3).is_err());
+        assert!(path_steps(&[1.0f64; 5], &[1; 6], None, 1, 2, 3).is_err());
+        assert!(path_steps(&[1.0f64; 6], &[1; 6], Some(&[true; 5]), 1, 2, 3).is_err());
         assert!(segment_sums(&[1.0, 2.0], &[1, 2]).is_err());
         assert!(segment_sums(&[1.0, 2.0], &[3, -1]).is_err());
     }
