@@ -1,0 +1,114 @@
+"""Two versions of kvcouple side by side: `kvcouple analyze` and the read floor of one store,
+run in turns (ABBA...), so that both meet the same machine. On a shared machine whose speed
+moves by 10-30% over minutes, figures from runs minutes apart cannot say which version is
+faster; runs in turns can.
+
+    python benchmarks/ab_versions.py STORE --baseline-ref f2ea6c4 [--pairs 4]
+
+The baseline is built from a git ref in a scratch worktree (`maturin build --release`, the
+Rust build shared with this checkout's target folder) and imported through PYTHONPATH; the
+other side is the installed kvcouple (this checkout). Prints each run and, per version, the
+minimum and median of wall and CPU seconds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import zipfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+HERE = Path(__file__).resolve().parent
+
+
+def build_baseline(ref: str, scratch: Path) -> Path:
+    """The baseline's ``python`` folder with its compiled ``_core`` in place."""
+    tree = scratch / "tree"
+    subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "-q", str(tree), ref], check=True)
+    env = dict(os.environ, CARGO_TARGET_DIR=str(ROOT / "target"))
+    wheels = scratch / "wheels"
+    built = subprocess.run(
+        [sys.executable, "-m", "maturin", "build", "--release", "-o", str(wheels)],
+        cwd=tree,
+        env=env,
+        capture_output=True,
+        text=True,
+    )
+    if built.returncode != 0:
+        raise RuntimeError(f"building {ref} failed:\n{built.stderr[-4000:]}")
+    (wheel,) = wheels.glob("*.whl")
+    with zipfile.ZipFile(wheel) as z:
+        (name,) = [n for n in z.namelist() if n.startswith("kvcouple/_core.") and n.endswith(".so")]
+        (tree / "python" / name).write_bytes(z.read(name))
+    return tree / "python"
+
+
+def timed(cmd: list[str], env: dict[str, str]) -> tuple[float, float]:
+    """Wall and CPU seconds of ``cmd`` in a child process (its own resource usage)."""
+    with tempfile.TemporaryFile() as err:
+        t = time.perf_counter()
+        child = subprocess.Popen(
+            cmd, stdout=subprocess.DEVNULL, stderr=err, env=env, cwd=tempfile.gettempdir()
+        )
+        _, status, usage = os.wait4(child.pid, 0)
+        seconds = time.perf_counter() - t
+        if status != 0:
+            err.seek(0)
+            raise RuntimeError(f"{cmd[2:4]} failed: {err.read().decode()[-2000:]}")
+    return seconds, usage.ru_utime + usage.ru_stime
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("store")
+    ap.add_argument("--baseline-ref", required=True, help="git ref of the version to compare")
+    ap.add_argument("--pairs", type=int, default=4, help="runs of each version and mode")
+    ap.add_argument("--threads", type=int, default=2)
+    a = ap.parse_args()
+    scratch = Path(tempfile.mkdtemp(prefix="kvcouple-ab-"))
+    try:
+        baseline = build_baseline(a.baseline_ref, scratch)
+        user = {k: v for k, v in os.environ.items() if k not in ("PYTHONDONTWRITEBYTECODE",)}
+        envs = {
+            a.baseline_ref: dict(user, PYTHONPATH=str(baseline)),
+            "this checkout": {k: v for k, v in user.items() if k != "PYTHONPATH"},
+        }
+        out = scratch / "out"
+        modes = {
+            "command": [sys.executable, "-m", "kvcouple.cli", "analyze", a.store, "--out",
+                        str(out), "--no-figures", "--quiet", "--io-threads", str(a.threads)],
+            "floor": [sys.executable, str(HERE / "bench_analysis.py"), "--_run", "summary-read",
+                      a.store, "--threads", str(a.threads)],
+        }  # fmt: skip
+        got: dict[tuple[str, str], list[tuple[float, float]]] = {}
+        names = list(envs)
+        for i in range(a.pairs):
+            for mode, cmd in modes.items():
+                for name in names if i % 2 == 0 else names[::-1]:
+                    shutil.rmtree(out, ignore_errors=True)
+                    wall, cpu = timed(cmd, envs[name])
+                    got.setdefault((mode, name), []).append((wall, cpu))
+                    print(f"{mode:8} {name:14} {wall:6.2f} s  {cpu:6.2f} CPU s", flush=True)
+        for (mode, name), runs in got.items():
+            walls, cpus = [w for w, _ in runs], [c for _, c in runs]
+            print(
+                f"{mode:8} {name:14} wall min {min(walls):.2f} median {statistics.median(walls):.2f}"
+                f"  CPU min {min(cpus):.2f} median {statistics.median(cpus):.2f}"
+            )
+    finally:
+        subprocess.run(
+            ["git", "-C", str(ROOT), "worktree", "remove", "--force", str(scratch / "tree")],
+            check=False,
+        )
+        shutil.rmtree(scratch, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
