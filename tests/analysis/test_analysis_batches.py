@@ -5,6 +5,8 @@ included: the damaged document is named and skipped, the others are unchanged.""
 from __future__ import annotations
 
 import shutil
+import subprocess
+import sys
 from dataclasses import asdict
 
 import numpy as np
@@ -168,3 +170,18 @@ def test_a_summary_batch_scoreboard_is_the_documents_scoreboard(tmp_path):
     assert result.models[0].scoreboard == scoreboard_rows(
         result.models[0].model, reader.policies, alone
     )
+
+
+@pytest.mark.parametrize("progress", [False, True])
+def test_a_progress_bar_only_when_asked(store, progress):
+    """``progress=False`` (``kvcouple analyze --quiet``) shows no bar and does not import tqdm
+    (20 ms of the command's start); ``progress=True`` shows one on stderr."""
+    code = (
+        "import sys\n"
+        "from kvcouple.analysis import analyze\n"
+        f"analyze({str(store)!r}, n_boot=20, progress={progress})\n"
+        "print('tqdm' in sys.modules)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == str(progress)
+    assert ("kvcouple analyze" in out.stderr) == progress

@@ -271,6 +271,22 @@ def _batches(
     return out
 
 
+class _NoBar:
+    """No progress shown (tqdm not imported: 20 ms of the command's start)."""
+
+    def update(self, n: int) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def _progress_bar(total: int) -> Any:
+    from tqdm import tqdm  # type: ignore[import-untyped]
+
+    return tqdm(total=total, unit="doc", desc="kvcouple analyze")
+
+
 def run_docs(
     tasks: list[tuple[TraceStoreReader, int]],
     options: Options | Mapping[TraceStoreReader, Options],
@@ -293,9 +309,7 @@ def run_docs(
         each = dict(options)
     of = each.__getitem__
     threads_per_batch = max((o.io_threads for o in each.values()), default=1)
-    from tqdm import tqdm  # type: ignore[import-untyped]
-
-    bar = tqdm(total=len(tasks), unit="doc", desc="kvcouple analyze", disable=not progress)
+    bar = _progress_bar(len(tasks)) if progress else _NoBar()
     try:
         if client is None:
             # A few batches in flight: each batch's engine calls decode its chunks on every
