@@ -15,14 +15,14 @@ from __future__ import annotations
 import itertools
 import sys
 import threading
-from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, overload
+from typing import Any
 
 import numpy as np
 
 from kvcouple.errors import StoreError
+from kvcouple.store.batch_layout import BatchLayout, SummaryBatch
 from kvcouple.store.geometry import StoreGeometry, engine_forced_off, is_url, zarr_major
 from kvcouple.store.object_storage import ObjectStorageReads
 from kvcouple.store.validation import StoreValidation
@@ -109,7 +109,7 @@ class EngineReads:
         stacks, _, _ = self._read_stacked(wanted, docs)
         if stacks is None:
             return None
-        got = _by_document(stacks, len(docs))
+        got = SummaryBatch(stacks, len(docs))
         if self._batch_checked(docs, stacks, got, extra):
             return got
         try:
@@ -182,7 +182,7 @@ class EngineReads:
         stacks, supported, problem = self._read_stacked(names, docs)
         if stacks is None:
             return None, supported, problem
-        return _by_document(stacks, len(docs)), True, None
+        return SummaryBatch(stacks, len(docs)), True, None
 
     def _read_stacked(
         self, names: tuple[str, ...], docs: list[int]
@@ -215,81 +215,8 @@ class EngineReads:
             self.no_direct = True
             return None, False, None
         metas = [self.metadata_document(n) for n in names]
-        arrays = [geometry.array(n) for n in names]
-        grids = [geometry.decode_grid(n) for n in names]
-        shards = [geometry.storage_grid(n) for n in names]
-        # A document's cells are document 0's moved along the first axis (one document per
-        # decoded chunk): laid out once per variable, and each stored object's key computed
-        # once per call (a shard holds many documents' chunks).
-        first = [
-            [
-                (cell[1:], where[1:])
-                for cell, where in geometry.cells(
-                    names[i], (slice(0, 1),) + (slice(None),) * (a.ndim - 1), grids[i]
-                )
-            ]
-            for i, a in enumerate(arrays)
-        ]
-        # Where each document's chunk of a variable is stored: document 0's, moved along the
-        # first axis (on the storage grid; inside a shard, its inner chunk's index).
-        at0 = [
-            [(cell, where, _stored_at((0, *cell), grids[i], shards[i])) for cell, where in cs]
-            for i, cs in enumerate(first)
-        ]
-        per_shard = [s[0] // g[0] for s, g in zip(shards, grids, strict=True)]
-        inner_step = [
-            int(np.prod([s // g for s, g in zip(sh[1:], gr[1:], strict=True)], dtype=np.int64))
-            for sh, gr in zip(shards, grids, strict=True)
-        ]
-        # A variable whose cells split only its first per-document axis, unpadded, and keep
-        # every later axis whole: its chunks asked document after document (each document's
-        # cells in order) come back as its stack itself, one run (no copy of the batch).
-        stored = [np.dtype(a.dtype).newbyteorder("<") for a in arrays]
-        whole = [
-            a.ndim >= 2
-            and a.shape[1] > 0
-            and grids[i][2:] == a.shape[2:]
-            and a.shape[1] % grids[i][1] == 0
-            and stored[i] == a.dtype
-            for i, a in enumerate(arrays)
-        ]
-        # Cell by cell, every document's chunk (the engine reads each stored object once).
-        at = np.asarray(docs, np.int64)
-        n = len(docs)
-        which: list[int] = []
-        keys: list[str] = []
-        inner: list[int] = []
-        runs: list[int] = []
-        for i, cells_i in enumerate(at0):
-            cell_keys: list[list[str]] = []
-            cell_inner: list[np.ndarray] = []
-            for _, _, (obj0, lin0) in cells_i:
-                rest = tuple(obj0[1:])
-                if lin0 < 0:
-                    objs, lins = at, np.full(n, -1, np.int64)
-                else:
-                    objs = at // per_shard[i]
-                    lins = lin0 + (at % per_shard[i]) * inner_step[i]
-                cell_inner.append(lins)
-                # A batch is mostly one shard: its key repeated, not looked up document by
-                # document; else a key per stored object, each document's found by index.
-                if n and (objs == objs[0]).all():
-                    cell_keys.append([geometry.chunk_key(names[i], (int(objs[0]), *rest))] * n)
-                    continue
-                objects, of_doc = np.unique(objs, return_inverse=True)
-                named = [geometry.chunk_key(names[i], (o, *rest)) for o in objects.tolist()]
-                cell_keys.append(np.array(named, dtype=object)[of_doc].tolist())
-            which += [i] * (n * len(cells_i))
-            if whole[i] and len(cells_i) > 1:
-                # Document-major: document d's cells, then document d + 1's.
-                keys += [k for per_doc in zip(*cell_keys) for k in per_doc]
-                inner += np.stack(cell_inner, axis=1).reshape(-1).tolist()
-                runs.append(n * len(cells_i))
-                continue
-            for k, lins in zip(cell_keys, cell_inner, strict=True):
-                keys += k
-                inner += lins.tolist()
-                runs.append(n)
+        layout = BatchLayout.of(geometry, names, docs)
+        which, keys, inner, runs = layout.which, layout.keys, layout.inner, layout.runs
         # Each run comes back as one object: a variable's stack, or one cell's documents.
         if remote:
             _, got = self.object_storage.summary_objects(names, docs[0])
@@ -304,27 +231,7 @@ class EngineReads:
                 self.no_direct = True
                 return None, False, None
             return None, True, problem
-        # Stored little endian (the layout the engine reads); edge chunks are padded.
-        stacks: dict[str, np.ndarray] = {}
-        cell = 0
-        for i, (name, a) in enumerate(zip(names, arrays, strict=True)):
-            shape = (n, *a.shape[1:])
-            single = len(at0[i]) == 1 and grids[i][1:] == a.shape[1:] and stored[i] == a.dtype
-            if whole[i] or single:
-                # The run is the batch's stack (document after document, each whole): taken
-                # as it is, copied only where the engine's buffer is not aligned for the dtype.
-                stack = decoded[cell].view(a.dtype).reshape(shape)
-                stacks[name] = stack if stack.flags.aligned else stack.copy()
-                cell += 1
-                continue
-            stack = np.empty(shape, a.dtype)
-            for _, where, _ in at0[i]:
-                chunks = np.frombuffer(decoded[cell], stored[i]).reshape((n, *grids[i][1:]))
-                inner_sel = tuple(slice(0, w.stop - w.start) for w in where)
-                stack[(slice(None), *where)] = chunks[(slice(None), *inner_sel)]
-                cell += 1
-            stacks[name] = stack
-        return stacks, True, None
+        return layout.stacks(decoded), True, None
 
     def _damage_error(self, problem: tuple[str, str, str], doc: int | None) -> StoreError:
         """The engine's ``(kind, key, message)`` of a missing or damaged chunk as the reader
@@ -563,57 +470,3 @@ class EngineReads:
         if raw is None:
             raise StoreError(f"{self.path}: the metadata of variable {name!r} is missing")
         return raw.decode()
-
-
-class SummaryBatch(Sequence[dict[str, np.ndarray]]):
-    """One dict per document of its arrays (views of ``stacks``: 0-d arrays, not scalars,
-    where a variable holds one value a document; each made when first asked for, then kept,
-    so that changes to it stay), and the stacks themselves (each variable's documents along
-    its first axis) for callers that work on a whole batch at once."""
-
-    def __init__(self, stacks: dict[str, np.ndarray], docs: int) -> None:
-        self.stacks = stacks
-        self._docs: list[dict[str, np.ndarray] | None] = [None] * docs
-
-    def __len__(self) -> int:
-        return len(self._docs)
-
-    @overload
-    def __getitem__(self, k: int) -> dict[str, np.ndarray]: ...
-    @overload
-    def __getitem__(self, k: slice) -> list[dict[str, np.ndarray]]: ...
-    def __getitem__(self, k: int | slice) -> Any:
-        if isinstance(k, slice):
-            return [self[i] for i in range(*k.indices(len(self)))]
-        k = range(len(self))[k]  # negative indices; IndexError past the end
-        got = self._docs[k]
-        if got is None:
-            got = self._docs[k] = {n: v[k, ...] for n, v in self.stacks.items()}
-        return got
-
-    def drop(self, name: str) -> None:
-        """Forget variable ``name`` (read only for a check) in the stacks and every dict."""
-        self.stacks.pop(name, None)
-        for got in self._docs:
-            if got is not None:
-                got.pop(name, None)
-
-
-def _by_document(stacks: dict[str, np.ndarray], docs: int) -> SummaryBatch:
-    return SummaryBatch(stacks, docs)
-
-
-def _stored_at(
-    cell: tuple[int, ...], grid: tuple[int, ...], shard: tuple[int, ...]
-) -> tuple[tuple[int, ...], int]:
-    """Where chunk ``cell`` (coordinates on the decode grid ``grid``) is stored: the
-    coordinates of its object on the storage grid ``shard``, and its linear (C-order) index
-    among the shard's inner chunks (-1 where the array is not sharded)."""
-    if grid == shard:
-        return cell, -1
-    per = [s // g for s, g in zip(shard, grid, strict=True)]
-    obj = tuple(c // p for c, p in zip(cell, per, strict=True))
-    linear = 0
-    for c, o, p in zip(cell, obj, per, strict=True):
-        linear = linear * p + (c - o * p)
-    return obj, linear
