@@ -5,8 +5,8 @@ faster; runs in turns can.
 
     python benchmarks/ab_versions.py STORE --baseline-ref f2ea6c4 [--pairs 4]
 
-The baseline is built from a git ref in a scratch worktree (`maturin build --release`, the
-Rust build shared with this checkout's target folder) and imported through PYTHONPATH; the
+The baseline is built from a git ref in a scratch worktree (`maturin build --release` into
+its own target folder, ``target/ab-baseline``) and imported through PYTHONPATH; the
 other side is the installed kvcouple (this checkout). Prints each run and, per version, the
 minimum and median of wall and CPU seconds.
 """
@@ -32,7 +32,11 @@ def build_baseline(ref: str, scratch: Path) -> Path:
     """The baseline's ``python`` folder with its compiled ``_core`` in place."""
     tree = scratch / "tree"
     subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "-q", str(tree), ref], check=True)
-    env = dict(os.environ, CARGO_TARGET_DIR=str(ROOT / "target"))
+    # Its own target folder: cargo hashes a workspace's path crates by their path inside the
+    # workspace, so a worktree sharing this checkout's folder overwrites this checkout's
+    # artifacts under fingerprints that still look fresh, and the next `make develop` then
+    # installs the baseline's code.
+    env = dict(os.environ, CARGO_TARGET_DIR=str(ROOT / "target" / "ab-baseline"))
     wheels = scratch / "wheels"
     built = subprocess.run(
         [sys.executable, "-m", "maturin", "build", "--release", "-o", str(wheels)],
