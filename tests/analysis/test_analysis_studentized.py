@@ -13,7 +13,8 @@ from kvcouple.analysis import stats as st
 from kvcouple.analysis.bootstrap import Bootstrap, bootstrap_table
 from kvcouple.analysis.distributions import t_ppf
 from kvcouple.analysis.estimates import Table
-from kvcouple.analysis.intervals import DEFAULT_CI_METHOD, STUDENTIZED_MIN_DOCS
+from kvcouple.analysis.intervals import DEFAULT_CI_METHOD, STUDENTIZED_MIN_DOCS, Statistic
+from kvcouple.analysis.studentized import DeltaMethod
 
 N_DOCS = 16
 STUDIES = 300
@@ -211,3 +212,36 @@ def test_the_standard_error_inside_each_resample_is_the_delta_method_of_its_draw
     e = _bootstrap({"p|x": x}, 4).evaluate(lambda g: g("p|x"))
     f = x[np.isfinite(x)]
     assert e.se == pytest.approx(np.std(f) / math.sqrt(11), rel=1e-9)
+
+
+def test_curve_points_take_closed_form_derivatives_equal_to_central_differences():
+    """Every point of a policy's curves (survival, pmf, hazard, branch TV by lag) is a
+    Statistic whose derivatives the delta method uses instead of central differences: equal
+    to them (to their truncation and rounding) at the means and in every resample, NaN where
+    a ratio's denominator is not positive (where central differences give NaN too), and the
+    standard errors are those of central differences."""
+    rng = np.random.default_rng(3)
+    T, lags, n = 4, 3, 40
+    hazards = rng.uniform(0.05, 0.5, size=(n, T))
+    survival = np.concatenate([np.ones((n, 1)), np.cumprod(1 - hazards, axis=1)], axis=1)
+    cols = {f"a|S|{t}": survival[:, t] for t in range(T + 1)}
+    cols |= {f"a|pmf|{t}": survival[:, t - 1] - survival[:, t] for t in range(1, T + 1)}
+    den = rng.uniform(0.2, 1.0, size=(n, lags))
+    den[:, 2] = 0.0  # a lag no document reached: its TV is undefined
+    cols |= {f"a|tvd|{lag}": den[:, lag] for lag in range(lags)}
+    cols |= {f"a|tvn|{lag}": den[:, lag] * rng.uniform(0, 1, n) for lag in range(lags)}
+    bs = _bootstrap(cols, seed=5, n_boot=200)
+    fns = st.curve_fns("a", T, lags)
+    assert all(isinstance(f, Statistic) for f in fns.values())
+    dm = DeltaMethod(bs, list(fns.values()))
+    for f, used in zip(fns.values(), dm.cols, strict=True):
+        for means in (bs.point, bs.reps):
+            closed = dm.gradient(f, used, means)
+            numeric = dm.central_differences(f, used, means)
+            np.testing.assert_array_equal(np.isnan(closed), np.isnan(numeric))
+            np.testing.assert_allclose(closed, numeric, rtol=1e-6, atol=1e-9)
+    assert np.isnan(dm.gradient(fns[("branch_tv", 2)], dm.cols[-1], bs.point)).all()
+    se, _ = dm.standard_errors()
+    plain = [lambda g, f=f: f.value(g) for f in fns.values()]  # the same, without derivatives
+    se_numeric, _ = DeltaMethod(bs, plain).standard_errors()
+    np.testing.assert_allclose(se, se_numeric, rtol=1e-6, equal_nan=True)

@@ -201,14 +201,21 @@ def curve_fns(policy: str, horizon: int, lags: int) -> dict[tuple[str, int], Sta
     return out
 
 
-def _column(name: str) -> StatFn:
-    """The mean of one column."""
-    return lambda g: g(name)
+def _column(name: str) -> Statistic:
+    """The mean of one column (its derivative 1: no central differences, which cost two
+    evaluations per resample for each of a curve's points)."""
+    return Statistic(lambda g: g(name), lambda g: {name: np.float64(1.0)})
 
 
-def _column_ratio(num: str, den: str) -> StatFn:
-    """The ratio of two column means (NaN where the denominator is not positive)."""
-    return lambda g: dc.ratio(g(num), g(den))
+def _column_ratio(num: str, den: str) -> Statistic:
+    """The ratio of two column means (NaN where the denominator is not positive), with its
+    derivatives ``1 / d`` and ``-n / d**2`` (NaN where it is undefined, as its value)."""
+
+    def derivatives(g: Getter) -> dict[str, np.ndarray]:
+        inverse = dc.ratio(1.0, g(den))
+        return {num: inverse, den: -g(num) * inverse * inverse}
+
+    return Statistic(lambda g: dc.ratio(g(num), g(den)), derivatives)
 
 
 def _prefixed(g: Getter, prefix: str) -> Getter:
