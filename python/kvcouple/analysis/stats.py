@@ -204,7 +204,7 @@ def curve_fns(policy: str, horizon: int, lags: int) -> dict[tuple[str, int], Sta
 def _column(name: str) -> Statistic:
     """The mean of one column (its derivative 1: no central differences, which cost two
     evaluations per resample for each of a curve's points)."""
-    return Statistic(lambda g: g(name), lambda g: {name: np.float64(1.0)})
+    return Statistic(lambda g: g(name), lambda g: {name: np.ones(())})
 
 
 def _column_ratio(num: str, den: str) -> Statistic:
