@@ -7,6 +7,7 @@ Monte Carlo standard errors)."""
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -17,6 +18,7 @@ from kvcouple.analysis import stats as st
 from kvcouple.analysis.bootstrap import bootstrap_table
 from kvcouple.analysis.estimates import Table
 from kvcouple.analysis.intervals import Scale, Statistic
+from kvcouple.analysis.moments import TableMoments
 from kvcouple.analysis.studentized import DeltaMethod
 from kvcouple.reference import estimates as ref
 from kvcouple.synth.trace_store import write_synthetic_trace_store
@@ -337,3 +339,58 @@ def test_a_median_at_its_class_end_takes_central_differences():
     np.testing.assert_allclose(
         dm.gradient(f, used, bs.reps), dm.central_differences(f, used, bs.reps), rtol=1e-3
     )
+
+
+def _combined_from_the_documents(self, block, idx, weights):
+    """The combinations' moments by a pass over the documents (the path before the table's
+    moments were combined): the reference for the Gaussian limit's."""
+    w = np.asarray(weights, np.float64)
+    data = np.ascontiguousarray(block() @ w)
+    return replace(
+        self,
+        names=[f"c{j}" for j in range(w.shape[1])],
+        point=self.point[idx] @ w,
+        reps=np.ascontiguousarray(self.reps[:, idx] @ w),
+        data=data,
+        jack=None,
+        moments=TableMoments.of(data),
+    )
+
+
+def test_combined_moments_are_those_of_a_pass_over_the_combined_columns():
+    rng = np.random.default_rng(4)
+    mat = rng.normal(size=(500, 6)) @ rng.normal(size=(6, 6))
+    mat[rng.random(500) < 0.1, 5] = np.nan  # column 5 is not complete
+    moments = TableMoments.of(mat)
+    w = rng.normal(size=(4, 2))
+    got = moments.combination([3, 0, 2, 1], w, 500)
+    want = TableMoments.of(mat[:, [3, 0, 2, 1]] @ w)
+    np.testing.assert_allclose(got.point, want.point, rtol=1e-12)
+    np.testing.assert_array_equal(got.count, want.count)
+    np.testing.assert_allclose(got.gram, want.gram, rtol=1e-10)
+    assert got.positive is None
+    with pytest.raises(ValueError, match="non-finite"):
+        moments.combination([0, 5], w[:2], 500)
+
+
+@pytest.mark.parametrize("shape", ["saturated", "rare", "never"])
+def test_gaussian_median_tests_read_the_tables_moments_not_the_documents(shape, monkeypatch):
+    """In the Gaussian limit each class's test of the median step combines the table's moments
+    (no pass over the documents), and its set and p-values are those of a pass over the
+    combined columns."""
+    rng = np.random.default_rng(21)
+    T = 10
+    bs = bootstrap_table(_pmf_table(_laws(rng, 6000, T, shape)), 2000, 3, 0.95)
+    assert bs.gaussian
+    calls = []
+    combination = TableMoments.combination
+    monkeypatch.setattr(TableMoments, "combination", lambda *a: calls.append(1) or combination(*a))
+    got = bs.median_step(_names(T))
+    p = [bs.median_step_p_value(_names(T), "two-sided", v) for v in (2.0, 4.5, 7.0)]
+    assert calls and got is not None and math.isfinite(got.ci_low)
+    monkeypatch.setattr(type(bs), "_combined", _combined_from_the_documents)
+    want = bs.median_step(_names(T))
+    assert want is not None
+    np.testing.assert_allclose([got.ci_low, got.ci_high], [want.ci_low, want.ci_high], rtol=1e-9)
+    want_p = [bs.median_step_p_value(_names(T), "two-sided", v) for v in (2.0, 4.5, 7.0)]
+    np.testing.assert_allclose(p, want_p, rtol=1e-9, atol=1e-12)

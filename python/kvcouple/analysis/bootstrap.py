@@ -39,7 +39,7 @@ The words of an interval (methods, :class:`Scale`, :class:`Estimate`) are in
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
@@ -263,17 +263,31 @@ class Bootstrap:
         if self.data is None:
             raise ValueError("combinations of columns need the table (bootstrap_table keeps it)")
         idx = [self._index[c] for c in columns]
-        return self._combined(self.data[:, idx], idx, weights)
+        data = self.data
+        return self._combined(lambda: data[:, idx], idx, weights)
 
-    def _combined(self, block: np.ndarray, idx: list[int], weights: np.ndarray) -> Bootstrap:
-        # ``block``: the table's columns ``idx``, gathered once by the caller.
+    def _combined(
+        self, block: Callable[[], np.ndarray], idx: list[int], weights: np.ndarray
+    ) -> Bootstrap:
+        # ``block()``: the table's columns ``idx`` (gathered once by the caller).
         w = np.asarray(weights, np.float64)
-        data = np.ascontiguousarray(block @ w)
+        names = [f"c{j}" for j in range(w.shape[1])]
+        point = self.point[idx] @ w
+        reps = np.ascontiguousarray(self.reps[:, idx] @ w)
+        if self.moments is not None and self.moments.complete(self.n_docs)[idx].all():
+            # Draws from the Gaussian limit, complete columns: the combinations' moments are
+            # the table's (w' G w), with no pass over the documents (100k documents: 20 ms a
+            # combination, six for the median steps of two policies).
+            moments = self.moments.combination(idx, w, self.n_docs)
+            return replace(
+                self, names=names, point=point, reps=reps, data=None, jack=None, moments=moments
+            )
+        data = np.ascontiguousarray(block() @ w)
         return replace(
             self,
-            names=[f"c{j}" for j in range(w.shape[1])],
-            point=self.point[idx] @ w,
-            reps=np.ascontiguousarray(self.reps[:, idx] @ w),
+            names=names,
+            point=point,
+            reps=reps,
             data=data,
             jack=None,
             moments=TableMoments.of(data) if self.moments is not None else None,
@@ -342,7 +356,7 @@ class Bootstrap:
         T = len(idx)
         weights = np.zeros((T, 2))
         weights[: t - 1, 0], weights[t:, 0], weights[t - 1] = 0.5, -0.5, (-t, 1.0)
-        sub = self._combined(block, idx, weights)
+        sub = self._combined(lambda: block, idx, weights)
         return LinearTest(
             sub,
             lambda g: g("c0"),

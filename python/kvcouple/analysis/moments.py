@@ -57,24 +57,30 @@ def _cross_means(
 
 
 def pair_moments(
-    data: np.ndarray,
+    data: np.ndarray | None,
     center: np.ndarray,
     pairs: Sequence[tuple[int, int]],
     moments: TableMoments | None,
+    rows: int,
 ) -> np.ndarray:
-    """:func:`_cross_means` of ``pairs``; where the table's moments are given, a pair of
-    columns without NaN entries is read off their Gram matrix (``gram_jk / n``) instead."""
+    """:func:`_cross_means` of ``pairs`` of the ``rows`` documents; where the table's moments
+    are given, a pair of columns without NaN entries is read off their Gram matrix
+    (``gram_jk / rows``) instead. ``data`` may be None where every pair is read so."""
     if moments is None or not pairs:
+        if data is None:
+            raise ValueError("cross moments need the table or its moments")
         return _cross_means(data, center, pairs)
-    complete = moments.complete(data.shape[0])
+    complete = moments.complete(rows)
     out = np.empty(len(pairs))
     rest = []
     for q, (j, k) in enumerate(pairs):
         if complete[j] and complete[k]:
-            out[q] = moments.gram[j, k] / data.shape[0]
+            out[q] = moments.gram[j, k] / rows
         else:
             rest.append(q)
     if rest:
+        if data is None:
+            raise ValueError("cross moments of columns with non-finite entries need the table")
         out[rest] = _cross_means(data, center, [pairs[q] for q in rest])
     return out
 
@@ -127,12 +133,14 @@ class TableMoments:
     documents): each column's mean over its finite entries, their count, and the Gram matrix
     of the centred columns with NaN entries as 0 (``gram[j, k] = sum_i (x_ij - m_j)(x_ik -
     m_k)`` over the documents where both are finite); and each column's number of positive
-    entries (the documents that inform a hazard or a lag's branch TV: the curves' counts)."""
+    entries (the documents that inform a hazard or a lag's branch TV: the curves' counts; None
+    for linear combinations of columns made from another table's moments,
+    :meth:`combination`)."""
 
     point: np.ndarray  # (cols,) NaN where a column has no finite entry
     count: np.ndarray  # (cols,)
     gram: np.ndarray  # (cols, cols)
-    positive: np.ndarray  # (cols,) int64
+    positive: np.ndarray | None  # (cols,) int64
 
     @classmethod
     def of(cls, mat: np.ndarray) -> TableMoments:
@@ -153,6 +161,17 @@ class TableMoments:
     def complete(self, rows: int) -> np.ndarray:
         """Columns with every entry finite."""
         return self.count == rows
+
+    def combination(self, idx: Sequence[int], weights: np.ndarray, rows: int) -> TableMoments:
+        """The moments of the columns ``table[:, idx] @ weights`` of a table of ``rows`` rows
+        whose columns ``idx`` are complete: means ``w' m`` and Gram matrix ``w' G w``, equal
+        to :meth:`of` of the combined columns up to rounding, without a pass over the rows."""
+        at = np.asarray(idx, np.int64)
+        if not self.complete(rows)[at].all():
+            raise ValueError("a combination of columns with non-finite entries has no moments here")
+        w = np.asarray(weights, np.float64)
+        gram = w.T @ self.gram[np.ix_(at, at)] @ w
+        return TableMoments(self.point[at] @ w, np.full(w.shape[1], float(rows)), gram, None)
 
 
 class RunningMoments:

@@ -60,7 +60,7 @@ class DeltaMethod:
     def __init__(self, bs: Resamples, fns: Sequence[StatFn], joint: bool = False) -> None:
         """``joint``: the statistics' covariances with each other are needed too (every pair
         of the columns any of them reads)."""
-        if bs.data is None:
+        if bs.data is None and bs.moments is None:
             raise ValueError("studentized intervals need the table (bootstrap_table keeps it)")
         self.bs, self.fns = bs, list(fns)
         self.index = {n: i for i, n in enumerate(bs.names)}
@@ -71,25 +71,26 @@ class DeltaMethod:
         self.pair = {p: q for q, p in enumerate(pairs)}
         self.center = np.where(np.isfinite(bs.point), bs.point, 0.0)
         data = bs.data
-        self.cross = pair_moments(data, self.center, pairs, bs.moments)
+        # Without the table (columns combined from its moments), every pair is read off them.
+        self.cross = pair_moments(data, self.center, pairs, bs.moments, bs.n_docs)
         arr = np.asarray(pairs, np.int64).reshape(-1, 2)
         n_boot = bs.reps.shape[0]
         # Draws from the Gaussian limit have the table's covariance (variance() below).
-        self.cross_boot = (
-            _core.bootstrap_moments(
+        self.cross_boot = np.zeros((n_boot, 0))
+        if pairs and bs.moments is None:
+            assert data is not None  # checked above: no moments, so the table
+            self.cross_boot = _core.bootstrap_moments(
                 np.ascontiguousarray(data, np.float64), self.center, arr, n_boot, int(bs.seed)
             )
-            if pairs and bs.moments is None
-            else np.zeros((n_boot, 0))
-        )
         # Central differences' steps: a millionth of each column's scale (of the columns the
         # statistics read; the others are never stepped).
         used = sorted({j for c in self.cols for j in c})
-        sd = np.zeros(data.shape[1])
+        sd = np.zeros(len(bs.names))
         if bs.moments is not None:  # nanstd from the same pass: sqrt(gram_jj / n_j)
             m = bs.moments
             sd[used] = np.sqrt(np.diag(m.gram)[used] / np.maximum(m.count[used], 1))
         else:
+            assert data is not None
             sd[used] = spreads(data, used)
         self.step = 1e-6 * (np.abs(self.center) + sd + 1e-6)
 
