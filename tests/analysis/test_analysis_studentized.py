@@ -14,7 +14,7 @@ from kvcouple.analysis.bootstrap import Bootstrap, bootstrap_table
 from kvcouple.analysis.distributions import t_ppf
 from kvcouple.analysis.estimates import Table
 from kvcouple.analysis.intervals import DEFAULT_CI_METHOD, STUDENTIZED_MIN_DOCS, Statistic
-from kvcouple.analysis.studentized import DeltaMethod
+from kvcouple.analysis.studentized import DeltaMethod, symmetric_sorted
 
 N_DOCS = 16
 STUDIES = 300
@@ -245,3 +245,14 @@ def test_curve_points_take_closed_form_derivatives_equal_to_central_differences(
     plain = [lambda g, f=f: f.value(g) for f in fns.values()]  # the same, without derivatives
     se_numeric, _ = DeltaMethod(bs, plain).standard_errors()
     np.testing.assert_allclose(se, se_numeric, rtol=1e-6, equal_nan=True)
+
+
+def test_symmetric_sorted_is_the_sort_of_t_and_minus_t():
+    rng = np.random.default_rng(8)
+    for n in (0, 1, 2, 7, 2000):
+        t = np.round(rng.standard_normal(n) * 3, 1)  # ties
+        if n >= 4:
+            t[:4] = [np.inf, -np.inf, 0.0, -0.0]
+        got = symmetric_sorted(t)
+        np.testing.assert_array_equal(got, np.sort(np.concatenate([t, -t])))
+        assert got.size == 2 * n

@@ -175,6 +175,14 @@ class DeltaMethod:
         return se, se_boot
 
 
+def symmetric_sorted(t: np.ndarray) -> np.ndarray:
+    """``t`` and ``-t`` together, sorted: ``-|t|`` descending then ``|t|`` ascending, one sort
+    of ``len(t)`` values (the same values as sorting the ``2 len(t)``, up to the sign of a 0).
+    ``t`` holds no NaN."""
+    magnitude = np.sort(np.abs(t))
+    return np.concatenate([-magnitude[::-1], magnitude])
+
+
 def _t_ends(tstar: np.ndarray, level: float) -> tuple[float, float]:
     """The order statistics of the sorted ``t*`` (here ``t*`` and ``-t*`` together, so the
     two ends are ``-c`` and ``c``) at the two tails of ``level``: ``t*_(floor((m+1) a))`` and
@@ -256,7 +264,7 @@ def studentized_estimate(
     finite = t[~np.isnan(t)]
     if finite.size < boot.size / 2:
         return Estimate(point, nan, nan, boot, method="studentized", se=se, scale=scale)
-    tstar = np.sort(np.concatenate([finite, -finite]))  # symmetric: t* and -t*
+    tstar = symmetric_sorted(finite)  # t* and -t*
     low, high = _t_ends(tstar, level)
     low, high = min(low, 0.0), max(high, 0.0)
     with np.errstate(invalid="ignore"):
@@ -342,7 +350,7 @@ class LinearTest:
         finite = t[np.isfinite(t)]
         if finite.size < self.boot.shape[0] / 2:
             return math.nan
-        tstar = np.sort(np.concatenate([finite, -finite]))
+        tstar = symmetric_sorted(finite)
         return studentized_p_value(replace(est, tstar=tstar), direction, 0.0)
 
     def edge(self, a: float, b: float) -> float:
