@@ -315,7 +315,7 @@ def _write_report(
     documents: DocumentFiles,
 ) -> None:
     _out_dir(out)
-    tables = tidy_tables(result)
+    tables = tidy_tables(result, per_document=False)
     # The per-document table's files are being written (DocumentFiles); the rest follow.
     tables["per_document"] = documents.wait(result)  # type: ignore[assignment]
     for rows in tables.values():  # made once, before the two writers below share it
