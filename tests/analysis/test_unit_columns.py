@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from kvcouple.analysis.estimates import BatchUnits
+from kvcouple.analysis.estimates import SCALARS, BatchUnits
 from kvcouple.analysis.units import TableLayout, UnitColumns
 from units_helpers import random_unit_batch
 
@@ -99,3 +99,23 @@ def test_rows_made_when_iterated_behave_as_a_list():
         rows[5]
     with pytest.raises(ValueError, match="same columns"):
         Rows.chain([make(1, "a"), Rows(["i"], 1, lambda: iter([{"i": 0}]))])
+
+
+@pytest.mark.parametrize(
+    "slots", [list(range(9)), list(range(2, 7)), [4, 0, 8, 2], [3], [], [1, 2, 4, 5]]
+)
+def test_scalar_rows_are_each_documents_scalars(slots):
+    """Consecutive slots (the table after ``finish``) are read as views of it, others
+    gathered: either way each document's scalars and standard errors, as :meth:`unit` gives
+    them one at a time."""
+    rng = np.random.default_rng(5)
+    batch = _batch(rng, 9, ["a", "b"], 8, 8)
+    columns = UnitColumns(TableLayout.of(["a", "b"], 8, 8, 7), 9)
+    columns.put_batch(list(range(9)), [BatchUnits(batch, d) for d in range(9)])
+    for pol in ("a", "b"):
+        values, stderr = columns.scalar_rows(slots, pol)
+        assert values.shape == stderr.shape == (len(slots), len(SCALARS))
+        for row, slot in enumerate(slots):
+            unit = columns.unit(slot, pol)
+            assert values[row].tolist() == [unit.values[k] for k in SCALARS]
+            assert stderr[row].tolist() == [unit.stderr[k] for k in SCALARS]

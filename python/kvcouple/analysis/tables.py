@@ -129,9 +129,9 @@ def _per_document(m: ModelResult | StoreDocuments, meta: dict[str, Any]) -> Rows
         if made:
             return made[0]
         out: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
+        slots = np.fromiter((v.slot for v in views), np.int64, len(views))
         for pol in m.policies:
             if table is not None:
-                slots = [v.slot for v in views]
                 values, stderr = table.scalar_rows(slots, pol)
                 k = table.layout.policies.index(pol)
                 median = table.median_tau[slots, k]
@@ -247,6 +247,8 @@ class ColumnRows:
         """The rows of ``parts`` (the same columns) one after another; None when they differ."""
         if not parts or any(p.columns != parts[0].columns for p in parts):
             return None
+        if len(parts) == 1:  # one model: its columns as they are (no copy of 200k rows)
+            return parts[0]
         labels: list[list[str]] = [[] for _ in parts[0].labels]
         codes = []
         for p in parts:

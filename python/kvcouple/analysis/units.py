@@ -270,13 +270,20 @@ class UnitColumns:
         self.filled[at] = True
         return [UnitView(self, int(slot)) for slot in at]
 
-    def scalar_rows(self, slots: list[int], policy: str) -> tuple[np.ndarray, np.ndarray]:
+    def scalar_rows(
+        self, slots: list[int] | np.ndarray, policy: str
+    ) -> tuple[np.ndarray, np.ndarray]:
         """Policy ``policy``'s scalars (:data:`SCALARS` order) and their standard errors for
         the documents in ``slots``: ``(len(slots), len(SCALARS))`` each, as :meth:`unit`
-        gives them one document at a time."""
+        gives them one document at a time (views of the table where the slots are
+        consecutive, as :meth:`finish` leaves them)."""
         k = self.layout.policies.index(policy)
         at = k * self.layout.per_policy
-        return self.matrix[slots, at : at + len(SCALARS)], self.stderr[slots, k]
+        picked = np.asarray(slots, np.int64)
+        rows: slice | np.ndarray = picked
+        if len(picked) and bool((np.diff(picked) == 1).all()):
+            rows = slice(int(picked[0]), int(picked[-1]) + 1)
+        return self.matrix[rows, at : at + len(SCALARS)], self.stderr[rows, k]
 
     def unit(self, slot: int, policy: str) -> UnitEstimate:
         k = self.layout.policies.index(policy)
