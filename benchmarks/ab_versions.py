@@ -3,7 +3,7 @@ run in turns (ABBA...), so that both meet the same machine. On a shared machine 
 moves by 10-30% over minutes, figures from runs minutes apart cannot say which version is
 faster; runs in turns can.
 
-    python benchmarks/ab_versions.py STORE --baseline-ref f2ea6c4 [--pairs 4]
+    python benchmarks/ab_versions.py STORE --baseline-ref f2ea6c4 [--pairs 4] [--reuse-core]
 
 The baseline is built from a git ref in a scratch worktree (`maturin build --release` into
 its own target folder, ``target/ab-baseline``) and imported through PYTHONPATH; the
@@ -28,10 +28,27 @@ ROOT = Path(__file__).resolve().parents[1]
 HERE = Path(__file__).resolve().parent
 
 
-def build_baseline(ref: str, scratch: Path) -> Path:
-    """The baseline's ``python`` folder with its compiled ``_core`` in place."""
+# What the compiled ``_core`` is built from.
+RUST_SOURCES = ["rust/core/src", "rust/store/src", "rust/python/src", "Cargo.toml", "Cargo.lock"]
+
+
+def build_baseline(ref: str, scratch: Path, reuse_core: bool = False) -> Path:
+    """The baseline's ``python`` folder with its compiled ``_core`` in place; with
+    ``reuse_core``, this checkout's ``_core`` (refused unless the ref's Rust sources are this
+    checkout's: for changes to the Python alone, no build)."""
     tree = scratch / "tree"
     subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "-q", str(tree), ref], check=True)
+    if reuse_core:
+        same = subprocess.run(["git", "-C", str(ROOT), "diff", "--quiet", ref, "--", *RUST_SOURCES])
+        if same.returncode != 0:
+            raise SystemExit(
+                f"--reuse-core: the Rust sources differ between {ref} and this checkout"
+            )
+        import kvcouple._core  # this checkout's build
+
+        core = Path(kvcouple._core.__file__)  # type: ignore[arg-type]
+        shutil.copy(core, tree / "python" / "kvcouple" / core.name)
+        return tree / "python"
     # Its own target folder: cargo hashes a workspace's path crates by their path inside the
     # workspace, so a worktree sharing this checkout's folder overwrites this checkout's
     # artifacts under fingerprints that still look fresh, and the next `make develop` then
@@ -75,10 +92,16 @@ def main() -> None:
     ap.add_argument("--baseline-ref", required=True, help="git ref of the version to compare")
     ap.add_argument("--pairs", type=int, default=4, help="runs of each version and mode")
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument(
+        "--reuse-core",
+        action="store_true",
+        help="the baseline's Python with this checkout's compiled _core (no build; refused "
+        "where the Rust sources differ)",
+    )
     a = ap.parse_args()
     scratch = Path(tempfile.mkdtemp(prefix="kvcouple-ab-"))
     try:
-        baseline = build_baseline(a.baseline_ref, scratch)
+        baseline = build_baseline(a.baseline_ref, scratch, a.reuse_core)
         user = {k: v for k, v in os.environ.items() if k not in ("PYTHONDONTWRITEBYTECODE",)}
         envs = {
             a.baseline_ref: dict(user, PYTHONPATH=str(baseline)),
