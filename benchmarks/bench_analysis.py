@@ -41,7 +41,9 @@ over bytes of data, write units (document, policy) per second, the read's and th
 seconds, read / analysis (the fraction of the floor the analysis runs at) and peak RSS; then
 ``kvcouple analyze`` end to end (start-up, CSVs, results.json and report.md, ``--no-figures``)
 against the same floor, and as a user runs it by default (the figures and report.html with its
-text views too).
+text views too). Every mode takes turns with the others; besides the ratio of the best runs,
+the floor over the command within each turn (and their median) is printed: on a machine
+whose speed drifts over minutes, the steadier figure.
 
     python benchmarks/bench_analysis.py --docs 10000 100000 --dir /tmp/kvbench
 """
@@ -53,6 +55,7 @@ import json
 import math
 import os
 import shutil
+import statistics
 import subprocess
 import sys
 import time
@@ -208,7 +211,8 @@ def summary_scale(a: argparse.Namespace) -> None:
           "with figures and report.html (s) | read / that | its peak RSS (MB) |")  # fmt: skip
     print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     # CPU seconds beside the wall clock: on a shared machine the steadier ratio.
-    cpu_lines = []
+    cpu_lines: list[str] = []
+    turn_lines: list[str] = []
     for docs in a.docs:
         store = Path(a.dir) / f"summary_{docs}.zarr"
         write = None
@@ -216,15 +220,21 @@ def summary_scale(a: argparse.Namespace) -> None:
             shutil.rmtree(store, ignore_errors=True)
             write = _subprocess("summary-write", str(store), a.threads)
         size = store_footprint(store)
-        # Best of --repeats, the read and the analysis taking turns.
-        best = _best_of(["summary-read", "summary-analyze"], str(store), a.threads, a.repeats)
-        read, analysis = best["summary-read"], best["summary-analyze"]
-        # End to end: the command, its start-up, the CSVs and the report (no figures).
-        cli = min((run_cli(str(store), a.threads) for _ in range(a.repeats)),
-                  key=lambda r: r["seconds"])  # fmt: skip
-        # As a user runs it: the figures and report.html (its text views) too.
-        full = min((run_cli(str(store), a.threads, figures=True) for _ in range(a.repeats)),
-                   key=lambda r: r["seconds"])  # fmt: skip
+        # Best of --repeats, every mode taking turns: the read, the analysis, the command end
+        # to end (start-up, the CSVs and the report; no figures) and as a user runs it (the
+        # figures and report.html with its text views too).
+        modes = ["summary-read", "summary-analyze", "cli", "cli-figures"]
+        runs = _turns(modes, str(store), a.threads, a.repeats)
+        read, analysis, cli, full = (_fastest(runs[m]) for m in modes)
+        # The floor over the command within each turn: on a machine whose speed drifts over
+        # minutes, steadier than the ratio of two bests taken in different turns.
+        paired = sorted(r["seconds"] / c["seconds"] for r, c in zip(runs["summary-read"],
+                        runs["cli"], strict=True))  # fmt: skip
+        turn_lines.append(
+            f"{docs} documents, floor / command within each turn: "
+            + ", ".join(f"{x:.2f}" for x in paired)
+            + f" (median {statistics.median(paired):.2f})"
+        )
         written = (
             "reused | reused"
             if write is None
@@ -251,7 +261,7 @@ def summary_scale(a: argparse.Namespace) -> None:
         cpu_lines.append(f"{docs} documents, CPU seconds: " + ", ".join(
             f"{k} {v:.1f}" + ("" if k == "read" else f" (read / that {cpu['read'] / v:.2f})")
             for k, v in cpu.items()))  # fmt: skip
-    for line in cpu_lines:
+    for line in cpu_lines + turn_lines:
         print(line)
 
 
@@ -260,6 +270,7 @@ MODES = {
     "summary-read": engine_summary_read,
     "summary-write": write_summary_store,
     "cli": run_cli,
+    "cli-figures": lambda s, t: run_cli(s, t, figures=True),
     "analyze": run_analysis,
     "engine": lambda s, _t: engine_pass(s, decode_only=False),
     "raw": raw_decode,
@@ -278,16 +289,23 @@ def _subprocess(mode: str, store: str, threads: int) -> dict[str, float]:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def _best_of(modes: list[str], store: str, threads: int, repeats: int) -> dict[str, dict]:
-    """The fastest of ``repeats`` runs of each mode, the modes taking turns (so a burst of
-    load on a shared machine hits them alike)."""
-    best: dict[str, dict] = {}
+def _turns(modes: list[str], store: str, threads: int, repeats: int) -> dict[str, list[dict]]:
+    """``repeats`` runs of each mode, the modes taking turns (so a burst of load on a shared
+    machine hits them alike): each mode's runs in turn order."""
+    runs: dict[str, list[dict]] = {mode: [] for mode in modes}
     for _ in range(repeats):
         for mode in modes:
-            r = _subprocess(mode, store, threads)
-            if mode not in best or r["seconds"] < best[mode]["seconds"]:
-                best[mode] = r
-    return best
+            runs[mode].append(_subprocess(mode, store, threads))
+    return runs
+
+
+def _fastest(runs: list[dict]) -> dict:
+    return min(runs, key=lambda r: r["seconds"])
+
+
+def _best_of(modes: list[str], store: str, threads: int, repeats: int) -> dict[str, dict]:
+    """The fastest of ``repeats`` runs of each mode, the modes taking turns."""
+    return {mode: _fastest(r) for mode, r in _turns(modes, store, threads, repeats).items()}
 
 
 def fixed_cost(a: argparse.Namespace) -> str:
