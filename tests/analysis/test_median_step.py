@@ -371,6 +371,11 @@ def test_combined_moments_are_those_of_a_pass_over_the_combined_columns():
     assert got.positive is None
     with pytest.raises(ValueError, match="non-finite"):
         moments.combination([0, 5], w[:2], 500)
+    # A combination that cancels its columns (column 4 = columns 0 + 1): its variance is at
+    # the level of rounding, so it is left to a pass over the rows.
+    mat[:, 4] = mat[:, 0] + mat[:, 1]
+    cancels = np.array([[1.0, 0.3], [1.0, 0.2], [-1.0, 0.1]])
+    assert TableMoments.of(mat).combination([0, 1, 4], cancels, 500) is None
 
 
 @pytest.mark.parametrize("shape", ["saturated", "rare", "never"])
@@ -394,3 +399,26 @@ def test_gaussian_median_tests_read_the_tables_moments_not_the_documents(shape, 
     np.testing.assert_allclose([got.ci_low, got.ci_high], [want.ci_low, want.ci_high], rtol=1e-9)
     want_p = [bs.median_step_p_value(_names(T), "two-sided", v) for v in (2.0, 4.5, 7.0)]
     np.testing.assert_allclose(p, want_p, rtol=1e-9, atol=1e-12)
+
+
+@pytest.mark.parametrize("gaussian", [False, True])
+def test_completeness_and_constancy_of_the_law_in_both_limits(gaussian):
+    """Where the resamples are the Gaussian limit's, completeness is read off the table's
+    moments (their count of finite entries) and constancy checked on the first rows first:
+    the same answers as a pass over the columns. A law that differs only after its first 64
+    documents is not constant; one NaN leaves the method's interval (None)."""
+    T, n = 4, 300
+    pmf = np.tile([0.3, 0.3, 0.2, 0.1], (n, 1))
+    flat = bootstrap_table(_pmf_table(pmf), 200, 1, 0.95, gaussian=gaussian)
+    est = flat.median_step(_names(T))
+    assert est is not None and est.constant and est.ci_low == est.ci_high == est.estimate
+    late = pmf.copy()
+    late[200:, 0], late[200:, 1] = 0.2, 0.4  # the first 200 documents alike
+    varied = bootstrap_table(_pmf_table(late), 200, 1, 0.95, gaussian=gaussian)
+    est = varied.median_step(_names(T))
+    assert est is not None and not est.constant and est.ci_low < est.ci_high
+    holed = late.copy()
+    holed[250, 2] = np.nan
+    bs = bootstrap_table(_pmf_table(holed), 200, 1, 0.95, gaussian=gaussian)
+    assert bs.median_step(_names(T)) is None
+    assert math.isnan(bs.median_step_p_value(_names(T), "two-sided", 2.0))

@@ -127,6 +127,11 @@ def _column_sums(mat: np.ndarray, positive: bool) -> tuple[np.ndarray, np.ndarra
         return np.where(count > 0, total / np.maximum(count, 1), np.nan), count, positives
 
 
+# A combination of columns whose variance is below this share of its columns' spread squared
+# is taken from a pass over the rows (TableMoments.combination): rounding there is ~1e-16.
+COMBINED_SPREAD_TOL = 1e-9
+
+
 @dataclass
 class TableMoments:
     """Two passes over the table's rows (in GATHER_BYTES blocks, memory independent of the
@@ -162,15 +167,24 @@ class TableMoments:
         """Columns with every entry finite."""
         return self.count == rows
 
-    def combination(self, idx: Sequence[int], weights: np.ndarray, rows: int) -> TableMoments:
+    def combination(
+        self, idx: Sequence[int], weights: np.ndarray, rows: int
+    ) -> TableMoments | None:
         """The moments of the columns ``table[:, idx] @ weights`` of a table of ``rows`` rows
         whose columns ``idx`` are complete: means ``w' m`` and Gram matrix ``w' G w``, equal
-        to :meth:`of` of the combined columns up to rounding, without a pass over the rows."""
+        to :meth:`of` of the combined columns up to rounding, without a pass over the rows.
+        None where a combination (nearly) cancels its columns' spread: its variance is then
+        at the level of rounding, and only a pass over the rows says whether it is exactly 0
+        (a constant combination, which the tests treat by their own rule)."""
         at = np.asarray(idx, np.int64)
         if not self.complete(rows)[at].all():
             raise ValueError("a combination of columns with non-finite entries has no moments here")
         w = np.asarray(weights, np.float64)
         gram = w.T @ self.gram[np.ix_(at, at)] @ w
+        # Each combination's spread if its columns' spreads added up (no cancellation).
+        spread = np.abs(w).T @ np.sqrt(np.maximum(np.diag(self.gram)[at], 0.0))
+        if not (np.diag(gram) > COMBINED_SPREAD_TOL * spread**2).all():
+            return None
         return TableMoments(self.point[at] @ w, np.full(w.shape[1], float(rows)), gram, None)
 
 
